@@ -1,0 +1,5 @@
+import sys
+
+from conch.cli import main
+
+sys.exit(main())

@@ -1,0 +1,208 @@
+"""The command line: argparse -> the public API -> exit codes. No etcd logic here."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from conch import __version__, log
+from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
+from conch.etcd import ETCD_API_VERSION, Client, Endpoint
+from conch.flag import Flag
+from conch.keys import check_name
+from conch.semaphore import Identity, Semaphore, check_max, who
+from conch.supervisor import stop_on_signals, supervise
+
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
+
+
+def parse_duration(flag: str, text: str) -> float:
+    """Go-style duration (``500ms``, ``1.5s``, ``1h30m``; a bare number is seconds) in
+    seconds. Raises UsageError naming ``flag`` and the value."""
+    value = text.strip()
+    if _NUMBER.fullmatch(value):
+        return float(value)
+    pos, total = 0, 0.0
+    for match in _PART.finditer(value):
+        if match.start() != pos:
+            break
+        total += float(match.group(1)) * _UNITS[match.group(2)]
+        pos = match.end()
+    if pos != len(value) or not value or not math.isfinite(total):
+        raise UsageError(
+            f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
+        )
+    return total
+
+
+def parse_ttl(flag: str, text: str) -> int:
+    seconds = parse_duration(flag, text)
+    if seconds < 1 or seconds != int(seconds):
+        raise UsageError(f"bad {flag} {text!r}: the lease TTL is whole seconds >= 1")
+    return int(seconds)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _env(name: str, default: str) -> tuple[str, str]:
+    """(value, where it came from) for an env fallback."""
+    if name in os.environ:
+        return os.environ[name], name
+    return default, "default"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser the CLI and the man page are made from."""
+    parser = _Parser(
+        prog="conch",
+        description="flock(1) for a whole cluster: run a command only while holding one of N "
+        "slots of a semaphore counted across every machine sharing an etcd v3 cluster.",
+        epilog="Exit codes: the child's (128+S if killed by signal S); 64 usage error; "
+        "69 etcd unreachable or no session; 70 hold lost while the child ran (child killed); "
+        "75 no slot (--nonblock or --wait ran out); 126/127 command not executable / not found.",
+    )
+    parser.add_argument(
+        "--version", action="version",
+        version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sema = sub.add_parser(
+        "sema",
+        help="run CMD while holding one of --max slots of semaphore NAME",
+        description="conch sema NAME --max N [options] -- CMD...  runs CMD only while holding "
+        "one of N slots of NAME; conch sema NAME [--max N] --who [--json] lists holders.",
+    )
+    sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
+    sema.add_argument("--max", dest="max_holders", metavar="N", help="capacity N >= 1 (required "
+                      "to run a command); part of the semaphore's identity")
+    sema.add_argument("--ttl", metavar="DUR", help="session lease TTL, whole seconds "
+                      "(env CONCH_TTL, default 10s)")
+    waiting = sema.add_mutually_exclusive_group()
+    waiting.add_argument("--wait", metavar="DUR", help="wait at most DUR for a slot, then exit 75 "
+                         "(default: wait forever)")
+    waiting.add_argument("--nonblock", "-n", action="store_true",
+                         help="do not wait: exit 75 at once if no slot is free (--wait 0)")
+    sema.add_argument("--spread", action="store_true",
+                      help="at most one slot per host (key ends in the host name)")
+    sema.add_argument("--kill-after", metavar="DUR", help="SIGTERM -> SIGKILL escalation "
+                      "(env CONCH_KILL_AFTER, default 5s)")
+    sema.add_argument("--who", action="store_true",
+                      help="list holders and waiters (read-only); exit 0 if any, 1 if none")
+    sema.add_argument("--json", action="store_true", help="with --who: one JSON object per line")
+    sema.add_argument("--endpoints", metavar="LIST", help="comma-separated host:port or "
+                      "http(s)://host:port (env CONCH_ENDPOINTS, default 127.0.0.1:2379)")
+    sema.add_argument("--dial-timeout", metavar="DUR", help="give up connecting after DUR "
+                      "(env CONCH_DIAL_TIMEOUT, default 5s)")
+    sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
+    return parser
+
+
+def _setting(flag: str, given: str | None, env: str, default: str) -> tuple[str, str]:
+    if given is not None:
+        return given, flag
+    return _env(env, default)
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    endpoints_text, _ = _setting("--endpoints", args.endpoints, "CONCH_ENDPOINTS", "127.0.0.1:2379")
+    endpoints = [Endpoint.parse(e) for e in endpoints_text.split(",") if e.strip()]
+    if not endpoints:
+        raise UsageError(f"bad --endpoints {endpoints_text!r}: no endpoint given")
+    dial_text, source = _setting("--dial-timeout", args.dial_timeout, "CONCH_DIAL_TIMEOUT", "5s")
+    dial_timeout = parse_duration(source if source != "default" else "--dial-timeout", dial_text)
+    return Client.connect(endpoints, dial_timeout=dial_timeout)
+
+
+def _parse_max(text: str | None) -> int | None:
+    if text is None:
+        return None
+    if not re.fullmatch(r"[0-9]+", text.strip()):
+        raise UsageError(f"bad --max {text!r}: want a whole number >= 1")
+    value = int(text)
+    check_max(value)
+    return value
+
+
+def _who(args: argparse.Namespace, max_holders: int | None) -> int:
+    with _connect(args) as client:
+        records = who(client, args.name, max_holders)
+    capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
+    if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
+        for capacity in capacities:
+            if capacity != max_holders:
+                log.warning("other-capacity", name=args.name, max=capacity,
+                            hint="one name, several --max: these are separate semaphores")
+    for record in records:
+        print(record.to_json() if args.json else record.to_text())
+    sys.stdout.flush()
+    return 0 if records else 1
+
+
+def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str]) -> int:
+    ttl_text, ttl_source = _setting("--ttl", args.ttl, "CONCH_TTL", "10s")
+    ttl = parse_ttl("--ttl" if ttl_source == "default" else ttl_source, ttl_text)
+    ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
+    kill_after = parse_duration("--kill-after" if ka_source == "default" else ka_source, ka_text)
+    wait = 0.0 if args.nonblock else None
+    if args.wait is not None:
+        wait = parse_duration("--wait", args.wait)
+    identity = Identity.current(cmd)
+    with stop_on_signals(Flag("stop")) as stop, _connect(args) as client:
+        sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+        try:
+            return supervise(sema, cmd, wait, kill_after, stop)
+        except NoSlot as exc:
+            log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
+            return exc.exit_code
+        except Interrupted as exc:
+            log.info("interrupted", name=args.name, signum=exc.signum)
+            return exc.exit_code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``conch``; returns the exit code (contract section 8)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    cmd: list[str] = []
+    if "--" in words:
+        split = words.index("--")
+        words, cmd = words[:split], words[split + 1 :]
+    try:
+        args = build_parser().parse_args(words)
+        if args.command != "sema":
+            raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
+        log.set_quiet(args.quiet)
+        max_holders = _parse_max(args.max_holders)
+        check_name(args.name)
+        if args.who:
+            if cmd:
+                raise UsageError("--who takes no command")
+            return _who(args, max_holders)
+        if args.json:
+            raise UsageError("--json goes with --who")
+        if max_holders is None:
+            raise UsageError("missing --max N")
+        if not cmd:
+            raise UsageError("missing command: conch sema NAME --max N -- CMD...")
+        return _run(args, max_holders, cmd)
+    except UsageError as exc:
+        print(f"conch: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except Unavailable as exc:
+        log.error("unavailable", error=str(exc))
+        return exc.exit_code
+    except ConchError as exc:
+        log.error("failed", error=str(exc))
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+

@@ -1,0 +1,79 @@
+"""conch's exceptions, and the one table that maps them to exit codes (contract section 8)."""
+
+from __future__ import annotations
+
+EX_USAGE = 64
+EX_UNAVAILABLE = 69
+EX_SOFTWARE = 70  # the hold was lost while the child ran
+EX_TEMPFAIL = 75  # no slot
+EX_CANNOT_EXECUTE = 126
+EX_NOT_FOUND = 127
+
+
+class ConchError(Exception):
+    """Base of every error conch raises on purpose. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = EX_SOFTWARE
+
+
+class UsageError(ConchError):
+    """Bad input from the caller: flag, name, duration, capacity, missing command."""
+
+    exit_code = EX_USAGE
+
+
+class EtcdError(ConchError):
+    """etcd answered with an error conch does not handle itself. ``code`` is the gRPC status name."""
+
+    exit_code = EX_UNAVAILABLE
+
+    def __init__(self, message: str, code: str = "UNKNOWN") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Unavailable(EtcdError):
+    """No endpoint answered within the deadline (connection refused, timed out, no leader)."""
+
+
+class PermissionDenied(EtcdError):
+    """etcd refused the call for the authenticated user."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease is unknown to etcd: it expired or was revoked."""
+
+
+class Compacted(EtcdError):
+    """The revision asked for was compacted away. ``compact_revision`` is the oldest one left."""
+
+    def __init__(self, message: str, compact_revision: int = 0) -> None:
+        super().__init__(message, "OUT_OF_RANGE")
+        self.compact_revision = compact_revision
+
+
+class SessionLost(ConchError):
+    """The session's lease is no longer certainly alive (contract section 3)."""
+
+    exit_code = EX_SOFTWARE
+
+
+class HoldLost(ConchError):
+    """Our semaphore key went away while we held a slot."""
+
+    exit_code = EX_SOFTWARE
+
+
+class NoSlot(ConchError):
+    """No slot was free in time (``--nonblock`` or ``--wait`` ran out); our waiter key is gone."""
+
+    exit_code = EX_TEMPFAIL
+
+
+class Interrupted(ConchError):
+    """A signal asked us to stop while we were still queued; our waiter key is gone."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by signal {signum}")
+        self.signum = signum
+        self.exit_code = 128 + signum

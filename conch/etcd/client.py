@@ -1,0 +1,288 @@
+"""The connection to an etcd cluster: endpoints, deadlines, failover, and error mapping.
+
+Every unary call carries a deadline. A call that fails with UNAVAILABLE (connection refused,
+member stopped, no leader) or runs out its per-attempt time moves to the next endpoint and is
+tried again, with capped exponential backoff between rounds, until the call's own deadline.
+Streams (watch, keepalive) run on the current endpoint; their owners re-open them after a
+failure, which lands them on the next endpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from conch.errors import (
+    Compacted,
+    EtcdError,
+    LeaseNotFound,
+    PermissionDenied,
+    Unavailable,
+    UsageError,
+)
+from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
+
+# HTTP/2 pings find a dead connection even on an idle stream. etcd refuses pings more often
+# than every 5 s (--grpc-keepalive-min-time), so stay above that.
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+]
+BACKOFF_FIRST = 0.05  # seconds
+BACKOFF_CAP = 1.0  # seconds
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One etcd member's client URL, parsed: ``host:port`` or ``http(s)://host:port``."""
+
+    host: str
+    port: int
+    tls: bool
+
+    @property
+    def target(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return ("https://" if self.tls else "") + self.target
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """Parse one endpoint; raise UsageError naming it when it is not ``[scheme://]host:port``."""
+        raw = text.strip()
+        tls = False
+        for scheme, is_tls in (("http://", False), ("https://", True)):
+            if raw.startswith(scheme):
+                raw, tls = raw[len(scheme) :], is_tls
+        raw = raw.rstrip("/")
+        host, sep, port = raw.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"bad endpoint {text!r}: want host:port or http(s)://host:port")
+        return cls(host, int(port), tls)
+
+
+@dataclass
+class _Stubs:
+    endpoint: Endpoint
+    channel: grpc.Channel
+    kv: rpc_pb2_grpc.KVStub
+    lease: rpc_pb2_grpc.LeaseStub
+    watch: rpc_pb2_grpc.WatchStub
+    maintenance: rpc_pb2_grpc.MaintenanceStub
+
+    @classmethod
+    def dial(cls, endpoint: Endpoint) -> _Stubs:
+        if endpoint.tls:
+            channel = grpc.secure_channel(
+                endpoint.target, grpc.ssl_channel_credentials(), options=_CHANNEL_OPTIONS
+            )
+        else:
+            channel = grpc.insecure_channel(endpoint.target, options=_CHANNEL_OPTIONS)
+        return cls(
+            endpoint,
+            channel,
+            rpc_pb2_grpc.KVStub(channel),
+            rpc_pb2_grpc.LeaseStub(channel),
+            rpc_pb2_grpc.WatchStub(channel),
+            rpc_pb2_grpc.MaintenanceStub(channel),
+        )
+
+
+def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> EtcdError:
+    """Turn a gRPC error from etcd into the conch exception that says what happened."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+    where = f" ({endpoint})" if endpoint else ""
+    message = f"{details}{where}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(message, code.name)
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return PermissionDenied(message, code.name)
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+        return LeaseNotFound(message, code.name)
+    if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
+        return Compacted(message)
+    return EtcdError(message, code.name)
+
+
+class Backoff:
+    """Capped exponential backoff: ``next()`` gives the next pause in seconds."""
+
+    def __init__(self, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> None:
+        self._next = first
+        self._cap = cap
+
+    def next(self) -> float:
+        pause = self._next
+        self._next = min(self._cap, self._next * 2)
+        return pause
+
+
+class Client:
+    """A connection to one etcd cluster through a list of endpoints.
+
+    ``request_timeout`` (seconds) is the default deadline of each unary call, failover
+    included. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels.
+    """
+
+    def __init__(self, endpoints: Sequence[Endpoint], request_timeout: float = 5.0) -> None:
+        if not endpoints:
+            raise UsageError("no endpoints given")
+        self.endpoints = list(endpoints)
+        self.request_timeout = request_timeout
+        self._stubs: dict[Endpoint, _Stubs] = {}
+        self._current = 0
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls, endpoints: Sequence[Endpoint], dial_timeout: float = 5.0, request_timeout: float = 5.0
+    ) -> Client:
+        """Dial until some endpoint answers Maintenance.Status; raise Unavailable after
+        ``dial_timeout`` seconds. Writes nothing to etcd."""
+        client = cls(endpoints, request_timeout)
+        try:
+            client.call("maintenance", "Status", rpc_pb2.StatusRequest(), timeout=dial_timeout)
+        except EtcdError as exc:
+            client.close()
+            eps = ",".join(str(e) for e in endpoints)
+            raise Unavailable(f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}") from None
+        return client
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            stubs, self._stubs = list(self._stubs.values()), {}
+        for s in stubs:
+            s.channel.close()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The endpoint calls go to now."""
+        return self.endpoints[self._current]
+
+    def _stubs_for(self, endpoint: Endpoint) -> _Stubs:
+        with self._lock:
+            if self._closed:
+                raise Unavailable("client is closed")
+            stubs = self._stubs.get(endpoint)
+            if stubs is None:
+                stubs = self._stubs[endpoint] = _Stubs.dial(endpoint)
+            return stubs
+
+    def failover(self, failed: Endpoint) -> None:
+        """Move on from ``failed`` to the next endpoint (no-op if someone already moved on)."""
+        with self._lock:
+            if self.endpoints[self._current] == failed:
+                self._current = (self._current + 1) % len(self.endpoints)
+
+    def call(self, service: str, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
+
+        Fails over and retries on UNAVAILABLE until ``timeout`` seconds (default
+        ``request_timeout``) pass. Raises Unavailable, PermissionDenied, LeaseNotFound,
+        Compacted or EtcdError.
+        """
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        backoff = Backoff()
+        tried_in_round = 0
+        while True:
+            endpoint = self.endpoint
+            stub = getattr(self._stubs_for(endpoint), service)
+            left = deadline - time.monotonic()
+            # A hung member must not eat the whole deadline when others could answer.
+            attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
+            try:
+                return getattr(stub, method)(request, timeout=max(attempt, 0.001))
+            except grpc.RpcError as rpc_error:
+                error = map_rpc_error(rpc_error, endpoint)
+            if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
+                raise error
+            self.failover(endpoint)
+            tried_in_round += 1
+            if tried_in_round >= len(self.endpoints):
+                tried_in_round = 0
+                pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
+                time.sleep(pause)
+
+    def open_stream(
+        self, service: str, method: str, requests: Iterator[Any]
+    ) -> tuple[Endpoint, grpc.Call, Iterator[Any]]:
+        """Open a bidirectional stream on the current endpoint; the caller owns failover."""
+        endpoint = self.endpoint
+        stub = getattr(self._stubs_for(endpoint), service)
+        call = getattr(stub, method)(requests)
+        return endpoint, call, call
+
+
+class BidiStream:
+    """A bidirectional gRPC stream whose answers arrive in a mailbox.
+
+    ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
+    response, then one with ``error`` set when the stream ends for any reason. ``close()``
+    cancels the call; nothing is delivered after it.
+    """
+
+    def __init__(
+        self, client: Client, service: str, method: str, deliver: Callable[[StreamItem], None]
+    ) -> None:
+        import queue
+
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._deliver = deliver
+        self._closed = False
+        self.endpoint, self._call, responses = client.open_stream(
+            service, method, iter(self._requests.get, None)
+        )
+        self._reader = threading.Thread(
+            target=self._read, args=(responses,), name=f"conch-{method}", daemon=True
+        )
+        self._reader.start()
+
+    def send(self, request: Any) -> None:
+        self._requests.put(request)
+
+    def close(self) -> None:
+        self._closed = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def _read(self, responses: Iterator[Any]) -> None:
+        error: EtcdError
+        try:
+            for response in responses:
+                if self._closed:
+                    return
+                self._deliver(StreamItem(self, response, None))
+            error = Unavailable(f"stream closed by server ({self.endpoint})")
+        except grpc.RpcError as rpc_error:
+            error = map_rpc_error(rpc_error, self.endpoint)
+        if not self._closed:
+            self._deliver(StreamItem(self, None, error))
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One thing a BidiStream delivers: a response, or (last) the error that ended it."""
+
+    stream: BidiStream
+    response: Any
+    error: EtcdError | None

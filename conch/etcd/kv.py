@@ -1,0 +1,92 @@
+"""KV calls (Range, Put, DeleteRange, Txn) and the compare/op builders for Txn."""
+
+from __future__ import annotations
+
+from conch.etcd.client import Client
+from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb import kv_pb2
+
+KeyValue = kv_pb2.KeyValue
+RangeRequest = rpc_pb2.RangeRequest
+RangeResponse = rpc_pb2.RangeResponse
+TxnResponse = rpc_pb2.TxnResponse
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range_end that makes ``[prefix, end)`` cover exactly the keys starting with ``prefix``."""
+    end = bytearray(prefix)
+    while end:
+        if end[-1] < 0xFF:
+            end[-1] += 1
+            return bytes(end)
+        end.pop()
+    return b"\0"  # every key
+
+
+def range_(
+    client: Client, request: rpc_pb2.RangeRequest, timeout: float | None = None
+) -> rpc_pb2.RangeResponse:
+    """KV.Range, linearizable unless the request says serializable."""
+    response: rpc_pb2.RangeResponse = client.call("kv", "Range", request, timeout)
+    return response
+
+
+def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:
+    """The key's current KeyValue, or None when absent (KV.Range)."""
+    response = range_(client, rpc_pb2.RangeRequest(key=key), timeout)
+    return response.kvs[0] if response.kvs else None
+
+
+def put(
+    client: Client, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None
+) -> rpc_pb2.PutResponse:
+    """KV.Put, attached to ``lease`` when non-zero."""
+    response: rpc_pb2.PutResponse = client.call(
+        "kv", "Put", rpc_pb2.PutRequest(key=key, value=value, lease=lease), timeout
+    )
+    return response
+
+
+def delete(
+    client: Client, key: bytes, range_end: bytes = b"", timeout: float | None = None
+) -> rpc_pb2.DeleteRangeResponse:
+    """KV.DeleteRange of one key, or of ``[key, range_end)``."""
+    response: rpc_pb2.DeleteRangeResponse = client.call(
+        "kv", "DeleteRange", rpc_pb2.DeleteRangeRequest(key=key, range_end=range_end), timeout
+    )
+    return response
+
+
+def txn(
+    client: Client,
+    compare: list[rpc_pb2.Compare],
+    success: list[rpc_pb2.RequestOp],
+    failure: list[rpc_pb2.RequestOp],
+    timeout: float | None = None,
+) -> rpc_pb2.TxnResponse:
+    """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically."""
+    request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
+    response: rpc_pb2.TxnResponse = client.call("kv", "Txn", request, timeout)
+    return response
+
+
+def create_revision_is(key: bytes, revision: int) -> rpc_pb2.Compare:
+    """Compare: the key's create_revision equals ``revision`` (0 means the key is absent)."""
+    return rpc_pb2.Compare(
+        result=rpc_pb2.Compare.EQUAL,
+        target=rpc_pb2.Compare.CREATE,
+        key=key,
+        create_revision=revision,
+    )
+
+
+def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
+
+
+def op_get(key: bytes) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))
+
+
+def op_delete(key: bytes) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=key))

@@ -1,0 +1,83 @@
+"""One-shot flags that several waiters can watch at once.
+
+conch waits on several things at a time (a watch event, session loss, a deadline, a signal,
+the child's exit). Each wait is one ``queue.SimpleQueue`` (a *mailbox*); every source puts a
+message into the mailboxes that subscribed to it. ``SimpleQueue.put`` is reentrant, so a
+``Flag`` may be set from a signal handler without the deadlock ``threading.Event.set`` risks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+Mailbox = queue.SimpleQueue[Any]
+
+
+class Flag:
+    """A one-shot event: ``set(reason)`` once, then every subscriber and waiter learns of it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.reason: object = None
+        self._set = False
+        self._boxes: list[Mailbox] = []
+        self._callbacks: list[Callable[[Flag], None]] = []
+        self._lock = threading.Lock()  # guards _callbacks only; never taken in set()'s hot path
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self, reason: object = None) -> None:
+        """Set the flag (first call wins). Safe from signal handlers and any thread."""
+        if self._set:
+            return
+        self.reason = reason
+        self._set = True
+        for box in tuple(self._boxes):
+            box.put(self)
+        for callback in tuple(self._callbacks):
+            callback(self)
+
+    def subscribe(self, box: Mailbox) -> None:
+        """Put ``self`` into ``box`` when set (at once if already set)."""
+        self._boxes.append(box)
+        if self._set:
+            box.put(self)
+
+    def unsubscribe(self, box: Mailbox) -> None:
+        try:
+            self._boxes.remove(box)
+        except ValueError:
+            pass
+
+    def add_callback(self, callback: Callable[[Flag], None]) -> None:
+        """Call ``callback(flag)`` when set, from the thread that sets it (at once if already set)."""
+        with self._lock:
+            self._callbacks.append(callback)
+        if self._set:
+            callback(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set or ``timeout`` seconds pass; return whether it is set."""
+        if self._set:
+            return True
+        box: Mailbox = queue.SimpleQueue()
+        self.subscribe(box)
+        try:
+            box.get(timeout=timeout)
+        except queue.Empty:
+            pass
+        finally:
+            self.unsubscribe(box)
+        return self._set
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), never negative; None stays None."""
+    if deadline is None:
+        return None
+    return max(0.0, deadline - time.monotonic())

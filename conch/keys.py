@@ -1,0 +1,79 @@
+"""The key schema (contract section 5): the only module that knows ``/conch/v1``.
+
+    /conch/v1/sema/<name>/<max>/<lease-id>   one leased key per holder or waiter
+    /conch/v1/sema/<name>/<max>/<host>       the same with --spread
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conch.errors import UsageError
+
+ROOT = b"/conch/v1/sema/"
+NAME_MAX_BYTES = 200
+
+
+def check_name(name: str) -> None:
+    """Raise UsageError unless ``name`` is 1..200 bytes of UTF-8, no control characters,
+    not ``.`` or ``..``."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise UsageError(f"bad name {name!r}: not valid UTF-8") from None
+    if not 1 <= size <= NAME_MAX_BYTES:
+        raise UsageError(f"bad name {name!r}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
+    if name in (".", ".."):
+        raise UsageError(f"bad name {name!r}: '.' and '..' are not names")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        raise UsageError(f"bad name {name!r}: control characters are not allowed")
+
+
+def encode_segment(text: str) -> bytes:
+    """``%`` and ``/`` percent-encoded, so no name's keys fall under another name's prefix."""
+    return text.replace("%", "%25").replace("/", "%2F").encode("utf-8")
+
+
+def decode_segment(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace").replace("%2F", "/").replace("%25", "%")
+
+
+def name_prefix(name: str) -> bytes:
+    """Every capacity of one name: ``/conch/v1/sema/<name>/``."""
+    check_name(name)
+    return ROOT + encode_segment(name) + b"/"
+
+
+def sema_prefix(name: str, max_holders: int) -> bytes:
+    """One semaphore (name, max): ``/conch/v1/sema/<name>/<max>/`` (always ends in ``/``)."""
+    return name_prefix(name) + str(max_holders).encode() + b"/"
+
+
+def holder_key(name: str, max_holders: int, lease_id: int) -> bytes:
+    """Our key: the lease ID in lowercase hex, no ``0x``."""
+    return sema_prefix(name, max_holders) + f"{lease_id:x}".encode()
+
+
+def spread_key(name: str, max_holders: int, host: str) -> bytes:
+    """Our key with --spread: one per host."""
+    return sema_prefix(name, max_holders) + encode_segment(host)
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """A key under a name's prefix, split: ``max`` is None when the segment is not a number."""
+
+    max: int | None
+    tail: str
+
+
+def parse_under_name(name: str, key: bytes) -> ParsedKey | None:
+    """Split a key found under ``name_prefix(name)`` into capacity and tail; None if it is not
+    of the form ``<max>/<tail>``."""
+    rest = key[len(name_prefix(name)) :]
+    max_raw, sep, tail = rest.partition(b"/")
+    if not sep or not tail:
+        return None
+    max_text = max_raw.decode("ascii", "replace")
+    capacity = int(max_text) if max_text.isdigit() and str(int(max_text)) == max_text else None
+    return ParsedKey(capacity, decode_segment(tail))

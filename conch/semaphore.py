@@ -1,0 +1,484 @@
+"""The counting semaphore recipe of 04_sema.md: enqueue, rank, wait, hold, release, who.
+
+Every holder or waiter owns one key under ``/conch/v1/sema/<name>/<max>/``, bound to its
+session's lease. Keys rank by create_revision; the first ``max`` hold a slot.
+
+How a waiter waits (no polling, no herd). The design page says "watch the key at rank r-N";
+that alone misses a release when N > 1 and holders leave out of order (N=2, holders A B,
+waiter C watching A: B leaves, C stays asleep with a slot free). So:
+
+* the *first* waiter (exactly N keys ahead) watches the N keys ahead for deletion: any
+  release wakes it, and only it;
+* every later waiter watches its immediate predecessor for deletion or change;
+* a waiter that is promoted re-puts its own key under a compare on its create_revision
+  (a *touch*). That confirms the hold atomically and is the change that tells the next
+  waiter it is now first in line.
+
+A release therefore wakes one waiter to take the slot and one to move up: constant work per
+release, whatever the length of the queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from conch import keys, log
+from conch.errors import EtcdError, HoldLost, Interrupted, NoSlot, SessionLost, UsageError
+from conch.etcd import kv
+from conch.etcd.client import Backoff, Client
+from conch.etcd.watch import Watch, WatchNotice
+from conch.flag import Flag, Mailbox, remaining
+from conch.session import Session
+from conchpb.etcdserverpb import rpc_pb2
+
+CMD_MAX_BYTES = 256
+
+
+def default_host() -> str:
+    """The node name: ``CONCH_HOST`` if set, else the hostname."""
+    return os.environ.get("CONCH_HOST") or socket.gethostname()
+
+
+def cut_utf8(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8 without splitting a character."""
+    return text.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who holds or waits: the value at every key, one line of JSON (contract section 6)."""
+
+    host: str
+    pid: int
+    started: str  # UTC RFC 3339
+    cmd: str
+
+    @classmethod
+    def current(cls, argv: Sequence[str] = (), host: str | None = None) -> Identity:
+        started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        cmd = cut_utf8(" ".join(argv), CMD_MAX_BYTES)
+        return cls(host or default_host(), os.getpid(), started, cmd)
+
+    def to_json(self) -> bytes:
+        record = {"host": self.host, "pid": self.pid, "started": self.started, "cmd": self.cmd}
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class _Standing:
+    """Where our key stands at one revision."""
+
+    revision: int
+    held: bool
+    watch_keys: Sequence[bytes] = ()
+    only_deletes: bool = False
+
+
+def check_max(max_holders: int) -> None:
+    if not isinstance(max_holders, int) or max_holders < 1:
+        raise UsageError(f"bad --max {max_holders!r}: want a whole number >= 1")
+
+
+class Hold:
+    """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
+    the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
+    deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
+    ``release()`` (or leaving the ``with`` block) deletes the key and revokes the lease."""
+
+    def __init__(self, sema: Semaphore, session: Session, key: bytes, revision: int) -> None:
+        self.name = sema.name
+        self.max = sema.max
+        self.key = key
+        self.revision = revision
+        self.session = session
+        self.lease_id = session.lease_id
+        self.lost = Flag("hold-lost")
+        self._client = sema.client
+        self._released = Flag("released")
+        self._guard = threading.Thread(target=self._watch_key, name="conch-hold", daemon=True)
+        self._guard.start()
+
+    def on_lost(self, callback: Any) -> None:
+        self.lost.add_callback(lambda flag: callback(str(flag.reason)))
+
+    def _watch_key(self) -> None:
+        """Set ``lost`` when the session is lost or our key is deleted. After any watch
+        failure (compaction, broken stream) re-check the key with a Range and watch again."""
+        box: Mailbox = queue.SimpleQueue()
+        self.session.lost.subscribe(box)
+        self._released.subscribe(box)
+        start = self.revision + 1
+        backoff = Backoff()
+        pending: Any = None
+        while True:
+            if pending is None:
+                try:
+                    watch = Watch(self._client, [self.key], start, box.put, only_deletes=True)
+                except EtcdError:
+                    pass
+                else:
+                    pending = box.get()
+                    watch.cancel()
+            item, pending = pending, None
+            if item is self._released:
+                return
+            if item is self.session.lost:
+                self.lost.set(f"session lost: {self.session.lost.reason}")
+                return
+            if isinstance(item, WatchNotice) and item.error is None:
+                self.lost.set("our key was deleted")
+                return
+            # The watch broke or could not start. Pause (a release or a loss cuts it short),
+            # then look at the key itself; whether the session is lost is the keepalive's call.
+            try:
+                pending = box.get(timeout=backoff.next())
+                continue
+            except queue.Empty:
+                pass
+            try:
+                response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
+            except EtcdError:
+                continue
+            if not response.kvs or response.kvs[0].create_revision != self.revision:
+                self.lost.set("our key was deleted")
+                return
+            start = response.header.revision + 1
+
+    def release(self) -> None:
+        """Delete our key if it is still ours (KV.Txn on create_revision), then revoke the
+        lease (Lease.LeaseRevoke). Best effort: on failure the lease expires after its TTL."""
+        if self._released.is_set():
+            return
+        self._released.set()
+        try:
+            kv.txn(
+                self._client,
+                [kv.create_revision_is(self.key, self.revision)],
+                [kv.op_delete(self.key)],
+                [],
+            )
+        except EtcdError as exc:
+            log.warning("delete-failed", key=self.key.decode(errors="replace"), error=str(exc))
+        self.session.close()
+        log.info("released", name=self.name, rev=self.revision)
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class Semaphore:
+    """The semaphore (``name``, ``max``) on ``client``.
+
+    ``ttl`` is the session lease TTL in whole seconds; ``spread`` keys slots by host (one
+    per node); ``identity`` is what our key says about us.
+    """
+
+    client: Client
+    name: str
+    max: int
+    ttl: int = 10
+    spread: bool = False
+    identity: Identity = field(default_factory=Identity.current)
+
+    def __post_init__(self) -> None:
+        keys.check_name(self.name)
+        check_max(self.max)
+        if not isinstance(self.ttl, int) or self.ttl < 1:
+            raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds >= 1")
+        self.prefix = keys.sema_prefix(self.name, self.max)
+
+    def acquire(self, timeout: float | None = None, interrupt: Flag | None = None) -> Hold:
+        """Wait for a slot and return the Hold.
+
+        ``timeout`` in seconds: None waits as long as it takes, 0 tries once (``--nonblock``).
+        ``interrupt``, when set (e.g. by a signal handler), withdraws and raises Interrupted.
+        Raises NoSlot when time runs out, Unavailable when no session can be established.
+        Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
+        while queued re-enters at the back of the queue if time allows.
+        """
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        interrupt = interrupt or Flag("interrupt")
+        while True:
+            if interrupt.is_set():
+                raise Interrupted(int(interrupt.reason or 0))
+            session = Session(self.client, self.ttl)
+            try:
+                return self._acquire_with(session, deadline, interrupt, started)
+            except SessionLost as exc:
+                session.close()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise NoSlot(f"no slot of {self.name}[{self.max}]: {exc}") from None
+                log.warning("requeue", name=self.name, reason=str(exc))
+            except BaseException:
+                session.close()
+                raise
+
+    def _key(self, session: Session) -> bytes:
+        if self.spread:
+            return keys.spread_key(self.name, self.max, self.identity.host)
+        return keys.holder_key(self.name, self.max, session.lease_id)
+
+    def _acquire_with(
+        self, session: Session, deadline: float | None, interrupt: Flag, started: float
+    ) -> Hold:
+        box: Mailbox = queue.SimpleQueue()
+        session.lost.subscribe(box)
+        interrupt.subscribe(box)
+        try:
+            key = self._key(session)
+            revision = self._enqueue(session, key, box, deadline, interrupt)
+            queued_logged = False
+            promoted = False
+            while True:
+                standing = self._standing(key, revision)
+                if standing.held:
+                    if promoted:
+                        self._touch(session, key, revision)
+                    log.info(
+                        "acquired",
+                        name=self.name,
+                        max=self.max,
+                        rev=revision,
+                        lease=f"{session.lease_id:x}",
+                        waited=f"{time.monotonic() - started:.3f}s",
+                    )
+                    return Hold(self, session, key, revision)
+                if not queued_logged:
+                    ahead = self._count_ahead(revision)
+                    log.info("queued", name=self.name, max=self.max, position=ahead + 1,
+                             ahead=ahead, rev=revision)
+                    queued_logged = True
+                promoted = True
+                self._wait_for_change(standing, box, deadline, interrupt, session)
+        finally:
+            session.lost.unsubscribe(box)
+            interrupt.unsubscribe(box)
+
+    def _enqueue(
+        self, session: Session, key: bytes, box: Mailbox, deadline: float | None, interrupt: Flag
+    ) -> int:
+        """Step 1: put our key bound to the lease, create-if-absent (KV.Txn). Returns its
+        create_revision. With --spread, a key of our host held by another process means no
+        slot: wait for it to go (or raise NoSlot), then try again."""
+        value = self.identity.to_json()
+        while True:
+            response = kv.txn(
+                self.client,
+                [kv.create_revision_is(key, 0)],
+                [kv.op_put(key, value, session.lease_id)],
+                [kv.op_get(key)],
+            )
+            if response.succeeded:
+                return int(response.header.revision)
+            found = response.responses[0].response_range.kvs
+            if found and found[0].lease == session.lease_id:
+                return int(found[0].create_revision)  # an earlier attempt of ours went through
+            if not found:
+                continue  # deleted between compare and read: try again
+            log.info("spread-busy", name=self.name, host=self.identity.host,
+                     rev=found[0].create_revision)
+            standing = _Standing(int(response.header.revision), False, [key], True)
+            self._wait_for_change(standing, box, deadline, interrupt, session)
+
+    def _standing(self, key: bytes, revision: int) -> _Standing:
+        """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
+        to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision."""
+        end = kv.prefix_end(self.prefix)
+        heads = kv.range_(
+            self.client,
+            rpc_pb2.RangeRequest(
+                key=self.prefix, range_end=end, limit=self.max, keys_only=True,
+                sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.ASCEND,
+            ),
+        )
+        at = int(heads.header.revision)
+        if any(h.key == key and h.create_revision == revision for h in heads.kvs):
+            return _Standing(at, True)
+        # Our key and the one just ahead of it, at the same revision.
+        mine_and_prev = kv.range_(
+            self.client,
+            rpc_pb2.RangeRequest(
+                key=self.prefix, range_end=end, limit=2, keys_only=True, revision=at,
+                max_create_revision=revision,
+                sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.DESCEND,
+            ),
+        ).kvs
+        if not mine_and_prev or mine_and_prev[0].key != key:
+            raise SessionLost("our key is gone (lease expired or key deleted)")
+        if len(mine_and_prev) < 2:
+            # Nobody ahead, yet not among the first max: cannot be. Fail closed, re-enter.
+            raise SessionLost("inconsistent queue read; re-entering")
+        predecessor = mine_and_prev[1]
+        if predecessor.create_revision <= heads.kvs[-1].create_revision:
+            return _Standing(at, False, [h.key for h in heads.kvs], True)
+        return _Standing(at, False, [predecessor.key], False)
+
+    def _count_ahead(self, revision: int) -> int:
+        """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
+        ignores the create_revision filter, so this reads the keys ahead once)."""
+        response = kv.range_(
+            self.client,
+            rpc_pb2.RangeRequest(
+                key=self.prefix, range_end=kv.prefix_end(self.prefix), keys_only=True,
+                max_create_revision=revision - 1,
+            ),
+        )
+        return len(response.kvs)
+
+    def _wait_for_change(
+        self,
+        standing: _Standing,
+        box: Mailbox,
+        deadline: float | None,
+        interrupt: Flag,
+        session: Session,
+    ) -> None:
+        """Step 4: sleep until a watched key changes after ``standing.revision``. Raises NoSlot
+        at the deadline, Interrupted on ``interrupt``, SessionLost on session loss."""
+        if deadline is not None and time.monotonic() >= deadline:
+            raise NoSlot(f"no free slot of {self.name}[{self.max}]")
+        watch = None
+        if standing.watch_keys:
+            watch = Watch(
+                self.client, standing.watch_keys, standing.revision + 1, box.put,
+                only_deletes=standing.only_deletes,
+            )
+        try:
+            while True:
+                try:
+                    item = box.get(timeout=remaining(deadline))
+                except queue.Empty:
+                    raise NoSlot(f"no free slot of {self.name}[{self.max}] in time") from None
+                if item is interrupt:
+                    raise Interrupted(int(interrupt.reason or 0))
+                if item is session.lost:
+                    raise SessionLost(f"session lost while queued: {session.lost.reason}")
+                if isinstance(item, WatchNotice) and item.watch is watch:
+                    if item.error is not None:
+                        log.info("rewatch", name=self.name, reason=str(item.error))
+                    return
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    def _touch(self, session: Session, key: bytes, revision: int) -> None:
+        """Re-put our key if it is still ours (KV.Txn on create_revision): confirms the hold
+        and wakes the waiter behind us. Raises SessionLost if the key is gone."""
+        response = kv.txn(
+            self.client,
+            [kv.create_revision_is(key, revision)],
+            [kv.op_put(key, self.identity.to_json(), session.lease_id)],
+            [],
+        )
+        if not response.succeeded:
+            raise SessionLost("our key is gone (lease expired or key deleted)")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One key of ``who()``: ``state`` HELD or WAIT; ``held`` how many slots of (name, max)
+    are taken; ``rev`` the key's create_revision; ``lease`` hex. ``note`` says what is wrong
+    with a key conch did not write (bad JSON, no lease, bad capacity), empty otherwise."""
+
+    name: str
+    max: int | None
+    held: int
+    state: str
+    host: str
+    pid: int | None
+    started: str
+    rev: int
+    lease: str
+    cmd: str
+    note: str = ""
+
+    def to_text(self) -> str:
+        capacity = "?" if self.max is None else str(self.max)
+        line = (
+            f"{self.name}[{self.held}/{capacity}] {self.state:<4}  {self.host} "
+            f"pid={self.pid if self.pid is not None else '?'} since={self.started or '?'} "
+            f"rev={self.rev}"
+        )
+        return line + (f" note={self.note}" if self.note else "")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "name": self.name, "max": self.max, "state": self.state, "host": self.host,
+                "pid": self.pid, "started": self.started, "rev": self.rev,
+                "lease": self.lease, "cmd": self.cmd, **({"note": self.note} if self.note else {}),
+            },
+            ensure_ascii=False,
+        )
+
+
+def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
+    """host, pid, started, cmd, note from a key's value; tolerant of anything."""
+    try:
+        data = json.loads(value)
+        if not isinstance(data, dict):
+            raise ValueError
+    except ValueError:
+        return "?", None, "", "", "malformed-value"
+    pid = data.get("pid")
+    return (
+        str(data.get("host", "?")),
+        pid if isinstance(pid, int) else None,
+        str(data.get("started", "")),
+        str(data.get("cmd", "")),
+        "",
+    )
+
+
+def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
+    """Every key under ``name`` (all capacities), in create_revision order per capacity; the
+    capacity ``max_holders`` first when given. One KV.Range; reads only (no lease)."""
+    prefix = keys.name_prefix(name)
+    response = kv.range_(
+        client,
+        rpc_pb2.RangeRequest(
+            key=prefix, range_end=kv.prefix_end(prefix),
+            sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.ASCEND,
+        ),
+    )
+    groups: dict[int | None, list[Any]] = {}
+    for item in response.kvs:
+        parsed = keys.parse_under_name(name, item.key)
+        groups.setdefault(parsed.max if parsed else None, []).append(item)
+
+    def order(capacity: int | None) -> tuple[int, int]:
+        if capacity == max_holders and capacity is not None:
+            return (0, 0)
+        return (1, capacity if capacity is not None else 1 << 62)
+
+    records = []
+    for capacity in sorted(groups, key=order):
+        items = groups[capacity]
+        held = min(len(items), capacity) if capacity is not None else 0
+        for rank, item in enumerate(items):
+            host, pid, started, cmd, note = _identity_fields(item.value)
+            notes = [note] if note else []
+            if capacity is None:
+                notes.append("bad-key")
+            if not item.lease:
+                notes.append("no-lease")
+            state = "HELD" if capacity is not None and rank < capacity else "WAIT"
+            records.append(
+                Record(name, capacity, held, state, host, pid, started,
+                       int(item.create_revision), f"{item.lease:x}", cmd, ",".join(notes))
+            )
+    return records

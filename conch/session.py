@@ -1,0 +1,87 @@
+"""A session: one lease, kept alive, and the moment it is lost (contract section 3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from conch import log
+from conch.errors import EtcdError, LeaseNotFound
+from conch.etcd import lease
+from conch.etcd.client import Client
+from conch.flag import Flag
+
+
+def keepalive_margin(ttl: float) -> float:
+    """The grace, in seconds, beyond one keepalive interval before an unanswered keepalive
+    counts as loss: small next to the TTL, so the child is stopped well before the lease
+    can expire on the server."""
+    return min(1.0, ttl / 6)
+
+
+class Session:
+    """One etcd lease of ``ttl`` seconds, refreshed on a LeaseKeepAlive stream every TTL/3.
+
+    ``lost`` (a Flag) is set the moment it is no longer certain the lease is alive: etcd
+    answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no answer comes
+    within one interval plus ``keepalive_margin``. Its ``reason`` says which. ``close()``
+    revokes the lease so its keys go at once. Raises Unavailable (or another EtcdError) when
+    LeaseGrant fails.
+    """
+
+    def __init__(self, client: Client, ttl: int) -> None:
+        self._client = client
+        granted = lease.grant(client, ttl)
+        self.lease_id = granted.id
+        self.ttl = granted.ttl
+        self.interval = self.ttl / 3
+        self.lost = Flag("session-lost")
+        self._stop = threading.Event()
+        self._keepalive = lease.KeepAlive(client, self.lease_id)
+        self._thread = threading.Thread(target=self._run, name="conch-keepalive", daemon=True)
+        self._thread.start()
+        log.info("session", lease=f"{self.lease_id:x}", ttl=f"{self.ttl}s")
+
+    def _run(self) -> None:
+        margin = keepalive_margin(self.ttl)
+        next_send = time.monotonic() + self.interval
+        while not self._stop.wait(max(0.0, next_send - time.monotonic())):
+            sent = time.monotonic()
+            try:
+                self._keepalive.refresh(deadline=sent + self.interval + margin)
+            except LeaseNotFound:
+                self._declare_lost("lease expired or was revoked")
+                return
+            except EtcdError as exc:
+                self._declare_lost(f"keepalive failed: {exc}")
+                return
+            next_send = sent + self.interval
+
+    def _declare_lost(self, reason: str) -> None:
+        if self._stop.is_set():
+            return
+        self._keepalive.close()
+        self.lost.set(reason)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
+        ``timeout`` seconds (default: the client's request timeout). Returns False when the
+        revoke could not be confirmed (the lease then expires after its TTL)."""
+        self._stop.set()
+        self._keepalive.close()
+        try:
+            lease.revoke(self._client, self.lease_id, timeout)
+        except EtcdError as exc:
+            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
+            return False
+        finally:
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=1.0)
+        return True
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,171 @@
+"""The supervision loop (contract section 7): acquire, run the child, child exit or loss,
+terminate, release. Written once; the CLI and embedders call ``supervise``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from conch import log
+from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
+from conch.flag import Flag, Mailbox
+from conch.semaphore import Hold, Semaphore
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+GROUP_POLL = 0.05  # seconds between checks that a process group is empty
+REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
+
+
+@dataclass(frozen=True)
+class _ChildExit:
+    returncode: int
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: the code, or 128 + S if killed by signal S."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: Flag) -> Iterator[Flag]:
+    """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
+    instead of killing us; the previous handlers come back on leaving."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: stop.set(signum))
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def child_env(hold: Hold) -> dict[str, str]:
+    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
+    env = dict(os.environ)
+    env.update(
+        CONCH_NAME=hold.name,
+        CONCH_REV=str(hold.revision),
+        CONCH_LEASE=f"{hold.lease_id:x}",
+        CONCH_MAX=str(hold.max),
+    )
+    return env
+
+
+def supervise(
+    sema: Semaphore,
+    argv: Sequence[str],
+    wait: float | None,
+    kill_after: float,
+    stop: Flag,
+) -> int:
+    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8).
+
+    ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
+    SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
+    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost.
+    """
+    hold = sema.acquire(wait, interrupt=stop)
+    try:
+        if stop.is_set():
+            raise Interrupted(int(stop.reason or 0))
+        return run_child(hold, argv, kill_after, stop)
+    finally:
+        hold.release()
+
+
+def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) -> int:
+    """Start ``argv`` in its own process group and wait for whichever comes first: its exit
+    (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
+    (terminate it, return its status). Never starts it without a hold: 70 if already lost."""
+    if hold.lost.is_set():
+        log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
+        return EX_SOFTWARE
+    try:
+        child = subprocess.Popen(list(argv), env=child_env(hold), start_new_session=True)
+    except FileNotFoundError:
+        log.error("child-not-found", cmd=argv[0])
+        return EX_NOT_FOUND
+    except OSError as exc:
+        log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
+        return EX_CANNOT_EXECUTE
+    started = time.monotonic()
+    log.info("child-start", pid=child.pid, rev=hold.revision)
+    box: Mailbox = queue.SimpleQueue()
+    threading.Thread(
+        target=lambda: box.put(_ChildExit(child.wait())), name="conch-reap", daemon=True
+    ).start()
+    hold.lost.subscribe(box)
+    stop.subscribe(box)
+    try:
+        item = box.get()
+        if isinstance(item, _ChildExit):
+            code = exit_status(item.returncode)
+            log.info("child-exit", pid=child.pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+            if _group_alive(child.pid):
+                log.warning("stragglers", pgid=child.pid)
+                _stop_group(child.pid, box, None, kill_after)
+            return code
+        if item is hold.lost:
+            log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
+            _stop_group(child.pid, box, child, kill_after)
+            return EX_SOFTWARE
+        log.info("signal", signum=int(stop.reason or 0), pid=child.pid)
+        exited = _stop_group(child.pid, box, child, kill_after)
+        return exit_status(exited if exited is not None else -signal.SIGKILL)
+    finally:
+        hold.lost.unsubscribe(box)
+        stop.unsubscribe(box)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _stop_group(
+    pgid: int, box: Mailbox, child: subprocess.Popen[bytes] | None, kill_after: float
+) -> int | None:
+    """SIGTERM the group; after ``kill_after`` seconds SIGKILL whatever is left of it. Waits
+    for ``child`` (if still running) to be reaped; returns its return code."""
+    _signal_group(pgid, signal.SIGTERM)
+    log.info("term-sent", pgid=pgid)
+    deadline = time.monotonic() + kill_after
+    returncode = None if child is not None else 0
+    returncode = _await_exit(box, deadline, returncode)
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(GROUP_POLL)  # grandchildren are not ours to wait() on; poll to a deadline
+    if returncode is None or _group_alive(pgid):
+        _signal_group(pgid, signal.SIGKILL)
+        log.warning("kill-sent", pgid=pgid)
+        returncode = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
+    return returncode if child is not None else None
+
+
+def _await_exit(box: Mailbox, deadline: float | None, returncode: int | None) -> int | None:
+    """Wait for the child's exit notice until ``deadline``; other notices are dropped."""
+    while returncode is None:
+        try:
+            item = box.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if isinstance(item, _ChildExit):
+            return item.returncode
+    return returncode

@@ -18,7 +18,16 @@ from conch.keys import check_name
 from conch.semaphore import Identity, Semaphore, check_max, who
 from conch.supervisor import stop_on_signals, supervise
 
-_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
 
@@ -36,9 +45,7 @@ def parse_duration(flag: str, text: str) -> float:
         total += float(match.group(1)) * _UNITS[match.group(2)]
         pos = match.end()
     if pos != len(value) or not value or not math.isfinite(total):
-        raise UsageError(
-            f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
-        )
+        raise UsageError(f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m")
     return total
 
 
@@ -72,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "75 no slot (--nonblock or --wait ran out); 126/127 command not executable / not found.",
     )
     parser.add_argument(
-        "--version", action="version",
+        "--version",
+        action="version",
         version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -83,26 +91,54 @@ def build_parser() -> argparse.ArgumentParser:
         "one of N slots of NAME; conch sema NAME [--max N] --who [--json] lists holders.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
-    sema.add_argument("--max", dest="max_holders", metavar="N", help="capacity N >= 1 (required "
-                      "to run a command); part of the semaphore's identity")
-    sema.add_argument("--ttl", metavar="DUR", help="session lease TTL, whole seconds "
-                      "(env CONCH_TTL, default 10s)")
+    sema.add_argument(
+        "--max",
+        dest="max_holders",
+        metavar="N",
+        help="capacity N >= 1 (required to run a command); part of the semaphore's identity",
+    )
+    sema.add_argument(
+        "--ttl", metavar="DUR", help="session lease TTL, whole seconds (env CONCH_TTL, default 10s)"
+    )
     waiting = sema.add_mutually_exclusive_group()
-    waiting.add_argument("--wait", metavar="DUR", help="wait at most DUR for a slot, then exit 75 "
-                         "(default: wait forever)")
-    waiting.add_argument("--nonblock", "-n", action="store_true",
-                         help="do not wait: exit 75 at once if no slot is free (--wait 0)")
-    sema.add_argument("--spread", action="store_true",
-                      help="at most one slot per host (key ends in the host name)")
-    sema.add_argument("--kill-after", metavar="DUR", help="SIGTERM -> SIGKILL escalation "
-                      "(env CONCH_KILL_AFTER, default 5s)")
-    sema.add_argument("--who", action="store_true",
-                      help="list holders and waiters (read-only); exit 0 if any, 1 if none")
+    waiting.add_argument(
+        "--wait",
+        metavar="DUR",
+        help="wait at most DUR for a slot, then exit 75 (default: wait forever)",
+    )
+    waiting.add_argument(
+        "--nonblock",
+        "-n",
+        action="store_true",
+        help="do not wait: exit 75 at once if no slot is free (--wait 0)",
+    )
+    sema.add_argument(
+        "--spread",
+        action="store_true",
+        help="at most one slot per host (key ends in the host name)",
+    )
+    sema.add_argument(
+        "--kill-after",
+        metavar="DUR",
+        help="SIGTERM -> SIGKILL escalation (env CONCH_KILL_AFTER, default 5s)",
+    )
+    sema.add_argument(
+        "--who",
+        action="store_true",
+        help="list holders and waiters (read-only); exit 0 if any, 1 if none",
+    )
     sema.add_argument("--json", action="store_true", help="with --who: one JSON object per line")
-    sema.add_argument("--endpoints", metavar="LIST", help="comma-separated host:port or "
-                      "http(s)://host:port (env CONCH_ENDPOINTS, default 127.0.0.1:2379)")
-    sema.add_argument("--dial-timeout", metavar="DUR", help="give up connecting after DUR "
-                      "(env CONCH_DIAL_TIMEOUT, default 5s)")
+    sema.add_argument(
+        "--endpoints",
+        metavar="LIST",
+        help="comma-separated host:port or "
+        "http(s)://host:port (env CONCH_ENDPOINTS, default 127.0.0.1:2379)",
+    )
+    sema.add_argument(
+        "--dial-timeout",
+        metavar="DUR",
+        help="give up connecting after DUR (env CONCH_DIAL_TIMEOUT, default 5s)",
+    )
     sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
     return parser
 
@@ -140,8 +176,12 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
     if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
         for capacity in capacities:
             if capacity != max_holders:
-                log.warning("other-capacity", name=args.name, max=capacity,
-                            hint="one name, several --max: these are separate semaphores")
+                log.warning(
+                    "other-capacity",
+                    name=args.name,
+                    max=capacity,
+                    hint="one name, several --max: these are separate semaphores",
+                )
     for record in records:
         print(record.to_json() if args.json else record.to_text())
     sys.stdout.flush()
@@ -205,4 +245,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
-

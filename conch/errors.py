@@ -23,7 +23,7 @@ class UsageError(ConchError):
 
 
 class EtcdError(ConchError):
-    """etcd answered with an error conch does not handle itself. ``code`` is the gRPC status name."""
+    """etcd answered with an error conch does not handle itself; ``code``: gRPC status name."""
 
     exit_code = EX_UNAVAILABLE
 
@@ -73,7 +73,7 @@ class NoSlot(ConchError):
 class Interrupted(ConchError):
     """A signal asked us to stop while we were still queued; our waiter key is gone."""
 
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"interrupted by signal {signum}")
-        self.signum = signum
-        self.exit_code = 128 + signum
+    def __init__(self, signum: object) -> None:
+        self.signum = signum if isinstance(signum, int) else 0
+        super().__init__(f"interrupted by signal {self.signum}")
+        self.exit_code = 128 + self.signum

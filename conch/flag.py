@@ -8,6 +8,7 @@ message into the mailboxes that subscribed to it. ``SimpleQueue.put`` is reentra
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -49,13 +50,11 @@ class Flag:
             box.put(self)
 
     def unsubscribe(self, box: Mailbox) -> None:
-        try:
+        with contextlib.suppress(ValueError):
             self._boxes.remove(box)
-        except ValueError:
-            pass
 
     def add_callback(self, callback: Callable[[Flag], None]) -> None:
-        """Call ``callback(flag)`` when set, from the thread that sets it (at once if already set)."""
+        """Call ``callback(flag)`` when set, from the setting thread (at once if already set)."""
         with self._lock:
             self._callbacks.append(callback)
         if self._set:
@@ -77,7 +76,7 @@ class Flag:
 
 
 def remaining(deadline: float | None) -> float | None:
-    """Seconds left until ``deadline`` (a ``time.monotonic()`` value), never negative; None stays None."""
+    """Seconds left until ``deadline`` (``time.monotonic()`` based), >= 0; None stays None."""
     if deadline is None:
         return None
     return max(0.0, deadline - time.monotonic())

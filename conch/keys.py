@@ -1,7 +1,7 @@
 """The key schema (contract section 5): the only module that knows ``/conch/v1``.
 
-    /conch/v1/sema/<name>/<max>/<lease-id>   one leased key per holder or waiter
-    /conch/v1/sema/<name>/<max>/<host>       the same with --spread
+/conch/v1/sema/<name>/<max>/<lease-id>   one leased key per holder or waiter
+/conch/v1/sema/<name>/<max>/<host>       the same with --spread
 """
 
 from __future__ import annotations

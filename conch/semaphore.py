@@ -31,14 +31,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from conchpb.etcdserverpb import rpc_pb2
+
 from conch import keys, log
-from conch.errors import EtcdError, HoldLost, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
 from conch.session import Session
-from conchpb.etcdserverpb import rpc_pb2
 
 CMD_MAX_BYTES = 256
 
@@ -214,7 +215,7 @@ class Semaphore:
         interrupt = interrupt or Flag("interrupt")
         while True:
             if interrupt.is_set():
-                raise Interrupted(int(interrupt.reason or 0))
+                raise Interrupted(interrupt.reason)
             session = Session(self.client, self.ttl)
             try:
                 return self._acquire_with(session, deadline, interrupt, started)
@@ -259,8 +260,14 @@ class Semaphore:
                     return Hold(self, session, key, revision)
                 if not queued_logged:
                     ahead = self._count_ahead(revision)
-                    log.info("queued", name=self.name, max=self.max, position=ahead + 1,
-                             ahead=ahead, rev=revision)
+                    log.info(
+                        "queued",
+                        name=self.name,
+                        max=self.max,
+                        position=ahead + 1,
+                        ahead=ahead,
+                        rev=revision,
+                    )
                     queued_logged = True
                 promoted = True
                 self._wait_for_change(standing, box, deadline, interrupt, session)
@@ -289,8 +296,9 @@ class Semaphore:
                 return int(found[0].create_revision)  # an earlier attempt of ours went through
             if not found:
                 continue  # deleted between compare and read: try again
-            log.info("spread-busy", name=self.name, host=self.identity.host,
-                     rev=found[0].create_revision)
+            log.info(
+                "spread-busy", name=self.name, host=self.identity.host, rev=found[0].create_revision
+            )
             standing = _Standing(int(response.header.revision), False, [key], True)
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
@@ -301,8 +309,12 @@ class Semaphore:
         heads = kv.range_(
             self.client,
             rpc_pb2.RangeRequest(
-                key=self.prefix, range_end=end, limit=self.max, keys_only=True,
-                sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.ASCEND,
+                key=self.prefix,
+                range_end=end,
+                limit=self.max,
+                keys_only=True,
+                sort_target=rpc_pb2.RangeRequest.CREATE,
+                sort_order=rpc_pb2.RangeRequest.ASCEND,
             ),
         )
         at = int(heads.header.revision)
@@ -312,9 +324,14 @@ class Semaphore:
         mine_and_prev = kv.range_(
             self.client,
             rpc_pb2.RangeRequest(
-                key=self.prefix, range_end=end, limit=2, keys_only=True, revision=at,
+                key=self.prefix,
+                range_end=end,
+                limit=2,
+                keys_only=True,
+                revision=at,
                 max_create_revision=revision,
-                sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.DESCEND,
+                sort_target=rpc_pb2.RangeRequest.CREATE,
+                sort_order=rpc_pb2.RangeRequest.DESCEND,
             ),
         ).kvs
         if not mine_and_prev or mine_and_prev[0].key != key:
@@ -333,7 +350,9 @@ class Semaphore:
         response = kv.range_(
             self.client,
             rpc_pb2.RangeRequest(
-                key=self.prefix, range_end=kv.prefix_end(self.prefix), keys_only=True,
+                key=self.prefix,
+                range_end=kv.prefix_end(self.prefix),
+                keys_only=True,
                 max_create_revision=revision - 1,
             ),
         )
@@ -354,7 +373,10 @@ class Semaphore:
         watch = None
         if standing.watch_keys:
             watch = Watch(
-                self.client, standing.watch_keys, standing.revision + 1, box.put,
+                self.client,
+                standing.watch_keys,
+                standing.revision + 1,
+                box.put,
                 only_deletes=standing.only_deletes,
             )
         try:
@@ -364,7 +386,7 @@ class Semaphore:
                 except queue.Empty:
                     raise NoSlot(f"no free slot of {self.name}[{self.max}] in time") from None
                 if item is interrupt:
-                    raise Interrupted(int(interrupt.reason or 0))
+                    raise Interrupted(interrupt.reason)
                 if item is session.lost:
                     raise SessionLost(f"session lost while queued: {session.lost.reason}")
                 if isinstance(item, WatchNotice) and item.watch is watch:
@@ -418,9 +440,16 @@ class Record:
     def to_json(self) -> str:
         return json.dumps(
             {
-                "name": self.name, "max": self.max, "state": self.state, "host": self.host,
-                "pid": self.pid, "started": self.started, "rev": self.rev,
-                "lease": self.lease, "cmd": self.cmd, **({"note": self.note} if self.note else {}),
+                "name": self.name,
+                "max": self.max,
+                "state": self.state,
+                "host": self.host,
+                "pid": self.pid,
+                "started": self.started,
+                "rev": self.rev,
+                "lease": self.lease,
+                "cmd": self.cmd,
+                **({"note": self.note} if self.note else {}),
             },
             ensure_ascii=False,
         )
@@ -451,8 +480,10 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
     response = kv.range_(
         client,
         rpc_pb2.RangeRequest(
-            key=prefix, range_end=kv.prefix_end(prefix),
-            sort_target=rpc_pb2.RangeRequest.CREATE, sort_order=rpc_pb2.RangeRequest.ASCEND,
+            key=prefix,
+            range_end=kv.prefix_end(prefix),
+            sort_target=rpc_pb2.RangeRequest.CREATE,
+            sort_order=rpc_pb2.RangeRequest.ASCEND,
         ),
     )
     groups: dict[int | None, list[Any]] = {}
@@ -478,7 +509,18 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
                 notes.append("no-lease")
             state = "HELD" if capacity is not None and rank < capacity else "WAIT"
             records.append(
-                Record(name, capacity, held, state, host, pid, started,
-                       int(item.create_revision), f"{item.lease:x}", cmd, ",".join(notes))
+                Record(
+                    name,
+                    capacity,
+                    held,
+                    state,
+                    host,
+                    pid,
+                    started,
+                    int(item.create_revision),
+                    f"{item.lease:x}",
+                    cmd,
+                    ",".join(notes),
+                )
             )
     return records

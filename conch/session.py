@@ -84,4 +84,3 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

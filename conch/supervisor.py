@@ -75,7 +75,7 @@ def supervise(
     hold = sema.acquire(wait, interrupt=stop)
     try:
         if stop.is_set():
-            raise Interrupted(int(stop.reason or 0))
+            raise Interrupted(stop.reason)
         return run_child(hold, argv, kill_after, stop)
     finally:
         hold.release()
@@ -108,7 +108,9 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
         item = box.get()
         if isinstance(item, _ChildExit):
             code = exit_status(item.returncode)
-            log.info("child-exit", pid=child.pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+            log.info(
+                "child-exit", pid=child.pid, code=code, ran=f"{time.monotonic() - started:.3f}s"
+            )
             if _group_alive(child.pid):
                 log.warning("stragglers", pgid=child.pid)
                 _stop_group(child.pid, box, None, kill_after)
@@ -117,7 +119,7 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
             log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
             _stop_group(child.pid, box, child, kill_after)
             return EX_SOFTWARE
-        log.info("signal", signum=int(stop.reason or 0), pid=child.pid)
+        log.info("signal", signum=stop.reason, pid=child.pid)
         exited = _stop_group(child.pid, box, child, kill_after)
         return exit_status(exited if exited is not None else -signal.SIGKILL)
     finally:
@@ -163,7 +165,9 @@ def _await_exit(box: Mailbox, deadline: float | None, returncode: int | None) ->
     """Wait for the child's exit notice until ``deadline``; other notices are dropped."""
     while returncode is None:
         try:
-            item = box.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            item = box.get(
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
         except queue.Empty:
             return None
         if isinstance(item, _ChildExit):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 from conch.errors import (
     Compacted,
@@ -25,7 +26,6 @@ from conch.errors import (
     Unavailable,
     UsageError,
 )
-from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 # HTTP/2 pings find a dead connection even on an idle stream. etcd refuses pings more often
 # than every 5 s (--grpc-keepalive-min-time), so stay above that.
@@ -158,7 +158,9 @@ class Client:
         except EtcdError as exc:
             client.close()
             eps = ",".join(str(e) for e in endpoints)
-            raise Unavailable(f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}") from None
+            raise Unavailable(
+                f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
+            ) from None
         return client
 
     def __enter__(self) -> Client:
@@ -263,7 +265,7 @@ class BidiStream:
     def close(self) -> None:
         self._closed = True
         self._requests.put(None)
-        self._call.cancel()
+        self._call.cancel()  # type: ignore[no-untyped-call]
 
     def _read(self, responses: Iterator[Any]) -> None:
         error: EtcdError

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from conch.etcd.client import Client
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
+
+from conch.etcd.client import Client
 
 KeyValue = kv_pb2.KeyValue
 RangeRequest = rpc_pb2.RangeRequest
@@ -13,7 +14,7 @@ TxnResponse = rpc_pb2.TxnResponse
 
 
 def prefix_end(prefix: bytes) -> bytes:
-    """The range_end that makes ``[prefix, end)`` cover exactly the keys starting with ``prefix``."""
+    """The range_end that makes ``[prefix, end)`` cover exactly the keys under ``prefix``."""
     end = bytearray(prefix)
     while end:
         if end[-1] < 0xFF:

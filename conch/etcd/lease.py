@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from dataclasses import dataclass
 
+from conchpb.etcdserverpb import rpc_pb2
+
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
-from conchpb.etcdserverpb import rpc_pb2
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,8 @@ def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:
     """Lease.LeaseRevoke: the lease and every key attached to it go at once.
 
     A lease that is already gone counts as revoked."""
-    try:
+    with contextlib.suppress(LeaseNotFound):
         client.call("lease", "LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease_id), timeout)
-    except LeaseNotFound:
-        pass
 
 
 def time_to_live(client: Client, lease_id: int, timeout: float | None = None) -> int:

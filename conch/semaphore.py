@@ -34,7 +34,7 @@ from typing import Any
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
-from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, Unavailable, UsageError
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
@@ -42,6 +42,7 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.session import Session
 
 CMD_MAX_BYTES = 256
+REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
 def default_host() -> str:
@@ -213,20 +214,39 @@ class Semaphore:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         interrupt = interrupt or Flag("interrupt")
+        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+        entered = False
         while True:
             if interrupt.is_set():
                 raise Interrupted(interrupt.reason)
-            session = Session(self.client, self.ttl)
+            try:
+                session = Session(self.client, self.ttl)
+            except Unavailable as exc:
+                if not entered:
+                    raise  # no session at all: etcd unreachable (exit 69)
+                self._before_reentry(exc, deadline, interrupt, backoff)
+                continue
+            entered = True
             try:
                 return self._acquire_with(session, deadline, interrupt, started)
-            except SessionLost as exc:
+            except (SessionLost, Unavailable) as exc:
                 session.close()
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise NoSlot(f"no slot of {self.name}[{self.max}]: {exc}") from None
-                log.warning("requeue", name=self.name, reason=str(exc))
+                self._before_reentry(exc, deadline, interrupt, backoff)
             except BaseException:
                 session.close()
                 raise
+
+    def _before_reentry(
+        self, cause: Exception, deadline: float | None, interrupt: Flag, backoff: Backoff
+    ) -> None:
+        """After losing our place: raise NoSlot if time is up, else pause (capped backoff,
+        cut short by ``interrupt``) before re-entering at the back of the queue."""
+        if deadline is not None and time.monotonic() >= deadline:
+            raise NoSlot(f"no slot of {self.name}[{self.max}]: {cause}")
+        log.warning("requeue", name=self.name, reason=str(cause))
+        pause = backoff.next()
+        left = remaining(deadline)
+        interrupt.wait(pause if left is None else min(pause, left))
 
     def _key(self, session: Session) -> bytes:
         if self.spread:

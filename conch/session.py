@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from conch import log
 from conch.errors import EtcdError, LeaseNotFound
@@ -36,6 +37,7 @@ class Session:
         self.ttl = granted.ttl
         self.interval = self.ttl / 3
         self.lost = Flag("session-lost")
+        self._keepalive_listeners: list[Callable[[], None]] = []
         self._stop = threading.Event()
         self._keepalive = lease.KeepAlive(client, self.lease_id)
         self._thread = threading.Thread(target=self._run, name="conch-keepalive", daemon=True)
@@ -55,7 +57,21 @@ class Session:
             except EtcdError as exc:
                 self._declare_lost(f"keepalive failed: {exc}")
                 return
+            for listener in tuple(self._keepalive_listeners):
+                listener()
             next_send = sent + self.interval
+
+    @property
+    def silence_limit(self) -> float:
+        """Seconds without a confirmed keepalive after which a live session would surely have
+        declared itself lost (two intervals plus two margins): the watchdog's deadline."""
+        return 2 * self.interval + 2 * keepalive_margin(self.ttl)
+
+    def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` (from the keepalive thread) after every confirmed keepalive.
+        Returns a function that removes it."""
+        self._keepalive_listeners.append(listener)
+        return lambda: self._keepalive_listeners.remove(listener)
 
     def _declare_lost(self, reason: str) -> None:
         if self._stop.is_set():

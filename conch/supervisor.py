@@ -17,6 +17,7 @@ from conch import log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
 from conch.flag import Flag, Mailbox
 from conch.semaphore import Hold, Semaphore
+from conch.watchdog import Watchdog
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
@@ -102,6 +103,13 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
     threading.Thread(
         target=lambda: box.put(_ChildExit(child.wait())), name="conch-reap", daemon=True
     ).start()
+    try:
+        watchdog = Watchdog(child.pid, hold.session.silence_limit, kill_after)
+    except OSError as exc:
+        log.error("watchdog-failed", error=str(exc))
+        _stop_group(child.pid, box, child, kill_after)
+        return EX_SOFTWARE
+    stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
     hold.lost.subscribe(box)
     stop.subscribe(box)
     try:
@@ -115,6 +123,9 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
                 log.warning("stragglers", pgid=child.pid)
                 _stop_group(child.pid, box, None, kill_after)
             return code
+        # From here conch terminates the group itself; the watchdog would only send a
+        # second SIGTERM into the child's cleanup.
+        watchdog.dismiss()
         if item is hold.lost:
             log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
             _stop_group(child.pid, box, child, kill_after)
@@ -123,6 +134,8 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
         exited = _stop_group(child.pid, box, child, kill_after)
         return exit_status(exited if exited is not None else -signal.SIGKILL)
     finally:
+        stop_heartbeats()
+        watchdog.dismiss()
         hold.lost.unsubscribe(box)
         stop.unsubscribe(box)
 

@@ -78,9 +78,12 @@ class KeepAlive:
                     continue
             stream = self._stream
             stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id))
-            item = self._next_answer(stream, deadline)
+            item = self._next_answer(stream, self._attempt_deadline(deadline))
             if item is None:
-                break
+                # A hung member (stopped, partitioned) never answers nor errors: move on.
+                last_error = Unavailable(f"no keepalive answer from {stream.endpoint}")
+                self._drop(stream)
+                continue
             if item.error is None:
                 if item.response.TTL <= 0:
                     raise LeaseNotFound(f"lease {self._lease_id:x} expired or was revoked")
@@ -89,6 +92,14 @@ class KeepAlive:
             self._drop(stream)
             time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
         raise Unavailable(f"keepalive: no answer in time ({last_error})")
+
+    def _attempt_deadline(self, deadline: float) -> float:
+        """With several endpoints, give one stream at most half the time left (>= 0.5 s)."""
+        now = time.monotonic()
+        left = deadline - now
+        if len(self._client.endpoints) == 1:
+            return deadline
+        return now + max(min(left, 0.5), left / 2)
 
     def _next_answer(self, stream: BidiStream, deadline: float) -> StreamItem | None:
         """The next item of this stream (stale items of dropped streams are skipped)."""

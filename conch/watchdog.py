@@ -1,0 +1,111 @@
+"""The child's watchdog: a tiny separate process that terminates the child's process group
+when its wrapper can no longer supervise it.
+
+A wrapper killed with SIGKILL cannot clean up, and one frozen by SIGSTOP (or a long GC pause,
+or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So next to
+the child conch starts a watchdog (``python -I -S -c``, no imports beyond the standard
+library) that reads a pipe from conch:
+
+* a heartbeat byte after every confirmed keepalive pushes its deadline out;
+* the goodbye byte means conch itself is done with the child: exit quietly;
+* end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
+  the child's process group, SIGKILL it ``kill_after`` seconds later if anything is left.
+
+``timeout`` is set past the point where a live conch would itself have declared the session
+lost (two keepalive intervals plus two margins), so the watchdog only ever acts for a wrapper
+that cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
+HEARTBEAT = b"h"
+GOODBYE = b"x"
+
+_CODE = r"""
+import os, select, signal, sys, time
+pgid, timeout, kill_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+    signal.signal(sig, signal.SIG_IGN)
+deadline = time.monotonic() + timeout
+while True:
+    ready, _, _ = select.select([0], [], [], max(0.0, deadline - time.monotonic()))
+    if not ready:
+        break
+    data = os.read(0, 256)
+    if not data:
+        break
+    if b"x" in data:
+        sys.exit(0)
+    deadline = time.monotonic() + timeout
+try:
+    os.killpg(pgid, signal.SIGTERM)
+except ProcessLookupError:
+    sys.exit(0)
+end = time.monotonic() + kill_after
+while time.monotonic() < end:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+    time.sleep(0.05)
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
+class Watchdog:
+    """The watchdog of the process group ``pgid``. ``heartbeat()`` after each confirmed
+    keepalive, ``dismiss()`` once conch is done with the child. Raises OSError when the
+    watchdog process cannot be started."""
+
+    def __init__(self, pgid: int, timeout: float, kill_after: float) -> None:
+        self._process = subprocess.Popen(
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _CODE,
+                str(pgid),
+                f"{timeout:.3f}",
+                f"{kill_after:.3f}",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # out of reach of signals sent to conch's group
+        )
+        self._lock = threading.Lock()
+        self._dismissed = False
+
+    def heartbeat(self) -> None:
+        """Push the deadline out (called from the keepalive thread; never raises)."""
+        with self._lock:
+            if not self._dismissed:
+                self._send(HEARTBEAT)
+
+    def dismiss(self) -> None:
+        """conch is done with the child: the watchdog exits without killing anything."""
+        with self._lock:
+            if self._dismissed:
+                return
+            self._dismissed = True
+            self._send(GOODBYE)
+            if self._process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    self._process.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._process.wait(timeout=1.0)
+
+    def _send(self, byte: bytes) -> None:
+        assert self._process.stdin is not None
+        with contextlib.suppress(OSError, ValueError):
+            os.write(self._process.stdin.fileno(), byte)

@@ -42,6 +42,7 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.session import Session
 
 CMD_MAX_BYTES = 256
+LOST_REVOKE_TIMEOUT = 1.0  # seconds
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
@@ -157,10 +158,15 @@ class Hold:
 
     def release(self) -> None:
         """Delete our key if it is still ours (KV.Txn on create_revision), then revoke the
-        lease (Lease.LeaseRevoke). Best effort: on failure the lease expires after its TTL."""
+        lease (Lease.LeaseRevoke). Best effort: on failure the lease expires after its TTL.
+        After a loss only the revoke is tried, for at most LOST_REVOKE_TIMEOUT seconds: etcd
+        is likely unreachable, and the exit must not wait on it."""
         if self._released.is_set():
             return
         self._released.set()
+        if self.lost.is_set():
+            self.session.close(timeout=LOST_REVOKE_TIMEOUT)
+            return
         try:
             kv.txn(
                 self._client,

@@ -119,6 +119,16 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
             log.info(
                 "child-exit", pid=child.pid, code=code, ran=f"{time.monotonic() - started:.3f}s"
             )
+            watchdog.dismiss()
+            if watchdog.fired:
+                # We were frozen past the silence limit; the watchdog stopped the child.
+                log.error(
+                    "lost",
+                    name=hold.name,
+                    rev=hold.revision,
+                    reason="wrapper stalled; the watchdog terminated the child",
+                )
+                return EX_SOFTWARE
             if _group_alive(child.pid):
                 log.warning("stragglers", pgid=child.pid)
                 _stop_group(child.pid, box, None, kill_after)

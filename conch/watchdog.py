@@ -9,7 +9,8 @@ library) that reads a pipe from conch:
 * a heartbeat byte after every confirmed keepalive pushes its deadline out;
 * the goodbye byte means conch itself is done with the child: exit quietly;
 * end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
-  the child's process group, SIGKILL it ``kill_after`` seconds later if anything is left.
+  the child's process group (and say ``FIRED`` on its stdout), SIGKILL it ``kill_after``
+  seconds later if anything is left.
 
 ``timeout`` is set past the point where a live conch would itself have declared the session
 lost (two keepalive intervals plus two margins), so the watchdog only ever acts for a wrapper
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -47,6 +49,10 @@ try:
     os.killpg(pgid, signal.SIGTERM)
 except ProcessLookupError:
     sys.exit(0)
+try:
+    os.write(1, b"F")
+except OSError:
+    pass
 end = time.monotonic() + kill_after
 while time.monotonic() < end:
     try:
@@ -59,6 +65,7 @@ try:
 except ProcessLookupError:
     pass
 """
+FIRED = b"F"  # what the watchdog writes to its stdout when it terminates the group
 
 
 class Watchdog:
@@ -79,7 +86,7 @@ class Watchdog:
                 f"{kill_after:.3f}",
             ],
             stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # out of reach of signals sent to conch's group
         )
@@ -104,6 +111,14 @@ class Watchdog:
                     self._process.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(timeout=1.0)
+
+    @property
+    def fired(self) -> bool:
+        """Whether the watchdog has terminated the group."""
+        assert self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        ready, _, _ = select.select([fd], [], [], 0)
+        return bool(ready) and os.read(fd, 1) == FIRED
 
     def _send(self, byte: bytes) -> None:
         assert self._process.stdin is not None

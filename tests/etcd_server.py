@@ -109,6 +109,7 @@ class EtcdCluster:
     """``size`` members on loopback in ``base``; ``extra`` flags go to every member."""
 
     def __init__(self, base: Path, size: int = 1, extra: list[str] | None = None) -> None:
+        base.mkdir(parents=True, exist_ok=True)
         self.members = [
             Member(
                 f"m{i}",

@@ -1,0 +1,318 @@
+"""Failure semantics (contract section 10) against real etcd: dead and frozen wrappers, a
+3-member cluster losing members and quorum, a whole-etcd outage, compaction, hostile keys."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conchpb.etcdserverpb import rpc_pb2
+
+from conch.etcd import Client, kv
+from conch.flag import Flag
+from conch.semaphore import Identity, Semaphore, _Standing
+from tests.conftest import Gate, Runner, poll, sema_keys, who_json
+from tests.etcd_server import EtcdCluster
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    poll(lambda: not alive(pid), timeout=timeout, what=f"pid {pid} to be terminated")
+
+
+def child_and_grandchild(tmp_path: Path) -> tuple[list[str], Path]:
+    pids = tmp_path / "pids"
+    return ["sh", "-c", f"sleep 600 & echo $$ $! > {pids}; wait"], pids
+
+
+def read_pids(pids: Path) -> list[int]:
+    poll(lambda: pids.exists() and len(pids.read_text().split()) == 2, what="child pids")
+    return [int(p) for p in pids.read_text().split()]
+
+
+# -- wrappers that die or freeze -------------------------------------------------------------
+
+
+def test_sigkilled_wrapper_takes_child_and_grandchild_with_it(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    cmd, pids = child_and_grandchild(tmp_path)
+    proc = conch.start("sema", name, "--max", "1", "--", *cmd)
+    child, grandchild = read_pids(pids)
+    proc.process.kill()  # the wrapper alone, not its group
+    proc.process.wait()
+    for pid in (child, grandchild):
+        wait_gone(pid, timeout=10)
+
+
+def test_frozen_wrapper_child_is_stopped_before_a_waiter_takes_over(
+    conch: Runner, gate: Gate, client: Client, name: str, tmp_path: Path
+) -> None:
+    cmd, pids = child_and_grandchild(tmp_path)
+    holder = conch.start("sema", name, "--max", "1", "--ttl", "3s", "--", *cmd)
+    child, grandchild = read_pids(pids)
+    waiter = conch.start("sema", name, "--max", "1", "--ttl", "3s", "--", *gate.cmd("w"))
+    poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
+    holder.signal(signal.SIGSTOP)  # a GC pause or a partition, longer than the TTL
+    try:
+        frozen_at = time.monotonic()
+        for pid in (child, grandchild):
+            wait_gone(pid, timeout=15)
+        stopped_after = time.monotonic() - frozen_at
+        poll(lambda: gate.now_running() == {"w"}, what="the waiter to take the slot")
+        # The watchdog acts at two keepalive intervals plus two margins (3 s for TTL 3 s),
+        # no later than the lease can expire.
+        assert stopped_after < 3 + 2.0
+    finally:
+        holder.signal(signal.SIGCONT)
+    assert holder.wait() == 70
+    assert "watchdog terminated the child" in holder.log()
+    gate.release("w")
+    assert waiter.wait() == 0
+
+
+# -- a 3-member cluster ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    c = EtcdCluster(tmp_path / "cluster", size=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+def cluster_runner(cluster: EtcdCluster, tmp_path: Path) -> Runner:
+    return Runner(cluster, tmp_path)
+
+
+def test_holder_and_waiter_survive_the_loss_of_their_member(
+    cluster: EtcdCluster, tmp_path: Path, gate: Gate, name: str
+) -> None:
+    runner = cluster_runner(cluster, tmp_path)
+    try:
+        holder = runner.start("sema", name, "--max", "1", "--ttl", "3s", "--", *gate.cmd("h"))
+        poll(lambda: gate.now_running() == {"h"}, what="holder")
+        waiter = runner.start("sema", name, "--max", "1", "--ttl", "3s", "--", *gate.cmd("w"))
+        with cluster.client() as client:
+            poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
+        cluster.members[0].stop()  # everyone talks to the first endpoint
+        # Three TTLs later the hold must still be there: keepalives moved to another member.
+        with Client.connect([e for e in cluster.client().endpoints[1:]], dial_timeout=5) as client:
+            time.sleep(9)  # observation window of three lease TTLs
+            assert gate.now_running() == {"h"}
+            assert len(sema_keys(client, name)) == 2
+            gate.release("h")
+            poll(lambda: gate.now_running() == {"w"}, what="waiter promoted after failover")
+            gate.release("w")
+        assert holder.wait() == 0 and waiter.wait() == 0
+        assert "lost" not in holder.events()
+    finally:
+        runner.cleanup()
+
+
+def test_quorum_loss_kills_holders_and_waiters_get_slots_when_it_returns(
+    cluster: EtcdCluster, tmp_path: Path, gate: Gate, name: str
+) -> None:
+    runner = cluster_runner(cluster, tmp_path)
+    try:
+        holder = runner.start("sema", name, "--max", "1", "--ttl", "3s", "--", *gate.cmd("h"))
+        poll(lambda: gate.now_running() == {"h"}, what="holder")
+        waiter = runner.start(
+            "sema", name, "--max", "1", "--ttl", "3s", "--wait", "5m", "--", *gate.cmd("w")
+        )
+        with cluster.client() as client:
+            poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
+        cluster.members[1].stop()
+        cluster.members[2].stop()
+        began = time.monotonic()  # quorum is gone once the second member has exited
+        assert holder.wait(timeout=30) == 70
+        detected = time.monotonic() - began
+        assert "h" not in gate.now_running()
+        # Loss is declared within about one keepalive interval (1 s) plus the margin and
+        # the failover attempts; generous bound for a noisy machine.
+        assert detected < 10, detected
+        time.sleep(2)  # observation window: nothing runs without quorum
+        assert gate.now_running() == set()
+        for member in cluster.members[1:]:
+            member.start(cluster.initial_cluster)
+        poll(lambda: gate.now_running() == {"w"}, timeout=60, what="waiter promoted")
+        gate.release("w")
+        assert waiter.wait() == 0
+    finally:
+        runner.cleanup()
+
+
+# -- the whole etcd stops ------------------------------------------------------------------
+
+
+def test_whole_etcd_outage_fails_closed_within_the_ttl(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    single = EtcdCluster(tmp_path / "solo", size=1)
+    single.start()
+    runner = Runner(single, tmp_path)
+    marker = tmp_path / "termed"
+    script = (
+        f"trap 'date +%s.%N > {marker}; exit 0' TERM; touch {tmp_path}/up; "
+        "while :; do sleep 0.05; done"
+    )
+    try:
+        proc = runner.start("sema", name, "--max", "1", "--ttl", "6s", "--", "sh", "-c", script)
+        poll(lambda: (tmp_path / "up").exists(), what="child up")
+        outage_began = time.time()
+        single.members[0].pause()
+        assert proc.wait(timeout=30) == 70
+        to_sigterm = float(marker.read_text()) - outage_began
+        with capsys.disabled():
+            print(f"\n[measure] whole-etcd outage -> SIGTERM to child: {to_sigterm:.2f}s (TTL 6s)")
+        assert to_sigterm < 6.0
+    finally:
+        single.members[0].resume()
+        runner.cleanup()
+        single.stop()
+
+
+# -- compaction ----------------------------------------------------------------------------
+
+
+class CompactingSemaphore(Semaphore):
+    """Compacts etcd past the revision a waiter just read, before its watch starts: the
+    race a busy cluster with auto-compaction produces now and then, made certain."""
+
+    compactions = 0
+
+    def _standing(self, key: bytes, revision: int) -> _Standing:
+        standing = super()._standing(key, revision)
+        if not standing.held and self.compactions == 0:
+            self.compactions += 1
+            for i in range(3):
+                kv.put(self.client, b"/churn/" + str(i).encode(), b"x")
+            now = kv.put(self.client, b"/churn/last", b"x").header.revision
+            self.client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=now))
+        return standing
+
+
+def test_waiter_whose_watch_start_was_compacted_still_gets_the_slot(
+    client: Client, name: str
+) -> None:
+    holder_sema = Semaphore(client, name, 1, ttl=5, identity=Identity.current(["h"]))
+    hold = holder_sema.acquire(timeout=10)
+    waiter = CompactingSemaphore(client, name, 1, ttl=5, identity=Identity.current(["w"]))
+    got: list[int] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30).revision))
+    thread.start()
+    poll(lambda: waiter.compactions == 1, what="the compaction to be injected")
+    hold.release()
+    thread.join(timeout=30)
+    assert got and got[0] > hold.revision
+
+
+def test_no_slot_stays_free_while_a_waiter_waits_under_compaction_and_churn(
+    tmp_path: Path, name: str, gate: Gate
+) -> None:
+    busy = EtcdCluster(
+        tmp_path / "busy",
+        size=1,
+        extra=["--auto-compaction-mode=revision", "--auto-compaction-retention=10"],
+    )
+    busy.start()
+    runner = Runner(busy, tmp_path)
+    stop = threading.Event()
+
+    def churn() -> None:
+        with busy.client() as c:
+            i = 0
+            while not stop.is_set():
+                rev = kv.put(c, b"/churn/k", str(i).encode()).header.revision
+                if i % 20 == 0:
+                    c.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=rev))
+                i += 1
+                stop.wait(0.005)
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    log = tmp_path / "spans"
+    script = f'echo "start $(date +%s.%N)" >> {log}; sleep 0.3; echo "end $(date +%s.%N)" >> {log}'
+    try:
+        with busy.client() as client:
+            procs = [runner.start("sema", name, "--max", "1", "--", *gate.cmd("first"))]
+            poll(lambda: gate.now_running() == {"first"}, what="first holder")
+            for _ in range(5):
+                procs.append(runner.start("sema", name, "--max", "1", "--", "sh", "-c", script))
+                poll(lambda: len(sema_keys(client, name)) == len(procs), what="queued")
+            gate.release("first")
+            assert [p.wait(timeout=60) for p in procs] == [0] * 6
+        lines = [line.split() for line in log.read_text().splitlines()]
+        # Every waiter was queued before the first slot freed: each handoff must be quick.
+        assert [kind for kind, _ in lines] == ["start", "end"] * 5
+        stamps = [float(t) for _, t in lines]
+        gaps = [stamps[i + 1] - stamps[i] for i in range(1, len(stamps) - 1, 2)]
+        assert max(gaps) < 1.0, gaps
+    finally:
+        stop.set()
+        churner.join()
+        runner.cleanup()
+        busy.stop()
+
+
+# -- hostile state under the prefix ------------------------------------------------------
+
+
+def test_hostile_keys_are_shown_marked_and_occupy_their_place(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    base = f"/conch/v1/sema/{name}/".encode()
+    kv.put(client, base + b"1/zzz", b"not json")  # no lease, bad value
+    kv.put(client, base + b"abc/x", b"{}")  # capacity that is not a number
+    kv.put(client, base + b"1", b"[1,2]")  # no tail at all
+    records = who_json(conch, name)
+    notes = {str(r["note"]) for r in records}
+    assert any("malformed-value" in n and "no-lease" in n for n in notes), records
+    assert any("bad-key" in n for n in notes), records
+    # The unleased key holds the only slot of --max 1 ...
+    code, _, err = conch.run("sema", name, "--max", "1", "--nonblock", "--", "true")
+    assert code == 75 and "Traceback" not in err
+    # ... and counts as one holder of --max 2.
+    proc = conch.start("sema", name, "--max", "2", "--", *gate.cmd("ok"))
+    poll(lambda: gate.now_running() == {"ok"}, what="second slot of --max 2")
+    gate.release("ok")
+    assert proc.wait() == 0
+    kv.delete(client, base, kv.prefix_end(base))
+    assert conch.run("sema", name, "--max", "1", "--nonblock", "--", "true")[0] == 0
+
+
+def test_interrupt_flag_set_by_a_signal_handler_withdraws_a_library_waiter(
+    client: Client, name: str
+) -> None:
+    holder = Semaphore(client, name, 1, ttl=5).acquire(timeout=10)
+    interrupt = Flag("interrupt")
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            Semaphore(client, name, 1, ttl=5).acquire(interrupt=interrupt)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    poll(lambda: len(sema_keys(client, name)) == 2, what="library waiter queued")
+    interrupt.set(signal.SIGINT)
+    thread.join(timeout=30)
+    assert errors and getattr(errors[0], "exit_code", None) == 128 + signal.SIGINT
+    assert len(sema_keys(client, name)) == 1
+    holder.release()
+    assert sema_keys(client, name) == []

@@ -32,10 +32,14 @@ class Session:
 
     def __init__(self, client: Client, ttl: int) -> None:
         self._client = client
+        asked = time.monotonic()
         granted = lease.grant(client, ttl)
         self.lease_id = granted.id
         self.ttl = granted.ttl
         self.interval = self.ttl / 3
+        # etcd restarts the countdown when it receives a grant or keepalive, which is after
+        # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
+        self.alive_until = asked + self.ttl
         self.lost = Flag("session-lost")
         self._keepalive_listeners: list[Callable[[], None]] = []
         self._stop = threading.Event()
@@ -50,16 +54,22 @@ class Session:
         while not self._stop.wait(max(0.0, next_send - time.monotonic())):
             sent = time.monotonic()
             try:
-                self._keepalive.refresh(deadline=sent + self.interval + margin)
+                ttl = self._keepalive.refresh(deadline=sent + self.interval + margin)
             except LeaseNotFound:
                 self._declare_lost("lease expired or was revoked")
                 return
             except EtcdError as exc:
                 self._declare_lost(f"keepalive failed: {exc}")
                 return
+            self.alive_until = sent + ttl
             for listener in tuple(self._keepalive_listeners):
                 listener()
             next_send = sent + self.interval
+
+    def certainly_alive(self) -> bool:
+        """Whether the lease is alive for sure now: not lost, and etcd's countdown from our
+        last confirmed keepalive has not run out (a process frozen past its TTL fails this)."""
+        return not self.lost.is_set() and time.monotonic() < self.alive_until
 
     @property
     def silence_limit(self) -> float:

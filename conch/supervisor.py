@@ -86,8 +86,9 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
     (terminate it, return its status). Never starts it without a hold: 70 if already lost."""
-    if hold.lost.is_set():
-        log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
+    if hold.lost.is_set() or not hold.session.certainly_alive():
+        reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
+        log.error("lost", name=hold.name, rev=hold.revision, reason=str(reason))
         return EX_SOFTWARE
     try:
         child = subprocess.Popen(list(argv), env=child_env(hold), start_new_session=True)

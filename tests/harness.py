@@ -1,0 +1,254 @@
+"""The invariant harness: K conch wrappers contend for one semaphore while a seeded schedule
+injects faults; then the records the children left are checked against the contract.
+
+Each child appends ``start|end <holder> <CONCH_REV> <unix time>`` lines to one file opened
+with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
+SIGKILL, SIGSTOP for longer than the TTL then SIGCONT, revocation of its lease from outside,
+SIGTERM. Checked afterwards:
+
+* at every instant at most N children run, except within TTL + kill-after of an induced
+  loss; and every child ends (every window closes);
+* with N = 1, fencing tokens rise in the order the children start;
+* convergence: every wrapper exits with 0, 70, 75 or 128+15 (or died of our SIGKILL), and
+  no conch key is left in etcd once all have exited (a SIGKILLed wrapper's lease expires).
+
+Run longer, with other seeds: ``scripts/harness.py --help``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conchpb.etcdserverpb import rpc_pb2
+
+from conch import keys
+from conch.etcd import kv, lease
+from tests.etcd_server import EtcdCluster
+
+FAULTS = ("sigkill", "sigstop", "revoke", "sigterm")
+OK_EXITS = {0, 70, 75, 128 + signal.SIGTERM, -signal.SIGKILL}
+
+
+@dataclass
+class Config:
+    seed: int
+    max_holders: int
+    workers: int = 8
+    duration: float = 20.0  # seconds of fault injection
+    ttl: int = 3
+    kill_after: float = 1.0
+    name: str = ""
+
+
+@dataclass
+class Report:
+    config: Config
+    faults: list[tuple[float, str]] = field(default_factory=list)
+    exits: list[int] = field(default_factory=list)
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)
+    excess: list[tuple[float, float, int]] = field(default_factory=list)  # start, end, count
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        kinds = {k: sum(1 for _, f in self.faults if f == k) for k in FAULTS}
+        widest = max((e - s for s, e, _ in self.excess), default=0.0)
+        return (
+            f"seed={self.config.seed} N={self.config.max_holders} K={self.config.workers} "
+            f"runs={len(self.exits)} children={len(self.spans)} faults={kinds} "
+            f"overlap_windows={len(self.excess)} widest_overlap={widest:.2f}s "
+            f"problems={len(self.problems)}"
+        )
+
+
+CHILD = (
+    'trap \'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
+    'echo "start $H $CONCH_REV $(date +%s.%N)" >> "$REC"; '
+    'sleep "$D" & wait $!; '
+    'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"'
+)
+
+
+class Harness:
+    def __init__(self, config: Config, etcd: EtcdCluster, workdir: Path) -> None:
+        self.config = config
+        self.etcd = etcd
+        self.workdir = workdir
+        self.records = workdir / "records"
+        self.rng = random.Random(config.seed)
+        self.report = Report(config)
+        self.running: dict[int, subprocess.Popen[bytes]] = {}
+        self.lock = threading.Lock()
+        self.stop_at = 0.0
+        if not config.name:
+            config.name = f"harness-{config.seed}-{config.max_holders}"
+
+    def _worker(self, index: int, rng: random.Random) -> None:
+        run = 0
+        while time.monotonic() < self.stop_at:
+            run += 1
+            env = dict(os.environ)
+            env.update(
+                CONCH_ENDPOINTS=self.etcd.endpoints,
+                REC=str(self.records),
+                H=f"w{index}.{run}",
+                D=f"{rng.uniform(0.2, 0.8):.3f}",
+            )
+            args = [
+                sys.executable,
+                "-m",
+                "conch",
+                "sema",
+                self.config.name,
+                "--max",
+                str(self.config.max_holders),
+                "--ttl",
+                f"{self.config.ttl}s",
+                "--kill-after",
+                f"{self.config.kill_after}s",
+                "--wait",
+                "30s",
+                "--quiet",
+                "--",
+                "sh",
+                "-c",
+                CHILD,
+            ]
+            with (self.workdir / f"w{index}.log").open("ab") as log:
+                proc = subprocess.Popen(args, env=env, stderr=log, start_new_session=True)
+            with self.lock:
+                self.running[index] = proc
+            code = proc.wait()
+            with self.lock:
+                self.running.pop(index, None)
+                self.report.exits.append(code)
+
+    def _lease_of(self, pid: int) -> int | None:
+        prefix = keys.sema_prefix(self.config.name, self.config.max_holders)
+        with self.etcd.client() as client:
+            response = kv.range_(
+                client, rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix))
+            )
+        for item in response.kvs:
+            try:
+                if json.loads(item.value).get("pid") == pid:
+                    return int(item.lease)
+            except ValueError:
+                continue
+        return None
+
+    def _inject(self) -> None:
+        while time.monotonic() < self.stop_at:
+            time.sleep(self.rng.uniform(0.5, 2.0))
+            with self.lock:
+                targets = sorted(self.running.items())
+            if not targets:
+                continue
+            _, proc = self.rng.choice(targets)
+            fault = self.rng.choice(FAULTS)
+            now = time.time()
+            try:
+                if fault == "sigkill":
+                    proc.send_signal(signal.SIGKILL)
+                elif fault == "sigterm":
+                    proc.send_signal(signal.SIGTERM)
+                elif fault == "sigstop":
+                    proc.send_signal(signal.SIGSTOP)
+                    time.sleep(self.config.ttl + self.rng.uniform(0.5, 1.5))
+                    proc.send_signal(signal.SIGCONT)
+                else:
+                    lease_id = self._lease_of(proc.pid)
+                    if lease_id is None:
+                        continue
+                    with self.etcd.client() as client:
+                        lease.revoke(client, lease_id)
+            except ProcessLookupError:
+                continue
+            self.report.faults.append((now, fault))
+
+    def run(self) -> Report:
+        self.records.touch()
+        self.stop_at = time.monotonic() + self.config.duration
+        threads = [
+            threading.Thread(target=self._worker, args=(i, random.Random(self.rng.random())))
+            for i in range(self.config.workers)
+        ]
+        for t in threads:
+            t.start()
+        self._inject()
+        for t in threads:
+            t.join(timeout=120)
+            if t.is_alive():
+                self.report.problems.append("a wrapper did not exit within 120 s")
+        self._check()
+        return self.report
+
+    def _check(self) -> None:
+        report, cfg = self.report, self.config
+        bad_exits = sorted({c for c in report.exits if c not in OK_EXITS})
+        if bad_exits:
+            report.problems.append(f"unexpected wrapper exit codes {bad_exits}")
+        starts: dict[tuple[str, int], float] = {}
+        ends: dict[tuple[str, int], float] = {}
+        for line in self.records.read_text().splitlines():
+            kind, holder, rev, stamp = line.split()
+            (starts if kind == "start" else ends)[(holder, int(rev))] = float(stamp)
+        for key, begun in starts.items():
+            if key not in ends:
+                report.problems.append(f"child {key} never ended")
+                continue
+            report.spans.append((key[0], key[1], begun, ends[key]))
+        # Sweep for instants with more than N children running (ends sort before starts).
+        events = sorted(
+            [(span[2], 1) for span in report.spans] + [(span[3], -1) for span in report.spans]
+        )
+        count, peak = 0, 0
+        opened: float | None = None
+        for stamp, delta in events:
+            count += delta
+            if count > cfg.max_holders:
+                opened = stamp if opened is None else opened
+                peak = max(peak, count)
+            elif opened is not None:
+                report.excess.append((opened, stamp, peak))
+                opened, peak = None, 0
+        window = cfg.ttl + cfg.kill_after + 1.0  # + 1 s for process start-up on a busy host
+        losses = [t for t, f in report.faults if f in ("sigkill", "sigstop", "revoke")]
+        for begun, ended, peak in report.excess:
+            if not any(t <= begun and ended <= t + window for t in losses):
+                report.problems.append(
+                    f"{peak} children ran at once from {begun:.3f} to {ended:.3f} with no "
+                    f"induced loss in the {window:.1f}s before"
+                )
+        if cfg.max_holders == 1:
+            ordered = sorted(report.spans, key=lambda s: s[2])
+            for before, after in itertools.pairwise(ordered):
+                if after[1] <= before[1]:
+                    report.problems.append(
+                        f"fencing token went from {before[1]} to {after[1]} ({after[0]})"
+                    )
+        self._check_converged()
+
+    def _check_converged(self) -> None:
+        prefix = keys.name_prefix(self.config.name)
+        deadline = time.monotonic() + self.config.ttl + 10
+        left: list[bytes] = []
+        with self.etcd.client() as client:
+            while time.monotonic() < deadline:
+                response = kv.range_(
+                    client, rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix))
+                )
+                left = [item.key for item in response.kvs]
+                if not left:
+                    return
+                time.sleep(0.2)
+        self.report.problems.append(f"keys left in etcd after all exited: {left}")

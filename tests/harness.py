@@ -213,13 +213,13 @@ class Harness:
         )
         count, peak = 0, 0
         opened: float | None = None
-        for stamp, delta in events:
+        for at, delta in events:
             count += delta
             if count > cfg.max_holders:
-                opened = stamp if opened is None else opened
+                opened = at if opened is None else opened
                 peak = max(peak, count)
             elif opened is not None:
-                report.excess.append((opened, stamp, peak))
+                report.excess.append((opened, at, peak))
                 opened, peak = None, 0
         window = cfg.ttl + cfg.kill_after + 1.0  # + 1 s for process start-up on a busy host
         losses = [t for t, f in report.faults if f in ("sigkill", "sigstop", "revoke")]

@@ -4,6 +4,108 @@
 
 runs CMD only while holding one of N slots of the semaphore NAME, counted across every machine
 that talks to the same etcd cluster, and kills CMD the moment the hold is lost.
+
+The library under the command (timeouts in seconds, revisions as etcd numbers them)::
+
+    import conch
+
+    with conch.connect("10.0.0.1:2379,10.0.0.2:2379") as client:
+        sema = conch.Semaphore(client, "reports", max=2, ttl=10)
+        with sema.acquire(timeout=30) as hold:   # raises conch.NoSlot after 30 s
+            hold.revision      # fencing token: our key's create_revision
+            hold.lease_id      # the session's lease
+            hold.lost          # a Flag: .is_set(), .wait(timeout); set when the hold is lost
+            hold.on_lost(lambda reason: ...)
+            ...                # the critical section
+        conch.who(client, "reports")   # [conch.Record, ...]
+
+Everything here is imported lazily, so ``import conch`` costs nothing until used.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "ETCD_API_VERSION": "conch.etcd",
+    "Client": "conch.etcd",
+    "Endpoint": "conch.etcd",
+    "connect": "conch.etcd.client",
+    "Semaphore": "conch.semaphore",
+    "Hold": "conch.semaphore",
+    "Identity": "conch.semaphore",
+    "Record": "conch.semaphore",
+    "who": "conch.semaphore",
+    "Session": "conch.session",
+    "Flag": "conch.flag",
+    "supervise": "conch.supervisor",
+    "ConchError": "conch.errors",
+    "UsageError": "conch.errors",
+    "EtcdError": "conch.errors",
+    "Unavailable": "conch.errors",
+    "PermissionDenied": "conch.errors",
+    "LeaseNotFound": "conch.errors",
+    "Compacted": "conch.errors",
+    "SessionLost": "conch.errors",
+    "NoSlot": "conch.errors",
+    "Interrupted": "conch.errors",
+}
+
+__all__ = [
+    "ETCD_API_VERSION",
+    "Client",
+    "Compacted",
+    "ConchError",
+    "Endpoint",
+    "EtcdError",
+    "Flag",
+    "Hold",
+    "Identity",
+    "Interrupted",
+    "LeaseNotFound",
+    "NoSlot",
+    "PermissionDenied",
+    "Record",
+    "Semaphore",
+    "Session",
+    "SessionLost",
+    "Unavailable",
+    "UsageError",
+    "__version__",
+    "connect",
+    "supervise",
+    "who",
+]
+
+if TYPE_CHECKING:
+    from conch.errors import (
+        Compacted,
+        ConchError,
+        EtcdError,
+        Interrupted,
+        LeaseNotFound,
+        NoSlot,
+        PermissionDenied,
+        SessionLost,
+        Unavailable,
+        UsageError,
+    )
+    from conch.etcd import ETCD_API_VERSION, Client, Endpoint
+    from conch.etcd.client import connect
+    from conch.flag import Flag
+    from conch.semaphore import Hold, Identity, Record, Semaphore, who
+    from conch.session import Session
+    from conch.supervisor import supervise
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'conch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

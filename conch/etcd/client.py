@@ -235,6 +235,17 @@ class Client:
         return endpoint, call, call
 
 
+def connect(
+    endpoints: str | Sequence[str], dial_timeout: float = 5.0, request_timeout: float = 5.0
+) -> Client:
+    """A Client for ``endpoints`` (a comma-separated string or a list of ``host:port`` /
+    ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises UsageError for
+    a bad endpoint, Unavailable when none answers in time."""
+    texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed = [Endpoint.parse(t) for t in texts if t.strip()]
+    return Client.connect(parsed, dial_timeout, request_timeout)
+
+
 class BidiStream:
     """A bidirectional gRPC stream whose answers arrive in a mailbox.
 

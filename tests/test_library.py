@@ -1,0 +1,94 @@
+"""The embedding API: the example service, coexistence with another etcd client's stubs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import conch
+from conch.etcd import Client, lease
+from tests.conftest import poll, sema_keys
+from tests.etcd_server import EtcdCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_example_service_instances_never_overlap_and_tokens_rise(
+    etcd: EtcdCluster, tmp_path: Path, name: str
+) -> None:
+    journal = tmp_path / "journal"
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "guarded_service.py"),
+        "--endpoints",
+        etcd.endpoints,
+        "--name",
+        name,
+        "--rounds",
+        "3",
+        "--journal",
+        str(journal),
+    ]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sum(line.startswith("round token=") for o in outputs for line in o.splitlines()) == 6
+    lines = [line.split() for line in journal.read_text().splitlines()]
+    tokens = [int(fields[2].split("=")[1]) for fields in lines]
+    # Rounds never interleave: the journal is 6 runs of 5 steps, tokens rising run by run.
+    runs = [tokens[i : i + 5] for i in range(0, 30, 5)]
+    assert len(lines) == 30 and all(len(set(run)) == 1 for run in runs)
+    assert [run[0] for run in runs] == sorted({t for t in tokens})
+
+
+def test_library_hold_reports_loss_by_flag_and_callback(client: Client, name: str) -> None:
+    sema = conch.Semaphore(client, name, max=1, ttl=3)
+    reasons: list[str] = []
+    with sema.acquire(timeout=10) as hold:
+        hold.on_lost(reasons.append)
+        assert not hold.lost.is_set()
+        lease.revoke(client, hold.lease_id)
+        assert hold.lost.wait(timeout=30)
+        poll(lambda: reasons, what="the callback")
+    assert sema_keys(client, name) == []
+
+
+def test_library_nonblocking_acquire_raises_no_slot(client: Client, name: str) -> None:
+    with conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10):
+        with pytest.raises(conch.NoSlot):
+            conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=0)
+        assert [r.state for r in conch.who(client, name)] == ["HELD"]
+    assert conch.who(client, name) == []
+
+
+@pytest.mark.parametrize("order", ["theirs-first", "ours-first"])
+def test_coexists_with_another_etcd_clients_stubs(etcd: EtcdCluster, order: str) -> None:
+    pytest.importorskip("pyetcd")
+    ours = "import conch.etcd.kv as kv; from conch.etcd.client import connect"
+    theirs = "import pyetcd"
+    imports = [theirs, ours] if order == "theirs-first" else [ours, theirs]
+    host, port = etcd.members[0].endpoint.split(":")
+    script = textwrap.dedent(f"""
+        {imports[0]}
+        {imports[1]}
+        with connect({etcd.endpoints!r}) as c:
+            kv.put(c, b"/coexist/{order}", b"ours")
+        other = pyetcd.client(host={host!r}, port={port})
+        value, _ = other.get("/coexist/{order}")
+        assert value == b"ours", value
+        print("ok")
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

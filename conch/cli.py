@@ -87,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     sema = sub.add_parser(
         "sema",
         help="run CMD while holding one of --max slots of semaphore NAME",
-        description="conch sema NAME --max N [options] -- CMD...  runs CMD only while holding "
-        "one of N slots of NAME; conch sema NAME [--max N] --who [--json] lists holders.",
+        usage="conch sema NAME --max N [--ttl DUR] [--wait DUR | --nonblock] [--spread] "
+        "[--kill-after DUR] [--endpoints LIST] [--dial-timeout DUR] [--quiet] -- CMD...\n"
+        "       conch sema NAME [--max N] --who [--json] [--endpoints LIST]",
+        description="Run CMD only while holding one of N slots of the semaphore NAME, counted "
+        "across every machine that shares the etcd cluster; kill CMD the moment the hold is "
+        "lost. With --who, list the holders and waiters instead.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
     sema.add_argument(

@@ -1,0 +1,67 @@
+"""What a user installs: a wheel that runs without grpcio-tools, with its man page."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import EtcdCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_man_page_renders_cleanly() -> None:
+    if shutil.which("man") is None:
+        pytest.skip("man is not installed")
+    result = subprocess.run(
+        ["man", "--warnings", "-l", str(ROOT / "man" / "conch.1")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"MANWIDTH": "80", "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0
+    assert result.stderr == ""
+    for section in ("SYNOPSIS", "EXIT STATUS", "ENVIRONMENT", "EXAMPLES", "FAILURE SEMANTICS"):
+        assert section in result.stdout
+    assert "CONCH_TTL" in result.stdout and "--kill-after" in result.stdout
+
+
+def test_built_wheel_installs_and_runs_without_grpcio_tools(
+    etcd: EtcdCluster, tmp_path: Path, name: str
+) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    (wheel,) = wheels.glob("conch-*.whl")
+    subprocess.run(
+        [str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", str(wheel)],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    freeze = subprocess.run(
+        [str(venv / "bin" / "pip"), "freeze"], capture_output=True, text=True, check=True
+    ).stdout.lower()
+    assert "grpcio-tools" not in freeze and "grpcio==" in freeze and "protobuf==" in freeze
+    conch = str(venv / "bin" / "conch")
+    version = subprocess.run([conch, "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith("conch ") and "etcd API v3.5" in version.stdout
+    run = subprocess.run(
+        [conch, "sema", name, "--max", "1", "--endpoints", etcd.endpoints, "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    assert (venv / "share" / "man" / "man1" / "conch.1").is_file()

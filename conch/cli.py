@@ -12,7 +12,8 @@ from typing import NoReturn
 
 from conch import __version__, log
 from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
-from conch.etcd import ETCD_API_VERSION, Client, Endpoint
+from conch.etcd import ETCD_API_VERSION, Client
+from conch.etcd.client import TLS, Credentials, connect
 from conch.flag import Flag
 from conch.keys import check_name
 from conch.semaphore import Identity, Semaphore, check_max, who
@@ -144,6 +145,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="give up connecting after DUR (env CONCH_DIAL_TIMEOUT, default 5s)",
     )
     sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
+    security = sema.add_argument_group("TLS and authentication (named as etcdctl names them)")
+    security.add_argument(
+        "--cacert",
+        metavar="FILE",
+        help="CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT)",
+    )
+    security.add_argument(
+        "--cert", metavar="FILE", help="client certificate for mutual TLS (env CONCH_CERT)"
+    )
+    security.add_argument("--key", metavar="FILE", help="client key for mutual TLS (env CONCH_KEY)")
+    security.add_argument(
+        "--insecure-skip-tls-verify",
+        action="store_true",
+        help="not supported: gRPC's Python TLS cannot skip verification; pass --cacert instead",
+    )
+    security.add_argument("--user", metavar="NAME[:PASSWORD]", help="etcd user (env CONCH_USER)")
+    security.add_argument(
+        "--password",
+        metavar="PASSWORD",
+        help="etcd password; prefer env CONCH_PASSWORD or --password-file, which stay out of argv",
+    )
+    security.add_argument(
+        "--password-file",
+        metavar="FILE",
+        help="read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
+    )
     return parser
 
 
@@ -153,14 +180,58 @@ def _setting(flag: str, given: str | None, env: str, default: str) -> tuple[str,
     return _env(env, default)
 
 
+def _read_file(flag: str, path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
+
+
+def _tls(args: argparse.Namespace) -> TLS | None:
+    if args.insecure_skip_tls_verify or os.environ.get("CONCH_INSECURE_SKIP_TLS_VERIFY"):
+        raise UsageError(
+            "--insecure-skip-tls-verify is not supported (gRPC's Python TLS "
+            "cannot skip verification); pass --cacert with etcd's CA instead"
+        )
+    files = {}
+    for flag, attr, env in (
+        ("--cacert", "cacert", "CONCH_CACERT"),
+        ("--cert", "cert", "CONCH_CERT"),
+        ("--key", "key", "CONCH_KEY"),
+    ):
+        path, source = _setting(flag, getattr(args, attr), env, "")
+        if path:
+            files[attr] = _read_file(source, path)
+    if ("cert" in files) != ("key" in files):
+        raise UsageError("--cert and --key go together")
+    return TLS(**files) if files else None
+
+
+def _credentials(args: argparse.Namespace) -> Credentials | None:
+    user, _ = _setting("--user", args.user, "CONCH_USER", "")
+    if not user:
+        return None
+    name, colon, password = user.partition(":")
+    if not colon:
+        password, _ = _setting("--password", args.password, "CONCH_PASSWORD", "")
+    if not password:
+        path, source = _setting("--password-file", args.password_file, "CONCH_PASSWORD_FILE", "")
+        if path:
+            password = _read_file(source, path).decode("utf-8", "replace").rstrip("\r\n")
+    if not name or not password:
+        raise UsageError(
+            "--user needs a name and a password (NAME:PASSWORD, --password, "
+            "CONCH_PASSWORD or --password-file)"
+        )
+    return Credentials(name, password)
+
+
 def _connect(args: argparse.Namespace) -> Client:
     endpoints_text, _ = _setting("--endpoints", args.endpoints, "CONCH_ENDPOINTS", "127.0.0.1:2379")
-    endpoints = [Endpoint.parse(e) for e in endpoints_text.split(",") if e.strip()]
-    if not endpoints:
-        raise UsageError(f"bad --endpoints {endpoints_text!r}: no endpoint given")
     dial_text, source = _setting("--dial-timeout", args.dial_timeout, "CONCH_DIAL_TIMEOUT", "5s")
     dial_timeout = parse_duration(source if source != "default" else "--dial-timeout", dial_text)
-    return Client.connect(endpoints, dial_timeout=dial_timeout)
+    return connect(endpoints_text, dial_timeout, tls=_tls(args), credentials=_credentials(args))
 
 
 def _parse_max(text: str | None) -> int | None:

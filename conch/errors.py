@@ -40,6 +40,16 @@ class PermissionDenied(EtcdError):
     """etcd refused the call for the authenticated user."""
 
 
+class AuthenticationFailed(EtcdError):
+    """etcd refused the user name or password: the caller's credentials are wrong."""
+
+    exit_code = EX_USAGE
+
+
+class TokenInvalid(EtcdError):
+    """The auth token expired or went stale; the client authenticates again by itself."""
+
+
 class LeaseNotFound(EtcdError):
     """The lease is unknown to etcd: it expired or was revoked."""
 

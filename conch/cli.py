@@ -31,6 +31,7 @@ _UNITS = {
 }
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
+MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
 
 
 def parse_duration(flag: str, text: str) -> float:
@@ -38,15 +39,20 @@ def parse_duration(flag: str, text: str) -> float:
     seconds. Raises UsageError naming ``flag`` and the value."""
     value = text.strip()
     if _NUMBER.fullmatch(value):
-        return float(value)
-    pos, total = 0, 0.0
-    for match in _PART.finditer(value):
-        if match.start() != pos:
-            break
-        total += float(match.group(1)) * _UNITS[match.group(2)]
-        pos = match.end()
-    if pos != len(value) or not value or not math.isfinite(total):
-        raise UsageError(f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m")
+        total = float(value)
+    else:
+        pos, total = 0, 0.0
+        for match in _PART.finditer(value):
+            if match.start() != pos:
+                break
+            total += float(match.group(1)) * _UNITS[match.group(2)]
+            pos = match.end()
+        if pos != len(value) or not value or not math.isfinite(total):
+            raise UsageError(
+                f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
+            )
+    if total > MAX_DURATION:
+        raise UsageError(f"bad {flag} {text!r}: longer than 10 years")
     return total
 
 
@@ -59,6 +65,8 @@ def parse_ttl(flag: str, text: str) -> int:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            message += " (the command goes after --: conch sema NAME --max N -- CMD...)"
         raise UsageError(message)
 
 
@@ -94,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run CMD only while holding one of N slots of the semaphore NAME, counted "
         "across every machine that shares the etcd cluster; kill CMD the moment the hold is "
         "lost. With --who, list the holders and waiters instead.",
+        epilog="Durations are Go-style (500ms, 10s, 1.5s, 2m, 1h30m; a bare number is "
+        "seconds). CONCH_HOST overrides the host name. The child gets CONCH_NAME, CONCH_REV "
+        "(fencing token), CONCH_LEASE and CONCH_MAX. State changes are logged to stderr as "
+        "key=value lines (-q: warnings and errors only). Exit codes: the child's; 64 usage; "
+        "69 etcd unreachable; 70 hold lost; 75 no slot; 126/127 cannot run / not found; "
+        "128+S signal S while queued.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
     sema.add_argument(
@@ -237,8 +251,8 @@ def _connect(args: argparse.Namespace) -> Client:
 def _parse_max(text: str | None) -> int | None:
     if text is None:
         return None
-    if not re.fullmatch(r"[0-9]+", text.strip()):
-        raise UsageError(f"bad --max {text!r}: want a whole number >= 1")
+    if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
+        raise UsageError(f"bad --max {text!r}: want a whole number, 1 to 1000000")
     value = int(text)
     check_max(value)
     return value
@@ -260,7 +274,8 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
     for record in records:
         print(record.to_json() if args.json else record.to_text())
     sys.stdout.flush()
-    return 0 if records else 1
+    held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
+    return 0 if held else 1
 
 
 def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str]) -> int:
@@ -272,7 +287,9 @@ def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str]) -> int:
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
     identity = Identity.current(cmd)
-    with stop_on_signals(Flag("stop")) as stop, _connect(args) as client:
+    # Dialling writes nothing, so a signal then may simply end us; from the first write on,
+    # signals are caught and withdraw or forward.
+    with _connect(args) as client, stop_on_signals(Flag("stop")) as stop:
         sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
         try:
             return supervise(sema, cmd, wait, kill_after, stop)

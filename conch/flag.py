@@ -79,4 +79,5 @@ def remaining(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (``time.monotonic()`` based), >= 0; None stays None."""
     if deadline is None:
         return None
-    return max(0.0, deadline - time.monotonic())
+    # Clamped, so that an absurd deadline waits long instead of overflowing the timeout.
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX / 2)

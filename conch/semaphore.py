@@ -34,7 +34,15 @@ from typing import Any
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
-from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, Unavailable, UsageError
+from conch.errors import (
+    Compacted,
+    EtcdError,
+    Interrupted,
+    NoSlot,
+    SessionLost,
+    Unavailable,
+    UsageError,
+)
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
@@ -42,7 +50,10 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.session import Session
 
 CMD_MAX_BYTES = 256
-LOST_REVOKE_TIMEOUT = 1.0  # seconds
+# Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
+# etcd is likely slow or gone then, and the lease expires after its TTL anyway.
+WITHDRAW_TIMEOUT = 1.0
+STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
@@ -86,9 +97,12 @@ class _Standing:
     only_deletes: bool = False
 
 
+MAX_CAPACITY = 1_000_000
+
+
 def check_max(max_holders: int) -> None:
-    if not isinstance(max_holders, int) or max_holders < 1:
-        raise UsageError(f"bad --max {max_holders!r}: want a whole number >= 1")
+    if not isinstance(max_holders, int) or not 1 <= max_holders <= MAX_CAPACITY:
+        raise UsageError(f"bad --max {max_holders!r}: want a whole number, 1 to {MAX_CAPACITY}")
 
 
 class Hold:
@@ -138,7 +152,7 @@ class Hold:
                 self.lost.set(f"session lost: {self.session.lost.reason}")
                 return
             if isinstance(item, WatchNotice) and item.error is None:
-                self.lost.set("our key was deleted")
+                self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
                 return
             # The watch broke or could not start. Pause (a release or a loss cuts it short),
             # then look at the key itself; whether the session is lost is the keepalive's call.
@@ -159,13 +173,13 @@ class Hold:
     def release(self) -> None:
         """Delete our key if it is still ours (KV.Txn on create_revision), then revoke the
         lease (Lease.LeaseRevoke). Best effort: on failure the lease expires after its TTL.
-        After a loss only the revoke is tried, for at most LOST_REVOKE_TIMEOUT seconds: etcd
+        After a loss only the revoke is tried, for at most WITHDRAW_TIMEOUT seconds: etcd
         is likely unreachable, and the exit must not wait on it."""
         if self._released.is_set():
             return
         self._released.set()
         if self.lost.is_set():
-            self.session.close(timeout=LOST_REVOKE_TIMEOUT)
+            self.session.close(timeout=WITHDRAW_TIMEOUT)
             return
         try:
             kv.txn(
@@ -236,10 +250,10 @@ class Semaphore:
             try:
                 return self._acquire_with(session, deadline, interrupt, started)
             except (SessionLost, Unavailable) as exc:
-                session.close()
+                session.close(timeout=WITHDRAW_TIMEOUT)
                 self._before_reentry(exc, deadline, interrupt, backoff)
             except BaseException:
-                session.close()
+                session.close(timeout=WITHDRAW_TIMEOUT)
                 raise
 
     def _before_reentry(
@@ -269,11 +283,14 @@ class Semaphore:
             key = self._key(session)
             revision = self._enqueue(session, key, box, deadline, interrupt)
             queued_logged = False
-            promoted = False
+            # Someone behind us may have seen us as a waiter, and so watch us for a change,
+            # unless we already held a slot at the very revision our key was created.
+            at_creation = self._standing_at(key, revision, revision)
+            seen_waiting = at_creation is None or not at_creation.held
             while True:
                 standing = self._standing(key, revision)
                 if standing.held:
-                    if promoted:
+                    if seen_waiting:
                         self._touch(session, key, revision)
                     log.info(
                         "acquired",
@@ -295,7 +312,6 @@ class Semaphore:
                         rev=revision,
                     )
                     queued_logged = True
-                promoted = True
                 self._wait_for_change(standing, box, deadline, interrupt, session)
         finally:
             session.lost.unsubscribe(box)
@@ -329,21 +345,39 @@ class Semaphore:
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
-        """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
-        to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision."""
+        """Steps 2-3 at the current revision, read again if compaction overtakes the read
+        (a few times; then re-enter, which backs off)."""
+        for _ in range(STANDING_READS):
+            standing = self._standing_at(key, revision, 0)
+            if standing is not None:
+                return standing
+        raise SessionLost("queue reads kept being overtaken by compaction")
+
+    def _standing_at(self, key: bytes, revision: int, at: int) -> _Standing | None:
+        """Steps 2-3: are we among the first ``max`` by create_revision, at revision ``at``
+        (0: now)? If not, which keys to watch. Two KV.Range calls of at most ``max`` and 2
+        keys, at one revision. None when that revision has been compacted away."""
         end = kv.prefix_end(self.prefix)
+        try:
+            return self._read_standing(key, revision, at, end)
+        except Compacted:
+            return None
+
+    def _read_standing(self, key: bytes, revision: int, at: int, end: bytes) -> _Standing:
         heads = kv.range_(
             self.client,
             rpc_pb2.RangeRequest(
                 key=self.prefix,
                 range_end=end,
+                revision=at,
                 limit=self.max,
                 keys_only=True,
                 sort_target=rpc_pb2.RangeRequest.CREATE,
                 sort_order=rpc_pb2.RangeRequest.ASCEND,
             ),
         )
-        at = int(heads.header.revision)
+        # A read at a past revision answers with the current one in its header.
+        at = at or int(heads.header.revision)
         if any(h.key == key and h.create_revision == revision for h in heads.kvs):
             return _Standing(at, True)
         # Our key and the one just ahead of it, at the same revision.
@@ -455,10 +489,13 @@ class Record:
     note: str = ""
 
     def to_text(self) -> str:
+        """One line, fields in a fixed order; a field with spaces or unprintable characters
+        (written by someone else) is shown JSON-quoted so it cannot forge another line."""
         capacity = "?" if self.max is None else str(self.max)
         line = (
-            f"{self.name}[{self.held}/{capacity}] {self.state:<4}  {self.host} "
-            f"pid={self.pid if self.pid is not None else '?'} since={self.started or '?'} "
+            f"{self.name}[{self.held}/{capacity}] {self.state:<4}  {_quoted(self.host)} "
+            f"pid={self.pid if self.pid is not None else '?'} "
+            f"since={_quoted(self.started or '?')} "
             f"rev={self.rev}"
         )
         return line + (f" note={self.note}" if self.note else "")
@@ -481,13 +518,19 @@ class Record:
         )
 
 
+def _quoted(text: str) -> str:
+    if text.isprintable() and " " not in text:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
     """host, pid, started, cmd, note from a key's value; tolerant of anything."""
     try:
         data = json.loads(value)
         if not isinstance(data, dict):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         return "?", None, "", "", "malformed-value"
     pid = data.get("pid")
     return (

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from conch import log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
-from conch.flag import Flag, Mailbox
+from conch.etcd import FORK_SUPPORT_OFF
+from conch.flag import Flag, Mailbox, remaining
 from conch.semaphore import Hold, Semaphore
 from conch.watchdog import Watchdog
 
@@ -51,6 +52,8 @@ def stop_on_signals(stop: Flag) -> Iterator[Flag]:
 def child_env(hold: Hold) -> dict[str, str]:
     """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
     env = dict(os.environ)
+    if FORK_SUPPORT_OFF:
+        env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
     env.update(
         CONCH_NAME=hold.name,
         CONCH_REV=str(hold.revision),
@@ -189,9 +192,7 @@ def _await_exit(box: Mailbox, deadline: float | None, returncode: int | None) ->
     """Wait for the child's exit notice until ``deadline``; other notices are dropped."""
     while returncode is None:
         try:
-            item = box.get(
-                timeout=None if deadline is None else max(0.0, deadline - time.monotonic())
-            )
+            item = box.get(timeout=remaining(deadline))
         except queue.Empty:
             return None
         if isinstance(item, _ChildExit):

@@ -14,7 +14,8 @@ s = [socket.socket() for _ in range(2)]
 for x in s: x.bind(("127.0.0.1", 0))
 print(*(x.getsockname()[1] for x in s))')
 dir=$(mktemp -d)
-cleanup() { kill "$etcd_pid" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$dir"; }
+etcd_pid=
+cleanup() { [ -n "$etcd_pid" ] && kill "$etcd_pid" 2>/dev/null; wait "$etcd_pid" 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
 "$etcd" --data-dir "$dir/data" --log-level error \
     --listen-client-urls "http://127.0.0.1:$cport" --advertise-client-urls "http://127.0.0.1:$cport" \
@@ -22,23 +23,29 @@ trap cleanup EXIT
     --initial-cluster "default=http://127.0.0.1:$pport" >"$dir/etcd.log" 2>&1 &
 etcd_pid=$!
 export CONCH_ENDPOINTS=127.0.0.1:$cport
-for _ in $(seq 100); do $conch sema probe --who --quiet --dial-timeout 200ms >/dev/null 2>&1 && break; [ $? -eq 1 ] && break; sleep 0.1; done
+for _ in $(seq 100); do
+    rc=0; $conch sema probe --who --quiet --dial-timeout 200ms >/dev/null 2>&1 || rc=$?
+    [ "$rc" -ne 69 ] && break
+    sleep 0.1
+done
 
 echo "== etcd on $CONCH_ENDPOINTS; five jobs contend for heavy-jobs --max 2"
+jobs_pids=()
 for i in 1 2 3 4 5; do
     CONCH_HOST=node$i $conch sema heavy-jobs --max 2 -- \
         sh -c "echo \"   job $i runs (fencing token \$CONCH_REV)\"; sleep 2; echo \"   job $i done\"" &
+    jobs_pids+=("$!")
     sleep 0.2
 done
 sleep 0.5
 echo "== conch sema heavy-jobs --max 2 --who"
 $conch sema heavy-jobs --max 2 --who
-wait "${!}" 2>/dev/null || true
-while pgrep -f "conch sema heavy-jobs --max 2 --" >/dev/null; do sleep 0.2; done
+wait "${jobs_pids[@]}"
 echo "== afterwards (exit 1: nobody holds it)"
 $conch sema heavy-jobs --max 2 --who || echo "   --who exit code: $?"
 echo "== --nonblock while a --max 1 lock is held elsewhere"
 $conch sema certs-renew --max 1 --quiet -- sleep 2 &
+holder=$!
 sleep 1
 $conch sema certs-renew --max 1 --nonblock --quiet -- echo never || echo "   exit code $? (EX_TEMPFAIL): already running elsewhere"
-wait
+wait "$holder"

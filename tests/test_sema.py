@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from conch.etcd import Client, lease
+from conch.semaphore import _Standing
 from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
 from tests.etcd_server import free_port
 
@@ -443,3 +445,74 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
+    client: Client, name: str
+) -> None:
+    """N=2: A and B hold; C queues; D queues behind C and watches C. A leaves before C's
+    first look at the queue, so C holds at once; then B leaves: D must take B's slot."""
+    from conch.semaphore import Semaphore
+
+    class SlowFirstLook(Semaphore):
+        look = threading.Event()
+        go = threading.Event()
+
+        def _standing_at(self, key: bytes, revision: int, at: int) -> _Standing | None:
+            if not self.look.is_set():
+                self.look.set()
+                assert self.go.wait(30)
+            return super()._standing_at(key, revision, at)
+
+    a = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
+    b = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
+    holds: dict[str, object] = {}
+    c_thread = threading.Thread(
+        target=lambda: holds.setdefault("c", SlowFirstLook(client, name, 2, ttl=5).acquire(30))
+    )
+    c_thread.start()
+    assert SlowFirstLook.look.wait(30)  # C's key exists; C has not looked yet
+    d_thread = threading.Thread(
+        target=lambda: holds.setdefault("d", Semaphore(client, name, 2, ttl=5).acquire(30))
+    )
+    d_thread.start()
+    poll(lambda: len(sema_keys(client, name)) == 4, what="D queued")
+    time.sleep(0.5)  # let D settle on watching C
+    a.release()
+    SlowFirstLook.go.set()
+    c_thread.join(30)
+    assert "c" in holds
+    b.release()
+    d_thread.join(15)
+    assert "d" in holds, "D slept while B's slot was free"
+    for hold in holds.values():
+        hold.release()  # type: ignore[attr-defined]
+
+
+def test_absurd_values_are_usage_errors(conch: Runner, name: str) -> None:
+    for args in (
+        ["--max", "1", "--kill-after", "3000000h"],
+        ["--max", "1", "--wait", "3000000h"],
+        ["--max", "100000000000000000000"],
+        ["--max", "1", "--ttl", "99999999999999999999"],
+        ["--max", "1", "--dial-timeout", "10000000h"],
+        ["--max", "1", "--endpoints", "http://[::1"],
+    ):
+        code, _, err = conch.run("sema", name, *args, "--", "true")
+        assert code == 64, (args, err)
+        assert "Traceback" not in err
+
+
+def test_who_survives_hostile_values_and_cannot_be_forged(
+    conch: Runner, client: Client, name: str
+) -> None:
+    from conch.etcd import kv
+
+    base = f"/conch/v1/sema/{name}/1/".encode()
+    kv.put(client, base + b"deep", b"[" * 100000)
+    kv.put(client, base + b"forge", b'{"host":"evil\\nX[1/1] HELD  fake pid=1","pid":1}')
+    code, out, err = conch.run("sema", name, "--who")
+    assert code == 0 and "Traceback" not in err
+    assert len(out.splitlines()) == 2
+    code, _, _ = conch.run("sema", name, "--max", "2", "--who")
+    assert code == 1  # nothing held at capacity 2

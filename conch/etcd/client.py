@@ -69,7 +69,8 @@ class Endpoint:
         raw = raw.rstrip("/")
         host, sep, port = raw.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        bad_host = not host or any(c in host for c in "[]/ ") or not host.isprintable()
+        if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"bad endpoint {text!r}: want host:port or http(s)://host:port")
         return cls(host, int(port), tls)
 

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,9 +191,24 @@ class Harness:
         for t in threads:
             t.join(timeout=120)
             if t.is_alive():
-                self.report.problems.append("a wrapper did not exit within 120 s")
+                self.report.problems.append(f"a wrapper did not exit within 120 s{self._stacks()}")
         self._check()
         return self.report
+
+    def _stacks(self) -> str:
+        """The Python stacks of wrappers still running (with py-spy, when installed)."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(spy).exists():
+            return ""
+        with self.lock:
+            pids = [p.pid for p in self.running.values()]
+        dumps = []
+        for pid in pids:
+            out = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+            )
+            dumps.append(f"\n--- pid {pid}\n{out.stdout}{out.stderr}")
+        return "".join(dumps)
 
     def _check(self) -> None:
         report, cfg = self.report, self.config

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import queue
 import signal
 import threading
 import time
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.etcd import Client, kv
+from conch.etcd import Client, Endpoint, kv
+from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
 from tests.conftest import Gate, Runner, poll, sema_keys, who_json
@@ -166,6 +168,35 @@ def test_quorum_loss_kills_holders_and_waiters_get_slots_when_it_returns(
         assert waiter.wait() == 0
     finally:
         runner.cleanup()
+
+
+def test_watch_resumes_on_another_member_without_losing_or_repeating_events(
+    cluster: EtcdCluster,
+) -> None:
+    box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+    with (
+        cluster.client() as client,
+        Client.connect([Endpoint.parse(m.endpoint) for m in cluster.members[1:]]) as other,
+    ):
+        start = kv.put(client, b"/resume/k", b"0").header.revision
+        watch = Watch(client, [b"/resume/k"], start, box.put)
+        try:
+            first = box.get(timeout=30)
+            assert [e.kv.value for e in first.events] == [b"0"]
+            cluster.members[0].stop()  # the member the watch stream is on
+            kv.put(other, b"/resume/k", b"1")
+            kv.put(other, b"/resume/k", b"2")
+            kv.delete(other, b"/resume/k")
+            seen: list[tuple[int, bytes]] = []
+            while len(seen) < 3:
+                notice = box.get(timeout=30)
+                assert notice.error is None, notice.error
+                seen.extend((e.type, e.kv.value) for e in notice.events)
+            assert seen == [(PUT, b"1"), (PUT, b"2"), (DELETE, b"")]
+            with pytest.raises(queue.Empty):
+                box.get(timeout=1.0)  # nothing repeated
+        finally:
+            watch.cancel()
 
 
 # -- the whole etcd stops ------------------------------------------------------------------

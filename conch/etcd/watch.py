@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
-from conch.errors import Compacted, EtcdError
-from conch.etcd.client import BidiStream, Client, StreamItem
+from conch.errors import Compacted, EtcdError, Unavailable
+from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -28,9 +29,16 @@ class WatchNotice:
 
 
 class Watch:
-    """Watch.Watch on ``keys`` (each one key, or a prefix with ``prefix=True``) from
-    ``start_revision`` on, on one stream. Notices go to ``deliver`` from a reader thread.
-    ``only_deletes`` asks etcd to filter out PUT events. ``cancel()`` stops delivery."""
+    """Watch.Watch on ``keys`` (each one key) from ``start_revision`` on, on one stream.
+    Notices go to ``deliver`` from a reader thread. ``only_deletes`` asks etcd to filter out
+    PUT events. ``cancel()`` stops delivery.
+
+    When the stream breaks (a member goes away), the watch moves to the next endpoint and
+    resumes each key just after the last event it delivered for it, so no event is lost or
+    repeated; only after ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    """
+
+    MAX_RESUMES = 3
 
     def __init__(
         self,
@@ -40,28 +48,43 @@ class Watch:
         deliver: Callable[[WatchNotice], None],
         only_deletes: bool = False,
     ) -> None:
+        self._client = client
         self._deliver = deliver
         self._cancelled = False
-        self._stream = BidiStream(client, "watch", "Watch", self._on_item)
-        filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
-        for key in keys:
-            self._stream.send(
+        self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
+        self._next = dict.fromkeys(keys, start_revision)  # key -> first revision still owed
+        self._failures = 0
+        self._backoff = Backoff()
+        self._generation = 0
+        self._stream = self._open()
+
+    def _open(self) -> BidiStream:
+        # Items of an older stream are stale; the generation is fixed before the new stream
+        # can deliver anything.
+        self._generation += 1
+        generation = self._generation
+        stream = BidiStream(
+            self._client, "watch", "Watch", lambda item: self._on_item(item, generation)
+        )
+        for key, start in self._next.items():
+            stream.send(
                 rpc_pb2.WatchRequest(
                     create_request=rpc_pb2.WatchCreateRequest(
-                        key=key, start_revision=start_revision, filters=filters
+                        key=key, start_revision=start, filters=self._filters
                     )
                 )
             )
+        return stream
 
     def cancel(self) -> None:
         self._cancelled = True
         self._stream.close()
 
-    def _on_item(self, item: StreamItem) -> None:
-        if self._cancelled:
+    def _on_item(self, item: StreamItem, generation: int) -> None:
+        if self._cancelled or generation != self._generation:
             return
         if item.error is not None:
-            self._deliver(WatchNotice(self, (), 0, item.error))
+            self._resume_or_fail(item)
             return
         response = item.response
         revision = response.header.revision
@@ -77,4 +100,24 @@ class Watch:
             self._deliver(WatchNotice(self, (), revision, error))
             self.cancel()
         elif response.events:
+            self._failures = 0
+            for event in response.events:
+                if event.kv.key in self._next:
+                    self._next[event.kv.key] = event.kv.mod_revision + 1
             self._deliver(WatchNotice(self, list(response.events), revision))
+
+    def _resume_or_fail(self, item: StreamItem) -> None:
+        """Called from the broken stream's reader thread: reopen on the next endpoint."""
+        assert item.error is not None
+        self._failures += 1
+        if not isinstance(item.error, Unavailable) or self._failures > self.MAX_RESUMES:
+            self._deliver(WatchNotice(self, (), 0, item.error))
+            return
+        self._client.failover(item.stream.endpoint)
+        time.sleep(self._backoff.next())
+        if self._cancelled:
+            return
+        try:
+            self._stream = self._open()
+        except EtcdError as exc:
+            self._deliver(WatchNotice(self, (), 0, exc))

@@ -146,6 +146,9 @@ class Runner:
         return code, proc.stdout(), proc.log()
 
     def cleanup(self) -> None:
+        # Shown by pytest only when the test failed.
+        for proc in self.started:
+            print(f"--- conch {' '.join(proc.args)} (exit {proc.process.poll()})\n{proc.log()}")
         for proc in self.started:
             if proc.process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument(
         "--insecure-skip-tls-verify",
         action="store_true",
-        help="not supported: gRPC's Python TLS cannot skip verification; pass --cacert instead",
+        help="trust whatever certificate etcd presents: encrypted, but open to a man in the "
+        "middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1)",
     )
     security.add_argument("--user", metavar="NAME[:PASSWORD]", help="etcd user (env CONCH_USER)")
     security.add_argument(
@@ -203,12 +204,7 @@ def _read_file(flag: str, path: str) -> bytes:
 
 
 def _tls(args: argparse.Namespace) -> TLS | None:
-    if args.insecure_skip_tls_verify or os.environ.get("CONCH_INSECURE_SKIP_TLS_VERIFY"):
-        raise UsageError(
-            "--insecure-skip-tls-verify is not supported (gRPC's Python TLS "
-            "cannot skip verification); pass --cacert with etcd's CA instead"
-        )
-    files = {}
+    files: dict[str, bytes] = {}
     for flag, attr, env in (
         ("--cacert", "cacert", "CONCH_CACERT"),
         ("--cert", "cert", "CONCH_CERT"),
@@ -219,7 +215,14 @@ def _tls(args: argparse.Namespace) -> TLS | None:
             files[attr] = _read_file(source, path)
     if ("cert" in files) != ("key" in files):
         raise UsageError("--cert and --key go together")
-    return TLS(**files) if files else None
+    skip = args.insecure_skip_tls_verify or _env_flag("CONCH_INSECURE_SKIP_TLS_VERIFY")
+    if not files and not skip:
+        return None
+    return TLS(files.get("cacert"), files.get("cert"), files.get("key"), skip_verify=skip)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _credentials(args: argparse.Namespace) -> Credentials | None:

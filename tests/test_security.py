@@ -190,6 +190,26 @@ def test_mutual_tls_needs_the_client_certificate(
     assert code == 69 and "Traceback" not in err
 
 
+def test_insecure_skip_tls_verify_connects_without_the_ca(
+    tls_etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    runner = Runner(tls_etcd, tmp_path)
+    code, out, err = runner.run(
+        "sema",
+        "skip",
+        "--max",
+        "1",
+        "--endpoints",
+        https(tls_etcd),
+        "--insecure-skip-tls-verify",
+        "--",
+        "echo",
+        "inside",
+    )
+    assert code == 0, err
+    assert out.strip() == "inside"
+
+
 def test_missing_certificate_file_is_a_usage_error(tls_etcd: EtcdCluster, tmp_path: Path) -> None:
     runner = Runner(tls_etcd, tmp_path)
     code, _, err = runner.run(

@@ -78,14 +78,51 @@ class Endpoint:
 @dataclass(frozen=True)
 class TLS:
     """Transport security: PEM bytes of the CA bundle (None: the system's roots), and of the
-    client certificate and key for mutual TLS."""
+    client certificate and key for mutual TLS. ``skip_verify`` trusts whatever certificate
+    each endpoint presents (etcdctl's --insecure-skip-tls-verify): encrypted, but open to a
+    man in the middle."""
 
     cacert: bytes | None = None
     cert: bytes | None = None
     key: bytes | None = None
+    skip_verify: bool = False
 
-    def credentials(self) -> grpc.ChannelCredentials:
-        return grpc.ssl_channel_credentials(self.cacert, self.key, self.cert)
+    def channel(self, endpoint: Endpoint) -> grpc.Channel:
+        """A secure channel to ``endpoint``. Raises Unavailable when skip_verify cannot fetch
+        the endpoint's certificate."""
+        roots = self.cacert
+        options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
+        if self.skip_verify:
+            # gRPC cannot turn verification off; trust the presented certificate itself,
+            # under a name it carries.
+            roots, name = _presented_certificate(endpoint)
+            options.append(("grpc.ssl_target_name_override", name))
+        creds = grpc.ssl_channel_credentials(roots, self.key, self.cert)
+        return grpc.secure_channel(endpoint.target, creds, options=options)
+
+
+def _presented_certificate(endpoint: Endpoint, timeout: float = 5.0) -> tuple[bytes, str]:
+    """The PEM certificate ``endpoint`` presents, and a host name it is valid for."""
+    import ssl
+    import tempfile
+
+    try:
+        pem = ssl.get_server_certificate((endpoint.host, endpoint.port), timeout=timeout)
+    except OSError as exc:
+        raise Unavailable(f"cannot fetch the TLS certificate of {endpoint}: {exc}") from None
+    name = endpoint.host
+    with tempfile.NamedTemporaryFile("w", suffix=".pem") as f:
+        f.write(pem)
+        f.flush()
+        try:
+            decoded = ssl._ssl._test_decode_cert(f.name)  # type: ignore[attr-defined]
+        except (ssl.SSLError, AttributeError):
+            decoded = {}
+    names = [value for kind, value in decoded.get("subjectAltName", ()) if kind == "DNS"]
+    names += [value for kind, value in decoded.get("subjectAltName", ()) if kind == "IP Address"]
+    if names and name not in names:
+        name = names[0]
+    return pem.encode(), name
 
 
 @dataclass(frozen=True)
@@ -109,8 +146,7 @@ class _Stubs:
     @classmethod
     def dial(cls, endpoint: Endpoint, tls: TLS | None) -> _Stubs:
         if endpoint.tls or tls is not None:
-            creds = (tls or TLS()).credentials()
-            channel = grpc.secure_channel(endpoint.target, creds, options=_CHANNEL_OPTIONS)
+            channel = (tls or TLS()).channel(endpoint)
         else:
             channel = grpc.insecure_channel(endpoint.target, options=_CHANNEL_OPTIONS)
         return cls(
@@ -239,7 +275,7 @@ class Client:
     def _stubs_for(self, endpoint: Endpoint) -> _Stubs:
         with self._lock:
             if self._closed:
-                raise Unavailable("client is closed")
+                raise EtcdError("client is closed", "CANCELLED")
             stubs = self._stubs.get(endpoint)
             if stubs is None:
                 stubs = self._stubs[endpoint] = _Stubs.dial(endpoint, self._tls)
@@ -295,17 +331,20 @@ class Client:
         tried_in_round = reauthenticated = 0
         while True:
             endpoint = self.endpoint
-            stub = getattr(self._stubs_for(endpoint), service)
-            metadata = () if _authenticating else self._metadata(total)
             left = deadline - time.monotonic()
             # A hung member must not eat the whole deadline when others could answer.
             attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
+            error: EtcdError
             try:
+                stub = getattr(self._stubs_for(endpoint), service)
+                metadata = () if _authenticating else self._metadata(total)
                 return getattr(stub, method)(
                     request, timeout=max(attempt, 0.001), metadata=metadata
                 )
             except grpc.RpcError as rpc_error:
                 error = map_rpc_error(rpc_error, endpoint)
+            except Unavailable as exc:
+                error = exc
             if isinstance(error, TokenInvalid) and not _authenticating and reauthenticated < 2:
                 reauthenticated += 1
                 self.invalidate_token()

@@ -357,42 +357,35 @@ class Semaphore:
         """Steps 2-3: are we among the first ``max`` by create_revision, at revision ``at``
         (0: now)? If not, which keys to watch. Two KV.Range calls of at most ``max`` and 2
         keys, at one revision. None when that revision has been compacted away."""
-        end = kv.prefix_end(self.prefix)
         try:
-            return self._read_standing(key, revision, at, end)
+            return self._read_standing(key, revision, at)
         except Compacted:
             return None
 
-    def _read_standing(self, key: bytes, revision: int, at: int, end: bytes) -> _Standing:
-        heads = kv.range_(
+    def _read_standing(self, key: bytes, revision: int, at: int) -> _Standing:
+        heads = kv.range_prefix(
             self.client,
-            rpc_pb2.RangeRequest(
-                key=self.prefix,
-                range_end=end,
-                revision=at,
-                limit=self.max,
-                keys_only=True,
-                sort_target=rpc_pb2.RangeRequest.CREATE,
-                sort_order=rpc_pb2.RangeRequest.ASCEND,
-            ),
+            self.prefix,
+            revision=at,
+            limit=self.max,
+            keys_only=True,
+            sort_target=kv.CREATE,
+            sort_order=kv.ASCEND,
         )
         # A read at a past revision answers with the current one in its header.
         at = at or int(heads.header.revision)
         if any(h.key == key and h.create_revision == revision for h in heads.kvs):
             return _Standing(at, True)
         # Our key and the one just ahead of it, at the same revision.
-        mine_and_prev = kv.range_(
+        mine_and_prev = kv.range_prefix(
             self.client,
-            rpc_pb2.RangeRequest(
-                key=self.prefix,
-                range_end=end,
-                limit=2,
-                keys_only=True,
-                revision=at,
-                max_create_revision=revision,
-                sort_target=rpc_pb2.RangeRequest.CREATE,
-                sort_order=rpc_pb2.RangeRequest.DESCEND,
-            ),
+            self.prefix,
+            revision=at,
+            limit=2,
+            keys_only=True,
+            max_create_revision=revision,
+            sort_target=kv.CREATE,
+            sort_order=kv.DESCEND,
         ).kvs
         if not mine_and_prev or mine_and_prev[0].key != key:
             raise SessionLost("our key is gone (lease expired or key deleted)")
@@ -407,14 +400,8 @@ class Semaphore:
     def _count_ahead(self, revision: int) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
         ignores the create_revision filter, so this reads the keys ahead once)."""
-        response = kv.range_(
-            self.client,
-            rpc_pb2.RangeRequest(
-                key=self.prefix,
-                range_end=kv.prefix_end(self.prefix),
-                keys_only=True,
-                max_create_revision=revision - 1,
-            ),
+        response = kv.range_prefix(
+            self.client, self.prefix, keys_only=True, max_create_revision=revision - 1
         )
         return len(response.kvs)
 
@@ -546,15 +533,7 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
     """Every key under ``name`` (all capacities), in create_revision order per capacity; the
     capacity ``max_holders`` first when given. One KV.Range; reads only (no lease)."""
     prefix = keys.name_prefix(name)
-    response = kv.range_(
-        client,
-        rpc_pb2.RangeRequest(
-            key=prefix,
-            range_end=kv.prefix_end(prefix),
-            sort_target=rpc_pb2.RangeRequest.CREATE,
-            sort_order=rpc_pb2.RangeRequest.ASCEND,
-        ),
-    )
+    response = kv.range_prefix(client, prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
         parsed = keys.parse_under_name(name, item.key)

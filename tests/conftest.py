@@ -62,15 +62,7 @@ def sema_keys(client: Client, name: str, max_holders: int | None = None) -> list
     from conch import keys
 
     prefix = keys.name_prefix(name) if max_holders is None else keys.sema_prefix(name, max_holders)
-    response = kv.range_(
-        client,
-        rpc_pb2.RangeRequest(
-            key=prefix,
-            range_end=kv.prefix_end(prefix),
-            sort_target=rpc_pb2.RangeRequest.CREATE,
-            sort_order=rpc_pb2.RangeRequest.ASCEND,
-        ),
-    )
+    response = kv.range_prefix(client, prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
     return list(response.kvs)
 
 

@@ -30,8 +30,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conchpb.etcdserverpb import rpc_pb2
-
 from conch import keys
 from conch.etcd import kv, lease
 from tests.etcd_server import EtcdCluster
@@ -138,9 +136,7 @@ class Harness:
     def _lease_of(self, pid: int) -> int | None:
         prefix = keys.sema_prefix(self.config.name, self.config.max_holders)
         with self.etcd.client() as client:
-            response = kv.range_(
-                client, rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix))
-            )
+            response = kv.range_prefix(client, prefix)
         for item in response.kvs:
             try:
                 if json.loads(item.value).get("pid") == pid:
@@ -262,9 +258,7 @@ class Harness:
         left: list[bytes] = []
         with self.etcd.client() as client:
             while time.monotonic() < deadline:
-                response = kv.range_(
-                    client, rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix))
-                )
+                response = kv.range_prefix(client, prefix)
                 left = [item.key for item in response.kvs]
                 if not left:
                     return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
@@ -30,6 +32,20 @@ def range_(
     """KV.Range, linearizable unless the request says serializable."""
     response: rpc_pb2.RangeResponse = client.call("kv", "Range", request, timeout)
     return response
+
+
+CREATE = rpc_pb2.RangeRequest.CREATE  # sort_target: by create_revision
+ASCEND = rpc_pb2.RangeRequest.ASCEND
+DESCEND = rpc_pb2.RangeRequest.DESCEND
+
+
+def range_prefix(
+    client: Client, prefix: bytes, timeout: float | None = None, **fields: Any
+) -> rpc_pb2.RangeResponse:
+    """KV.Range over every key under ``prefix``; ``fields`` are further RangeRequest fields
+    (``limit``, ``revision``, ``keys_only``, ``max_create_revision``, ``sort_target``, ...)."""
+    request = rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix), **fields)
+    return range_(client, request, timeout)
 
 
 def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:

@@ -1,0 +1,687 @@
+"""conch vs `etcdctl lock`: start-up cost, handoff latency, queue scaling, memory.
+
+    .venv/bin/python bench/run.py [--quick] [--out FILE]
+
+Starts a throwaway etcd (tests/etcd_server.py) on free loopback ports, runs every benchmark
+against it, prints a table and writes the results as JSON (default bench/results/latest.json).
+Every figure is the median over repeated runs with its spread [min-max]; every comparison is
+a ratio conch / etcdctl measured in the same run on the same etcd. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from conch.etcd import kv  # noqa: E402
+from conch.etcd.client import connect  # noqa: E402
+from conch.semaphore import Semaphore  # noqa: E402
+from conchpb.etcdserverpb import rpc_pb2  # noqa: E402
+from tests.etcd_server import EtcdCluster, etcd_binary, etcdctl_binary  # noqa: E402
+
+PYTHON = sys.executable
+CONCH = str(Path(sys.executable).parent / "conch")
+ETCDCTL = etcdctl_binary()
+TOOLS = ("conch", "etcdctl")
+
+# The child both tools run: bash's builtin $EPOCHREALTIME, appended to a log. No fork, no
+# `date`; identical for both, so its own cost cancels in every comparison.
+STAMP_START = 'echo "S $EPOCHREALTIME" >> "$1"'
+STAMP_END = 'echo "E $EPOCHREALTIME" >> "$1"'
+WAITER_CHILD = ["bash", "-c", f"{STAMP_START}; {STAMP_END}", "child"]
+# The first holder blocks on a FIFO until the benchmark releases it.
+HOLDER_CHILD = ["bash", "-c", f'{STAMP_START}; read -r _ < "$2"; {STAMP_END}', "child"]
+
+PROCS: list[subprocess.Popen[bytes]] = []  # everything we started, killed on the way out
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def pct(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100)."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[max(0, math.ceil(p / 100 * len(s)) - 1)]
+
+
+def summary(xs: list[float]) -> dict[str, Any]:
+    return {
+        "median": median(xs),
+        "min": min(xs) if xs else None,
+        "max": max(xs) if xs else None,
+        "n": len(xs),
+        "runs": xs,
+    }
+
+
+def spawn(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+    kw.setdefault("stdin", subprocess.DEVNULL)
+    kw.setdefault("stdout", subprocess.DEVNULL)
+    kw.setdefault("stderr", subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, start_new_session=True, **kw)
+    PROCS.append(proc)
+    return proc
+
+
+def reap_all() -> None:
+    """SIGTERM then SIGKILL whatever we started that is still running (by pid, not name)."""
+    live = [p for p in PROCS if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=5)
+    PROCS[:] = [p for p in PROCS if p.poll() is None]
+
+
+def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.01, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def proc_mem(pid: int) -> dict[str, int]:
+    """RSS and PSS of one process, in kB (PSS splits shared pages among their users)."""
+    out = {"rss_kb": 0, "pss_kb": 0}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Rss:"):
+                out["rss_kb"] = int(line.split()[1])
+            elif line.startswith("Pss:"):
+                out["pss_kb"] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
+def read_stamps(path: Path) -> tuple[list[float], list[float]]:
+    """(starts, ends) from a child log; checks that the children never overlapped."""
+    starts, ends, last = [], [], "E"
+    for line in path.read_text().splitlines():
+        kind, value = line.split()
+        if kind == last:
+            raise RuntimeError(f"{path}: two children overlapped (mutual exclusion broken)")
+        last = kind
+        (starts if kind == "S" else ends).append(float(value))
+    return starts, ends
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+_METHOD = re.compile(r'grpc_method="([^"]+)"')
+
+
+def scrape(endpoint: str) -> dict[str, float]:
+    """etcd's /metrics on its client URL, reduced to the counters we use."""
+    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if name in ("grpc_server_started_total", "grpc_server_msg_received_total",
+                    "grpc_server_msg_sent_total"):
+            method = _METHOD.search(labels)
+            key = f"{name}:{method.group(1) if method else '?'}"
+            out[key] = out.get(key, 0.0) + value
+        elif name in ("etcd_network_client_grpc_sent_bytes_total",
+                      "etcd_network_client_grpc_received_bytes_total",
+                      "etcd_debugging_mvcc_events_total",
+                      "etcd_debugging_mvcc_watcher_total",
+                      "etcd_debugging_mvcc_watch_stream_total"):
+            out[name] = value
+    return out
+
+
+def delta(before: dict[str, float], after: dict[str, float], per: float) -> dict[str, Any]:
+    """What happened between two scrapes, per ``per`` (releases or runs)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+
+    def total(prefix: str, keepalive: bool) -> float:
+        return sum(v for k, v in d.items()
+                   if k.startswith(prefix + ":") and (k.endswith(":LeaseKeepAlive") == keepalive))
+
+    by_method = {k.split(":", 1)[1]: v / per for k, v in d.items()
+                 if k.startswith("grpc_server_started_total:") and v}
+    return {
+        # RPCs started: unary calls plus streams opened (watch, keepalive)
+        "requests": total("grpc_server_started_total", False) / per,
+        "requests_by_method": dict(sorted(by_method.items())),
+        # messages on all calls and streams, keepalives apart (they scale with waiters x time)
+        "msgs_in": total("grpc_server_msg_received_total", False) / per,
+        "msgs_out": total("grpc_server_msg_sent_total", False) / per,
+        "keepalive_msgs_in": total("grpc_server_msg_received_total", True) / per,
+        "watch_events": d.get("etcd_debugging_mvcc_events_total", 0.0) / per,
+        "bytes_read": d.get("etcd_network_client_grpc_sent_bytes_total", 0.0) / per,
+        "bytes_written": d.get("etcd_network_client_grpc_received_bytes_total", 0.0) / per,
+    }
+
+
+# ------------------------------------------------------------------------------ benchmarks
+
+
+class Bench:
+    def __init__(self, endpoint: str, tmp: Path, quick: bool) -> None:
+        self.endpoint = endpoint
+        self.tmp = tmp
+        self.quick = quick
+        self.client = connect(endpoint, dial_timeout=10.0, request_timeout=10.0)
+
+    # -- etcd probes (made outside every measurement window) ---------------------------------
+
+    def count(self, prefix: bytes) -> int:
+        request = rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix),
+                                       count_only=True)
+        return int(kv.range_(self.client, request).count)
+
+    def wait_queued(self, prefix: bytes, keys: int, watchers: int, timeout: float,
+                    procs: list[subprocess.Popen[bytes]]) -> float:
+        """Until ``keys`` keys exist under ``prefix`` and etcd has ``watchers`` watchers, and
+        then until the watcher count has been steady for 0.5 s. Returns seconds taken."""
+        started = time.monotonic()
+        deadline = started + timeout
+        while self.count(prefix) < keys:
+            dead = [p.returncode for p in procs if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a waiter exited early ({dead[:5]}) while queueing")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {self.count(prefix)}/{keys} keys after {timeout}s")
+            time.sleep(0.1)
+        seen, steady_since = -1.0, time.monotonic()
+        while True:
+            now = scrape(self.endpoint).get("etcd_debugging_mvcc_watcher_total", 0.0)
+            if now != seen:
+                seen, steady_since = now, time.monotonic()
+            if now >= watchers and time.monotonic() - steady_since >= 0.5:
+                return time.monotonic() - started
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {now}/{watchers} watchers after {timeout}s")
+            time.sleep(0.1)
+
+    def argv(self, tool: str, name: str, cmd: list[str], quiet: bool = True) -> list[str]:
+        if tool == "conch":
+            return [CONCH, "sema", name, "--max", "1", "--endpoints", self.endpoint,
+                    *(["-q"] if quiet else []), "--", *cmd]
+        return [ETCDCTL, "--endpoints", self.endpoint, "lock", name, *cmd]
+
+    # -- 1. uncontended --------------------------------------------------------------------
+
+    def uncontended(self, reps: int) -> dict[str, Any]:
+        """`conch sema b --max 1 -- true` vs `etcdctl lock b true`, alternating, nobody else
+        on the lock: wall time, peak RSS (wait4's ru_maxrss: the largest process of the
+        tree, here the wrapper itself), etcd requests per run. Then the same with a child
+        that stamps its start, for launch -> child start, and conch's phases from its log."""
+        out: dict[str, Any] = {}
+        wall: dict[str, list[float]] = {t: [] for t in TOOLS}
+        rss: dict[str, list[float]] = {t: [] for t in TOOLS}
+        metrics: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
+        for tool in TOOLS:  # warm the page cache once, unmeasured
+            subprocess.run(self.argv(tool, "warm", ["true"]), timeout=30,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        for i in range(reps):
+            for tool in (TOOLS if i % 2 == 0 else TOOLS[::-1]):
+                before = scrape(self.endpoint)
+                t0 = time.perf_counter()
+                proc = subprocess.Popen(self.argv(tool, "b", ["true"]),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                _, status, usage = os.wait4(proc.pid, 0)
+                wall[tool].append(time.perf_counter() - t0)
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{tool} uncontended run exited {proc.returncode}")
+                rss[tool].append(usage.ru_maxrss / 1024.0)  # MiB
+                metrics[tool].append(delta(before, scrape(self.endpoint), 1))
+        out["wall_s"] = {t: summary(wall[t]) for t in TOOLS}
+        out["peak_rss_mib"] = {t: summary(rss[t]) for t in TOOLS}
+        out["etcd_per_run"] = {t: metrics[t][0] for t in TOOLS}
+        out["wall_ratio_runs"] = [c / e for c, e in zip(wall["conch"], wall["etcdctl"])]
+
+        # launch -> child start, and conch's own phases (timestamped as its log lines arrive)
+        to_child: dict[str, list[float]] = {t: [] for t in TOOLS}
+        phases: dict[str, list[float]] = {}
+        for i in range(reps):
+            for tool in (TOOLS if i % 2 == 0 else TOOLS[::-1]):
+                log = self.tmp / f"unc-{tool}-{i}.log"
+                stamps: list[tuple[str, float]] = []
+                t0 = time.time()
+                proc = subprocess.Popen(self.argv(tool, "b", [*WAITER_CHILD, str(log)], False),
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                assert proc.stderr is not None
+                for raw in proc.stderr:
+                    match = re.search(rb"event=(\S+)", raw)
+                    if match:
+                        stamps.append((match.group(1).decode(), time.time()))
+                proc.wait(timeout=30)
+                t_exit = time.time()
+                starts, ends = read_stamps(log)
+                to_child[tool].append(starts[0] - t0)
+                if tool == "conch":
+                    marks = dict(stamps)
+                    marks["child-running"] = starts[0]
+                    marks["child-done"] = ends[0]
+                    marks["exit"] = t_exit
+                    for event, when in marks.items():
+                        phases.setdefault(event, []).append((when - t0) * 1000)
+        out["launch_to_child_s"] = {t: summary(to_child[t]) for t in TOOLS}
+        out["conch_phases_ms"] = {
+            k: median(v) for k, v in sorted(phases.items(), key=lambda kv_: median(kv_[1]))
+        }
+        return out
+
+    # -- 2. import profile -------------------------------------------------------------------
+
+    def importtime(self, reps: int) -> dict[str, Any]:
+        """`python -X importtime -c 'import conch.cli'`: median self and cumulative us per
+        module over ``reps`` runs, plus whole-process wall times for context."""
+        self_us: dict[str, list[int]] = {}
+        cum_us: dict[str, list[int]] = {}
+        parents: dict[str, str] = {}
+        for _ in range(reps):
+            result = subprocess.run([PYTHON, "-X", "importtime", "-c", "import conch.cli"],
+                                    capture_output=True, text=True, timeout=60, check=True)
+            stack: list[tuple[int, str]] = []
+            rows = []
+            for line in result.stderr.splitlines():
+                match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
+                if match:
+                    rows.append((int(match.group(1)), int(match.group(2)),
+                                 len(match.group(3)) // 2, match.group(4)))
+            # importtime prints children before their parent, the parent one level less deep
+            for s, c, depth, name in reversed(rows):
+                while stack and stack[-1][0] >= depth:
+                    stack.pop()
+                if stack:
+                    parents.setdefault(name, stack[-1][1])
+                stack.append((depth, name))
+                self_us.setdefault(name, []).append(s)
+                cum_us.setdefault(name, []).append(c)
+        cum = {k: median(v) / 1000 for k, v in cum_us.items()}
+        slf = {k: median(v) / 1000 for k, v in self_us.items()}
+
+        def wall(code: list[str], n: int) -> float:
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                subprocess.run(code, timeout=60, check=True, stdout=subprocess.DEVNULL)
+                times.append(time.perf_counter() - t0)
+            return median(times) * 1000
+
+        n = max(3, reps)
+        parser_ms = json.loads(subprocess.run(
+            [PYTHON, "-c", "import json,time,conch.cli as c; t=time.perf_counter(); "
+             "c.build_parser().parse_args(['sema','b','--max','1']); "
+             "print(json.dumps((time.perf_counter()-t)*1000))"],
+            capture_output=True, text=True, timeout=60, check=True).stdout)
+        top_level = ["conch.cli", "conch.etcd", "conch.etcd.client", "grpc", "grpc.aio",
+                     "grpc._cython.cygrpc", "asyncio", "conchpb.etcdserverpb.rpc_pb2",
+                     "conchpb.etcdserverpb.rpc_pb2_grpc", "conchpb._pool",
+                     "google.protobuf.descriptor_pool", "google.protobuf.text_format",
+                     "conch.semaphore", "conch.supervisor", "conch.watchdog", "conch.session",
+                     "dataclasses", "json", "datetime", "subprocess", "argparse", "ssl",
+                     "logging", "typing", "inspect", "pathlib", "urllib.parse",
+                     "typing_extensions", "site", "__editable___conch_0_1_0_finder"]
+        return {
+            "total_ms": cum.get("conch.cli"),
+            "cumulative_ms": {k: cum[k] for k in top_level if k in cum},
+            "top_self_ms": dict(sorted(slf.items(), key=lambda kv_: -kv_[1])[:20]),
+            "parent_of": {k: parents.get(k) for k in top_level if k in parents},
+            "build_parser_ms": parser_ms,
+            "wall_ms": {
+                "python -c pass": wall([PYTHON, "-c", "pass"], n),
+                "python -I -S -c pass (watchdog)": wall([PYTHON, "-I", "-S", "-c", "pass"], n),
+                "python -c 'import grpc'": wall([PYTHON, "-c", "import grpc"], n),
+                "python -c 'import conch.cli'": wall([PYTHON, "-c", "import conch.cli"], n),
+                "conch --version": wall([CONCH, "--version"], n),
+                "etcdctl version": wall([ETCDCTL, "version"], n),
+            },
+        }
+
+    # -- 3./5. handoff chain (and the memory of waiting processes) ---------------------------
+
+    def chain(self, tool: str, waiters: int, rep: int) -> dict[str, Any]:
+        """One holder and ``waiters`` queued processes of ``tool`` on a lock; release the
+        holder, let the queue drain. Handoff = next child's first stamp - previous child's
+        last stamp."""
+        name = f"chain-{tool}-{waiters}-{rep}"
+        log = self.tmp / f"{name}.log"
+        fifo = self.tmp / f"{name}.fifo"
+        os.mkfifo(fifo)
+        prefix = (f"/conch/v1/sema/{name}/1/" if tool == "conch" else f"{name}/").encode()
+        holder = spawn(self.argv(tool, name, [*HOLDER_CHILD, str(log), str(fifo)]))
+        deadline = time.monotonic() + 30
+        while not log.exists() or not log.read_text():
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{tool} holder did not start its child")
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        procs = [spawn(self.argv(tool, name, [*WAITER_CHILD, str(log)]))
+                 for _ in range(waiters)]
+        # etcdctl waiters watch their predecessor, conch's too; conch's holder also watches
+        # its own key.
+        queued_s = self.wait_queued(prefix, waiters + 1, waiters, 60 + 2 * waiters, procs)
+        startup_all = time.monotonic() - t0
+        mem = [proc_mem(p.pid) for p in procs]
+        before = scrape(self.endpoint)
+        with open(fifo, "w") as f:  # the holder's child reads it, stamps, exits
+            f.write("go\n")
+        codes = wait_all([holder, *procs], 60 + waiters)
+        t_all_exited = time.time()
+        after = scrape(self.endpoint)
+        if any(c != 0 for c in codes):
+            raise RuntimeError(f"{tool} chain W={waiters}: exit codes {codes}")
+        starts, ends = read_stamps(log)
+        if len(starts) != waiters + 1 or len(ends) != waiters + 1:
+            raise RuntimeError(f"{tool} chain W={waiters}: {len(starts)} children ran")
+        handoffs = [(s - e) * 1000 for s, e in zip(starts[1:], ends[:-1])]
+        return {
+            "handoff_p50_ms": pct(handoffs, 50),
+            "handoff_p99_ms": pct(handoffs, 99),
+            "drain_s": ends[-1] - ends[0],
+            "drain_to_exit_s": t_all_exited - ends[0],
+            "queue_fill_s": startup_all,
+            "queued_wait_s": queued_s,
+            "waiter_rss_mib": [m["rss_kb"] / 1024 for m in mem],
+            "waiter_pss_mib": [m["pss_kb"] / 1024 for m in mem],
+            "etcd_per_release": delta(before, after, waiters + 1),
+        }
+
+    def handoff(self, sizes: list[int], reps: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for w in sizes:
+            runs: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
+            for rep in range(reps):
+                for tool in (TOOLS if rep % 2 == 0 else TOOLS[::-1]):
+                    t0 = time.monotonic()
+                    runs[tool].append(self.chain(tool, w, rep))
+                    print(f"  handoff W={w} {tool} rep {rep + 1}/{reps}: "
+                          f"p50 {runs[tool][-1]['handoff_p50_ms']:.1f} ms "
+                          f"({time.monotonic() - t0:.1f} s)", flush=True)
+            entry: dict[str, Any] = {}
+            for tool in TOOLS:
+                rs = runs[tool]
+                per = [r["etcd_per_release"] for r in rs]
+                entry[tool] = {
+                    "handoff_p50_ms": summary([r["handoff_p50_ms"] for r in rs]),
+                    "handoff_p99_ms": summary([r["handoff_p99_ms"] for r in rs]),
+                    "drain_s": summary([r["drain_s"] for r in rs]),
+                    "queue_fill_s": summary([r["queue_fill_s"] for r in rs]),
+                    "waiter_rss_mib_one": summary([median(r["waiter_rss_mib"]) for r in rs]),
+                    "waiter_rss_mib_all": summary([sum(r["waiter_rss_mib"]) for r in rs]),
+                    "waiter_pss_mib_all": summary([sum(r["waiter_pss_mib"]) for r in rs]),
+                    "etcd_per_release": {
+                        k: median([p[k] for p in per])
+                        for k in per[0] if k != "requests_by_method"
+                    },
+                    "requests_by_method": per[len(per) // 2]["requests_by_method"],
+                }
+            out[str(w)] = entry
+        return out
+
+    # -- 4. queue scaling with library waiters ------------------------------------------------
+
+    def scaling_run(self, waiters: int, rep: int, workers: int) -> dict[str, Any]:
+        name = f"scale-{waiters}-{rep}"
+        prefix = f"/conch/v1/sema/{name}/1/".encode()
+        holder = Semaphore(self.client, name, 1, 10).acquire(timeout=10)
+        timeout = 60 + waiters * 0.3
+        shares = [waiters // workers + (1 if i < waiters % workers else 0)
+                  for i in range(workers)]
+        outs = [self.tmp / f"{name}-{i}.json" for i in range(workers)]
+        procs = [
+            spawn([PYTHON, str(ROOT / "bench" / "waiters.py"), self.endpoint, name, str(n),
+                   "10", str(out), str(timeout)], stderr=open(self.tmp / f"{name}-{i}.err", "wb"))
+            for i, (n, out) in enumerate(zip(shares, outs)) if n
+        ]
+        t0 = time.monotonic()
+        try:
+            self.wait_queued(prefix, waiters + 1, waiters + 1, timeout, procs)
+        except BaseException:
+            holder.release()
+            raise
+        fill = time.monotonic() - t0
+        rss = sum(proc_mem(p.pid)["rss_kb"] for p in procs) / 1024
+        before = scrape(self.endpoint)
+        released = time.time()
+        holder.release()
+        codes = wait_all(procs, timeout)
+        after = scrape(self.endpoint)
+        acquired: list[float] = []
+        for out in outs:
+            if out.exists():
+                data = json.loads(out.read_text())
+                acquired += data["acquired"]
+                if data["errors"]:
+                    raise RuntimeError(f"scaling W={waiters}: {data['errors'][:3]}")
+        if any(c != 0 for c in codes) or len(acquired) != waiters:
+            raise RuntimeError(f"scaling W={waiters}: codes {codes}, {len(acquired)} acquired")
+        acquired.sort()
+        gaps = [(b - a) * 1000 for a, b in zip([released, *acquired], acquired)]
+        return {
+            "drain_s": acquired[-1] - released,
+            "handoff_p50_ms": pct(gaps, 50),
+            "handoff_p99_ms": pct(gaps, 99),
+            "queue_fill_s": fill,
+            "rss_mib_per_waiter": rss / waiters,
+            "etcd_per_release": delta(before, after, waiters + 1),
+        }
+
+    def scaling(self, sizes: list[int], reps: int, workers: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for w in sizes:
+            rs = []
+            for rep in range(reps):
+                t0 = time.monotonic()
+                rs.append(self.scaling_run(w, rep, workers))
+                print(f"  scaling W={w} rep {rep + 1}/{reps}: drain {rs[-1]['drain_s']:.2f} s, "
+                      f"{rs[-1]['etcd_per_release']['requests']:.2f} req/release "
+                      f"({time.monotonic() - t0:.1f} s)", flush=True)
+            per = [r["etcd_per_release"] for r in rs]
+            out[str(w)] = {
+                "drain_s": summary([r["drain_s"] for r in rs]),
+                "handoff_p50_ms": summary([r["handoff_p50_ms"] for r in rs]),
+                "handoff_p99_ms": summary([r["handoff_p99_ms"] for r in rs]),
+                "queue_fill_s": summary([r["queue_fill_s"] for r in rs]),
+                "rss_mib_per_waiter": summary([r["rss_mib_per_waiter"] for r in rs]),
+                "etcd_per_release": {
+                    k: summary([p[k] for p in per]) for k in per[0] if k != "requests_by_method"
+                },
+                "requests_by_method": per[len(per) // 2]["requests_by_method"],
+            }
+        return out
+
+
+# ----------------------------------------------------------------------------------- table
+
+
+def fmt(s: dict[str, Any], digits: int = 1, scale: float = 1.0) -> str:
+    if s["n"] <= 1:
+        return f"{s['median'] * scale:.{digits}f}"
+    return (f"{s['median'] * scale:.{digits}f} "
+            f"[{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]")
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def table(results: dict[str, Any]) -> str:
+    rows: list[tuple[str, str, str, str]] = []
+    u = results["uncontended"]
+    rows.append(("uncontended wall, ms", fmt(u["wall_s"]["conch"], 0, 1000),
+                 fmt(u["wall_s"]["etcdctl"], 0, 1000),
+                 ratio(u["wall_s"]["conch"]["median"], u["wall_s"]["etcdctl"]["median"])))
+    rows.append(("uncontended launch->child, ms",
+                 fmt(u["launch_to_child_s"]["conch"], 0, 1000),
+                 fmt(u["launch_to_child_s"]["etcdctl"], 0, 1000),
+                 ratio(u["launch_to_child_s"]["conch"]["median"],
+                       u["launch_to_child_s"]["etcdctl"]["median"])))
+    rows.append(("uncontended peak RSS, MiB", fmt(u["peak_rss_mib"]["conch"]),
+                 fmt(u["peak_rss_mib"]["etcdctl"]),
+                 ratio(u["peak_rss_mib"]["conch"]["median"],
+                       u["peak_rss_mib"]["etcdctl"]["median"])))
+    ec, ee = u["etcd_per_run"]["conch"], u["etcd_per_run"]["etcdctl"]
+    rows.append(("uncontended etcd requests/run", f"{ec['requests']:.0f}",
+                 f"{ee['requests']:.0f}", ratio(ec["requests"], ee["requests"])))
+    for w, entry in results["handoff"].items():
+        c, e = entry["conch"], entry["etcdctl"]
+        for key, label in (("handoff_p50_ms", "p50"), ("handoff_p99_ms", "p99")):
+            rows.append((f"handoff W={w} {label}, ms", fmt(c[key]), fmt(e[key]),
+                         ratio(c[key]["median"], e[key]["median"])))
+        rows.append((f"drain W={w}, s", fmt(c["drain_s"], 2), fmt(e["drain_s"], 2),
+                     ratio(c["drain_s"]["median"], e["drain_s"]["median"])))
+        cp, ep = c["etcd_per_release"], e["etcd_per_release"]
+        rows.append((f"W={w} etcd req/release (msgs in/out)",
+                     f"{cp['requests']:.1f} ({cp['msgs_in']:.1f}/{cp['msgs_out']:.1f})",
+                     f"{ep['requests']:.1f} ({ep['msgs_in']:.1f}/{ep['msgs_out']:.1f})",
+                     ratio(cp["requests"], ep["requests"])))
+        rows.append((f"W={w} watch events/release", f"{cp['watch_events']:.2f}",
+                     f"{ep['watch_events']:.2f}", ratio(cp["watch_events"], ep["watch_events"])))
+        rows.append((f"W={w} bytes read/release", f"{cp['bytes_read']:.0f}",
+                     f"{ep['bytes_read']:.0f}", ratio(cp["bytes_read"], ep["bytes_read"])))
+    mem_w = max(results["handoff"], key=int)
+    m = results["handoff"][mem_w]
+    one = results["handoff"][min(results["handoff"], key=int)]
+    rows.append(("RSS of one waiting process, MiB", fmt(one["conch"]["waiter_rss_mib_one"]),
+                 fmt(one["etcdctl"]["waiter_rss_mib_one"]),
+                 ratio(one["conch"]["waiter_rss_mib_one"]["median"],
+                       one["etcdctl"]["waiter_rss_mib_one"]["median"])))
+    rows.append((f"RSS of {mem_w} waiting processes, MiB", fmt(m["conch"]["waiter_rss_mib_all"], 0),
+                 fmt(m["etcdctl"]["waiter_rss_mib_all"], 0),
+                 ratio(m["conch"]["waiter_rss_mib_all"]["median"],
+                       m["etcdctl"]["waiter_rss_mib_all"]["median"])))
+    rows.append((f"PSS of {mem_w} waiting processes, MiB", fmt(m["conch"]["waiter_pss_mib_all"], 0),
+                 fmt(m["etcdctl"]["waiter_pss_mib_all"], 0),
+                 ratio(m["conch"]["waiter_pss_mib_all"]["median"],
+                       m["etcdctl"]["waiter_pss_mib_all"]["median"])))
+    for w, entry in results["scaling"].items():
+        p = entry["etcd_per_release"]
+        rows.append((f"library W={w}: req | msgs in/out | events | bytes read /release",
+                     f"{p['requests']['median']:.2f} | {p['msgs_in']['median']:.2f}/"
+                     f"{p['msgs_out']['median']:.2f} | {p['watch_events']['median']:.2f} | "
+                     f"{p['bytes_read']['median']:.0f}", "", ""))
+        rows.append((f"library W={w}: drain s | handoff p50/p99 ms",
+                     f"{fmt(entry['drain_s'], 2)} | {entry['handoff_p50_ms']['median']:.1f}/"
+                     f"{entry['handoff_p99_ms']['median']:.1f}", "", ""))
+    imp = results["importtime"]
+    rows.append(("import conch.cli (-X importtime), ms", f"{imp['total_ms']:.0f}", "", ""))
+    widths = [max(len(r[i]) for r in rows + [("metric", "conch", "etcdctl lock", "ratio")])
+              for i in range(4)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(("metric", "conch", "etcdctl lock",
+                                                    "conch/etcdctl"), widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
+    parser.add_argument("--workers", type=int, default=4,
+                        help="processes carrying the library waiters of the scaling run")
+    args = parser.parse_args()
+    if args.quick:
+        cfg = {"uncontended_reps": 5, "import_reps": 3, "handoff_sizes": [1, 10, 100],
+               "handoff_reps": 1, "scaling_sizes": [10, 100, 1000], "scaling_reps": 1}
+    else:
+        cfg = {"uncontended_reps": 15, "import_reps": 7, "handoff_sizes": [1, 10, 100],
+               "handoff_reps": 3, "scaling_sizes": [10, 100, 1000], "scaling_reps": 3}
+    for tool in ("bash", ETCDCTL, CONCH):
+        if not shutil.which(tool):
+            raise SystemExit(f"missing {tool}")
+
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix="conch-bench-"))
+    cluster = EtcdCluster(tmp / "etcd")
+    # SIGTERM/SIGHUP to the benchmark: clean up like Ctrl-C does
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        cluster.start()
+        endpoint = cluster.members[0].endpoint
+        bench = Bench(endpoint, tmp, args.quick)
+        results: dict[str, Any] = {
+            "config": {**cfg, "quick": args.quick, "workers": args.workers},
+            "env": {
+                "python": platform.python_version(),
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "etcd": subprocess.run([etcd_binary(), "--version"], capture_output=True,
+                                       text=True).stdout.split("\n")[0],
+                "etcdctl": ETCDCTL,
+                "conch": CONCH,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+        }
+        print(f"etcd on {endpoint}; scratch {tmp}", flush=True)
+        print("uncontended ...", flush=True)
+        results["uncontended"] = bench.uncontended(cfg["uncontended_reps"])
+        print("importtime ...", flush=True)
+        results["importtime"] = bench.importtime(cfg["import_reps"])
+        print("handoff chains ...", flush=True)
+        results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
+        print("queue scaling (library waiters) ...", flush=True)
+        results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"],
+                                           args.workers)
+        results["runtime_s"] = time.monotonic() - started
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print()
+        print(table(results))
+        print(f"\n{len(PROCS)} processes started; results in {out}; "
+              f"{results['runtime_s']:.0f} s in all")
+        return 0
+    finally:
+        reap_all()
+        cluster.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

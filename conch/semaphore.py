@@ -179,7 +179,8 @@ class Hold:
             return
         self._released.set()
         if self.lost.is_set():
-            self.session.close(timeout=WITHDRAW_TIMEOUT)
+            revoked = self.session.close(timeout=WITHDRAW_TIMEOUT)
+            log.info("released", name=self.name, rev=self.revision, after="loss", revoked=revoked)
             return
         try:
             kv.txn(

@@ -11,6 +11,7 @@ a ratio conch / etcdctl measured in the same run on the same etcd. See bench/REA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,16 +26,19 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from conchpb.etcdserverpb import rpc_pb2  # noqa: E402
+
+from conch import log  # noqa: E402
 from conch.etcd import kv  # noqa: E402
 from conch.etcd.client import connect  # noqa: E402
 from conch.semaphore import Semaphore  # noqa: E402
-from conchpb.etcdserverpb import rpc_pb2  # noqa: E402
 from tests.etcd_server import EtcdCluster, etcd_binary, etcdctl_binary  # noqa: E402
 
 PYTHON = sys.executable
@@ -50,17 +54,33 @@ WAITER_CHILD = ["bash", "-c", f"{STAMP_START}; {STAMP_END}", "child"]
 # The first holder blocks on a FIFO until the benchmark releases it.
 HOLDER_CHILD = ["bash", "-c", f'{STAMP_START}; read -r _ < "$2"; {STAMP_END}', "child"]
 
+LAUNCHER = r"""
+import json, os, shutil, sys, time
+argv = sys.argv[1:]
+path = shutil.which(argv[0])
+null = os.open(os.devnull, os.O_RDWR)
+actions = [(os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, null, 2)]
+t0 = time.perf_counter()
+pid = os.posix_spawn(path, argv, os.environ, file_actions=actions)
+_, status, usage = os.wait4(pid, 0)
+seconds = time.perf_counter() - t0
+print(json.dumps([seconds, usage.ru_maxrss, os.waitstatus_to_exitcode(status)]))
+"""
+
+HUNG = -1000  # exit code we report for a process that had to be killed
+HANG_AFTER = 20.0  # seconds a wrapper may take to exit once its child is done
+
 PROCS: list[subprocess.Popen[bytes]] = []  # everything we started, killed on the way out
 
 
 # ---------------------------------------------------------------------------------- helpers
 
 
-def median(xs: list[float]) -> float:
+def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def pct(xs: list[float], p: float) -> float:
+def pct(xs: Sequence[float], p: float) -> float:
     """Nearest-rank percentile (p in 0..100)."""
     if not xs:
         return float("nan")
@@ -87,30 +107,32 @@ def spawn(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
     return proc
 
 
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+
 def reap_all() -> None:
     """SIGTERM then SIGKILL whatever we started that is still running (by pid, not name)."""
     live = [p for p in PROCS if p.poll() is None]
     for p in live:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     deadline = time.monotonic() + 5
     for p in live:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(timeout=5)
     PROCS[:] = [p for p in PROCS if p.poll() is None]
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int | None]:
     deadline = time.monotonic() + timeout
-    codes = []
+    codes: list[int | None] = []
     for p in procs:
         try:
             codes.append(p.wait(timeout=max(0.01, deadline - time.monotonic())))
@@ -135,7 +157,9 @@ def proc_mem(pid: int) -> dict[str, int]:
 
 def read_stamps(path: Path) -> tuple[list[float], list[float]]:
     """(starts, ends) from a child log; checks that the children never overlapped."""
-    starts, ends, last = [], [], "E"
+    starts: list[float] = []
+    ends: list[float] = []
+    last = "E"
     for line in path.read_text().splitlines():
         kind, value = line.split()
         if kind == last:
@@ -147,7 +171,7 @@ def read_stamps(path: Path) -> tuple[list[float], list[float]]:
 
 # ---------------------------------------------------------------------------------- metrics
 
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 _METHOD = re.compile(r'grpc_method="([^"]+)"')
 
 
@@ -161,16 +185,21 @@ def scrape(endpoint: str) -> dict[str, float]:
         if not match:
             continue
         name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
-        if name in ("grpc_server_started_total", "grpc_server_msg_received_total",
-                    "grpc_server_msg_sent_total"):
+        if name in (
+            "grpc_server_started_total",
+            "grpc_server_msg_received_total",
+            "grpc_server_msg_sent_total",
+        ):
             method = _METHOD.search(labels)
             key = f"{name}:{method.group(1) if method else '?'}"
             out[key] = out.get(key, 0.0) + value
-        elif name in ("etcd_network_client_grpc_sent_bytes_total",
-                      "etcd_network_client_grpc_received_bytes_total",
-                      "etcd_debugging_mvcc_events_total",
-                      "etcd_debugging_mvcc_watcher_total",
-                      "etcd_debugging_mvcc_watch_stream_total"):
+        elif name in (
+            "etcd_network_client_grpc_sent_bytes_total",
+            "etcd_network_client_grpc_received_bytes_total",
+            "etcd_debugging_mvcc_events_total",
+            "etcd_debugging_mvcc_watcher_total",
+            "etcd_debugging_mvcc_watch_stream_total",
+        ):
             out[name] = value
     return out
 
@@ -180,11 +209,17 @@ def delta(before: dict[str, float], after: dict[str, float], per: float) -> dict
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
 
     def total(prefix: str, keepalive: bool) -> float:
-        return sum(v for k, v in d.items()
-                   if k.startswith(prefix + ":") and (k.endswith(":LeaseKeepAlive") == keepalive))
+        return sum(
+            v
+            for k, v in d.items()
+            if k.startswith(prefix + ":") and (k.endswith(":LeaseKeepAlive") == keepalive)
+        )
 
-    by_method = {k.split(":", 1)[1]: v / per for k, v in d.items()
-                 if k.startswith("grpc_server_started_total:") and v}
+    by_method = {
+        k.split(":", 1)[1]: v / per
+        for k, v in d.items()
+        if k.startswith("grpc_server_started_total:") and v
+    }
     return {
         # RPCs started: unary calls plus streams opened (watch, keepalive)
         "requests": total("grpc_server_started_total", False) / per,
@@ -212,12 +247,17 @@ class Bench:
     # -- etcd probes (made outside every measurement window) ---------------------------------
 
     def count(self, prefix: bytes) -> int:
-        request = rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix),
-                                       count_only=True)
+        request = rpc_pb2.RangeRequest(key=prefix, range_end=kv.prefix_end(prefix), count_only=True)
         return int(kv.range_(self.client, request).count)
 
-    def wait_queued(self, prefix: bytes, keys: int, watchers: int, timeout: float,
-                    procs: list[subprocess.Popen[bytes]]) -> float:
+    def wait_queued(
+        self,
+        prefix: bytes,
+        keys: int,
+        watchers: int,
+        timeout: float,
+        procs: list[subprocess.Popen[bytes]],
+    ) -> float:
         """Until ``keys`` keys exist under ``prefix`` and etcd has ``watchers`` watchers, and
         then until the watcher count has been steady for 0.5 s. Returns seconds taken."""
         started = time.monotonic()
@@ -242,9 +282,33 @@ class Bench:
 
     def argv(self, tool: str, name: str, cmd: list[str], quiet: bool = True) -> list[str]:
         if tool == "conch":
-            return [CONCH, "sema", name, "--max", "1", "--endpoints", self.endpoint,
-                    *(["-q"] if quiet else []), "--", *cmd]
-        return [ETCDCTL, "--endpoints", self.endpoint, "lock", name, *cmd]
+            return [
+                CONCH,
+                "sema",
+                name,
+                "--max",
+                "1",
+                "--endpoints",
+                self.endpoint,
+                *(["-q"] if quiet else []),
+                "--",
+                *cmd,
+            ]
+        return [ETCDCTL, "--endpoints", self.endpoint, "lock", name, "--", *cmd]
+
+    def launch(self, argv: list[str]) -> tuple[float, float, int]:
+        """Run ``argv`` from a small launcher (python -I -S, ~9 MiB) that times it and reads
+        its peak RSS with wait4(): ru_maxrss counts the largest process of the tree *and*
+        the launcher's own memory before exec, so launching from this (grpc-laden) process
+        would report our RSS instead. Returns (seconds, peak RSS MiB, exit code)."""
+        launcher = spawn([PYTHON, "-I", "-S", "-c", LAUNCHER, *argv], stdout=subprocess.PIPE)
+        try:
+            stdout, _ = launcher.communicate(timeout=HANG_AFTER)
+        except subprocess.TimeoutExpired:
+            kill_group(launcher)  # the command hangs (at exit, so far): note it, go on
+            return float("nan"), float("nan"), HUNG
+        seconds, maxrss_kb, code = json.loads(stdout)
+        return seconds, maxrss_kb / 1024.0, code
 
     # -- 1. uncontended --------------------------------------------------------------------
 
@@ -258,43 +322,65 @@ class Bench:
         rss: dict[str, list[float]] = {t: [] for t in TOOLS}
         metrics: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
         for tool in TOOLS:  # warm the page cache once, unmeasured
-            subprocess.run(self.argv(tool, "warm", ["true"]), timeout=30,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+            subprocess.run(
+                self.argv(tool, "warm", ["true"]),
+                timeout=30,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=True,
+            )
+        hung = dict.fromkeys(TOOLS, 0)
+        floor = self.launch(["/bin/true"])[1]
         for i in range(reps):
-            for tool in (TOOLS if i % 2 == 0 else TOOLS[::-1]):
+            for tool in TOOLS if i % 2 == 0 else TOOLS[::-1]:
                 before = scrape(self.endpoint)
-                t0 = time.perf_counter()
-                proc = subprocess.Popen(self.argv(tool, "b", ["true"]),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                _, status, usage = os.wait4(proc.pid, 0)
-                wall[tool].append(time.perf_counter() - t0)
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{tool} uncontended run exited {proc.returncode}")
-                rss[tool].append(usage.ru_maxrss / 1024.0)  # MiB
+                seconds, maxrss_mib, code = self.launch(self.argv(tool, "b", ["true"]))
+                if code == HUNG:
+                    hung[tool] += 1
+                    continue
+                if code != 0:
+                    raise RuntimeError(f"{tool} uncontended run exited {code}")
+                wall[tool].append(seconds)
+                rss[tool].append(maxrss_mib)
                 metrics[tool].append(delta(before, scrape(self.endpoint), 1))
+        out["launcher_floor_rss_mib"] = floor
         out["wall_s"] = {t: summary(wall[t]) for t in TOOLS}
         out["peak_rss_mib"] = {t: summary(rss[t]) for t in TOOLS}
         out["etcd_per_run"] = {t: metrics[t][0] for t in TOOLS}
-        out["wall_ratio_runs"] = [c / e for c, e in zip(wall["conch"], wall["etcdctl"])]
+        out["wall_ratio_runs"] = [
+            c / e for c, e in zip(wall["conch"], wall["etcdctl"], strict=False)
+        ]
 
         # launch -> child start, and conch's own phases (timestamped as its log lines arrive)
         to_child: dict[str, list[float]] = {t: [] for t in TOOLS}
         phases: dict[str, list[float]] = {}
         for i in range(reps):
-            for tool in (TOOLS if i % 2 == 0 else TOOLS[::-1]):
+            for tool in TOOLS if i % 2 == 0 else TOOLS[::-1]:
                 log = self.tmp / f"unc-{tool}-{i}.log"
                 stamps: list[tuple[str, float]] = []
                 t0 = time.time()
-                proc = subprocess.Popen(self.argv(tool, "b", [*WAITER_CHILD, str(log)], False),
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                assert proc.stderr is not None
-                for raw in proc.stderr:
-                    match = re.search(rb"event=(\S+)", raw)
-                    if match:
-                        stamps.append((match.group(1).decode(), time.time()))
-                proc.wait(timeout=30)
-                t_exit = time.time()
+                proc = spawn(
+                    self.argv(tool, "b", [*WAITER_CHILD, str(log)], False),
+                    stderr=subprocess.PIPE,
+                )
+
+                def read(proc: subprocess.Popen[bytes], stamps: list[tuple[str, float]]) -> None:
+                    assert proc.stderr is not None
+                    for raw in proc.stderr:
+                        match = re.search(rb"event=(\S+)", raw)
+                        if match:
+                            stamps.append((match.group(1).decode(), time.time()))
+
+                reader = threading.Thread(target=read, args=(proc, stamps), daemon=True)
+                reader.start()
+                try:
+                    proc.wait(timeout=HANG_AFTER)
+                    t_exit = time.time()
+                except subprocess.TimeoutExpired:
+                    kill_group(proc)
+                    hung[tool] += 1
+                    t_exit = float("nan")
+                reader.join(timeout=5)
                 starts, ends = read_stamps(log)
                 to_child[tool].append(starts[0] - t0)
                 if tool == "conch":
@@ -303,8 +389,12 @@ class Bench:
                     marks["child-done"] = ends[0]
                     marks["exit"] = t_exit
                     for event, when in marks.items():
+                        if math.isnan(when):
+                            continue
                         phases.setdefault(event, []).append((when - t0) * 1000)
         out["launch_to_child_s"] = {t: summary(to_child[t]) for t in TOOLS}
+        out["hung_at_exit"] = hung
+        out["runs_per_tool"] = 2 * reps
         out["conch_phases_ms"] = {
             k: median(v) for k, v in sorted(phases.items(), key=lambda kv_: median(kv_[1]))
         }
@@ -319,15 +409,26 @@ class Bench:
         cum_us: dict[str, list[int]] = {}
         parents: dict[str, str] = {}
         for _ in range(reps):
-            result = subprocess.run([PYTHON, "-X", "importtime", "-c", "import conch.cli"],
-                                    capture_output=True, text=True, timeout=60, check=True)
+            result = subprocess.run(
+                [PYTHON, "-X", "importtime", "-c", "import conch.cli"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
             stack: list[tuple[int, str]] = []
             rows = []
             for line in result.stderr.splitlines():
                 match = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", line)
                 if match:
-                    rows.append((int(match.group(1)), int(match.group(2)),
-                                 len(match.group(3)) // 2, match.group(4)))
+                    rows.append(
+                        (
+                            int(match.group(1)),
+                            int(match.group(2)),
+                            len(match.group(3)) // 2,
+                            match.group(4),
+                        )
+                    )
             # importtime prints children before their parent, the parent one level less deep
             for s, c, depth, name in reversed(rows):
                 while stack and stack[-1][0] >= depth:
@@ -349,19 +450,53 @@ class Bench:
             return median(times) * 1000
 
         n = max(3, reps)
-        parser_ms = json.loads(subprocess.run(
-            [PYTHON, "-c", "import json,time,conch.cli as c; t=time.perf_counter(); "
-             "c.build_parser().parse_args(['sema','b','--max','1']); "
-             "print(json.dumps((time.perf_counter()-t)*1000))"],
-            capture_output=True, text=True, timeout=60, check=True).stdout)
-        top_level = ["conch.cli", "conch.etcd", "conch.etcd.client", "grpc", "grpc.aio",
-                     "grpc._cython.cygrpc", "asyncio", "conchpb.etcdserverpb.rpc_pb2",
-                     "conchpb.etcdserverpb.rpc_pb2_grpc", "conchpb._pool",
-                     "google.protobuf.descriptor_pool", "google.protobuf.text_format",
-                     "conch.semaphore", "conch.supervisor", "conch.watchdog", "conch.session",
-                     "dataclasses", "json", "datetime", "subprocess", "argparse", "ssl",
-                     "logging", "typing", "inspect", "pathlib", "urllib.parse",
-                     "typing_extensions", "site", "__editable___conch_0_1_0_finder"]
+        parser_ms = json.loads(
+            subprocess.run(
+                [
+                    PYTHON,
+                    "-c",
+                    "import json,time,conch.cli as c; t=time.perf_counter(); "
+                    "c.build_parser().parse_args(['sema','b','--max','1']); "
+                    "print(json.dumps((time.perf_counter()-t)*1000))",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+        )
+        top_level = [
+            "conch.cli",
+            "conch.etcd",
+            "conch.etcd.client",
+            "grpc",
+            "grpc.aio",
+            "grpc._cython.cygrpc",
+            "asyncio",
+            "conchpb.etcdserverpb.rpc_pb2",
+            "conchpb.etcdserverpb.rpc_pb2_grpc",
+            "conchpb._pool",
+            "google.protobuf.descriptor_pool",
+            "google.protobuf.text_format",
+            "conch.semaphore",
+            "conch.supervisor",
+            "conch.watchdog",
+            "conch.session",
+            "dataclasses",
+            "json",
+            "datetime",
+            "subprocess",
+            "argparse",
+            "ssl",
+            "logging",
+            "typing",
+            "inspect",
+            "pathlib",
+            "urllib.parse",
+            "typing_extensions",
+            "site",
+            "__editable___conch_0_1_0_finder",
+        ]
         return {
             "total_ms": cum.get("conch.cli"),
             "cumulative_ms": {k: cum[k] for k in top_level if k in cum},
@@ -396,8 +531,7 @@ class Bench:
                 raise RuntimeError(f"{tool} holder did not start its child")
             time.sleep(0.02)
         t0 = time.monotonic()
-        procs = [spawn(self.argv(tool, name, [*WAITER_CHILD, str(log)]))
-                 for _ in range(waiters)]
+        procs = [spawn(self.argv(tool, name, [*WAITER_CHILD, str(log)])) for _ in range(waiters)]
         # etcdctl waiters watch their predecessor, conch's too; conch's holder also watches
         # its own key.
         queued_s = self.wait_queued(prefix, waiters + 1, waiters, 60 + 2 * waiters, procs)
@@ -406,20 +540,30 @@ class Bench:
         before = scrape(self.endpoint)
         with open(fifo, "w") as f:  # the holder's child reads it, stamps, exits
             f.write("go\n")
-        codes = wait_all([holder, *procs], 60 + waiters)
+        deadline = time.monotonic() + 60 + waiters
+        while log.read_text().count("\n") < 2 * (waiters + 1):
+            if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
+                break
+            time.sleep(0.05)
+        everyone = [holder, *procs]
+        codes = wait_all(everyone, HANG_AFTER)
+        hung = [p for p, c in zip(everyone, codes, strict=True) if c is None]
+        for p in hung:  # its child ran and exited, the wrapper did not: a hang at exit
+            kill_group(p)
         t_all_exited = time.time()
         after = scrape(self.endpoint)
-        if any(c != 0 for c in codes):
+        if any(c not in (0, None) for c in codes):
             raise RuntimeError(f"{tool} chain W={waiters}: exit codes {codes}")
         starts, ends = read_stamps(log)
         if len(starts) != waiters + 1 or len(ends) != waiters + 1:
             raise RuntimeError(f"{tool} chain W={waiters}: {len(starts)} children ran")
-        handoffs = [(s - e) * 1000 for s, e in zip(starts[1:], ends[:-1])]
+        handoffs = [(s - e) * 1000 for s, e in zip(starts[1:], ends[:-1], strict=False)]
         return {
             "handoff_p50_ms": pct(handoffs, 50),
             "handoff_p99_ms": pct(handoffs, 99),
             "drain_s": ends[-1] - ends[0],
             "drain_to_exit_s": t_all_exited - ends[0],
+            "hung_at_exit": len(hung),
             "queue_fill_s": startup_all,
             "queued_wait_s": queued_s,
             "waiter_rss_mib": [m["rss_kb"] / 1024 for m in mem],
@@ -432,12 +576,15 @@ class Bench:
         for w in sizes:
             runs: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
             for rep in range(reps):
-                for tool in (TOOLS if rep % 2 == 0 else TOOLS[::-1]):
+                for tool in TOOLS if rep % 2 == 0 else TOOLS[::-1]:
                     t0 = time.monotonic()
                     runs[tool].append(self.chain(tool, w, rep))
-                    print(f"  handoff W={w} {tool} rep {rep + 1}/{reps}: "
-                          f"p50 {runs[tool][-1]['handoff_p50_ms']:.1f} ms "
-                          f"({time.monotonic() - t0:.1f} s)", flush=True)
+                    print(
+                        f"  handoff W={w} {tool} rep {rep + 1}/{reps}: "
+                        f"p50 {runs[tool][-1]['handoff_p50_ms']:.1f} ms "
+                        f"({time.monotonic() - t0:.1f} s)",
+                        flush=True,
+                    )
             entry: dict[str, Any] = {}
             for tool in TOOLS:
                 rs = runs[tool]
@@ -447,12 +594,13 @@ class Bench:
                     "handoff_p99_ms": summary([r["handoff_p99_ms"] for r in rs]),
                     "drain_s": summary([r["drain_s"] for r in rs]),
                     "queue_fill_s": summary([r["queue_fill_s"] for r in rs]),
+                    "hung_at_exit": sum(r["hung_at_exit"] for r in rs),
+                    "processes": sum(w + 1 for _ in rs),
                     "waiter_rss_mib_one": summary([median(r["waiter_rss_mib"]) for r in rs]),
                     "waiter_rss_mib_all": summary([sum(r["waiter_rss_mib"]) for r in rs]),
                     "waiter_pss_mib_all": summary([sum(r["waiter_pss_mib"]) for r in rs]),
                     "etcd_per_release": {
-                        k: median([p[k] for p in per])
-                        for k in per[0] if k != "requests_by_method"
+                        k: median([p[k] for p in per]) for k in per[0] if k != "requests_by_method"
                     },
                     "requests_by_method": per[len(per) // 2]["requests_by_method"],
                 }
@@ -461,18 +609,32 @@ class Bench:
 
     # -- 4. queue scaling with library waiters ------------------------------------------------
 
-    def scaling_run(self, waiters: int, rep: int, workers: int) -> dict[str, Any]:
+    def scaling_run(
+        self, waiters: int, rep: int, workers: int, hold: float = 0.0
+    ) -> dict[str, Any]:
         name = f"scale-{waiters}-{rep}"
         prefix = f"/conch/v1/sema/{name}/1/".encode()
         holder = Semaphore(self.client, name, 1, 10).acquire(timeout=10)
-        timeout = 60 + waiters * 0.3
-        shares = [waiters // workers + (1 if i < waiters % workers else 0)
-                  for i in range(workers)]
+        timeout = 60 + waiters * (0.3 + hold)
+        shares = [waiters // workers + (1 if i < waiters % workers else 0) for i in range(workers)]
         outs = [self.tmp / f"{name}-{i}.json" for i in range(workers)]
         procs = [
-            spawn([PYTHON, str(ROOT / "bench" / "waiters.py"), self.endpoint, name, str(n),
-                   "10", str(out), str(timeout)], stderr=open(self.tmp / f"{name}-{i}.err", "wb"))
-            for i, (n, out) in enumerate(zip(shares, outs)) if n
+            spawn(
+                [
+                    PYTHON,
+                    str(ROOT / "bench" / "waiters.py"),
+                    self.endpoint,
+                    name,
+                    str(n),
+                    "10",
+                    str(out),
+                    str(timeout),
+                    str(hold),
+                ],
+                stderr=subprocess.DEVNULL,
+            )
+            for i, (n, out) in enumerate(zip(shares, outs, strict=False))
+            if n
         ]
         t0 = time.monotonic()
         try:
@@ -497,7 +659,10 @@ class Bench:
         if any(c != 0 for c in codes) or len(acquired) != waiters:
             raise RuntimeError(f"scaling W={waiters}: codes {codes}, {len(acquired)} acquired")
         acquired.sort()
-        gaps = [(b - a) * 1000 for a, b in zip([released, *acquired], acquired)]
+        gaps = [
+            (b - a - (hold if i else 0)) * 1000
+            for i, (a, b) in enumerate(zip([released, *acquired], acquired, strict=False))
+        ]
         return {
             "drain_s": acquired[-1] - released,
             "handoff_p50_ms": pct(gaps, 50),
@@ -514,9 +679,12 @@ class Bench:
             for rep in range(reps):
                 t0 = time.monotonic()
                 rs.append(self.scaling_run(w, rep, workers))
-                print(f"  scaling W={w} rep {rep + 1}/{reps}: drain {rs[-1]['drain_s']:.2f} s, "
-                      f"{rs[-1]['etcd_per_release']['requests']:.2f} req/release "
-                      f"({time.monotonic() - t0:.1f} s)", flush=True)
+                print(
+                    f"  scaling W={w} rep {rep + 1}/{reps}: drain {rs[-1]['drain_s']:.2f} s, "
+                    f"{rs[-1]['etcd_per_release']['requests']:.2f} req/release "
+                    f"({time.monotonic() - t0:.1f} s)",
+                    flush=True,
+                )
             per = [r["etcd_per_release"] for r in rs]
             out[str(w)] = {
                 "drain_s": summary([r["drain_s"] for r in rs]),
@@ -538,81 +706,170 @@ class Bench:
 def fmt(s: dict[str, Any], digits: int = 1, scale: float = 1.0) -> str:
     if s["n"] <= 1:
         return f"{s['median'] * scale:.{digits}f}"
-    return (f"{s['median'] * scale:.{digits}f} "
-            f"[{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]")
+    return (
+        f"{s['median'] * scale:.{digits}f} "
+        f"[{s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f}]"
+    )
 
 
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
+def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)).rstrip(),
+        "  ".join("-" * w for w in widths),
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
 def table(results: dict[str, Any]) -> str:
-    rows: list[tuple[str, str, str, str]] = []
+    """The comparison table (median [min-max] over runs; ratio of medians) and the
+    per-release scaling table."""
+    rows: list[tuple[str, ...]] = []
+
+    def compare(
+        label: str, c: dict[str, Any], e: dict[str, Any], digits: int = 1, scale: float = 1.0
+    ) -> None:
+        rows.append(
+            (label, fmt(c, digits, scale), fmt(e, digits, scale), ratio(c["median"], e["median"]))
+        )
+
     u = results["uncontended"]
-    rows.append(("uncontended wall, ms", fmt(u["wall_s"]["conch"], 0, 1000),
-                 fmt(u["wall_s"]["etcdctl"], 0, 1000),
-                 ratio(u["wall_s"]["conch"]["median"], u["wall_s"]["etcdctl"]["median"])))
-    rows.append(("uncontended launch->child, ms",
-                 fmt(u["launch_to_child_s"]["conch"], 0, 1000),
-                 fmt(u["launch_to_child_s"]["etcdctl"], 0, 1000),
-                 ratio(u["launch_to_child_s"]["conch"]["median"],
-                       u["launch_to_child_s"]["etcdctl"]["median"])))
-    rows.append(("uncontended peak RSS, MiB", fmt(u["peak_rss_mib"]["conch"]),
-                 fmt(u["peak_rss_mib"]["etcdctl"]),
-                 ratio(u["peak_rss_mib"]["conch"]["median"],
-                       u["peak_rss_mib"]["etcdctl"]["median"])))
+    compare("uncontended: wall time, ms", u["wall_s"]["conch"], u["wall_s"]["etcdctl"], 0, 1000)
+    compare(
+        "uncontended: launch -> child running, ms",
+        u["launch_to_child_s"]["conch"],
+        u["launch_to_child_s"]["etcdctl"],
+        0,
+        1000,
+    )
+    compare("uncontended: peak RSS, MiB", u["peak_rss_mib"]["conch"], u["peak_rss_mib"]["etcdctl"])
     ec, ee = u["etcd_per_run"]["conch"], u["etcd_per_run"]["etcdctl"]
-    rows.append(("uncontended etcd requests/run", f"{ec['requests']:.0f}",
-                 f"{ee['requests']:.0f}", ratio(ec["requests"], ee["requests"])))
+    rows.append(
+        (
+            "uncontended: etcd requests per run",
+            f"{ec['requests']:.0f}",
+            f"{ee['requests']:.0f}",
+            ratio(ec["requests"], ee["requests"]),
+        )
+    )
     for w, entry in results["handoff"].items():
         c, e = entry["conch"], entry["etcdctl"]
-        for key, label in (("handoff_p50_ms", "p50"), ("handoff_p99_ms", "p99")):
-            rows.append((f"handoff W={w} {label}, ms", fmt(c[key]), fmt(e[key]),
-                         ratio(c[key]["median"], e[key]["median"])))
-        rows.append((f"drain W={w}, s", fmt(c["drain_s"], 2), fmt(e["drain_s"], 2),
-                     ratio(c["drain_s"]["median"], e["drain_s"]["median"])))
-        cp, ep = c["etcd_per_release"], e["etcd_per_release"]
-        rows.append((f"W={w} etcd req/release (msgs in/out)",
-                     f"{cp['requests']:.1f} ({cp['msgs_in']:.1f}/{cp['msgs_out']:.1f})",
-                     f"{ep['requests']:.1f} ({ep['msgs_in']:.1f}/{ep['msgs_out']:.1f})",
-                     ratio(cp["requests"], ep["requests"])))
-        rows.append((f"W={w} watch events/release", f"{cp['watch_events']:.2f}",
-                     f"{ep['watch_events']:.2f}", ratio(cp["watch_events"], ep["watch_events"])))
-        rows.append((f"W={w} bytes read/release", f"{cp['bytes_read']:.0f}",
-                     f"{ep['bytes_read']:.0f}", ratio(cp["bytes_read"], ep["bytes_read"])))
-    mem_w = max(results["handoff"], key=int)
-    m = results["handoff"][mem_w]
-    one = results["handoff"][min(results["handoff"], key=int)]
-    rows.append(("RSS of one waiting process, MiB", fmt(one["conch"]["waiter_rss_mib_one"]),
-                 fmt(one["etcdctl"]["waiter_rss_mib_one"]),
-                 ratio(one["conch"]["waiter_rss_mib_one"]["median"],
-                       one["etcdctl"]["waiter_rss_mib_one"]["median"])))
-    rows.append((f"RSS of {mem_w} waiting processes, MiB", fmt(m["conch"]["waiter_rss_mib_all"], 0),
-                 fmt(m["etcdctl"]["waiter_rss_mib_all"], 0),
-                 ratio(m["conch"]["waiter_rss_mib_all"]["median"],
-                       m["etcdctl"]["waiter_rss_mib_all"]["median"])))
-    rows.append((f"PSS of {mem_w} waiting processes, MiB", fmt(m["conch"]["waiter_pss_mib_all"], 0),
-                 fmt(m["etcdctl"]["waiter_pss_mib_all"], 0),
-                 ratio(m["conch"]["waiter_pss_mib_all"]["median"],
-                       m["etcdctl"]["waiter_pss_mib_all"]["median"])))
-    for w, entry in results["scaling"].items():
-        p = entry["etcd_per_release"]
-        rows.append((f"library W={w}: req | msgs in/out | events | bytes read /release",
-                     f"{p['requests']['median']:.2f} | {p['msgs_in']['median']:.2f}/"
-                     f"{p['msgs_out']['median']:.2f} | {p['watch_events']['median']:.2f} | "
-                     f"{p['bytes_read']['median']:.0f}", "", ""))
-        rows.append((f"library W={w}: drain s | handoff p50/p99 ms",
-                     f"{fmt(entry['drain_s'], 2)} | {entry['handoff_p50_ms']['median']:.1f}/"
-                     f"{entry['handoff_p99_ms']['median']:.1f}", "", ""))
+        compare(f"handoff W={w}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
+        compare(f"handoff W={w}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
+        compare(f"handoff W={w}: drain, s", c["drain_s"], e["drain_s"], 2)
+    sizes = sorted(results["handoff"], key=int)
+    one, many = results["handoff"][sizes[0]], results["handoff"][sizes[-1]]
+    compare(
+        "memory: RSS of one waiting process, MiB",
+        one["conch"]["waiter_rss_mib_one"],
+        one["etcdctl"]["waiter_rss_mib_one"],
+    )
+    compare(
+        f"memory: RSS of {sizes[-1]} waiting processes, MiB",
+        many["conch"]["waiter_rss_mib_all"],
+        many["etcdctl"]["waiter_rss_mib_all"],
+        0,
+    )
+    compare(
+        f"memory: PSS of {sizes[-1]} waiting processes, MiB",
+        many["conch"]["waiter_pss_mib_all"],
+        many["etcdctl"]["waiter_pss_mib_all"],
+        0,
+    )
+    hung = {t: u["hung_at_exit"][t] for t in TOOLS}
+    runs = dict.fromkeys(TOOLS, u["runs_per_tool"])
+    for entry in results["handoff"].values():
+        for t in TOOLS:
+            hung[t] += entry[t]["hung_at_exit"]
+            runs[t] += entry[t]["processes"]
+    rows.append(
+        (
+            "wrappers hung at exit (killed) / runs",
+            f"{hung['conch']}/{runs['conch']}",
+            f"{hung['etcdctl']}/{runs['etcdctl']}",
+            "",
+        )
+    )
     imp = results["importtime"]
-    rows.append(("import conch.cli (-X importtime), ms", f"{imp['total_ms']:.0f}", "", ""))
-    widths = [max(len(r[i]) for r in rows + [("metric", "conch", "etcdctl lock", "ratio")])
-              for i in range(4)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(("metric", "conch", "etcdctl lock",
-                                                    "conch/etcdctl"), widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
+    rows.append(
+        ("start-up: import conch.cli (-X importtime), ms", f"{imp['total_ms']:.0f}", "", "")
+    )
+    out = render(("metric", "conch", "etcdctl lock", "conch/etcdctl"), rows)
+
+    srows: list[tuple[str, ...]] = []
+    for w, entry in results["handoff"].items():
+        for tool in TOOLS:
+            p = entry[tool]["etcd_per_release"]
+            srows.append(
+                (
+                    f"{tool} processes",
+                    w,
+                    f"{p['requests']:.2f}",
+                    f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
+                    f"{p['keepalive_msgs_in']:.2f}",
+                    f"{p['watch_events']:.2f}",
+                    f"{p['bytes_read']:.0f}",
+                    f"{p['bytes_written']:.0f}",
+                    fmt(entry[tool]["drain_s"], 2),
+                    f"{entry[tool]['handoff_p50_ms']['median']:.1f}/"
+                    f"{entry[tool]['handoff_p99_ms']['median']:.1f}",
+                )
+            )
+    for w, entry in results["scaling"].items():
+        p = {k: v["median"] for k, v in entry["etcd_per_release"].items()}
+        srows.append(
+            (
+                "conch library",
+                w,
+                f"{p['requests']:.2f}",
+                f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
+                f"{p['keepalive_msgs_in']:.2f}",
+                f"{p['watch_events']:.2f}",
+                f"{p['bytes_read']:.0f}",
+                f"{p['bytes_written']:.0f}",
+                fmt(entry["drain_s"], 2),
+                f"{entry['handoff_p50_ms']['median']:.1f}/{entry['handoff_p99_ms']['median']:.1f}",
+            )
+        )
+    diag = results.get("scaling_hold")
+    if diag:
+        p = diag["etcd_per_release"]
+        srows.append(
+            (
+                f"conch library, {diag['hold_ms']:.0f} ms hold",
+                str(diag["waiters"]),
+                f"{p['requests']:.2f}",
+                f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
+                f"{p['keepalive_msgs_in']:.2f}",
+                f"{p['watch_events']:.2f}",
+                f"{p['bytes_read']:.0f}",
+                f"{p['bytes_written']:.0f}",
+                f"{diag['drain_s']:.2f}",
+                f"{diag['handoff_p50_ms']:.1f}/{diag['handoff_p99_ms']:.1f}",
+            )
+        )
+    out += "\n\nPer release (etcd /metrics delta / (W+1) releases; keepalives apart):\n"
+    out += render(
+        (
+            "waiters",
+            "W",
+            "requests",
+            "msgs in/out",
+            "keepalives",
+            "watch events",
+            "bytes read",
+            "bytes written",
+            "drain s",
+            "handoff p50/p99 ms",
+        ),
+        srows,
+    )
+    return out
 
 
 # ------------------------------------------------------------------------------------ main
@@ -622,15 +879,32 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "latest.json"))
-    parser.add_argument("--workers", type=int, default=4,
-                        help="processes carrying the library waiters of the scaling run")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=4,
+        help="processes carrying the library waiters of the scaling run",
+    )
     args = parser.parse_args()
+    cfg: dict[str, Any]
     if args.quick:
-        cfg = {"uncontended_reps": 5, "import_reps": 3, "handoff_sizes": [1, 10, 100],
-               "handoff_reps": 1, "scaling_sizes": [10, 100, 1000], "scaling_reps": 1}
+        cfg = {
+            "uncontended_reps": 5,
+            "import_reps": 3,
+            "handoff_sizes": [1, 10, 100],
+            "handoff_reps": 1,
+            "scaling_sizes": [10, 100, 1000],
+            "scaling_reps": 1,
+        }
     else:
-        cfg = {"uncontended_reps": 15, "import_reps": 7, "handoff_sizes": [1, 10, 100],
-               "handoff_reps": 3, "scaling_sizes": [10, 100, 1000], "scaling_reps": 3}
+        cfg = {
+            "uncontended_reps": 15,
+            "import_reps": 7,
+            "handoff_sizes": [1, 10, 100],
+            "handoff_reps": 3,
+            "scaling_sizes": [10, 100, 1000],
+            "scaling_reps": 3,
+        }
     for tool in ("bash", ETCDCTL, CONCH):
         if not shutil.which(tool):
             raise SystemExit(f"missing {tool}")
@@ -644,6 +918,7 @@ def main() -> int:
     try:
         cluster.start()
         endpoint = cluster.members[0].endpoint
+        log.set_quiet(True)  # the holder of the scaling runs lives in this process
         bench = Bench(endpoint, tmp, args.quick)
         results: dict[str, Any] = {
             "config": {**cfg, "quick": args.quick, "workers": args.workers},
@@ -651,8 +926,9 @@ def main() -> int:
                 "python": platform.python_version(),
                 "platform": platform.platform(),
                 "cpus": os.cpu_count(),
-                "etcd": subprocess.run([etcd_binary(), "--version"], capture_output=True,
-                                       text=True).stdout.split("\n")[0],
+                "etcd": subprocess.run(
+                    [etcd_binary(), "--version"], capture_output=True, text=True
+                ).stdout.split("\n")[0],
                 "etcdctl": ETCDCTL,
                 "conch": CONCH,
                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -666,16 +942,20 @@ def main() -> int:
         print("handoff chains ...", flush=True)
         results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
         print("queue scaling (library waiters) ...", flush=True)
-        results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"],
-                                           args.workers)
+        results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"], args.workers)
+        # diagnostic: the same queue when each holder keeps its slot a little while
+        diag = bench.scaling_run(100, 99, args.workers, hold=0.05)
+        results["scaling_hold"] = {"waiters": 100, "hold_ms": 50.0, **diag}
         results["runtime_s"] = time.monotonic() - started
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
         print()
         print(table(results))
-        print(f"\n{len(PROCS)} processes started; results in {out}; "
-              f"{results['runtime_s']:.0f} s in all")
+        print(
+            f"\n{len(PROCS)} processes started; results in {out}; "
+            f"{results['runtime_s']:.0f} s in all"
+        )
         return 0
     finally:
         reap_all()

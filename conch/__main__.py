@@ -1,5 +1,3 @@
-import sys
+from conch.cli import run
 
-from conch.cli import main
-
-sys.exit(main())
+run()

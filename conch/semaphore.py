@@ -282,16 +282,15 @@ class Semaphore:
         interrupt.subscribe(box)
         try:
             key = self._key(session)
-            revision = self._enqueue(session, key, box, deadline, interrupt)
+            revision, held_at_creation = self._enqueue(session, key, box, deadline, interrupt)
             queued_logged = False
-            # Someone behind us may have seen us as a waiter, and so watch us for a change,
-            # unless we already held a slot at the very revision our key was created.
-            at_creation = self._standing_at(key, revision, revision)
-            seen_waiting = at_creation is None or not at_creation.held
             while True:
-                standing = self._standing(key, revision)
+                # Holding at the revision our key was created needs no second look. Anyone
+                # else may have been seen waiting, and so be watched by the waiter behind.
+                standing = _Standing(revision, True) if held_at_creation else None
+                standing = standing or self._standing(key, revision)
                 if standing.held:
-                    if seen_waiting:
+                    if not held_at_creation:
                         self._touch(session, key, revision)
                     log.info(
                         "acquired",
@@ -320,23 +319,26 @@ class Semaphore:
 
     def _enqueue(
         self, session: Session, key: bytes, box: Mailbox, deadline: float | None, interrupt: Flag
-    ) -> int:
-        """Step 1: put our key bound to the lease, create-if-absent (KV.Txn). Returns its
-        create_revision. With --spread, a key of our host held by another process means no
-        slot: wait for it to go (or raise NoSlot), then try again."""
+    ) -> tuple[int, bool]:
+        """Step 1: put our key bound to the lease, create-if-absent, and read the first
+        ``max`` keys in the same KV.Txn. Returns our key's create_revision and whether we
+        hold a slot at that very revision. With --spread, a key of our host held by another
+        process means no slot: wait for it to go (or raise NoSlot), then try again."""
         value = self.identity.to_json()
         while True:
             response = kv.txn(
                 self.client,
                 [kv.create_revision_is(key, 0)],
-                [kv.op_put(key, value, session.lease_id)],
+                [kv.op_put(key, value, session.lease_id), kv.op_range(self._heads_request())],
                 [kv.op_get(key)],
             )
             if response.succeeded:
-                return int(response.header.revision)
+                heads = response.responses[1].response_range.kvs
+                return int(response.header.revision), any(h.key == key for h in heads)
             found = response.responses[0].response_range.kvs
             if found and found[0].lease == session.lease_id:
-                return int(found[0].create_revision)  # an earlier attempt of ours went through
+                # An earlier attempt of ours went through; where we stood then is unknown.
+                return int(found[0].create_revision), False
             if not found:
                 continue  # deleted between compare and read: try again
             log.info(
@@ -346,35 +348,30 @@ class Semaphore:
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
-        """Steps 2-3 at the current revision, read again if compaction overtakes the read
-        (a few times; then re-enter, which backs off)."""
+        """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
+        to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision; read
+        again if compaction overtakes the second (a few times; then re-enter, which backs
+        off)."""
         for _ in range(STANDING_READS):
-            standing = self._standing_at(key, revision, 0)
-            if standing is not None:
-                return standing
+            try:
+                return self._read_standing(key, revision)
+            except Compacted:
+                continue
         raise SessionLost("queue reads kept being overtaken by compaction")
 
-    def _standing_at(self, key: bytes, revision: int, at: int) -> _Standing | None:
-        """Steps 2-3: are we among the first ``max`` by create_revision, at revision ``at``
-        (0: now)? If not, which keys to watch. Two KV.Range calls of at most ``max`` and 2
-        keys, at one revision. None when that revision has been compacted away."""
-        try:
-            return self._read_standing(key, revision, at)
-        except Compacted:
-            return None
-
-    def _read_standing(self, key: bytes, revision: int, at: int) -> _Standing:
-        heads = kv.range_prefix(
-            self.client,
+    def _heads_request(self) -> rpc_pb2.RangeRequest:
+        """The first ``max`` keys by create_revision (the holders), keys only."""
+        return kv.prefix_request(
             self.prefix,
-            revision=at,
             limit=self.max,
             keys_only=True,
             sort_target=kv.CREATE,
             sort_order=kv.ASCEND,
         )
-        # A read at a past revision answers with the current one in its header.
-        at = at or int(heads.header.revision)
+
+    def _read_standing(self, key: bytes, revision: int) -> _Standing:
+        heads = kv.range_(self.client, self._heads_request())
+        at = int(heads.header.revision)
         if any(h.key == key and h.create_revision == revision for h in heads.kvs):
             return _Standing(at, True)
         # Our key and the one just ahead of it, at the same revision.

@@ -46,13 +46,13 @@ while True:
         sys.exit(0)
     deadline = time.monotonic() + timeout
 try:
+    os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
+except OSError:
+    pass
+try:
     os.killpg(pgid, signal.SIGTERM)
 except ProcessLookupError:
     sys.exit(0)
-try:
-    os.write(1, b"F")
-except OSError:
-    pass
 end = time.monotonic() + kill_after
 while time.monotonic() < end:
     try:
@@ -100,7 +100,8 @@ class Watchdog:
                 self._send(HEARTBEAT)
 
     def dismiss(self) -> None:
-        """conch is done with the child: the watchdog exits without killing anything."""
+        """conch is done with the child: the watchdog exits without killing anything. Does
+        not wait for it (it may still be starting); it is reaped later or by init."""
         with self._lock:
             if self._dismissed:
                 return
@@ -109,8 +110,6 @@ class Watchdog:
             if self._process.stdin is not None:
                 with contextlib.suppress(OSError):
                     self._process.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._process.wait(timeout=1.0)
 
     @property
     def fired(self) -> bool:

@@ -44,8 +44,7 @@ def range_prefix(
 ) -> rpc_pb2.RangeResponse:
     """KV.Range over every key under ``prefix``; ``fields`` are further RangeRequest fields
     (``limit``, ``revision``, ``keys_only``, ``max_create_revision``, ``sort_target``, ...)."""
-    request = rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix), **fields)
-    return range_(client, request, timeout)
+    return range_(client, prefix_request(prefix, **fields), timeout)
 
 
 def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:
@@ -102,7 +101,16 @@ def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc_pb2.RequestOp:
 
 
 def op_get(key: bytes) -> rpc_pb2.RequestOp:
-    return rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))
+    return op_range(rpc_pb2.RangeRequest(key=key))
+
+
+def op_range(request: rpc_pb2.RangeRequest) -> rpc_pb2.RequestOp:
+    return rpc_pb2.RequestOp(request_range=request)
+
+
+def prefix_request(prefix: bytes, **fields: Any) -> rpc_pb2.RangeRequest:
+    """A RangeRequest over every key under ``prefix`` with further ``fields``."""
+    return rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix), **fields)
 
 
 def op_delete(key: bytes) -> rpc_pb2.RequestOp:

@@ -89,12 +89,24 @@ class Identity:
 
 @dataclass(frozen=True)
 class _Standing:
-    """Where our key stands at one revision."""
+    """Where our key stands at one revision; if waiting, the keys to watch as they were then
+    (keys only: create_revision and mod_revision)."""
 
     revision: int
     held: bool
-    watch_keys: Sequence[bytes] = ()
+    watched: Sequence[kv.KeyValue] = ()
     only_deletes: bool = False
+
+    def changed(self, now: Sequence[kv.RangeResponse]) -> bool:
+        """Whether a watched key changed since ``revision``, given one Range of each, in order
+        (a deletion; with ``only_deletes`` False, any change)."""
+        for then, response in zip(self.watched, now, strict=True):
+            current = response.kvs[0] if response.kvs else None
+            if current is None or current.create_revision != then.create_revision:
+                return True
+            if not self.only_deletes and current.mod_revision != then.mod_revision:
+                return True
+        return False
 
 
 MAX_CAPACITY = 1_000_000
@@ -344,7 +356,7 @@ class Semaphore:
             log.info(
                 "spread-busy", name=self.name, host=self.identity.host, rev=found[0].create_revision
             )
-            standing = _Standing(int(response.header.revision), False, [key], True)
+            standing = _Standing(int(response.header.revision), False, [found[0]], True)
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
@@ -392,8 +404,8 @@ class Semaphore:
             raise SessionLost("inconsistent queue read; re-entering")
         predecessor = mine_and_prev[1]
         if predecessor.create_revision <= heads.kvs[-1].create_revision:
-            return _Standing(at, False, [h.key for h in heads.kvs], True)
-        return _Standing(at, False, [predecessor.key], False)
+            return _Standing(at, False, list(heads.kvs), True)
+        return _Standing(at, False, [predecessor], False)
 
     def _count_ahead(self, revision: int) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
@@ -412,17 +424,23 @@ class Semaphore:
         session: Session,
     ) -> None:
         """Step 4: sleep until a watched key changes after ``standing.revision``. Raises NoSlot
-        at the deadline, Interrupted on ``interrupt``, SessionLost on session loss."""
+        at the deadline, Interrupted on ``interrupt``, SessionLost on session loss.
+
+        The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
+        watch that starts in the past from a catch-up loop that runs every 100 ms, which
+        would add up to 100 ms to a handoff. Once etcd confirms the watch (at revision C),
+        the gap (standing.revision, C] is closed by reading the watched keys again."""
         if deadline is not None and time.monotonic() >= deadline:
             raise NoSlot(f"no free slot of {self.name}[{self.max}]")
         watch = None
-        if standing.watch_keys:
+        if standing.watched:
             watch = Watch(
                 self.client,
-                standing.watch_keys,
-                standing.revision + 1,
+                [item.key for item in standing.watched],
+                0,
                 box.put,
                 only_deletes=standing.only_deletes,
+                confirm=True,
             )
         try:
             while True:
@@ -437,10 +455,20 @@ class Semaphore:
                 if isinstance(item, WatchNotice) and item.watch is watch:
                     if item.error is not None:
                         log.info("rewatch", name=self.name, reason=str(item.error))
+                    if item.created and not self._changed_since(standing, item.revision):
+                        continue
                     return
         finally:
             if watch is not None:
                 watch.cancel()
+
+    def _changed_since(self, standing: _Standing, confirmed: int) -> bool:
+        """Whether a watched key changed between our read and the watch's start (one KV.Txn
+        of a Range per key; skipped when nothing at all happened in between)."""
+        if confirmed <= standing.revision:
+            return False
+        response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
+        return standing.changed([r.response_range for r in response.responses])
 
     def _touch(self, session: Session, key: bytes, revision: int) -> None:
         """Re-put our key if it is still ours (KV.Txn on create_revision): confirms the hold

@@ -19,19 +19,23 @@ DELETE = kv_pb2.Event.DELETE
 @dataclass(frozen=True)
 class WatchNotice:
     """What a Watch delivers: ``events`` (etcd mvccpb.Event list) and the response's header
-    ``revision``; or, last, ``error`` (Compacted with the oldest revision left, or another
-    EtcdError) when the watch ended."""
+    ``revision``; with ``confirm``, ``created`` once etcd has confirmed every key's watch
+    (``revision`` is then the revision the watch covers from, exclusive); or, last,
+    ``error`` (Compacted with the oldest revision left, or another EtcdError) when the watch
+    ended."""
 
     watch: Watch
     events: Sequence[kv_pb2.Event]
     revision: int
     error: EtcdError | None = None
+    created: bool = False
 
 
 class Watch:
-    """Watch.Watch on ``keys`` (each one key) from ``start_revision`` on, on one stream.
-    Notices go to ``deliver`` from a reader thread. ``only_deletes`` asks etcd to filter out
-    PUT events. ``cancel()`` stops delivery.
+    """Watch.Watch on ``keys`` (each one key) from ``start_revision`` on (0: from now), on
+    one stream. Notices go to ``deliver`` from a reader thread. ``only_deletes`` asks etcd to
+    filter out PUT events; ``confirm`` asks for a ``created`` notice once etcd has set up
+    every key's watch. ``cancel()`` stops delivery.
 
     When the stream breaks (a member goes away), the watch moves to the next endpoint and
     resumes each key just after the last event it delivered for it, so no event is lost or
@@ -47,12 +51,16 @@ class Watch:
         start_revision: int,
         deliver: Callable[[WatchNotice], None],
         only_deletes: bool = False,
+        confirm: bool = False,
     ) -> None:
         self._client = client
+        self._confirm = confirm
         self._deliver = deliver
         self._cancelled = False
         self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
+        self._keys = list(keys)
         self._next = dict.fromkeys(keys, start_revision)  # key -> first revision still owed
+        self._confirmed = 0  # keys whose creation etcd confirmed on the current stream
         self._failures = 0
         self._backoff = Backoff()
         self._generation = 0
@@ -62,6 +70,7 @@ class Watch:
         # Items of an older stream are stale; the generation is fixed before the new stream
         # can deliver anything.
         self._generation += 1
+        self._confirmed = 0
         generation = self._generation
         stream = BidiStream(
             self._client, "watch", "Watch", lambda item: self._on_item(item, generation)
@@ -99,12 +108,24 @@ class Watch:
                 error = EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
             self._deliver(WatchNotice(self, (), revision, error))
             self.cancel()
+        elif response.created:
+            self._on_created(revision)
         elif response.events:
             self._failures = 0
             for event in response.events:
                 if event.kv.key in self._next:
                     self._next[event.kv.key] = event.kv.mod_revision + 1
             self._deliver(WatchNotice(self, list(response.events), revision))
+
+    def _on_created(self, revision: int) -> None:
+        # etcd confirms the creations in the order they were asked for.
+        if self._confirmed < len(self._keys):
+            key = self._keys[self._confirmed]
+            if self._next[key] == 0:
+                self._next[key] = revision + 1  # "from now" is this revision on
+            self._confirmed += 1
+            if self._confirmed == len(self._keys) and self._confirm:
+                self._deliver(WatchNotice(self, (), revision, created=True))
 
     def _resume_or_fail(self, item: StreamItem) -> None:
         """Called from the broken stream's reader thread: reopen on the next endpoint."""

@@ -295,36 +295,39 @@ class Semaphore:
         try:
             key = self._key(session)
             revision, held_at_creation = self._enqueue(session, key, box, deadline, interrupt)
-            queued_logged = False
-            while True:
-                # Holding at the revision our key was created needs no second look. Anyone
-                # else may have been seen waiting, and so be watched by the waiter behind.
-                standing = _Standing(revision, True) if held_at_creation else None
-                standing = standing or self._standing(key, revision)
-                if standing.held:
-                    if not held_at_creation:
-                        self._touch(session, key, revision)
-                    log.info(
-                        "acquired",
-                        name=self.name,
-                        max=self.max,
-                        rev=revision,
-                        lease=f"{session.lease_id:x}",
-                        waited=f"{time.monotonic() - started:.3f}s",
-                    )
-                    return Hold(self, session, key, revision)
-                if not queued_logged:
-                    ahead = self._count_ahead(revision)
-                    log.info(
-                        "queued",
-                        name=self.name,
-                        max=self.max,
-                        position=ahead + 1,
-                        ahead=ahead,
-                        rev=revision,
-                    )
-                    queued_logged = True
-                self._wait_for_change(standing, box, deadline, interrupt, session)
+            standing = _Standing(revision, True) if held_at_creation else None
+            standing = standing or self._standing(key, revision)
+            if not standing.held:
+                ahead = self._count_ahead(revision)
+                log.info(
+                    "queued",
+                    name=self.name,
+                    max=self.max,
+                    position=ahead + 1,
+                    ahead=ahead,
+                    rev=revision,
+                )
+            while not standing.held:
+                woke = self._wait_for_change(standing, box, deadline, interrupt, session)
+                if standing.only_deletes and woke is not None and woke.events:
+                    # We were first in line and one of the max keys ahead went: we hold,
+                    # no need to read the queue again (the touch below confirms our key).
+                    standing = _Standing(woke.revision, True)
+                else:
+                    standing = self._standing(key, revision)
+            # Holding at the revision our key was created needs no touch; anyone else may
+            # have been seen waiting, and so be watched by the waiter behind.
+            if not held_at_creation:
+                self._touch(session, key, revision)
+            log.info(
+                "acquired",
+                name=self.name,
+                max=self.max,
+                rev=revision,
+                lease=f"{session.lease_id:x}",
+                waited=f"{time.monotonic() - started:.3f}s",
+            )
+            return Hold(self, session, key, revision)
         finally:
             session.lost.unsubscribe(box)
             interrupt.unsubscribe(box)
@@ -422,9 +425,11 @@ class Semaphore:
         deadline: float | None,
         interrupt: Flag,
         session: Session,
-    ) -> None:
-        """Step 4: sleep until a watched key changes after ``standing.revision``. Raises NoSlot
-        at the deadline, Interrupted on ``interrupt``, SessionLost on session loss.
+    ) -> WatchNotice | None:
+        """Step 4: sleep until a watched key changes after ``standing.revision``; return the
+        notice with its events, or None when a re-read is due (the watch broke, or a key
+        changed before the watch started). Raises NoSlot at the deadline, Interrupted on
+        ``interrupt``, SessionLost on session loss.
 
         The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
         watch that starts in the past from a catch-up loop that runs every 100 ms, which
@@ -455,9 +460,12 @@ class Semaphore:
                 if isinstance(item, WatchNotice) and item.watch is watch:
                     if item.error is not None:
                         log.info("rewatch", name=self.name, reason=str(item.error))
-                    if item.created and not self._changed_since(standing, item.revision):
+                        return None
+                    if item.created:
+                        if self._changed_since(standing, item.revision):
+                            return None
                         continue
-                    return
+                    return item
         finally:
             if watch is not None:
                 watch.cancel()

@@ -10,9 +10,9 @@ waiter C watching A: B leaves, C stays asleep with a slot free). So:
 * the *first* waiter (exactly N keys ahead) watches the N keys ahead for deletion: any
   release wakes it, and only it;
 * every later waiter watches its immediate predecessor for deletion or change;
-* a waiter that is promoted re-puts its own key under a compare on its create_revision
-  (a *touch*). That confirms the hold atomically and is the change that tells the next
-  waiter it is now first in line.
+* a waiter that takes a slot, unless it held one from the revision its key was created,
+  re-puts its own key under a compare on its create_revision (a *touch*). That confirms the
+  hold atomically and is the change that tells the next waiter it is now first in line.
 
 A release therefore wakes one waiter to take the slot and one to move up: constant work per
 release, whatever the length of the queue.
@@ -26,7 +26,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -136,7 +136,8 @@ class Hold:
         self._guard = threading.Thread(target=self._watch_key, name="conch-hold", daemon=True)
         self._guard.start()
 
-    def on_lost(self, callback: Any) -> None:
+    def on_lost(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
     def _watch_key(self) -> None:

@@ -166,7 +166,10 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
     where = f" ({endpoint})" if endpoint else ""
     message = f"{details}{where}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+    # etcd passes a request that ran out of time inside the server back as UNKNOWN
+    # "context deadline exceeded": as retryable as a timeout on our side.
+    timed_out = "context deadline exceeded" in details or "request timed out" in details
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or timed_out:
         return Unavailable(message, code.name)
     if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
         return TokenInvalid(message, code.name)

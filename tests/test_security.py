@@ -248,32 +248,23 @@ def auth_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]
     cluster.start()
     etcdctl(cluster, "user", "add", "root:rootpw", user=None)
     etcdctl(cluster, "user", "grant-role", "root", "root", user=None)
-    etcdctl(cluster, "role", "add", "conch", user=None)
-    etcdctl(
-        cluster,
-        "role",
-        "grant-permission",
-        "conch",
-        "readwrite",
-        "/conch/v1/sema/",
-        "--prefix=true",
-        user=None,
-    )
-    etcdctl(cluster, "user", "add", f"alice:{PASSWORD}", user=None)
-    etcdctl(cluster, "user", "grant-role", "alice", "conch", user=None)
-    etcdctl(cluster, "role", "add", "other", user=None)
-    etcdctl(
-        cluster,
-        "role",
-        "grant-permission",
-        "other",
-        "readwrite",
-        "/elsewhere/",
-        "--prefix=true",
-        user=None,
-    )
-    etcdctl(cluster, "user", "add", f"mallory:{PASSWORD}", user=None)
-    etcdctl(cluster, "user", "grant-role", "mallory", "other", user=None)
+    for user, role, prefix in (
+        ("alice", "conch", "/conch/v1/sema/"),
+        ("mallory", "other", "/elsewhere/"),
+    ):
+        etcdctl(cluster, "role", "add", role, user=None)
+        etcdctl(
+            cluster,
+            "role",
+            "grant-permission",
+            role,
+            "readwrite",
+            prefix,
+            "--prefix=true",
+            user=None,
+        )
+        etcdctl(cluster, "user", "add", f"{user}:{PASSWORD}", user=None)
+        etcdctl(cluster, "user", "grant-role", user, role, user=None)
     etcdctl(cluster, "auth", "enable", user=None)
     yield cluster
     cluster.stop()

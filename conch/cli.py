@@ -309,11 +309,27 @@ def run() -> NoReturn:
     """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
+    _reopen_closed_std_fds()
     code = main()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
+
+
+def _reopen_closed_std_fds() -> None:
+    """Started with stdin, stdout or stderr closed (cron's ``>&-``): point them at /dev/null,
+    so neither our logging nor the child's inherited fds land somewhere unexpected."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
 
 
 def main(argv: Sequence[str] | None = None) -> int:

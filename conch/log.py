@@ -37,7 +37,7 @@ def _emit(level: str, event: str, fields: dict[str, object]) -> None:
         with _lock:
             sys.stderr.write(line)
             sys.stderr.flush()
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: sys.stderr is None
         pass
 
 

@@ -366,8 +366,9 @@ class Client:
         self, service: str, method: str, requests: Iterator[Any]
     ) -> tuple[Endpoint, grpc.Call, Iterator[Any]]:
         """Open a bidirectional stream on the current endpoint (with the auth token); the
-        caller owns failover."""
-        metadata = self._metadata(None)
+        caller owns failover. Streams ask for ``hasleader``: etcd then ends them when the
+        member loses its leader (partitioned from the quorum), instead of leaving them silent."""
+        metadata = (*self._metadata(None), ("hasleader", "true"))
         endpoint = self.endpoint
         stub = getattr(self._stubs_for(endpoint), service)
         call = getattr(stub, method)(requests, metadata=metadata)

@@ -121,10 +121,6 @@ def mtls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[E
     cluster.stop()
 
 
-def https(cluster: EtcdCluster) -> str:
-    return cluster.endpoints
-
-
 def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path) -> None:
     runner = Runner(tls_etcd, tmp_path)
     code, out, err = runner.run(
@@ -133,7 +129,7 @@ def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path
         "--max",
         "1",
         "--endpoints",
-        https(tls_etcd),
+        tls_etcd.endpoints,
         "--cacert",
         str(pki / "ca.pem"),
         "--",
@@ -154,7 +150,7 @@ def test_wrong_ca_is_a_clear_error_and_exit_69(
         "--max",
         "1",
         "--endpoints",
-        https(tls_etcd),
+        tls_etcd.endpoints,
         "--cacert",
         str(pki / "other-ca.pem"),
         "--dial-timeout",
@@ -176,7 +172,7 @@ def test_mutual_tls_needs_the_client_certificate(
         "--max",
         "1",
         "--endpoints",
-        https(mtls_etcd),
+        mtls_etcd.endpoints,
         "--cacert",
         str(pki / "ca.pem"),
         "--dial-timeout",
@@ -200,7 +196,7 @@ def test_insecure_skip_tls_verify_connects_without_the_ca(
         "--max",
         "1",
         "--endpoints",
-        https(tls_etcd),
+        tls_etcd.endpoints,
         "--insecure-skip-tls-verify",
         "--",
         "echo",
@@ -218,7 +214,7 @@ def test_missing_certificate_file_is_a_usage_error(tls_etcd: EtcdCluster, tmp_pa
         "--max",
         "1",
         "--endpoints",
-        https(tls_etcd),
+        tls_etcd.endpoints,
         "--cacert",
         str(tmp_path / "nope.pem"),
         "--",

@@ -364,15 +364,15 @@ class Client:
 
     def open_stream(
         self, service: str, method: str, requests: Iterator[Any]
-    ) -> tuple[Endpoint, grpc.Call, Iterator[Any]]:
+    ) -> tuple[Endpoint, Any]:
         """Open a bidirectional stream on the current endpoint (with the auth token); the
         caller owns failover. Streams ask for ``hasleader``: etcd then ends them when the
         member loses its leader (partitioned from the quorum), instead of leaving them silent."""
         metadata = (*self._metadata(None), ("hasleader", "true"))
         endpoint = self.endpoint
         stub = getattr(self._stubs_for(endpoint), service)
-        call = getattr(stub, method)(requests, metadata=metadata)
-        return endpoint, call, call
+        # The call is both the handle to cancel and the iterator of responses.
+        return endpoint, getattr(stub, method)(requests, metadata=metadata)
 
 
 def connect(
@@ -410,11 +410,11 @@ class BidiStream:
         self._client = client
         self._deliver = deliver
         self._closed = False
-        self.endpoint, self._call, responses = client.open_stream(
+        self.endpoint, self._call = client.open_stream(
             service, method, iter(self._requests.get, None)
         )
         self._reader = threading.Thread(
-            target=self._read, args=(responses,), name=f"conch-{method}", daemon=True
+            target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True
         )
         self._reader.start()
 
@@ -424,7 +424,7 @@ class BidiStream:
     def close(self) -> None:
         self._closed = True
         self._requests.put(None)
-        self._call.cancel()  # type: ignore[no-untyped-call]
+        self._call.cancel()
 
     def _read(self, responses: Iterator[Any]) -> None:
         error: EtcdError

@@ -7,12 +7,15 @@ How a waiter waits (no polling, no herd). The design page says "watch the key at
 that alone misses a release when N > 1 and holders leave out of order (N=2, holders A B,
 waiter C watching A: B leaves, C stays asleep with a slot free). So:
 
-* the *first* waiter (exactly N keys ahead) watches the N keys ahead for deletion: any
-  release wakes it, and only it;
+* the *first* waiter (exactly N keys ahead) watches the deletions under the semaphore's
+  prefix (one etcd watcher, so in revision order): the deletion of one of those N keys,
+  with no deletion of its own key before it, means it holds a slot at that revision;
+  nothing else needs to be read or written before its child starts;
 * every later waiter watches its immediate predecessor for deletion or change;
 * a waiter that takes a slot, unless it held one from the revision its key was created,
-  re-puts its own key under a compare on its create_revision (a *touch*). That confirms the
-  hold atomically and is the change that tells the next waiter it is now first in line.
+  re-puts its own key under a compare on its create_revision (a *touch*) once it holds:
+  the change that tells the next waiter it is now first in line. It happens after the
+  hold is confirmed (the child may already run); a failed compare means the hold is lost.
 
 A release therefore wakes one waiter to take the slot and one to move up: constant work per
 release, whatever the length of the queue.
@@ -20,6 +23,7 @@ release, whatever the length of the queue.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -45,7 +49,7 @@ from conch.errors import (
 )
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
-from conch.etcd.watch import Watch, WatchNotice
+from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
 from conch.session import Session
 
@@ -89,22 +93,24 @@ class Identity:
 
 @dataclass(frozen=True)
 class _Standing:
-    """Where our key stands at one revision; if waiting, the keys to watch as they were then
-    (keys only: create_revision and mod_revision)."""
+    """Where our key stands at one revision. If waiting, the keys that matter as they were
+    then (keys only: create_revision and mod_revision): when ``first`` in line, the ``max``
+    keys ahead and then our own (their deletion matters); else the one key just ahead (any
+    change matters)."""
 
     revision: int
     held: bool
     watched: Sequence[kv.KeyValue] = ()
-    only_deletes: bool = False
+    first: bool = False
 
     def changed(self, now: Sequence[kv.RangeResponse]) -> bool:
         """Whether a watched key changed since ``revision``, given one Range of each, in order
-        (a deletion; with ``only_deletes`` False, any change)."""
+        (a deletion; unless ``first``, any change)."""
         for then, response in zip(self.watched, now, strict=True):
             current = response.kvs[0] if response.kvs else None
             if current is None or current.create_revision != then.create_revision:
                 return True
-            if not self.only_deletes and current.mod_revision != then.mod_revision:
+            if not self.first and current.mod_revision != then.mod_revision:
                 return True
         return False
 
@@ -123,7 +129,9 @@ class Hold:
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
     ``release()`` (or leaving the ``with`` block) deletes the key and revokes the lease."""
 
-    def __init__(self, sema: Semaphore, session: Session, key: bytes, revision: int) -> None:
+    def __init__(
+        self, sema: Semaphore, session: Session, key: bytes, revision: int, touch: bool = False
+    ) -> None:
         self.name = sema.name
         self.max = sema.max
         self.key = key
@@ -133,26 +141,37 @@ class Hold:
         self.lost = Flag("hold-lost")
         self._client = sema.client
         self._released = Flag("released")
-        self._guard = threading.Thread(target=self._watch_key, name="conch-hold", daemon=True)
-        self._guard.start()
+        self._touch_value = sema.identity.to_json() if touch else None
+        self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
+
+    def _start_guard(self) -> None:
+        """Start the thread that touches and watches our key. ``Semaphore.acquire`` does it
+        before returning; the supervisor does it just after starting the child, because a
+        thread's start-up costs the handoff a GIL switch (milliseconds). Until it runs, a
+        loss is noticed late, never missed: it subscribes to the session's loss first."""
+        if not self._guard.is_alive() and self._guard.ident is None:
+            self._guard.start()
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
-    def _watch_key(self) -> None:
-        """Set ``lost`` when the session is lost or our key is deleted. After any watch
-        failure (compaction, broken stream) re-check the key with a Range and watch again."""
+    def _guard_key(self) -> None:
+        """Touch our key if due, then set ``lost`` when the session is lost or our key is
+        deleted. After any watch failure (compaction, broken stream) re-check the key with a
+        Range and watch again."""
         box: Mailbox = queue.SimpleQueue()
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
+        if self._touch_value is not None and not self._touch(box):
+            return
         start = self.revision + 1
         backoff = Backoff()
         pending: Any = None
         while True:
             if pending is None:
                 try:
-                    watch = Watch(self._client, [self.key], start, box.put, only_deletes=True)
+                    watch = Watch(self._client, self.key, start, box.put, only_deletes=True)
                 except EtcdError:
                     pass
                 else:
@@ -183,11 +202,41 @@ class Hold:
                 return
             start = response.header.revision + 1
 
+    def _touch(self, box: Mailbox) -> bool:
+        """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
+        waiter behind us, which watches our key. Retried with backoff while etcd is away;
+        returns False when there is nothing left to guard (released, lost, or the compare
+        failed: our key is gone, and ``lost`` is set)."""
+        assert self._touch_value is not None
+        backoff = Backoff()
+        while not (self._released.is_set() or self.lost.is_set()):
+            try:
+                response = kv.txn(
+                    self._client,
+                    [kv.create_revision_is(self.key, self.revision)],
+                    [kv.op_put(self.key, self._touch_value, self.lease_id)],
+                    [],
+                )
+            except EtcdError as exc:
+                log.warning("touch-failed", name=self.name, error=str(exc))
+                with contextlib.suppress(queue.Empty):
+                    box.get(timeout=backoff.next())  # a release or a loss cuts it short
+                continue
+            if response.succeeded:
+                return True
+            if not self._released.is_set():
+                self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            return False
+        if self.session.lost.is_set() and not self._released.is_set():
+            self.lost.set(f"session lost: {self.session.lost.reason}")
+        return False
+
     def release(self) -> None:
-        """Delete our key if it is still ours (KV.Txn on create_revision), then revoke the
-        lease (Lease.LeaseRevoke). Best effort: on failure the lease expires after its TTL.
-        After a loss only the revoke is tried, for at most WITHDRAW_TIMEOUT seconds: etcd
-        is likely unreachable, and the exit must not wait on it."""
+        """Revoke the session's lease (Lease.LeaseRevoke), which deletes our key with it in
+        one revision: the waiter first in line holds at that revision. Best effort: on
+        failure the lease expires after its TTL. After a loss the revoke is tried for at
+        most WITHDRAW_TIMEOUT seconds: etcd is likely unreachable, and the exit must not
+        wait on it."""
         if self._released.is_set():
             return
         self._released.set()
@@ -195,17 +244,8 @@ class Hold:
             revoked = self.session.close(timeout=WITHDRAW_TIMEOUT)
             log.info("released", name=self.name, rev=self.revision, after="loss", revoked=revoked)
             return
-        try:
-            kv.txn(
-                self._client,
-                [kv.create_revision_is(self.key, self.revision)],
-                [kv.op_delete(self.key)],
-                [],
-            )
-        except EtcdError as exc:
-            log.warning("delete-failed", key=self.key.decode(errors="replace"), error=str(exc))
-        self.session.close()
-        log.info("released", name=self.name, rev=self.revision)
+        revoked = self.session.close()
+        log.info("released", name=self.name, rev=self.revision, revoked=revoked)
 
     def __enter__(self) -> Hold:
         return self
@@ -245,6 +285,12 @@ class Semaphore:
         Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
         while queued re-enters at the back of the queue if time allows.
         """
+        hold = self._acquire(timeout, interrupt)
+        hold._start_guard()
+        return hold
+
+    def _acquire(self, timeout: float | None, interrupt: Flag | None) -> Hold:
+        """``acquire`` without starting the Hold's guard (the caller must, at once)."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         interrupt = interrupt or Flag("interrupt")
@@ -310,16 +356,12 @@ class Semaphore:
                 )
             while not standing.held:
                 woke = self._wait_for_change(standing, box, deadline, interrupt, session)
-                if standing.only_deletes and woke is not None and woke.events:
-                    # We were first in line and one of the max keys ahead went: we hold,
-                    # no need to read the queue again (the touch below confirms our key).
+                if standing.first and woke is not None and key not in _deleted(woke):
+                    # First in line, and one of the max keys ahead went with ours still
+                    # there (events come in revision order): we hold at that revision.
                     standing = _Standing(woke.revision, True)
                 else:
                     standing = self._standing(key, revision)
-            # Holding at the revision our key was created needs no touch; anyone else may
-            # have been seen waiting, and so be watched by the waiter behind.
-            if not held_at_creation:
-                self._touch(session, key, revision)
             log.info(
                 "acquired",
                 name=self.name,
@@ -328,7 +370,9 @@ class Semaphore:
                 lease=f"{session.lease_id:x}",
                 waited=f"{time.monotonic() - started:.3f}s",
             )
-            return Hold(self, session, key, revision)
+            # Holding from the revision our key was created, nobody can have seen us waiting;
+            # anyone else may be watched by the waiter behind, which the Hold touches.
+            return Hold(self, session, key, revision, touch=not held_at_creation)
         finally:
             session.lost.unsubscribe(box)
             interrupt.unsubscribe(box)
@@ -360,7 +404,7 @@ class Semaphore:
             log.info(
                 "spread-busy", name=self.name, host=self.identity.host, rev=found[0].create_revision
             )
-            standing = _Standing(int(response.header.revision), False, [found[0]], True)
+            standing = _Standing(int(response.header.revision), False, [found[0]])
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
@@ -408,7 +452,7 @@ class Semaphore:
             raise SessionLost("inconsistent queue read; re-entering")
         predecessor = mine_and_prev[1]
         if predecessor.create_revision <= heads.kvs[-1].create_revision:
-            return _Standing(at, False, list(heads.kvs), True)
+            return _Standing(at, False, [*heads.kvs, mine_and_prev[0]], first=True)
         return _Standing(at, False, [predecessor], False)
 
     def _count_ahead(self, revision: int) -> int:
@@ -429,8 +473,9 @@ class Semaphore:
     ) -> WatchNotice | None:
         """Step 4: sleep until a watched key changes after ``standing.revision``; return the
         notice with its events, or None when a re-read is due (the watch broke, or a key
-        changed before the watch started). Raises NoSlot at the deadline, Interrupted on
-        ``interrupt``, SessionLost on session loss.
+        changed before the watch started). First in line, the watch covers the deletions
+        under the whole prefix, and only those of watched keys wake us. Raises NoSlot at
+        the deadline, Interrupted on ``interrupt``, SessionLost on session loss.
 
         The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
         watch that starts in the past from a catch-up loop that runs every 100 ms, which
@@ -440,14 +485,19 @@ class Semaphore:
             raise NoSlot(f"no free slot of {self.name}[{self.max}]")
         watch = None
         if standing.watched:
+            key, end = standing.watched[0].key, b""
+            if standing.first:
+                key, end = self.prefix, kv.prefix_end(self.prefix)
             watch = Watch(
                 self.client,
-                [item.key for item in standing.watched],
+                key,
                 0,
                 box.put,
-                only_deletes=standing.only_deletes,
+                range_end=end,
+                only_deletes=standing.first,
                 confirm=True,
             )
+        relevant = {item.key for item in standing.watched}
         try:
             while True:
                 try:
@@ -466,7 +516,8 @@ class Semaphore:
                         if self._changed_since(standing, item.revision):
                             return None
                         continue
-                    return item
+                    if any(event.kv.key in relevant for event in item.events):
+                        return item
         finally:
             if watch is not None:
                 watch.cancel()
@@ -479,17 +530,10 @@ class Semaphore:
         response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
         return standing.changed([r.response_range for r in response.responses])
 
-    def _touch(self, session: Session, key: bytes, revision: int) -> None:
-        """Re-put our key if it is still ours (KV.Txn on create_revision): confirms the hold
-        and wakes the waiter behind us. Raises SessionLost if the key is gone."""
-        response = kv.txn(
-            self.client,
-            [kv.create_revision_is(key, revision)],
-            [kv.op_put(key, self.identity.to_json(), session.lease_id)],
-            [],
-        )
-        if not response.succeeded:
-            raise SessionLost("our key is gone (lease expired or key deleted)")
+
+def _deleted(notice: WatchNotice) -> set[bytes]:
+    """The keys a watch notice reports deleted."""
+    return {event.kv.key for event in notice.events if event.type == DELETE}
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def supervise(
     SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
     Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost.
     """
-    hold = sema.acquire(wait, interrupt=stop)
+    hold = sema._acquire(wait, stop)
     try:
         if stop.is_set():
             raise Interrupted(stop.reason)
@@ -101,6 +101,7 @@ def run_child(hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag) ->
     except OSError as exc:
         log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
         return EX_CANNOT_EXECUTE
+    hold._start_guard()
     started = time.monotonic()
     log.info("child-start", pid=child.pid, rev=hold.revision)
     box: Mailbox = queue.SimpleQueue()

@@ -74,7 +74,7 @@ def test_watch_from_a_past_revision_replays_events(client: Client, name: str) ->
     first = kv.put(client, key, b"a").header.revision
     kv.delete(client, key)
     box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
-    watch = Watch(client, [key], first, box.put)
+    watch = Watch(client, key, first, box.put)
     try:
         seen: list[int] = []
         while len(seen) < 2:
@@ -92,7 +92,7 @@ def test_watch_only_deletes_filters_puts(client: Client, name: str) -> None:
     kv.put(client, key, b"b")
     kv.delete(client, key)
     box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
-    watch = Watch(client, [key], start, box.put, only_deletes=True)
+    watch = Watch(client, key, start, box.put, only_deletes=True)
     try:
         notice = box.get(timeout=DEADLINE)
         assert [e.type for e in notice.events] == [DELETE]
@@ -106,7 +106,7 @@ def test_watch_reports_a_compacted_start_revision(client: Client, name: str) -> 
     newer = kv.put(client, key, b"b").header.revision
     client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=newer))
     box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
-    watch = Watch(client, [key], old, box.put)
+    watch = Watch(client, key, old, box.put)
     try:
         notice = box.get(timeout=DEADLINE)
         assert isinstance(notice.error, Compacted)
@@ -119,7 +119,7 @@ def test_cancelled_watch_delivers_nothing_more(client: Client, name: str) -> Non
     key = f"/test/{name}".encode()
     box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
     start = kv.put(client, key, b"a").header.revision + 1
-    watch = Watch(client, [key], start, box.put)
+    watch = Watch(client, key, start, box.put)
     watch.cancel()
     kv.put(client, key, b"b")
     with pytest.raises(queue.Empty):

@@ -179,7 +179,7 @@ def test_watch_resumes_on_another_member_without_losing_or_repeating_events(
         Client.connect([Endpoint.parse(m.endpoint) for m in cluster.members[1:]]) as other,
     ):
         start = kv.put(client, b"/resume/k", b"0").header.revision
-        watch = Watch(client, [b"/resume/k"], start, box.put)
+        watch = Watch(client, b"/resume/k", start, box.put)
         try:
             first = box.get(timeout=30)
             assert [e.kv.value for e in first.events] == [b"0"]

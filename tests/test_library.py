@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 import conch
-from conch.etcd import Client, lease
+from conch.etcd import Client, kv, lease
 from tests.conftest import poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -92,3 +93,55 @@ def test_coexists_with_another_etcd_clients_stubs(etcd: EtcdCluster, order: str)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def _acquire_in_thread(sema: conch.Semaphore, timeout: float) -> tuple[threading.Thread, dict]:
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["hold"] = sema.acquire(timeout=timeout)
+        except conch.ConchError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_first_waiter_whose_key_was_deleted_does_not_take_the_freed_slot_with_it(
+    client: Client, name: str
+) -> None:
+    """The first waiter holds on a deletion ahead of it only if its own key is still there
+    (both come on one watch, in revision order). Its key deleted by hand, then the holder's
+    release: it must not report a hold on the deleted key, but re-enter with a new one."""
+    holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    thread, result = _acquire_in_thread(conch.Semaphore(client, name, max=1, ttl=5), 30)
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
+    waiter_key = sema_keys(client, name)[1]
+    kv.txn(client, [], [kv.op_delete(waiter_key.key)], [])
+    holder.release()
+    thread.join(30)
+    hold = result.get("hold")
+    assert isinstance(hold, conch.Hold), result
+    assert hold.revision > waiter_key.create_revision
+    assert [k.create_revision for k in sema_keys(client, name)] == [hold.revision]
+    hold.release()
+    assert sema_keys(client, name) == []
+
+
+def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> None:
+    """The first waiter watches every deletion under the prefix; one behind it (a later
+    waiter giving up) must not make it take a slot that is still held."""
+    holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    thread, result = _acquire_in_thread(conch.Semaphore(client, name, max=1, ttl=5), 30)
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
+    with pytest.raises(conch.NoSlot):
+        conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=1.0)
+    thread.join(1.0)  # an observation window: the first waiter must still be waiting
+    assert thread.is_alive() and not result
+    holder.release()
+    thread.join(30)
+    hold = result.get("hold")
+    assert isinstance(hold, conch.Hold), result
+    hold.release()

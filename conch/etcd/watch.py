@@ -1,4 +1,5 @@
-"""The Watch stream: keys watched from a start revision, events delivered to a mailbox."""
+"""The Watch stream: a key or range watched from a start revision, events delivered to a
+mailbox."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ DELETE = kv_pb2.Event.DELETE
 @dataclass(frozen=True)
 class WatchNotice:
     """What a Watch delivers: ``events`` (etcd mvccpb.Event list) and the response's header
-    ``revision``; with ``confirm``, ``created`` once etcd has confirmed every key's watch
+    ``revision``; with ``confirm``, ``created`` once etcd has confirmed the watch
     (``revision`` is then the revision the watch covers from, exclusive); or, last,
     ``error`` (Compacted with the oldest revision left, or another EtcdError) when the watch
     ended."""
@@ -32,14 +33,15 @@ class WatchNotice:
 
 
 class Watch:
-    """Watch.Watch on ``keys`` (each one key) from ``start_revision`` on (0: from now), on
-    one stream. Notices go to ``deliver`` from a reader thread. ``only_deletes`` asks etcd to
-    filter out PUT events; ``confirm`` asks for a ``created`` notice once etcd has set up
-    every key's watch. ``cancel()`` stops delivery.
+    """Watch.Watch on one key, or on the range ``[key, range_end)`` when ``range_end`` is
+    given, from ``start_revision`` on (0: from now). Notices go to ``deliver`` from a reader
+    thread, events in revision order (one etcd watcher). ``only_deletes`` asks etcd to filter
+    out PUT events; ``confirm`` asks for a ``created`` notice once etcd has set the watch up.
+    ``cancel()`` stops delivery.
 
     When the stream breaks (a member goes away), the watch moves to the next endpoint and
-    resumes each key just after the last event it delivered for it, so no event is lost or
-    repeated; only after ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    resumes just after the last revision it delivered, so no event is lost or repeated; only
+    after ``MAX_RESUMES`` failed attempts in a row is the error delivered.
     """
 
     MAX_RESUMES = 3
@@ -47,9 +49,10 @@ class Watch:
     def __init__(
         self,
         client: Client,
-        keys: Sequence[bytes],
+        key: bytes,
         start_revision: int,
         deliver: Callable[[WatchNotice], None],
+        range_end: bytes = b"",
         only_deletes: bool = False,
         confirm: bool = False,
     ) -> None:
@@ -58,9 +61,9 @@ class Watch:
         self._deliver = deliver
         self._cancelled = False
         self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
-        self._keys = list(keys)
-        self._next = dict.fromkeys(keys, start_revision)  # key -> first revision still owed
-        self._confirmed = 0  # keys whose creation etcd confirmed on the current stream
+        self._key = key
+        self._range_end = range_end
+        self._next = start_revision  # first revision still owed; 0 until etcd says "now"
         self._failures = 0
         self._backoff = Backoff()
         self._generation = 0
@@ -70,19 +73,20 @@ class Watch:
         # Items of an older stream are stale; the generation is fixed before the new stream
         # can deliver anything.
         self._generation += 1
-        self._confirmed = 0
         generation = self._generation
         stream = BidiStream(
             self._client, "watch", "Watch", lambda item: self._on_item(item, generation)
         )
-        for key, start in self._next.items():
-            stream.send(
-                rpc_pb2.WatchRequest(
-                    create_request=rpc_pb2.WatchCreateRequest(
-                        key=key, start_revision=start, filters=self._filters
-                    )
+        stream.send(
+            rpc_pb2.WatchRequest(
+                create_request=rpc_pb2.WatchCreateRequest(
+                    key=self._key,
+                    range_end=self._range_end,
+                    start_revision=self._next,
+                    filters=self._filters,
                 )
             )
+        )
         return stream
 
     def cancel(self) -> None:
@@ -109,23 +113,14 @@ class Watch:
             self._deliver(WatchNotice(self, (), revision, error))
             self.cancel()
         elif response.created:
-            self._on_created(revision)
+            if self._next == 0:
+                self._next = revision + 1  # "from now" is this revision on
+            if self._confirm:
+                self._deliver(WatchNotice(self, (), revision, created=True))
         elif response.events:
             self._failures = 0
-            for event in response.events:
-                if event.kv.key in self._next:
-                    self._next[event.kv.key] = event.kv.mod_revision + 1
+            self._next = response.events[-1].kv.mod_revision + 1
             self._deliver(WatchNotice(self, list(response.events), revision))
-
-    def _on_created(self, revision: int) -> None:
-        # etcd confirms the creations in the order they were asked for.
-        if self._confirmed < len(self._keys):
-            key = self._keys[self._confirmed]
-            if self._next[key] == 0:
-                self._next[key] = revision + 1  # "from now" is this revision on
-            self._confirmed += 1
-            if self._confirmed == len(self._keys) and self._confirm:
-                self._deliver(WatchNotice(self, (), revision, created=True))
 
     def _resume_or_fail(self, item: StreamItem) -> None:
         """Called from the broken stream's reader thread: reopen on the next endpoint."""

@@ -12,10 +12,12 @@ waiter C watching A: B leaves, C stays asleep with a slot free). So:
   with no deletion of its own key before it, means it holds a slot at that revision;
   nothing else needs to be read or written before its child starts;
 * every later waiter watches its immediate predecessor for deletion or change;
-* a waiter that takes a slot, unless it held one from the revision its key was created,
-  re-puts its own key under a compare on its create_revision (a *touch*) once it holds:
-  the change that tells the next waiter it is now first in line. It happens after the
-  hold is confirmed (the child may already run); a failed compare means the hold is lost.
+* with max > 1, a waiter that takes a slot, unless it held one from the revision its key
+  was created, re-puts its own key under a compare on its create_revision (a *touch*) once
+  it holds: the change that tells the next waiter it is now first in line. It happens
+  after the hold is confirmed (the child may already run); a failed compare means the hold
+  is lost. With max 1 no touch is needed: the waiter behind a new holder is first in line
+  already, and watching the holder's deletion is all it has to do.
 
 A release therefore wakes one waiter to take the slot and one to move up: constant work per
 release, whatever the length of the queue.
@@ -130,7 +132,13 @@ class Hold:
     ``release()`` (or leaving the ``with`` block) deletes the key and revokes the lease."""
 
     def __init__(
-        self, sema: Semaphore, session: Session, key: bytes, revision: int, touch: bool = False
+        self,
+        sema: Semaphore,
+        session: Session,
+        key: bytes,
+        revision: int,
+        touch: bool = False,
+        retire: Sequence[Watch] = (),
     ) -> None:
         self.name = sema.name
         self.max = sema.max
@@ -141,7 +149,9 @@ class Hold:
         self.lost = Flag("hold-lost")
         self._client = sema.client
         self._released = Flag("released")
+        self._releasing = False  # set before the revoke: the deletion it causes is no loss
         self._touch_value = sema.identity.to_json() if touch else None
+        self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
 
     def _start_guard(self) -> None:
@@ -163,6 +173,7 @@ class Hold:
         box: Mailbox = queue.SimpleQueue()
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
+        _cancel_all(self._retire)
         if self._touch_value is not None and not self._touch(box):
             return
         start = self.revision + 1
@@ -178,7 +189,7 @@ class Hold:
                     pending = box.get()
                     watch.cancel()
             item, pending = pending, None
-            if item is self._released:
+            if item is self._released or self._releasing:
                 return
             if item is self.session.lost:
                 self.lost.set(f"session lost: {self.session.lost.reason}")
@@ -209,7 +220,7 @@ class Hold:
         failed: our key is gone, and ``lost`` is set)."""
         assert self._touch_value is not None
         backoff = Backoff()
-        while not (self._released.is_set() or self.lost.is_set()):
+        while not (self._releasing or self.lost.is_set()):
             try:
                 response = kv.txn(
                     self._client,
@@ -224,10 +235,10 @@ class Hold:
                 continue
             if response.succeeded:
                 return True
-            if not self._released.is_set():
+            if not self._releasing:
                 self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
             return False
-        if self.session.lost.is_set() and not self._released.is_set():
+        if self.session.lost.is_set() and not self._releasing:
             self.lost.set(f"session lost: {self.session.lost.reason}")
         return False
 
@@ -237,14 +248,20 @@ class Hold:
         failure the lease expires after its TTL. After a loss the revoke is tried for at
         most WITHDRAW_TIMEOUT seconds: etcd is likely unreachable, and the exit must not
         wait on it."""
-        if self._released.is_set():
+        if self._releasing:
             return
-        self._released.set()
+        self._releasing = True
+        if self._guard.ident is None:
+            _cancel_all(self._retire)  # the guard never ran
+        # The guard is woken only after the revoke: its stream teardown would compete with
+        # the revoke, which is what the next holder waits for.
         if self.lost.is_set():
             revoked = self.session.close(timeout=WITHDRAW_TIMEOUT)
+            self._released.set()
             log.info("released", name=self.name, rev=self.revision, after="loss", revoked=revoked)
             return
         revoked = self.session.close()
+        self._released.set()
         log.info("released", name=self.name, rev=self.revision, revoked=revoked)
 
     def __enter__(self) -> Hold:
@@ -339,6 +356,7 @@ class Semaphore:
         box: Mailbox = queue.SimpleQueue()
         session.lost.subscribe(box)
         interrupt.subscribe(box)
+        woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
         try:
             key = self._key(session)
             revision, held_at_creation = self._enqueue(session, key, box, deadline, interrupt)
@@ -355,7 +373,10 @@ class Semaphore:
                     rev=revision,
                 )
             while not standing.held:
+                _cancel_all(woke_by)
                 woke = self._wait_for_change(standing, box, deadline, interrupt, session)
+                if woke is not None:
+                    woke_by.append(woke.watch)
                 if standing.first and woke is not None and key not in _deleted(woke):
                     # First in line, and one of the max keys ahead went with ours still
                     # there (events come in revision order): we hold at that revision.
@@ -370,10 +391,16 @@ class Semaphore:
                 lease=f"{session.lease_id:x}",
                 waited=f"{time.monotonic() - started:.3f}s",
             )
-            # Holding from the revision our key was created, nobody can have seen us waiting;
-            # anyone else may be watched by the waiter behind, which the Hold touches.
-            return Hold(self, session, key, revision, touch=not held_at_creation)
+            # The waiter behind us may be watching us for the change that says we hold (the
+            # Hold's touch). Not if we held from the revision our key was created (nobody
+            # saw us wait), nor when max is 1: then the one slot is ours, the waiter behind
+            # is first in line already and needs only our deletion.
+            touch = not held_at_creation and self.max > 1
+            hold = Hold(self, session, key, revision, touch=touch, retire=woke_by)
+            woke_by = []
+            return hold
         finally:
+            _cancel_all(woke_by)
             session.lost.unsubscribe(box)
             interrupt.unsubscribe(box)
 
@@ -472,7 +499,8 @@ class Semaphore:
         session: Session,
     ) -> WatchNotice | None:
         """Step 4: sleep until a watched key changes after ``standing.revision``; return the
-        notice with its events, or None when a re-read is due (the watch broke, or a key
+        notice with its events (its watch still open: the caller cancels it), or None when a
+        re-read is due (the watch broke, or a key
         changed before the watch started). First in line, the watch covers the deletions
         under the whole prefix, and only those of watched keys wake us. Raises NoSlot at
         the deadline, Interrupted on ``interrupt``, SessionLost on session loss.
@@ -494,10 +522,11 @@ class Semaphore:
                 0,
                 box.put,
                 range_end=end,
-                only_deletes=standing.first,
+                only_deletes=standing.first or self.max == 1,
                 confirm=True,
             )
         relevant = {item.key for item in standing.watched}
+        woke = False
         try:
             while True:
                 try:
@@ -517,9 +546,10 @@ class Semaphore:
                             return None
                         continue
                     if any(event.kv.key in relevant for event in item.events):
+                        woke = True
                         return item
         finally:
-            if watch is not None:
+            if watch is not None and not woke:
                 watch.cancel()
 
     def _changed_since(self, standing: _Standing, confirmed: int) -> bool:
@@ -529,6 +559,12 @@ class Semaphore:
             return False
         response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
         return standing.changed([r.response_range for r in response.responses])
+
+
+def _cancel_all(watches: list[Watch]) -> None:
+    for watch in watches:
+        watch.cancel()
+    watches.clear()
 
 
 def _deleted(notice: WatchNotice) -> set[bytes]:

@@ -94,13 +94,15 @@ class Session:
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
         self._stop.set()
-        self._keepalive.close()
         try:
             lease.revoke(self._client, self.lease_id, timeout)
         except EtcdError as exc:
             log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
             return False
         finally:
+            # After the revoke, which is what a waiter waits for: the stream's teardown
+            # would compete with it. A keepalive answered meanwhile changes nothing.
+            self._keepalive.close()
             if threading.current_thread() is not self._thread:
                 self._thread.join(timeout=1.0)
         return True

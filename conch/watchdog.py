@@ -2,10 +2,14 @@
 when its wrapper can no longer supervise it.
 
 A wrapper killed with SIGKILL cannot clean up, and one frozen by SIGSTOP (or a long GC pause,
-or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So next to
-the child conch starts a watchdog (``python -I -S -c``, no imports beyond the standard
-library) that reads a pipe from conch:
+or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So conch
+starts a watchdog (``python -I -S -c``, no imports beyond the standard library) before it
+queues, so that its start-up is long over when the slot comes, and arms it with the child's
+process group the moment the child exists. It reads a pipe from conch:
 
+* end of file or the goodbye byte before it is armed: exit quietly (conch gave up, or died,
+  before there was a child);
+* the arm line gives the process group and the timeout;
 * a heartbeat byte after every confirmed keepalive pushes its deadline out;
 * the goodbye byte means conch itself is done with the child: exit quietly;
 * end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
@@ -31,19 +35,32 @@ GOODBYE = b"x"
 
 _CODE = r"""
 import os, select, signal, sys, time
-pgid, timeout, kill_after = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+kill_after = float(sys.argv[1])
 for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
     signal.signal(sig, signal.SIG_IGN)
+def leave():
+    # Goodbye comes as conch releases its slot and the next holder starts: exiting a moment
+    # later keeps this process's teardown from competing with that start for the CPU.
+    time.sleep(0.2)
+    os._exit(0)
+line = b""
+while b"\n" not in line:
+    data = os.read(0, 256)
+    if not data or b"x" in data:
+        leave()
+    line += data
+line, _, data = line.partition(b"\n")
+pgid, timeout = int(line.split()[1]), float(line.split()[2])
 deadline = time.monotonic() + timeout
 while True:
+    if b"x" in data:
+        leave()
     ready, _, _ = select.select([0], [], [], max(0.0, deadline - time.monotonic()))
     if not ready:
         break
     data = os.read(0, 256)
     if not data:
         break
-    if b"x" in data:
-        sys.exit(0)
     deadline = time.monotonic() + timeout
 try:
     os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
@@ -69,22 +86,15 @@ FIRED = b"F"  # what the watchdog writes to its stdout when it terminates the gr
 
 
 class Watchdog:
-    """The watchdog of the process group ``pgid``. ``heartbeat()`` after each confirmed
-    keepalive, ``dismiss()`` once conch is done with the child. Raises OSError when the
-    watchdog process cannot be started."""
+    """A watchdog process, started at once and idle until ``arm(pgid, timeout)`` names the
+    process group to guard and the seconds of silence after which to terminate it (then
+    SIGKILL ``kill_after`` seconds later). ``heartbeat()`` after each confirmed keepalive,
+    ``dismiss()`` once conch is done with the child (or never had one). Raises OSError when
+    the watchdog process cannot be started."""
 
-    def __init__(self, pgid: int, timeout: float, kill_after: float) -> None:
+    def __init__(self, kill_after: float) -> None:
         self._process = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _CODE,
-                str(pgid),
-                f"{timeout:.3f}",
-                f"{kill_after:.3f}",
-            ],
+            [sys.executable, "-I", "-S", "-c", _CODE, f"{kill_after:.3f}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -92,6 +102,13 @@ class Watchdog:
         )
         self._lock = threading.Lock()
         self._dismissed = False
+
+    def arm(self, pgid: int, timeout: float) -> None:
+        """Guard process group ``pgid`` from now on. Raises OSError when the watchdog is
+        gone (the pipe is broken)."""
+        assert self._process.stdin is not None
+        with self._lock:
+            os.write(self._process.stdin.fileno(), f"a {pgid} {timeout:.3f}\n".encode())
 
     def heartbeat(self) -> None:
         """Push the deadline out (called from the keepalive thread; never raises)."""
@@ -101,7 +118,7 @@ class Watchdog:
 
     def dismiss(self) -> None:
         """conch is done with the child: the watchdog exits without killing anything. Does
-        not wait for it (it may still be starting); it is reaped later or by init."""
+        not wait for it; it is reaped later or by init."""
         with self._lock:
             if self._dismissed:
                 return

@@ -59,6 +59,11 @@ CMD_MAX_BYTES = 256
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
+# Seconds a new hold waits before it opens the watch on its own key: a short job is over
+# by then and never pays for that stream, whose set-up would compete with its release.
+# A deletion in between is not missed (the watch starts from our create_revision), only
+# noticed later; a lost session is noticed at once.
+GUARD_WATCH_DELAY = 0.05
 STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
@@ -173,9 +178,22 @@ class Hold:
         box: Mailbox = queue.SimpleQueue()
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
-        _cancel_all(self._retire)
-        if self._touch_value is not None and not self._touch(box):
-            return
+        try:
+            if self._touch_value is not None and not self._touch(box):
+                return
+            with contextlib.suppress(queue.Empty):
+                pending = box.get(timeout=GUARD_WATCH_DELAY)
+                if pending is self._released or self._releasing:
+                    return
+                self.lost.set(f"session lost: {self.session.lost.reason}")
+                return
+            _cancel_all(self._retire)
+            self._watch_key(box)
+        finally:
+            _cancel_all(self._retire)
+
+    def _watch_key(self, box: Mailbox) -> None:
+        """The guard proper: watch our key for deletion until released or lost."""
         start = self.revision + 1
         backoff = Backoff()
         pending: Any = None

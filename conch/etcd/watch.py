@@ -3,6 +3,7 @@ mailbox."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
+# A member that hangs (stopped, swapping, cut off without closing connections) leaves a
+# watch silent, and gRPC's own pings take long to give up on it. So a watch silent for
+# PROBE_AFTER seconds asks etcd for a progress report (Watch.Watch progress_request, etcd
+# 3.4+); no answer within PROBE_TIMEOUT seconds and the stream moves to the next endpoint.
+PROBE_AFTER = 10.0
+PROBE_TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,10 @@ class Watch:
     out PUT events; ``confirm`` asks for a ``created`` notice once etcd has set the watch up.
     ``cancel()`` stops delivery.
 
-    When the stream breaks (a member goes away), the watch moves to the next endpoint and
-    resumes just after the last revision it delivered, so no event is lost or repeated; only
-    after ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    When the stream breaks (a member goes away) or stays silent through a progress request
+    (a hung member, see PROBE_AFTER), the watch moves to the next endpoint and resumes just
+    after the last revision it delivered, so no event is lost or repeated; only after
+    ``MAX_RESUMES`` failed attempts in a row is the error delivered.
     """
 
     MAX_RESUMES = 3
@@ -55,6 +63,7 @@ class Watch:
         range_end: bytes = b"",
         only_deletes: bool = False,
         confirm: bool = False,
+        probe_after: float = PROBE_AFTER,
     ) -> None:
         self._client = client
         self._confirm = confirm
@@ -67,13 +76,20 @@ class Watch:
         self._failures = 0
         self._backoff = Backoff()
         self._generation = 0
+        self._lock = threading.Lock()
+        self._ended = threading.Event()  # cancelled, or the error delivered
+        self._heard = time.monotonic()  # when the current stream last answered
         self._stream = self._open()
+        threading.Thread(
+            target=self._probe, args=(probe_after,), name="conch-watch-probe", daemon=True
+        ).start()
 
     def _open(self) -> BidiStream:
         # Items of an older stream are stale; the generation is fixed before the new stream
         # can deliver anything.
         self._generation += 1
         generation = self._generation
+        self._heard = time.monotonic()
         stream = BidiStream(
             self._client, "watch", "Watch", lambda item: self._on_item(item, generation)
         )
@@ -91,11 +107,30 @@ class Watch:
 
     def cancel(self) -> None:
         self._cancelled = True
+        self._ended.set()
         self._stream.close()
+
+    def _probe(self, after: float) -> None:
+        """Ask a silent stream for a progress report; if none comes, treat it as broken."""
+        while not self._ended.wait(max(0.0, self._heard + after - time.monotonic())):
+            stream, asked = self._stream, time.monotonic()
+            if asked - self._heard < after:
+                continue
+            stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
+            if self._ended.wait(PROBE_TIMEOUT) or self._heard >= asked:
+                continue
+            with self._lock:
+                if stream is not self._stream or self._cancelled:
+                    continue
+                self._generation += 1  # anything the silent stream still says is stale
+            stream.close()
+            error = Unavailable(f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s")
+            self._resume_or_fail(StreamItem(stream, None, error))
 
     def _on_item(self, item: StreamItem, generation: int) -> None:
         if self._cancelled or generation != self._generation:
             return
+        self._heard = time.monotonic()
         if item.error is not None:
             self._resume_or_fail(item)
             return
@@ -113,6 +148,7 @@ class Watch:
             self._deliver(WatchNotice(self, (), revision, error))
             self.cancel()
         elif response.created:
+            self._failures = 0
             if self._next == 0:
                 self._next = revision + 1  # "from now" is this revision on
             if self._confirm:
@@ -127,6 +163,7 @@ class Watch:
         assert item.error is not None
         self._failures += 1
         if not isinstance(item.error, Unavailable) or self._failures > self.MAX_RESUMES:
+            self._ended.set()
             self._deliver(WatchNotice(self, (), 0, item.error))
             return
         self._client.failover(item.stream.endpoint)
@@ -134,6 +171,8 @@ class Watch:
         if self._cancelled:
             return
         try:
-            self._stream = self._open()
+            with self._lock:
+                self._stream = self._open()
         except EtcdError as exc:
+            self._ended.set()
             self._deliver(WatchNotice(self, (), 0, exc))

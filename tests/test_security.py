@@ -206,6 +206,34 @@ def test_insecure_skip_tls_verify_connects_without_the_ca(
     assert out.strip() == "inside"
 
 
+def test_insecure_skip_tls_verify_with_a_client_certificate(
+    mtls_etcd: EtcdCluster, pki: Path, tmp_path: Path
+) -> None:
+    """Against an etcd that requires client certificates, skip-verify must show ours while
+    it fetches the server's certificate, or the handshake is refused."""
+    runner = Runner(mtls_etcd, tmp_path)
+    code, out, err = runner.run(
+        "sema",
+        "skip-mtls",
+        "--max",
+        "1",
+        "--endpoints",
+        mtls_etcd.endpoints,
+        "--insecure-skip-tls-verify",
+        "--cert",
+        str(pki / "client.pem"),
+        "--key",
+        str(pki / "client.key"),
+        "--dial-timeout",
+        "3s",
+        "--",
+        "echo",
+        "inside",
+    )
+    assert code == 0, err
+    assert out.strip() == "inside"
+
+
 def test_missing_certificate_file_is_a_usage_error(tls_etcd: EtcdCluster, tmp_path: Path) -> None:
     runner = Runner(tls_etcd, tmp_path)
     code, _, err = runner.run(

@@ -95,29 +95,53 @@ class TLS:
         if self.skip_verify:
             # gRPC cannot turn verification off; trust the presented certificate itself,
             # under a name it carries.
-            roots, name = _presented_certificate(endpoint)
+            roots, name = _presented_certificate(endpoint, self.cert, self.key)
             options.append(("grpc.ssl_target_name_override", name))
         creds = grpc.ssl_channel_credentials(roots, self.key, self.cert)
         return grpc.secure_channel(endpoint.target, creds, options=options)
 
 
-def _presented_certificate(endpoint: Endpoint, timeout: float = 5.0) -> tuple[bytes, str]:
-    """The PEM certificate ``endpoint`` presents, and a host name it is valid for."""
+def _presented_certificate(
+    endpoint: Endpoint, cert: bytes | None, key: bytes | None, timeout: float = 5.0
+) -> tuple[bytes, str]:
+    """The PEM certificate ``endpoint`` presents, and a host name it is valid for. One TLS
+    handshake without verification, showing our client certificate (``cert``, ``key``: PEM)
+    if we have one, since an etcd that requires one ends the handshake without it."""
+    import os
+    import socket
     import ssl
     import tempfile
 
-    try:
-        pem = ssl.get_server_certificate((endpoint.host, endpoint.port), timeout=timeout)
-    except OSError as exc:
-        raise Unavailable(f"cannot fetch the TLS certificate of {endpoint}: {exc}") from None
-    name = endpoint.host
-    with tempfile.NamedTemporaryFile("w", suffix=".pem") as f:
-        f.write(pem)
-        f.flush()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def write(name: str, data: bytes) -> str:
+            path = os.path.join(tmp, name)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                f.write(data)
+            return path
+
         try:
-            decoded = ssl._ssl._test_decode_cert(f.name)  # type: ignore[attr-defined]
+            if cert is not None and key is not None:
+                context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
+            address = (endpoint.host, endpoint.port)
+            with (
+                socket.create_connection(address, timeout=timeout) as sock,
+                context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
+            ):
+                der = tls.getpeercert(binary_form=True)
+        except (OSError, ValueError) as exc:
+            raise Unavailable(f"cannot fetch the TLS certificate of {endpoint}: {exc}") from None
+        if der is None:
+            raise Unavailable(f"{endpoint} presented no TLS certificate")
+        pem = ssl.DER_cert_to_PEM_cert(der)
+        try:
+            decoded = ssl._ssl._test_decode_cert(write("server.pem", pem.encode()))  # type: ignore[attr-defined]
         except (ssl.SSLError, AttributeError):
             decoded = {}
+    name = endpoint.host
     names = [value for kind, value in decoded.get("subjectAltName", ()) if kind == "DNS"]
     names += [value for kind, value in decoded.get("subjectAltName", ()) if kind == "IP Address"]
     if names and name not in names:
@@ -280,9 +304,19 @@ class Client:
             if self._closed:
                 raise EtcdError("client is closed", "CANCELLED")
             stubs = self._stubs.get(endpoint)
-            if stubs is None:
-                stubs = self._stubs[endpoint] = _Stubs.dial(endpoint, self._tls)
+        if stubs is not None:
             return stubs
+        # Dialled outside the lock: with --insecure-skip-tls-verify it is a TLS handshake
+        # (up to 5 s against a hung member) that other calls must not wait behind.
+        dialled = _Stubs.dial(endpoint, self._tls)
+        with self._lock:
+            closed = self._closed
+            stubs = None if closed else self._stubs.setdefault(endpoint, dialled)
+        if stubs is not dialled:
+            dialled.channel.close()
+        if stubs is None:
+            raise EtcdError("client is closed", "CANCELLED")
+        return stubs
 
     def failover(self, failed: Endpoint) -> None:
         """Move on from ``failed`` to the next endpoint (no-op if someone already moved on)."""

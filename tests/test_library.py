@@ -95,7 +95,9 @@ def test_coexists_with_another_etcd_clients_stubs(etcd: EtcdCluster, order: str)
     assert result.stdout.strip() == "ok"
 
 
-def _acquire_in_thread(sema: conch.Semaphore, timeout: float) -> tuple[threading.Thread, dict]:
+def _acquire_in_thread(
+    sema: conch.Semaphore, timeout: float
+) -> tuple[threading.Thread, dict[str, object]]:
     result: dict[str, object] = {}
 
     def run() -> None:

@@ -186,24 +186,21 @@ def test_mutual_tls_needs_the_client_certificate(
     assert code == 69 and "Traceback" not in err
 
 
-def test_insecure_skip_tls_verify_connects_without_the_ca(
-    tls_etcd: EtcdCluster, tmp_path: Path
-) -> None:
-    runner = Runner(tls_etcd, tmp_path)
-    code, out, err = runner.run(
-        "sema",
-        "skip",
-        "--max",
-        "1",
-        "--endpoints",
-        tls_etcd.endpoints,
-        "--insecure-skip-tls-verify",
-        "--",
-        "echo",
-        "inside",
+def run_skip_verify(cluster: EtcdCluster, tmp_path: Path, *flags: str) -> None:
+    """``conch --insecure-skip-tls-verify FLAGS`` runs its command against ``cluster``."""
+    code, out, err = Runner(cluster, tmp_path).run(
+        *["sema", "skip", "--max", "1", "--endpoints", cluster.endpoints],
+        *["--insecure-skip-tls-verify", *flags, "--dial-timeout", "3s"],
+        *["--", "echo", "inside"],
     )
     assert code == 0, err
     assert out.strip() == "inside"
+
+
+def test_insecure_skip_tls_verify_connects_without_the_ca(
+    tls_etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    run_skip_verify(tls_etcd, tmp_path)
 
 
 def test_insecure_skip_tls_verify_with_a_client_certificate(
@@ -211,27 +208,9 @@ def test_insecure_skip_tls_verify_with_a_client_certificate(
 ) -> None:
     """Against an etcd that requires client certificates, skip-verify must show ours while
     it fetches the server's certificate, or the handshake is refused."""
-    runner = Runner(mtls_etcd, tmp_path)
-    code, out, err = runner.run(
-        "sema",
-        "skip-mtls",
-        "--max",
-        "1",
-        "--endpoints",
-        mtls_etcd.endpoints,
-        "--insecure-skip-tls-verify",
-        "--cert",
-        str(pki / "client.pem"),
-        "--key",
-        str(pki / "client.key"),
-        "--dial-timeout",
-        "3s",
-        "--",
-        "echo",
-        "inside",
+    run_skip_verify(
+        mtls_etcd, tmp_path, "--cert", str(pki / "client.pem"), "--key", str(pki / "client.key")
     )
-    assert code == 0, err
-    assert out.strip() == "inside"
 
 
 def test_missing_certificate_file_is_a_usage_error(tls_etcd: EtcdCluster, tmp_path: Path) -> None:

@@ -75,7 +75,6 @@ def supervise(
     SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
     Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost.
     """
-    _close_inherited_fds()
     try:
         watchdog = Watchdog(kill_after)  # before queueing: its start-up is over by the slot
     except OSError as exc:
@@ -93,24 +92,24 @@ def supervise(
         watchdog.dismiss()
 
 
-def _close_inherited_fds() -> None:
-    """Mark every inheritable descriptor above stderr close-on-exec, so that the child gets
-    stdin, stdout and stderr only (as with ``subprocess``'s ``close_fds``), yet can be
-    started with one ``posix_spawn`` when the slot comes."""
+def _inherited_fds() -> list[int]:
+    """Our inheritable descriptors above stderr (Python's own are never inheritable)."""
+    fds = []
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            if fd > 2:
-                with contextlib.suppress(OSError):
-                    if os.get_inheritable(fd):
-                        os.set_inheritable(fd, False)
+            with contextlib.suppress(OSError, ValueError):
+                if int(name) > 2 and os.get_inheritable(int(name)):
+                    fds.append(int(name))
+    return fds
 
 
 def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Start ``argv`` (searched on PATH) in a new session and process group; return its pid.
-    One ``posix_spawn``: the cheapest way to start a process from a large one, and it
-    reports a failed exec (FileNotFoundError, PermissionError, other OSError)."""
-    return os.posix_spawnp(argv[0], list(argv), env, setsid=True)
+    """Start ``argv`` (searched on PATH) in a new session and process group, with stdin,
+    stdout and stderr only (as ``subprocess``'s ``close_fds``); return its pid. One
+    ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
+    failed exec (FileNotFoundError, PermissionError, other OSError)."""
+    closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
+    return os.posix_spawnp(argv[0], list(argv), env, file_actions=closes, setsid=True)
 
 
 def run_child(

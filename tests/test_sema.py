@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 from conch.etcd import Client, lease
 from conch.semaphore import _Standing
 from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
-from tests.etcd_server import free_port
+from tests.etcd_server import EtcdCluster, free_port
 
 
 def start_queue(
@@ -516,3 +518,24 @@ def test_who_survives_hostile_values_and_cannot_be_forged(
     assert len(out.splitlines()) == 2
     code, _, _ = conch.run("sema", name, "--max", "2", "--who")
     assert code == 1  # nothing held at capacity 2
+
+
+def test_child_inherits_stdin_stdout_and_stderr_only(etcd: EtcdCluster, name: str) -> None:
+    """A descriptor conch itself inherited (here: fd w) does not reach the child."""
+    r, w = os.pipe()
+    os.set_inheritable(w, True)
+    probe = f"if [ -e /proc/self/fd/{w} ]; then echo leaked; else echo clean; fi"
+    conch = [sys.executable, "-m", "conch", "sema", name, "--max", "1"]
+    try:
+        result = subprocess.run(
+            [*conch, "--endpoints", etcd.endpoints, "--", "sh", "-c", probe],
+            pass_fds=(w,),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(r)
+        os.close(w)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "clean"

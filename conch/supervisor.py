@@ -92,6 +92,15 @@ def supervise(
         watchdog.dismiss()
 
 
+# Signals to reset to their default in the child: an ignored signal stays ignored across exec,
+# and Python starts with these ignored (a child would see EPIPE where a shell's pipelines
+# expect to die by SIGPIPE). glibc's posix_spawn also leaves its two reserved signals (32, 33,
+# below SIGRTMIN, unusable by programs) ignored in the child; nothing can reset those.
+_RESET_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ") if hasattr(signal, n)
+)
+
+
 def _inherited_fds() -> list[int]:
     """Our inheritable descriptors above stderr (Python's own are never inheritable)."""
     fds = []
@@ -109,7 +118,15 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
     failed exec (FileNotFoundError, PermissionError, other OSError)."""
     closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
-    return os.posix_spawnp(argv[0], list(argv), env, file_actions=closes, setsid=True)
+    return os.posix_spawnp(
+        argv[0],
+        list(argv),
+        env,
+        file_actions=closes,
+        setsid=True,
+        setsigmask=(),  # nothing blocked
+        setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
+    )
 
 
 def run_child(
@@ -126,7 +143,7 @@ def run_child(
         return EX_SOFTWARE
     try:
         pid = spawn(argv, child_env(hold))
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # ValueError: an empty command name
         log.error("child-not-found", cmd=argv[0])
         return EX_NOT_FOUND
     except OSError as exc:

@@ -191,13 +191,28 @@ def test_child_sees_its_environment(conch: Runner, name: str) -> None:
     assert int(rev) > 0 and int(lease_hex, 16) > 0
 
 
-@pytest.mark.parametrize(("argv0", "expected"), [("/nonexistent/cmd", 127), ("/dev/null", 126)])
+@pytest.mark.parametrize(
+    ("argv0", "expected"), [("/nonexistent/cmd", 127), ("", 127), ("/dev/null", 126)]
+)
 def test_a_command_that_cannot_run_gives_126_or_127_and_frees_the_slot(
     conch: Runner, client: Client, name: str, argv0: str, expected: int
 ) -> None:
-    code, _, _ = conch.run("sema", name, "--max", "1", "--", argv0)
+    code, _, err = conch.run("sema", name, "--max", "1", "--", argv0)
     assert code == expected
+    assert "Traceback" not in err
     assert sema_keys(client, name) == []
+
+
+def test_child_starts_with_no_standard_signal_ignored(conch: Runner, name: str) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ; the child must not inherit that, or pipelines in it
+    see EPIPE instead of dying by SIGPIPE. (Signals 32 and up: glibc's reserved signals, which
+    its posix_spawn leaves ignored.)"""
+    code, out, err = conch.run("sema", name, "--max", "1", "--", "cat", "/proc/self/status")
+    assert code == 0, err
+    ignored = next(line.split()[1] for line in out.splitlines() if line.startswith("SigIgn:"))
+    assert int(ignored, 16) & 0x7FFFFFFF == 0  # the standard signals, 1-31
+    code, out, _ = conch.run("sema", name, "--max", "1", "--", "sh", "-c", "yes | head -1")
+    assert code == 0 and out == "y\n"
 
 
 def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(

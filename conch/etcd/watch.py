@@ -106,9 +106,11 @@ class Watch:
         return stream
 
     def cancel(self) -> None:
-        self._cancelled = True
+        with self._lock:  # no stream is re-opened after this
+            self._cancelled = True
+            stream = self._stream
         self._ended.set()
-        self._stream.close()
+        stream.close()
 
     def _probe(self, after: float) -> None:
         """Ask a silent stream for a progress report; if none comes, treat it as broken."""
@@ -172,6 +174,8 @@ class Watch:
             return
         try:
             with self._lock:
+                if self._cancelled:
+                    return
                 self._stream = self._open()
         except EtcdError as exc:
             self._ended.set()

@@ -900,25 +900,14 @@ def main() -> int:
         help="processes carrying the library waiters of the scaling run",
     )
     args = parser.parse_args()
-    cfg: dict[str, Any]
-    if args.quick:
-        cfg = {
-            "uncontended_reps": 5,
-            "import_reps": 3,
-            "handoff_sizes": [1, 10, 100],
-            "handoff_reps": 1,
-            "scaling_sizes": [10, 100, 1000],
-            "scaling_reps": 1,
-        }
-    else:
-        cfg = {
-            "uncontended_reps": 15,
-            "import_reps": 7,
-            "handoff_sizes": [1, 10, 100],
-            "handoff_reps": 3,
-            "scaling_sizes": [10, 100, 1000],
-            "scaling_reps": 3,
-        }
+    cfg: dict[str, Any] = {
+        "uncontended_reps": 5 if args.quick else 15,
+        "import_reps": 3 if args.quick else 7,
+        "handoff_sizes": [1, 10, 100],
+        "handoff_reps": 1 if args.quick else 3,
+        "scaling_sizes": [10, 100, 1000],
+        "scaling_reps": 1 if args.quick else 3,
+    }
     for tool in ("bash", ETCDCTL, CONCH):
         if not shutil.which(tool):
             raise SystemExit(f"missing {tool}")

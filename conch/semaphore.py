@@ -164,7 +164,7 @@ class Hold:
         before returning; the supervisor does it just after starting the child, because a
         thread's start-up costs the handoff a GIL switch (milliseconds). Until it runs, a
         loss is noticed late, never missed: it subscribes to the session's loss first."""
-        if not self._guard.is_alive() and self._guard.ident is None:
+        if self._guard.ident is None:
             self._guard.start()
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
@@ -518,10 +518,10 @@ class Semaphore:
     ) -> WatchNotice | None:
         """Step 4: sleep until a watched key changes after ``standing.revision``; return the
         notice with its events (its watch still open: the caller cancels it), or None when a
-        re-read is due (the watch broke, or a key
-        changed before the watch started). First in line, the watch covers the deletions
-        under the whole prefix, and only those of watched keys wake us. Raises NoSlot at
-        the deadline, Interrupted on ``interrupt``, SessionLost on session loss.
+        re-read is due (the watch broke, or a key changed before the watch started). First
+        in line, the watch covers the deletions under the whole prefix, and only those of
+        watched keys wake us. Raises NoSlot at the deadline, Interrupted on ``interrupt``,
+        SessionLost on session loss.
 
         The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
         watch that starts in the past from a catch-up loop that runs every 100 ms, which

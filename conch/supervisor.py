@@ -150,18 +150,17 @@ def run_child(
         log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
         return EX_CANNOT_EXECUTE
     box: Mailbox = queue.SimpleQueue()
+    _start_reaper(pid, box)
     try:
         watchdog = watchdog or Watchdog(kill_after)
         watchdog.arm(pid, hold.session.silence_limit)
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
-        _start_reaper(pid, box)
         _stop_group(pid, box, True, kill_after)
         return EX_SOFTWARE
     hold._start_guard()
     started = time.monotonic()
     log.info("child-start", pid=pid, rev=hold.revision)
-    _start_reaper(pid, box)
     stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
     hold.lost.subscribe(box)
     stop.subscribe(box)

@@ -816,29 +816,11 @@ def table(results: dict[str, Any]) -> str:
     out = render(("metric", "conch", "etcdctl lock", "conch/etcdctl"), rows)
 
     srows: list[tuple[str, ...]] = []
-    for w, entry in results["handoff"].items():
-        for tool in TOOLS:
-            p = entry[tool]["etcd_per_release"]
-            srows.append(
-                (
-                    f"{tool} processes",
-                    w,
-                    f"{p['requests']:.2f}",
-                    f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
-                    f"{p['keepalive_msgs_in']:.2f}",
-                    f"{p['watch_events']:.2f}",
-                    f"{p['bytes_read']:.0f}",
-                    f"{p['bytes_written']:.0f}",
-                    fmt(entry[tool]["drain_s"], 2),
-                    f"{entry[tool]['handoff_p50_ms']['median']:.1f}/"
-                    f"{entry[tool]['handoff_p99_ms']['median']:.1f}",
-                )
-            )
-    for w, entry in results["scaling"].items():
-        p = {k: v["median"] for k, v in entry["etcd_per_release"].items()}
+
+    def row(label: str, w: str, p: dict[str, float], drain: str, p50: float, p99: float) -> None:
         srows.append(
             (
-                "conch library",
+                label,
                 w,
                 f"{p['requests']:.2f}",
                 f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
@@ -846,26 +828,29 @@ def table(results: dict[str, Any]) -> str:
                 f"{p['watch_events']:.2f}",
                 f"{p['bytes_read']:.0f}",
                 f"{p['bytes_written']:.0f}",
-                fmt(entry["drain_s"], 2),
-                f"{entry['handoff_p50_ms']['median']:.1f}/{entry['handoff_p99_ms']['median']:.1f}",
+                drain,
+                f"{p50:.1f}/{p99:.1f}",
             )
         )
+
+    for w, entry in results["handoff"].items():
+        for tool in TOOLS:
+            e = entry[tool]
+            p50, p99 = e["handoff_p50_ms"]["median"], e["handoff_p99_ms"]["median"]
+            row(f"{tool} processes", w, e["etcd_per_release"], fmt(e["drain_s"], 2), p50, p99)
+    for w, entry in results["scaling"].items():
+        p = {k: v["median"] for k, v in entry["etcd_per_release"].items()}
+        p50, p99 = entry["handoff_p50_ms"]["median"], entry["handoff_p99_ms"]["median"]
+        row("conch library", w, p, fmt(entry["drain_s"], 2), p50, p99)
     diag = results.get("scaling_hold")
     if diag:
-        p = diag["etcd_per_release"]
-        srows.append(
-            (
-                f"conch library, {diag['hold_ms']:.0f} ms hold",
-                str(diag["waiters"]),
-                f"{p['requests']:.2f}",
-                f"{p['msgs_in']:.2f}/{p['msgs_out']:.2f}",
-                f"{p['keepalive_msgs_in']:.2f}",
-                f"{p['watch_events']:.2f}",
-                f"{p['bytes_read']:.0f}",
-                f"{p['bytes_written']:.0f}",
-                f"{diag['drain_s']:.2f}",
-                f"{diag['handoff_p50_ms']:.1f}/{diag['handoff_p99_ms']:.1f}",
-            )
+        row(
+            f"conch library, {diag['hold_ms']:.0f} ms hold",
+            str(diag["waiters"]),
+            diag["etcd_per_release"],
+            f"{diag['drain_s']:.2f}",
+            diag["handoff_p50_ms"],
+            diag["handoff_p99_ms"],
         )
     out += "\n\nPer release (etcd /metrics delta / (W+1) releases; keepalives apart):\n"
     out += render(

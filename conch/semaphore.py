@@ -155,6 +155,7 @@ class Hold:
         self._client = sema.client
         self._released = Flag("released")
         self._releasing = False  # set before the revoke: the deletion it causes is no loss
+        self._release_lock = threading.Lock()
         self._touch_value = sema.identity.to_json() if touch else None
         self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
@@ -164,7 +165,7 @@ class Hold:
         before returning; the supervisor does it just after starting the child, because a
         thread's start-up costs the handoff a GIL switch (milliseconds). Until it runs, a
         loss is noticed late, never missed: it subscribes to the session's loss first."""
-        if self._guard.ident is None:
+        if self._guard.ident is None and not self._releasing:
             self._guard.start()
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
@@ -265,22 +266,24 @@ class Hold:
         one revision: the waiter first in line holds at that revision. Best effort: on
         failure the lease expires after its TTL. After a loss the revoke is tried for at
         most WITHDRAW_TIMEOUT seconds: etcd is likely unreachable, and the exit must not
-        wait on it."""
-        if self._releasing:
+        wait on it. Thread-safe: a call while another thread releases returns when that
+        release is over."""
+        with self._release_lock:
+            releasing, self._releasing = self._releasing, True
+        if releasing:
+            self._released.wait()
             return
-        self._releasing = True
-        if self._guard.ident is None:
-            _cancel_all(self._retire)  # the guard never ran
-        # The guard is woken only after the revoke: its stream teardown would compete with
-        # the revoke, which is what the next holder waits for.
-        if self.lost.is_set():
-            revoked = self.session.close(timeout=WITHDRAW_TIMEOUT)
-            self._released.set()
-            log.info("released", name=self.name, rev=self.revision, after="loss", revoked=revoked)
-            return
-        revoked = self.session.close()
-        self._released.set()
-        log.info("released", name=self.name, rev=self.revision, revoked=revoked)
+        after_loss = self.lost.is_set()
+        try:
+            if self._guard.ident is None:
+                _cancel_all(self._retire)  # the guard never ran
+            # The guard is woken only after the revoke: its stream teardown would compete
+            # with the revoke, which is what the next holder waits for.
+            revoked = self.session.close(timeout=WITHDRAW_TIMEOUT if after_loss else None)
+            extra = {"after": "loss"} if after_loss else {}
+            log.info("released", name=self.name, rev=self.revision, **extra, revoked=revoked)
+        finally:
+            self._released.set()  # after the log line: a waiting caller may exit at once
 
     def __enter__(self) -> Hold:
         return self

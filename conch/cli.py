@@ -282,7 +282,7 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
     return 0 if held else 1
 
 
-def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str]) -> int:
+def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str], exiting: bool) -> int:
     ttl_text, ttl_source = _setting("--ttl", args.ttl, "CONCH_TTL", "10s")
     ttl = parse_ttl("--ttl" if ttl_source == "default" else ttl_source, ttl_text)
     ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
@@ -292,8 +292,9 @@ def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str]) -> int:
         wait = parse_duration("--wait", args.wait)
     identity = Identity.current(cmd)
     # Dialling writes nothing, so a signal then may simply end us; from the first write on,
-    # signals are caught and withdraw or forward.
-    with _connect(args) as client, stop_on_signals(Flag("stop")) as stop:
+    # signals are caught and withdraw or forward. When the process exits right after
+    # (``exiting``), they stay caught: a late one must not replace the child's status.
+    with _connect(args) as client, stop_on_signals(Flag("stop"), not exiting) as stop:
         sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
         try:
             return supervise(sema, cmd, wait, kill_after, stop)
@@ -311,7 +312,7 @@ def run() -> NoReturn:
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     _reopen_closed_std_fds()
     _slow_grpc_polling()
-    code = main()
+    code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
@@ -345,8 +346,9 @@ def _reopen_closed_std_fds() -> None:
                 setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``conch``; returns the exit code (contract section 8)."""
+def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
+    """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
+    the process exits right after, so stop signals stay caught to the end."""
     words = list(sys.argv[1:] if argv is None else argv)
     cmd: list[str] = []
     if "--" in words:
@@ -369,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise UsageError("missing --max N")
         if not cmd:
             raise UsageError("missing command: conch sema NAME --max N -- CMD...")
-        return _run(args, max_holders, cmd)
+        return _run(args, max_holders, cmd, exiting)
     except UsageError as exc:
         print(f"conch: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -156,6 +156,9 @@ class Hold:
         self._released = Flag("released")
         self._releasing = False  # set before the revoke: the deletion it causes is no loss
         self._release_lock = threading.Lock()
+        self._revoked = False  # whether the release's LeaseRevoke was confirmed
+        self._revoked_after_loss = False
+        self._logged = False
         self._touch_value = sema.identity.to_json() if touch else None
         self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
@@ -266,24 +269,34 @@ class Hold:
         one revision: the waiter first in line holds at that revision. Best effort: on
         failure the lease expires after its TTL. After a loss the revoke is tried for at
         most WITHDRAW_TIMEOUT seconds: etcd is likely unreachable, and the exit must not
-        wait on it. Thread-safe: a call while another thread releases returns when that
-        release is over."""
+        wait on it. Thread-safe; returns once the revoke is over, whichever thread sent it.
+        Logs ``released`` once."""
+        self._revoke()
+        with self._release_lock:
+            logged, self._logged = self._logged, True
+        if not logged:
+            extra = {"after": "loss"} if self._revoked_after_loss else {}
+            log.info("released", name=self.name, rev=self.revision, **extra, revoked=self._revoked)
+
+    def _revoke(self) -> None:
+        """The release without its log line (the supervisor's reaper sends it the moment the
+        child's group is gone; the ``released`` line follows the ``child-exit`` one). A call
+        while another thread revokes waits for that revoke to end."""
         with self._release_lock:
             releasing, self._releasing = self._releasing, True
         if releasing:
             self._released.wait()
             return
-        after_loss = self.lost.is_set()
+        self._revoked_after_loss = self.lost.is_set()
         try:
             if self._guard.ident is None:
                 _cancel_all(self._retire)  # the guard never ran
             # The guard is woken only after the revoke: its stream teardown would compete
             # with the revoke, which is what the next holder waits for.
-            revoked = self.session.close(timeout=WITHDRAW_TIMEOUT if after_loss else None)
-            extra = {"after": "loss"} if after_loss else {}
-            log.info("released", name=self.name, rev=self.revision, **extra, revoked=revoked)
+            timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+            self._revoked = self.session.close(timeout=timeout)
         finally:
-            self._released.set()  # after the log line: a waiting caller may exit at once
+            self._released.set()
 
     def __enter__(self) -> Hold:
         return self

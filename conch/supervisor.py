@@ -35,17 +35,20 @@ def exit_status(returncode: int) -> int:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop: Flag) -> Iterator[Flag]:
+def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
-    instead of killing us; the previous handlers come back on leaving."""
+    instead of killing us; the previous handlers come back on leaving, unless ``restore``
+    is False (a process about to exit with its child's status: a late signal must not
+    turn that into death by the signal)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, frame: stop.set(signum))
     try:
         yield stop
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if restore:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def child_env(hold: Hold) -> dict[str, str]:
@@ -206,7 +209,7 @@ def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
     If its process group went with it, ``hold`` is released at once, from this thread: the
     next holder waits for that revoke, and need not wait for the supervisor's bookkeeping
     too (a thread switch and the exit logging: a quarter of a millisecond at a handoff,
-    measured). Whoever calls ``release()`` next waits for this one to finish."""
+    measured). The ``release()`` that follows waits for this revoke and logs it."""
 
     def reap() -> None:
         while True:
@@ -216,7 +219,7 @@ def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
                 continue
             box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
             if not _group_alive(pid):
-                hold.release()
+                hold._revoke()
             return
 
     threading.Thread(target=reap, name="conch-reap", daemon=True).start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -172,6 +173,42 @@ def test_child_exit_code_and_signal_pass_through(
     assert code == expected
     assert "event=released" in err
     assert sema_keys(client, name) == []
+
+
+def test_released_is_logged_after_child_exit_even_for_instant_children(
+    conch: Runner, name: str
+) -> None:
+    """The slot is revoked by the thread that reaps the child, possibly before the main
+    thread has logged anything; the log still reads child-start, child-exit, released."""
+    for round_ in range(8):
+        procs = [
+            conch.start("sema", f"{name}-{round_}-{i}", "--max", "1", "--", "true")
+            for i in range(3)
+        ]
+        for proc in procs:
+            assert proc.wait() == 0
+            events = proc.events()
+            order = [events.index(e) for e in ("child-start", "child-exit", "released")]
+            assert order == sorted(order), events
+
+
+def test_stop_signals_after_the_child_exited_do_not_replace_its_status(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """SIGTERMs keep arriving while conch winds down after its child (which ignores them)
+    ended: conch forwards or ignores them, and always exits with the child's status,
+    never killed by the signal. (The window where the old code died is about a
+    millisecond; these attempts hit it in about half the runs.)"""
+    for attempt in range(15):
+        done = tmp_path / f"done-{attempt}"
+        script = f"trap '' TERM; echo > {done}; exit 3"
+        proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script)
+        poll(lambda done=done: done.exists(), what="the child to finish")  # type: ignore[misc]
+        while proc.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.signal(signal.SIGTERM)
+            time.sleep(0.0002)
+        assert proc.wait() == 3, proc.log()
 
 
 def test_child_sees_its_environment(conch: Runner, name: str) -> None:

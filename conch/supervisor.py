@@ -173,6 +173,10 @@ def run_child(
         if isinstance(item, _ChildExit):
             code = exit_status(item.returncode)
             log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+            if _group_alive(pid):
+                log.warning("stragglers", pgid=pid)
+                watchdog.stand_by()
+                _stop_group(pid, box, False, kill_after)
             watchdog.dismiss()
             if watchdog.fired:
                 # We were frozen past the silence limit; the watchdog stopped the child.
@@ -183,13 +187,11 @@ def run_child(
                     reason="wrapper stalled; the watchdog terminated the child",
                 )
                 return EX_SOFTWARE
-            if _group_alive(pid):
-                log.warning("stragglers", pgid=pid)
-                _stop_group(pid, box, False, kill_after)
             return code
-        # From here conch terminates the group itself; the watchdog would only send a
-        # second SIGTERM into the child's cleanup.
-        watchdog.dismiss()
+        # From here conch terminates the group itself. The watchdog stands by: counting
+        # silence it would only send a second SIGTERM into the child's cleanup, but should
+        # conch die meanwhile (SIGKILL, OOM) it still finishes the termination.
+        watchdog.stand_by()
         if item is hold.lost:
             log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
             _stop_group(pid, box, True, kill_after)

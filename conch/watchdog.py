@@ -12,6 +12,9 @@ process group the moment the child exists. It reads a pipe from conch:
 * the arm line gives the process group and the timeout;
 * a heartbeat byte after every confirmed keepalive pushes its deadline out;
 * the goodbye byte means conch itself is done with the child: exit quietly;
+* the stand-by byte means conch is terminating the group itself (after a loss, a signal,
+  or with stragglers left by the child): no heartbeats will come, so silence no longer
+  counts, but end of file still does (conch killed in the middle of it);
 * end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
   the child's process group (and say ``FIRED`` on its stdout), SIGKILL it ``kill_after``
   seconds later if anything is left.
@@ -32,6 +35,7 @@ import threading
 
 HEARTBEAT = b"h"
 GOODBYE = b"x"
+STAND_BY = b"s"
 
 _CODE = r"""
 import os, select, signal, sys, time
@@ -55,13 +59,17 @@ deadline = time.monotonic() + timeout
 while True:
     if b"x" in data:
         leave()
-    ready, _, _ = select.select([0], [], [], max(0.0, deadline - time.monotonic()))
+    if b"s" in data:
+        deadline = None
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
     if not ready:
         break
     data = os.read(0, 256)
     if not data:
         break
-    deadline = time.monotonic() + timeout
+    if deadline is not None:
+        deadline = time.monotonic() + timeout
 try:
     os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
 except OSError:
@@ -89,7 +97,8 @@ class Watchdog:
     """A watchdog process, started at once and idle until ``arm(pgid, timeout)`` names the
     process group to guard and the seconds of silence after which to terminate it (then
     SIGKILL ``kill_after`` seconds later). ``heartbeat()`` after each confirmed keepalive,
-    ``dismiss()`` once conch is done with the child (or never had one). Raises OSError when
+    ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once conch is
+    done with the child (or never had one). Raises OSError when
     the watchdog process cannot be started."""
 
     def __init__(self, kill_after: float) -> None:
@@ -115,6 +124,13 @@ class Watchdog:
         with self._lock:
             if not self._dismissed:
                 self._send(HEARTBEAT)
+
+    def stand_by(self) -> None:
+        """conch terminates the group itself from now on: the watchdog stops counting
+        silence (no heartbeats come after a loss) but still acts if conch dies."""
+        with self._lock:
+            if not self._dismissed:
+                self._send(STAND_BY)
 
     def dismiss(self) -> None:
         """conch is done with the child: the watchdog exits without killing anything. Does

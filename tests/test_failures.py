@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import signal
 import threading
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.etcd import Client, Endpoint, kv
+from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
@@ -59,6 +61,36 @@ def test_sigkilled_wrapper_takes_child_and_grandchild_with_it(
         wait_gone(pid, timeout=10)
 
 
+def deaf_to_sigterm(pidfile: Path) -> str:
+    """A shell loop that ignores SIGTERM and writes its pid to ``pidfile`` once it does."""
+    return (
+        f"trap '' TERM; echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; "
+        "while :; do sleep 0.1; done"
+    )
+
+
+def left_behind(script: str, pidfile: Path) -> str:
+    """A child that starts ``script`` in the background (in its process group) and exits
+    once ``pidfile`` is written."""
+    quoted = script.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$")
+    return f'sh -c "{quoted}" & while [ ! -s {pidfile} ]; do sleep 0.01; done'
+
+
+def read_pid(pidfile: Path) -> int:
+    return int(poll(lambda: pidfile.exists() and pidfile.read_text(), what=f"{pidfile.name}"))
+
+
+@contextlib.contextmanager
+def reaped_at_the_end(pidfile: Path) -> Iterator[None]:
+    """Whatever the test finds, the process named in ``pidfile`` does not outlive it."""
+    try:
+        yield
+    finally:
+        if pidfile.exists() and pidfile.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
 def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:
@@ -66,16 +98,59 @@ def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
     slot is released only after the SIGKILL that follows --kill-after, never at the
     child's exit."""
     pidfile = tmp_path / "straggler"
-    # The straggler writes its pid once SIGTERM is ignored; the child leaves after that.
-    straggler_sh = f"trap '' TERM; echo \\$$ > {pidfile}.new; mv {pidfile}.new {pidfile}; "
-    straggler_sh += "while :; do sleep 0.1; done"
-    script = f'sh -c "{straggler_sh}" & while [ ! -s {pidfile} ]; do sleep 0.01; done'
-    proc = conch.start("sema", name, "--max", "1", "--kill-after", "1s", "--", "sh", "-c", script)
-    straggler = int(poll(lambda: pidfile.exists() and pidfile.read_text(), what="straggler"))
-    poll(lambda: not sema_keys(client, name), what="the slot to be released")
-    assert not alive(straggler), "the slot was released while the straggler still ran"
-    assert proc.wait() == 0
-    assert "event=stragglers" in proc.log() and "event=kill-sent" in proc.log()
+    # The child leaves once the straggler ignores SIGTERM.
+    script = left_behind(deaf_to_sigterm(pidfile), pidfile)
+    with reaped_at_the_end(pidfile):
+        proc = conch.start(
+            "sema", name, "--max", "1", "--kill-after", "1s", "--", "sh", "-c", script
+        )
+        straggler = read_pid(pidfile)
+        poll(lambda: not sema_keys(client, name), what="the slot to be released")
+        assert not alive(straggler), "the slot was released while the straggler still ran"
+        assert proc.wait() == 0
+        assert "event=stragglers" in proc.log() and "event=kill-sent" in proc.log()
+
+
+def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "straggler"
+    script = left_behind(deaf_to_sigterm(pidfile), pidfile)
+    with reaped_at_the_end(pidfile):
+        proc = conch.start(
+            "sema", name, "--max", "1", "--kill-after", "2s", "--", "sh", "-c", script
+        )
+        straggler = read_pid(pidfile)
+        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on the straggler")
+        proc.process.kill()  # SIGKILL, OOM killer: conch cannot finish the job itself
+        proc.process.wait()
+        wait_gone(straggler, timeout=15)  # the watchdog's SIGTERM, then SIGKILL after 2 s
+
+
+def test_wrapper_killed_while_it_stops_a_child_after_a_loss_leaves_it_to_the_watchdog(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "child"
+    with reaped_at_the_end(pidfile):
+        proc = conch.start(
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--kill-after",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            deaf_to_sigterm(pidfile),
+        )
+        child = read_pid(pidfile)
+        [key] = sema_keys(client, name)
+        lease.revoke(client, key.lease)
+        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+        proc.process.kill()
+        proc.process.wait()
+        wait_gone(child, timeout=15)
 
 
 def test_frozen_wrapper_child_is_stopped_before_a_waiter_takes_over(

@@ -19,7 +19,7 @@ from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
-from tests.conftest import Gate, Runner, poll, sema_keys, who_json
+from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster
 
 
@@ -91,6 +91,18 @@ def reaped_at_the_end(pidfile: Path) -> Iterator[None]:
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
+def start_with_straggler(
+    conch: Runner, name: str, pidfile: Path, kill_after: str
+) -> tuple[Conch, int]:
+    """conch running a child that exits at once, leaving in its group a process that
+    ignores SIGTERM (the child leaves only once it does); returns conch and that pid."""
+    script = left_behind(deaf_to_sigterm(pidfile), pidfile)
+    proc = conch.start(
+        "sema", name, "--max", "1", "--kill-after", kill_after, "--", "sh", "-c", script
+    )
+    return proc, read_pid(pidfile)
+
+
 def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:
@@ -98,13 +110,8 @@ def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
     slot is released only after the SIGKILL that follows --kill-after, never at the
     child's exit."""
     pidfile = tmp_path / "straggler"
-    # The child leaves once the straggler ignores SIGTERM.
-    script = left_behind(deaf_to_sigterm(pidfile), pidfile)
     with reaped_at_the_end(pidfile):
-        proc = conch.start(
-            "sema", name, "--max", "1", "--kill-after", "1s", "--", "sh", "-c", script
-        )
-        straggler = read_pid(pidfile)
+        proc, straggler = start_with_straggler(conch, name, pidfile, "1s")
         poll(lambda: not sema_keys(client, name), what="the slot to be released")
         assert not alive(straggler), "the slot was released while the straggler still ran"
         assert proc.wait() == 0
@@ -115,12 +122,8 @@ def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
     conch: Runner, name: str, tmp_path: Path
 ) -> None:
     pidfile = tmp_path / "straggler"
-    script = left_behind(deaf_to_sigterm(pidfile), pidfile)
     with reaped_at_the_end(pidfile):
-        proc = conch.start(
-            "sema", name, "--max", "1", "--kill-after", "2s", "--", "sh", "-c", script
-        )
-        straggler = read_pid(pidfile)
+        proc, straggler = start_with_straggler(conch, name, pidfile, "2s")
         poll(lambda: "event=term-sent" in proc.log(), what="conch to start on the straggler")
         proc.process.kill()  # SIGKILL, OOM killer: conch cannot finish the job itself
         proc.process.wait()

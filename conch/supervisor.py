@@ -228,46 +228,13 @@ def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` still runs. ``killpg(pgid, 0)`` also finds
-    zombies: dead processes whose parent has not reaped them, which may take init long or
-    never happen (a container whose PID 1 does not reap, or is conch itself). So when it
-    finds the group, /proc is asked whether any member is more than a zombie; when /proc
-    cannot tell (absent, or ``hidepid`` hides other users' processes) the group counts as
-    alive."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return _members_running(pgid) is not False
-
-
-def _members_running(pgid: int) -> bool | None:
-    """True if /proc shows a member of ``pgid`` that is not a zombie, False if it shows
-    only zombies, None if it shows none or cannot be trusted to show them all."""
-    try:
-        with open("/proc/self/mountinfo") as mounts:
-            if any(" /proc " in line and "hidepid" in line for line in mounts):
-                return None
-        names = os.listdir("/proc")
-    except OSError:
-        return None
-    seen = False
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as stat:
-                # After the command name in parentheses: state, ppid, pgrp, ...
-                state, _, pgrp = stat.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if int(pgrp) == pgid:
-            if state != b"Z":
-                return True
-            seen = True
-    return False if seen else None
+    return True
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -7,8 +7,6 @@ import contextlib
 import os
 import queue
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -118,53 +116,6 @@ def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
         assert not alive(straggler), "the slot was released while the straggler still ran"
         assert proc.wait() == 0
         assert "event=stragglers" in proc.log() and "event=kill-sent" in proc.log()
-
-
-# Run conch as a parent that adopts orphans and never reaps them, like a container whose
-# PID 1 is conch itself (PR_SET_CHILD_SUBREAPER survives exec).
-ADOPTING_CONCH = (
-    "import ctypes, os, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
-    "os.execv(sys.executable, [sys.executable, '-m', 'conch', *sys.argv[1:]])"
-)
-
-
-def test_dead_stragglers_not_yet_reaped_do_not_keep_the_slot(
-    conch: Runner, client: Client, name: str, tmp_path: Path
-) -> None:
-    """A straggler that dies at the first SIGTERM but is never reaped (a zombie in the
-    child's group) is gone: the slot is released at once, not after --kill-after."""
-    pidfile = tmp_path / "straggler"
-    script = f"sleep 600 & echo $! > {pidfile}"
-    log_path = tmp_path / "adopting.log"
-    with reaped_at_the_end(pidfile), log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                ADOPTING_CONCH,
-                "sema",
-                name,
-                "--max",
-                "1",
-                "--kill-after",
-                "60s",
-                "--",
-                "sh",
-                "-c",
-                script,
-            ],
-            env=conch.env(),
-            stderr=log_file,
-        )
-        try:
-            assert proc.wait(timeout=30) == 0, "conch waited --kill-after for a zombie"
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    log = log_path.read_text()
-    assert "event=stragglers" in log and "event=kill-sent" not in log, log
-    assert sema_keys(client, name) == []
 
 
 def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(

@@ -13,8 +13,10 @@ process group the moment the child exists. It reads a pipe from conch:
 * a heartbeat byte after every confirmed keepalive pushes its deadline out;
 * the goodbye byte means conch itself is done with the child: exit quietly;
 * the stand-by byte means conch is terminating the group itself (after a loss, a signal,
-  or with stragglers left by the child): no heartbeats will come, so silence no longer
-  counts, but end of file still does (conch killed in the middle of it);
+  or with stragglers left by the child: SIGTERM now, SIGKILL ``kill_after`` later): no
+  heartbeats will come, so silence no longer counts; unless goodbye comes first, the
+  watchdog SIGKILLs the group one second after conch should have (conch frozen or killed
+  in the middle of it);
 * end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
   the child's process group (and say ``FIRED`` on its stdout), SIGKILL it ``kill_after``
   seconds later if anything is left.
@@ -56,20 +58,30 @@ while b"\n" not in line:
 line, _, data = line.partition(b"\n")
 pgid, timeout = int(line.split()[1]), float(line.split()[2])
 deadline = time.monotonic() + timeout
+standby = None
 while True:
     if b"x" in data:
         leave()
-    if b"s" in data:
-        deadline = None
-    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-    ready, _, _ = select.select([0], [], [], wait)
+    if b"s" in data and standby is None:
+        # conch terminates the group itself now: SIGTERM, SIGKILL kill_after later. If it
+        # has not said goodbye a second after that (frozen or dead), SIGKILL is ours.
+        standby = time.monotonic() + kill_after + 1.0
+    until = deadline if standby is None else standby
+    ready, _, _ = select.select([0], [], [], max(0.0, until - time.monotonic()))
     if not ready:
         break
     data = os.read(0, 256)
     if not data:
         break
-    if deadline is not None:
+    if standby is None:
         deadline = time.monotonic() + timeout
+if standby is not None:
+    time.sleep(max(0.0, standby - time.monotonic()))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    sys.exit(0)
 try:
     os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
 except OSError:
@@ -127,7 +139,8 @@ class Watchdog:
 
     def stand_by(self) -> None:
         """conch terminates the group itself from now on: the watchdog stops counting
-        silence (no heartbeats come after a loss) but still acts if conch dies."""
+        silence (no heartbeats come after a loss), and SIGKILLs the group ``kill_after``
+        + 1 seconds from now unless dismissed first (conch frozen or dead meanwhile)."""
         with self._lock:
             if not self._dismissed:
                 self._send(STAND_BY)

@@ -130,6 +130,37 @@ def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
         wait_gone(straggler, timeout=15)  # the watchdog's SIGTERM, then SIGKILL after 2 s
 
 
+def test_wrapper_frozen_while_it_stops_a_child_after_a_loss_still_gets_it_killed(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """conch stopped (SIGSTOP) between its SIGTERM and its SIGKILL: the watchdog, standing
+    by, sends the SIGKILL a second after conch should have."""
+    pidfile = tmp_path / "child"
+    with reaped_at_the_end(pidfile):
+        proc = conch.start(
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--kill-after",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+            deaf_to_sigterm(pidfile),
+        )
+        child = read_pid(pidfile)
+        [key] = sema_keys(client, name)
+        lease.revoke(client, key.lease)
+        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+        proc.signal(signal.SIGSTOP)
+        try:
+            wait_gone(child, timeout=15)  # 2 s + 1 s after the stand-by
+        finally:
+            proc.signal(signal.SIGCONT)
+        assert proc.wait() == 70
+
+
 def test_wrapper_killed_while_it_stops_a_child_after_a_loss_leaves_it_to_the_watchdog(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:

@@ -130,6 +130,20 @@ def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
         wait_gone(straggler, timeout=15)  # the watchdog's SIGTERM, then SIGKILL after 2 s
 
 
+def terminating_after_a_loss(
+    conch: Runner, client: Client, name: str, pidfile: Path
+) -> tuple[Conch, int]:
+    """conch whose SIGTERM-deaf child is being terminated after its lease was revoked
+    (term-sent logged, SIGKILL due 2 s later); returns conch and the child's pid."""
+    script = deaf_to_sigterm(pidfile)
+    proc = conch.start("sema", name, "--max", "1", "--kill-after", "2s", "--", "sh", "-c", script)
+    child = read_pid(pidfile)
+    [key] = sema_keys(client, name)
+    lease.revoke(client, key.lease)
+    poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+    return proc, child
+
+
 def test_wrapper_frozen_while_it_stops_a_child_after_a_loss_still_gets_it_killed(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:
@@ -137,22 +151,7 @@ def test_wrapper_frozen_while_it_stops_a_child_after_a_loss_still_gets_it_killed
     by, sends the SIGKILL a second after conch should have."""
     pidfile = tmp_path / "child"
     with reaped_at_the_end(pidfile):
-        proc = conch.start(
-            "sema",
-            name,
-            "--max",
-            "1",
-            "--kill-after",
-            "2s",
-            "--",
-            "sh",
-            "-c",
-            deaf_to_sigterm(pidfile),
-        )
-        child = read_pid(pidfile)
-        [key] = sema_keys(client, name)
-        lease.revoke(client, key.lease)
-        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+        proc, child = terminating_after_a_loss(conch, client, name, pidfile)
         proc.signal(signal.SIGSTOP)
         try:
             wait_gone(child, timeout=15)  # 2 s + 1 s after the stand-by
@@ -166,22 +165,7 @@ def test_wrapper_killed_while_it_stops_a_child_after_a_loss_leaves_it_to_the_wat
 ) -> None:
     pidfile = tmp_path / "child"
     with reaped_at_the_end(pidfile):
-        proc = conch.start(
-            "sema",
-            name,
-            "--max",
-            "1",
-            "--kill-after",
-            "2s",
-            "--",
-            "sh",
-            "-c",
-            deaf_to_sigterm(pidfile),
-        )
-        child = read_pid(pidfile)
-        [key] = sema_keys(client, name)
-        lease.revoke(client, key.lease)
-        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+        proc, child = terminating_after_a_loss(conch, client, name, pidfile)
         proc.process.kill()
         proc.process.wait()
         wait_gone(child, timeout=15)

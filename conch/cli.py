@@ -294,7 +294,7 @@ def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str], exiting
     # Dialling writes nothing, so a signal then may simply end us; from the first write on,
     # signals are caught and withdraw or forward. When the process exits right after
     # (``exiting``), they stay caught: a late one must not replace the child's status.
-    with _connect(args) as client, stop_on_signals(Flag("stop"), not exiting) as stop:
+    with _connect(args) as client, stop_on_signals(Flag("stop"), restore=not exiting) as stop:
         sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
         try:
             return supervise(sema, cmd, wait, kill_after, stop)

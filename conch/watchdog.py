@@ -110,8 +110,8 @@ class Watchdog:
     process group to guard and the seconds of silence after which to terminate it (then
     SIGKILL ``kill_after`` seconds later). ``heartbeat()`` after each confirmed keepalive,
     ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once conch is
-    done with the child (or never had one). Raises OSError when
-    the watchdog process cannot be started."""
+    done with the child (or never had one). Raises OSError when the watchdog process
+    cannot be started."""
 
     def __init__(self, kill_after: float) -> None:
         self._process = subprocess.Popen(

@@ -4,6 +4,7 @@ terminate, release. Written once; the CLI and embedders call ``supervise``."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import signal
@@ -21,6 +22,7 @@ from conch.watchdog import Watchdog
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
+SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 
 
@@ -119,17 +121,32 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     """Start ``argv`` (searched on PATH) in a new session and process group, with stdin,
     stdout and stderr only (as ``subprocess``'s ``close_fds``); return its pid. One
     ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
-    failed exec (FileNotFoundError, PermissionError, other OSError)."""
+    failed exec (FileNotFoundError, PermissionError, other OSError). A file the kernel
+    cannot execute (ENOEXEC: a script without a ``#!`` line) is run by /bin/sh, as
+    ``execvp(3)``, and so ``flock(1)``, do."""
     closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
-    return os.posix_spawnp(
-        argv[0],
-        list(argv),
-        env,
-        file_actions=closes,
-        setsid=True,
-        setsigmask=(),  # nothing blocked
-        setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
-    )
+
+    def start(path: str, args: list[str], search: bool) -> int:
+        launch = os.posix_spawnp if search else os.posix_spawn
+        return launch(
+            path,
+            args,
+            env,
+            file_actions=closes,
+            setsid=True,
+            setsigmask=(),  # nothing blocked
+            setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
+        )
+
+    try:
+        return start(argv[0], list(argv), search=True)
+    except OSError as exc:
+        if exc.errno != errno.ENOEXEC:
+            raise
+    import shutil
+
+    script = argv[0] if "/" in argv[0] else shutil.which(argv[0]) or argv[0]
+    return start(SHELL, [SHELL, script, *argv[1:]], search=False)
 
 
 def run_child(
@@ -211,7 +228,8 @@ def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
     If its process group went with it, ``hold`` is released at once, from this thread: the
     next holder waits for that revoke, and need not wait for the supervisor's bookkeeping
     too (a thread switch and the exit logging: a quarter of a millisecond at a handoff,
-    measured). The ``release()`` that follows waits for this revoke and logs it."""
+    measured). The ``release()`` that follows waits for this revoke and logs it. Then the
+    thread reaps what the child left behind in its group as it dies (``_reap_orphans``)."""
 
     def reap() -> None:
         while True:
@@ -219,12 +237,31 @@ def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
                 _, status = os.waitpid(pid, 0)
             except InterruptedError:
                 continue
-            box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
-            if not _group_alive(pid):
-                hold._revoke()
-            return
+            break
+        _reap_orphans(pid, block=False)
+        box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
+        if not _group_alive(pid):
+            hold._revoke()
+        _reap_orphans(pid, block=True)
 
     threading.Thread(target=reap, name="conch-reap", daemon=True).start()
+
+
+def _reap_orphans(pgid: int, block: bool) -> None:
+    """Reap the members of process group ``pgid`` that are our children: what the child left
+    behind, re-parented to us once the child is gone if this process is a child subreaper
+    (the ``conch`` command makes itself one). Otherwise a member that died of our SIGTERM
+    stays a zombie until PID 1 reaps it (late, or never where PID 1 does not reap), and a
+    zombie still counts as a member: the slot would stay held until --kill-after ran out.
+    Only after the child itself was reaped: its status is the reaper's. With ``block``,
+    return once no child of ours is left in the group."""
+    while True:
+        try:
+            reaped, _ = os.waitpid(-pgid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if reaped == 0:
+            return
 
 
 def _group_alive(pgid: int) -> bool:

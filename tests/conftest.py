@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -69,12 +69,14 @@ def sema_keys(client: Client, name: str, max_holders: int | None = None) -> list
 class Conch:
     """One ``python -m conch`` process; stderr goes to a file (no pipe to fill up)."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log_path: Path, launcher: Sequence[str] = ()
+    ) -> None:
         self.args = args
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "conch", *args],
+                [*launcher, sys.executable, "-m", "conch", *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -126,8 +128,10 @@ class Runner:
         env.update(extra)
         return env
 
-    def start(self, *args: str, **env: str) -> Conch:
-        proc = Conch(list(args), self.env(**env), self.tmp_path / f"conch-{len(self.started)}.log")
+    def start(self, *args: str, launcher: Sequence[str] = (), **env: str) -> Conch:
+        """``launcher``: a command line that runs conch's (as its last arguments)."""
+        log_path = self.tmp_path / f"conch-{len(self.started)}.log"
+        proc = Conch(list(args), self.env(**env), log_path, launcher)
         self.started.append(proc)
         return proc
 

@@ -7,6 +7,7 @@ import contextlib
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -116,6 +117,65 @@ def test_slot_stays_held_until_a_straggler_left_by_the_child_is_gone(
         assert not alive(straggler), "the slot was released while the straggler still ran"
         assert proc.wait() == 0
         assert "event=stragglers" in proc.log() and "event=kill-sent" in proc.log()
+
+
+# A stand-in for a container's PID 1 that never reaps orphans: a child subreaper that runs the
+# command line it is given and waits for that one process only.
+NO_REAPING_INIT = (
+    sys.executable,
+    "-c",
+    "import ctypes, subprocess, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+    "sys.exit(subprocess.call(sys.argv[1:]))",
+)
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def test_straggler_that_dies_of_sigterm_frees_the_slot_at_once_where_orphans_are_not_reaped(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """Under an init that never reaps orphans, the child exits leaving a process in its group
+    that dies at conch's SIGTERM. A zombie still counts as a member of the group; conch reaps
+    what the child left behind, so the slot is free at once, not after --kill-after."""
+    pidfile = tmp_path / "straggler"
+    script = f"sleep 600 & echo $! > {pidfile}; exit 0"
+    with reaped_at_the_end(pidfile):
+        proc = conch.start(
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--kill-after",
+            "60s",
+            "--",
+            "sh",
+            "-c",
+            script,
+            launcher=NO_REAPING_INIT,
+        )
+        assert proc.wait(timeout=30) == 0
+        assert sema_keys(client, name) == []
+        events = proc.events()
+        assert "stragglers" in events and "term-sent" in events and "kill-sent" not in events
+        assert parent_of(read_pid(pidfile)) is None, "the straggler was left a zombie"
+
+
+def test_what_the_child_leaves_behind_is_adopted_by_conch(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """The command makes itself a child subreaper: a process the child leaves in its group is
+    re-parented to conch (which reaps it when it dies), not to PID 1."""
+    pidfile = tmp_path / "straggler"
+    with reaped_at_the_end(pidfile):
+        proc, straggler = start_with_straggler(conch, name, pidfile, "2s")
+        poll(lambda: parent_of(straggler) == proc.pid, what="the straggler re-parented to conch")
+        assert proc.wait() == 0
 
 
 def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(

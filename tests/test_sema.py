@@ -240,6 +240,22 @@ def test_a_command_that_cannot_run_gives_126_or_127_and_frees_the_slot(
     assert sema_keys(client, name) == []
 
 
+def test_a_script_without_a_shebang_line_is_run_by_sh_as_execvp_does(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """flock(1) and timeout(1) start the command with execvp(3), which runs a file the kernel
+    cannot execute (ENOEXEC: no #! line) with /bin/sh. A job moved from flock to conch runs
+    the same way, named by path or found on PATH, with its arguments."""
+    script = tmp_path / "job"
+    script.write_text('echo "$0 ran with $1"\nexit 3\n')
+    script.chmod(0o755)
+    code, out, err = conch.run("sema", name, "--max", "1", "--", str(script), "one")
+    assert (code, out) == (3, f"{script} ran with one\n"), err
+    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    code, out, err = conch.run("sema", name, "--max", "1", "--", "job", "two", PATH=path)
+    assert (code, out) == (3, f"{script} ran with two\n"), err
+
+
 def test_child_starts_with_no_standard_signal_ignored(conch: Runner, name: str) -> None:
     """Python ignores SIGPIPE and SIGXFSZ; the child must not inherit that, or pipelines in it
     see EPIPE instead of dying by SIGPIPE. (Signals 32 and up: glibc's reserved signals, which

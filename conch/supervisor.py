@@ -78,7 +78,10 @@ def supervise(
 
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
     SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
-    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost.
+    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost. What
+    the child leaves in its group is reaped as it dies only if this process is a child
+    subreaper (the command makes itself one); else a zombie among them holds the slot until
+    PID 1 reaps it or ``kill_after`` runs out.
     """
     try:
         watchdog = Watchdog(kill_after)  # before queueing: its start-up is over by the slot

@@ -18,7 +18,7 @@ from conch.etcd.client import TLS, Credentials, connect
 from conch.flag import Flag
 from conch.keys import check_name
 from conch.semaphore import Identity, Semaphore, check_max, who
-from conch.supervisor import stop_on_signals, supervise
+from conch.supervisor import adopt_orphans, stop_on_signals, supervise
 
 _UNITS = {
     "ns": 1e-9,
@@ -33,7 +33,6 @@ _UNITS = {
 _PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
 MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 def parse_duration(flag: str, text: str) -> float:
@@ -293,7 +292,7 @@ def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str], exiting
         wait = parse_duration("--wait", args.wait)
     identity = Identity.current(cmd)
     if exiting:
-        _adopt_orphans()
+        adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Dialling writes nothing, so a signal then may simply end us; from the first write on,
     # signals are caught and withdraw or forward. When the process exits right after
     # (``exiting``), they stay caught: a late one must not replace the child's status.
@@ -320,18 +319,6 @@ def run() -> NoReturn:
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
-
-
-def _adopt_orphans() -> None:
-    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``): what
-    the child leaves behind in its process group is re-parented to conch instead of PID 1,
-    and the supervisor reaps it the moment it dies, so the slot is free as soon as the group
-    is really gone. Process-wide, so the command does it (it owns its process), not the
-    library. Best effort: without it, zombies wait for PID 1."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
 
 def _slow_grpc_polling() -> None:

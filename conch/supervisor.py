@@ -20,9 +20,11 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.semaphore import Hold, Semaphore
 from conch.watchdog import Watchdog
 
+_adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 
 
@@ -79,9 +81,9 @@ def supervise(
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
     SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
     Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost. What
-    the child leaves in its group is reaped as it dies only if this process is a child
-    subreaper (the command makes itself one); else a zombie among them holds the slot until
-    PID 1 reaps it or ``kill_after`` runs out.
+    the child leaves in its group is reaped as it dies only after ``adopt_orphans()`` (the
+    command calls it); else a zombie among them holds the slot until PID 1 reaps it or
+    ``kill_after`` runs out.
     """
     try:
         watchdog = Watchdog(kill_after)  # before queueing: its start-up is over by the slot
@@ -129,7 +131,7 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     ``execvp(3)``, and so ``flock(1)``, do."""
     closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
 
-    def start(path: str, args: list[str], search: bool) -> int:
+    def start(path: str, args: list[str], search: bool = False) -> int:
         launch = os.posix_spawnp if search else os.posix_spawn
         return launch(
             path,
@@ -146,10 +148,40 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     except OSError as exc:
         if exc.errno != errno.ENOEXEC:
             raise
-    import shutil
+    # Search again, the way execvp(3) does, and give the file that says ENOEXEC to the shell
+    # (an earlier one on PATH may have been skipped: ENOENT from a missing #! interpreter).
+    denied = False
+    for path in _candidates(argv[0]):
+        try:
+            return start(path, list(argv))
+        except OSError as exc:
+            if exc.errno == errno.ENOEXEC:
+                return start(SHELL, [SHELL, path, *argv[1:]])
+            if exc.errno not in _SEARCH_ON:
+                raise
+            denied = denied or exc.errno == errno.EACCES
+    if denied:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
 
-    script = argv[0] if "/" in argv[0] else shutil.which(argv[0]) or argv[0]
-    return start(SHELL, [SHELL, script, *argv[1:]], search=False)
+
+# Errors on one PATH entry after which execvp(3) tries the next one.
+_SEARCH_ON = {
+    errno.EACCES,
+    errno.ENOENT,
+    errno.ESTALE,
+    errno.ENOTDIR,
+    errno.ENODEV,
+    errno.ETIMEDOUT,
+}
+
+
+def _candidates(name: str) -> list[str]:
+    """The paths execvp(3) tries for ``name``, in order (an empty PATH entry is the current
+    directory)."""
+    if "/" in name:
+        return [name]
+    return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
 
 
 def run_child(
@@ -226,45 +258,71 @@ def run_child(
         stop.unsubscribe(box)
 
 
+def adopt_orphans() -> bool:
+    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) that
+    reaps every child it has: what the supervised child leaves behind is re-parented to us
+    instead of PID 1, and reaped the moment it dies. Without it, a process of the child's
+    group that died of our SIGTERM is a zombie until PID 1 reaps it (late where PID 1 is
+    slow, never where it does not reap), and a zombie still counts as a member of the group:
+    the slot stays held until ``kill_after`` runs out. Process-wide, and from then on the
+    supervisor reaps *any* child: only for a process that waits for no children of its own
+    (the ``conch`` command). Returns whether it worked."""
+    global _adopting
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        _adopting = False
+    return _adopting
+
+
 def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
     """Put the child's _ChildExit into ``box`` when it exits (a thread blocked in waitpid).
     If its process group went with it, ``hold`` is released at once, from this thread: the
     next holder waits for that revoke, and need not wait for the supervisor's bookkeeping
     too (a thread switch and the exit logging: a quarter of a millisecond at a handoff,
-    measured). The ``release()`` that follows waits for this revoke and logs it. Then the
-    thread reaps what the child left behind in its group as it dies (``_reap_orphans``)."""
+    measured). The ``release()`` that follows waits for this revoke and logs it. After
+    ``adopt_orphans()`` the thread reaps every child that exits, before the child and after
+    it, until the process ends."""
 
     def reap() -> None:
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-            except InterruptedError:
-                continue
-            break
-        _reap_orphans(pid, block=False)
+        status = _wait_for(pid)
+        if _adopting:
+            _reap_exited(block=False)  # what died with the child is no member any more
         box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
         if not _group_alive(pid):
             hold._revoke()
-        _reap_orphans(pid, block=True)
+        while _adopting:
+            if not _reap_exited(block=True):
+                time.sleep(GROUP_POLL)  # no child at all now; an orphan may yet come
 
     threading.Thread(target=reap, name="conch-reap", daemon=True).start()
 
 
-def _reap_orphans(pgid: int, block: bool) -> None:
-    """Reap the members of process group ``pgid`` that are our children: what the child left
-    behind, re-parented to us once the child is gone if this process is a child subreaper
-    (the ``conch`` command makes itself one). Otherwise a member that died of our SIGTERM
-    stays a zombie until PID 1 reaps it (late, or never where PID 1 does not reap), and a
-    zombie still counts as a member: the slot would stay held until --kill-after ran out.
-    Only after the child itself was reaped: its status is the reaper's. With ``block``,
-    return once no child of ours is left in the group."""
+def _wait_for(pid: int) -> int:
+    """The wait status of our child ``pid``; after ``adopt_orphans()``, every other child
+    that exits meanwhile (an orphan, the watchdog) is reaped on the way."""
     while True:
         try:
-            reaped, _ = os.waitpid(-pgid, 0 if block else os.WNOHANG)
+            reaped, status = os.waitpid(-1 if _adopting else pid, 0)
+        except InterruptedError:
+            continue
+        if reaped == pid:
+            return status
+
+
+def _reap_exited(block: bool) -> bool:
+    """Reap our exited children: all there are, or (``block``) the next one to exit. False
+    when we have no child at all."""
+    while True:
+        try:
+            reaped, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
         except ChildProcessError:
-            return
-        if reaped == 0:
-            return
+            return False
+        if block or reaped == 0:
+            return True
 
 
 def _group_alive(pgid: int) -> bool:

@@ -178,6 +178,60 @@ def test_what_the_child_leaves_behind_is_adopted_by_conch(
         assert proc.wait() == 0
 
 
+def zombies_of(pid: int) -> int:
+    count = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+                count += fields[0] == "Z" and int(fields[1]) == pid
+    return count
+
+
+def test_orphans_that_die_while_the_child_runs_are_reaped_at_once(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """What the child double-forks is re-parented to conch; a long job that does so again
+    and again must not fill the process table with conch's zombies while it runs."""
+    ready, gate = tmp_path / "ready", tmp_path / "gate"
+    script = (
+        "i=0; while [ $i -lt 100 ]; do (true &); i=$((i+1)); done; "
+        f"touch {ready}; while [ ! -e {gate} ]; do sleep 0.05; done"
+    )
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script)
+    poll(ready.exists, what="the child to double-fork 100 processes")
+    poll(lambda: zombies_of(proc.pid) == 0, what="conch to reap the orphans")
+    gate.touch()
+    assert proc.wait() == 0
+
+
+# A child that leaves a member of its group whose parent is outside the group and exits a
+# second later without reaping it: that member reaches conch late, already a zombie.
+LATE_ORPHAN = """
+import os, signal, sys, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(1.0)
+    os._exit(0)
+time.sleep(0.2)
+"""
+
+
+def test_a_member_orphaned_late_does_not_hold_the_slot_until_kill_after(
+    conch: Runner, client: Client, name: str
+) -> None:
+    proc = conch.start(
+        "sema", name, "--max", "1", "--kill-after", "60s", "--", sys.executable, "-c", LATE_ORPHAN
+    )
+    assert proc.wait(timeout=30) == 0
+    assert sema_keys(client, name) == []
+    assert "kill-sent" not in proc.events()
+
+
 def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
     conch: Runner, name: str, tmp_path: Path
 ) -> None:

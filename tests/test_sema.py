@@ -251,7 +251,13 @@ def test_a_script_without_a_shebang_line_is_run_by_sh_as_execvp_does(
     script.chmod(0o755)
     code, out, err = conch.run("sema", name, "--max", "1", "--", str(script), "one")
     assert (code, out) == (3, f"{script} ran with one\n"), err
-    path = f"{tmp_path}{os.pathsep}{os.environ['PATH']}"
+    # An earlier "job" on PATH whose #! interpreter is missing gives ENOENT: execvp skips it,
+    # and so must conch, rather than hand that file to sh.
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "job").write_text("#!/nonexistent/interpreter\necho wrong file\n")
+    (broken / "job").chmod(0o755)
+    path = os.pathsep.join([str(broken), str(tmp_path), os.environ["PATH"]])
     code, out, err = conch.run("sema", name, "--max", "1", "--", "job", "two", PATH=path)
     assert (code, out) == (3, f"{script} ran with two\n"), err
 

@@ -192,26 +192,36 @@ def run_child(
     (terminate it, return its status). Never starts it without a hold: 70 if already lost.
     ``hold`` is released as soon as the child has exited with nothing left in its group.
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
-    started here."""
+    started here, before the child."""
     if hold.lost.is_set() or not hold.session.certainly_alive():
         reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
         log.error("lost", name=hold.name, rev=hold.revision, reason=str(reason))
         return EX_SOFTWARE
     try:
+        watchdog = watchdog or Watchdog(kill_after)
+    except OSError as exc:
+        log.error("watchdog-failed", error=str(exc))
+        return EX_SOFTWARE
+    try:
         pid = spawn(argv, child_env(hold))
     except (FileNotFoundError, ValueError):  # ValueError: an empty command name
+        watchdog.dismiss()
         log.error("child-not-found", cmd=argv[0])
         return EX_NOT_FOUND
     except OSError as exc:
+        watchdog.dismiss()
         log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
         return EX_CANNOT_EXECUTE
+    # Armed first thing: a conch killed before this line leaves the child unwatched.
+    try:
+        watchdog.arm(pid, hold.session.silence_limit)
+        unarmed = None
+    except OSError as exc:
+        unarmed = exc
     box: Mailbox = queue.SimpleQueue()
     _start_reaper(pid, box, hold)
-    try:
-        watchdog = watchdog or Watchdog(kill_after)
-        watchdog.arm(pid, hold.session.silence_limit)
-    except OSError as exc:
-        log.error("watchdog-failed", error=str(exc))
+    if unarmed is not None:
+        log.error("watchdog-failed", error=str(unarmed))
         _stop_group(pid, box, True, kill_after)
         return EX_SOFTWARE
     hold._start_guard()

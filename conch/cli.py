@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -314,6 +315,9 @@ def run() -> NoReturn:
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     _reopen_closed_std_fds()
     _slow_grpc_polling()
+    # Started with SIGCHLD ignored (possible from a parent that ignores it and execs us),
+    # the kernel would reap the child itself and its status would be lost.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

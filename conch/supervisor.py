@@ -10,7 +10,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from conch import log
@@ -21,10 +21,13 @@ from conch.semaphore import Hold, Semaphore
 from conch.watchdog import Watchdog
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
+_reap_lock = threading.Lock()
+_claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zombies may stay)
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 
 
@@ -107,7 +110,7 @@ def supervise(
 # expect to die by SIGPIPE). glibc's posix_spawn also leaves its two reserved signals (32, 33,
 # below SIGRTMIN, unusable by programs) ignored in the child; nothing can reset those.
 _RESET_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ") if hasattr(signal, n)
+    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
 )
 
 
@@ -202,24 +205,25 @@ def run_child(
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE
-    try:
-        pid = spawn(argv, child_env(hold))
-    except (FileNotFoundError, ValueError):  # ValueError: an empty command name
-        watchdog.dismiss()
-        log.error("child-not-found", cmd=argv[0])
-        return EX_NOT_FOUND
-    except OSError as exc:
-        watchdog.dismiss()
-        log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
-        return EX_CANNOT_EXECUTE
-    # Armed first thing: a conch killed before this line leaves the child unwatched.
-    try:
-        watchdog.arm(pid, hold.session.silence_limit)
-        unarmed = None
-    except OSError as exc:
-        unarmed = exc
     box: Mailbox = queue.SimpleQueue()
-    _start_reaper(pid, box, hold)
+    with _reap_lock:  # the adopting reaper takes no status until the child is claimed
+        try:
+            pid = spawn(argv, child_env(hold))
+        except (FileNotFoundError, ValueError):  # ValueError: an empty command name
+            watchdog.dismiss()
+            log.error("child-not-found", cmd=argv[0])
+            return EX_NOT_FOUND
+        except OSError as exc:
+            watchdog.dismiss()
+            log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
+            return EX_CANNOT_EXECUTE
+        # Armed first thing: a conch killed before this line leaves the child unwatched.
+        try:
+            watchdog.arm(pid, hold.session.silence_limit)
+            unarmed = None
+        except OSError as exc:
+            unarmed = exc
+        _on_exit(pid, lambda status: _child_exited(pid, status, box, hold))
     if unarmed is not None:
         log.error("watchdog-failed", error=str(unarmed))
         _stop_group(pid, box, True, kill_after)
@@ -269,70 +273,87 @@ def run_child(
 
 
 def adopt_orphans() -> bool:
-    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) that
-    reaps every child it has: what the supervised child leaves behind is re-parented to us
-    instead of PID 1, and reaped the moment it dies. Without it, a process of the child's
-    group that died of our SIGTERM is a zombie until PID 1 reaps it (late where PID 1 is
-    slow, never where it does not reap), and a zombie still counts as a member of the group:
-    the slot stays held until ``kill_after`` runs out. Process-wide, and from then on the
-    supervisor reaps *any* child: only for a process that waits for no children of its own
-    (the ``conch`` command). Returns whether it worked."""
+    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) and start
+    one thread that reaps every child it has: what a supervised child leaves behind is
+    re-parented to us instead of PID 1, and reaped the moment it dies. Without it, a process
+    of the child's group that died of our SIGTERM is a zombie until PID 1 reaps it (late
+    where PID 1 is slow, never where it does not reap), and a zombie still counts as a
+    member of the group: the slot stays held until ``kill_after`` runs out. Process-wide:
+    only for a process that waits for no children of its own (the ``conch`` command); the
+    statuses of children ``run_child`` did not start are dropped. Idempotent. Returns
+    whether it worked."""
     global _adopting
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-        _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        _adopting = False
-    return _adopting
-
-
-def _start_reaper(pid: int, box: Mailbox, hold: Hold) -> None:
-    """Put the child's _ChildExit into ``box`` when it exits (a thread blocked in waitpid).
-    If its process group went with it, ``hold`` is released at once, from this thread: the
-    next holder waits for that revoke, and need not wait for the supervisor's bookkeeping
-    too (a thread switch and the exit logging: a quarter of a millisecond at a handoff,
-    measured). The ``release()`` that follows waits for this revoke and logs it. After
-    ``adopt_orphans()`` the thread reaps every child that exits, before the child and after
-    it, until the process ends."""
-
-    def reap() -> None:
-        status = _wait_for(pid)
+    with _reap_lock:
         if _adopting:
-            _reap_exited(block=False)  # what died with the child is no member any more
-        box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
-        if not _group_alive(pid):
-            hold._revoke()
-        while _adopting:
-            if not _reap_exited(block=True):
-                time.sleep(GROUP_POLL)  # no child at all now; an orphan may yet come
-
-    threading.Thread(target=reap, name="conch-reap", daemon=True).start()
-
-
-def _wait_for(pid: int) -> int:
-    """The wait status of our child ``pid``; after ``adopt_orphans()``, every other child
-    that exits meanwhile (an orphan, the watchdog) is reaped on the way."""
-    while True:
-        try:
-            reaped, status = os.waitpid(-1 if _adopting else pid, 0)
-        except InterruptedError:
-            continue
-        if reaped == pid:
-            return status
-
-
-def _reap_exited(block: bool) -> bool:
-    """Reap our exited children: all there are, or (``block``) the next one to exit. False
-    when we have no child at all."""
-    while True:
-        try:
-            reaped, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            return False
-        if block or reaped == 0:
             return True
+        try:
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+            _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            _adopting = False
+        if _adopting:
+            threading.Thread(target=_reap_all, name="conch-reap", daemon=True).start()
+        return _adopting
+
+
+def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
+    """Call ``callback(wait_status)`` from a reaping thread once our child ``pid`` exits: the
+    process-wide one after ``adopt_orphans()`` (call with ``_reap_lock`` held since before
+    the child existed), else a thread of its own blocked in waitpid on that pid alone."""
+    if _adopting:
+        _claimed[pid] = callback
+        return
+
+    def wait() -> None:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+            except InterruptedError:
+                continue
+            callback(status)
+            return
+
+    threading.Thread(target=wait, name="conch-reap", daemon=True).start()
+
+
+def _reap_all() -> None:
+    """The adopting reaper: reap each child as it exits, and every other one that has exited
+    by then too (what died with a supervised child is no member of its group any more when
+    its callback looks), then call the callbacks of the claimed ones. With no child at all,
+    look again every GROUP_POLL seconds: an orphan may yet come."""
+    while True:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
+        except ChildProcessError:
+            time.sleep(GROUP_POLL)
+            continue
+        done: list[tuple[Callable[[int], None], int]] = []
+        with _reap_lock:
+            while True:
+                try:
+                    reaped, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if reaped == 0:
+                    break
+                callback = _claimed.pop(reaped, None)
+                if callback is not None:
+                    done.append((callback, status))
+        for callback, status in done:
+            callback(status)
+
+
+def _child_exited(pid: int, status: int, box: Mailbox, hold: Hold) -> None:
+    """From the reaping thread: tell the supervisor, and if the child's process group went
+    with it, release ``hold`` at once: the next holder waits for that revoke, and need not
+    wait for the supervisor's bookkeeping too (a thread switch and the exit logging: a
+    quarter of a millisecond at a handoff, measured). The ``release()`` that follows waits
+    for this revoke and logs it."""
+    box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
+    if not _group_alive(pid):
+        hold._revoke()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -364,6 +385,11 @@ def _stop_group(pgid: int, box: Mailbox, child_running: bool, kill_after: float)
         _signal_group(pgid, signal.SIGKILL)
         log.warning("kill-sent", pgid=pgid)
         returncode = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
+        # A SIGKILLed process is still running its exit (closing files, dropping locks,
+        # freeing memory): the slot stays ours until it is gone, within a bound.
+        deadline = time.monotonic() + GONE_AFTER_KILL
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(GROUP_POLL)
     return returncode if child_running else None
 
 

@@ -232,6 +232,29 @@ def test_a_member_orphaned_late_does_not_hold_the_slot_until_kill_after(
     assert "kill-sent" not in proc.events()
 
 
+# A parent that ignores SIGCHLD and execs conch: conch inherits the ignored disposition.
+SIGCHLD_IGNORED = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGCHLD, signal.SIG_IGN); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
+
+
+def test_started_with_sigchld_ignored_conch_still_gets_the_childs_status(
+    conch: Runner, client: Client, name: str
+) -> None:
+    """With SIGCHLD ignored the kernel reaps children itself and waitpid finds none: conch
+    hung holding the slot. It resets SIGCHLD, for itself and for the child."""
+    proc = conch.start(
+        "sema", name, "--max", "1", "--", "cat", "/proc/self/status", launcher=SIGCHLD_IGNORED
+    )
+    assert proc.wait() == 0
+    ignored = next(line.split()[1] for line in proc.stdout().splitlines() if "SigIgn" in line)
+    assert not int(ignored, 16) & (1 << (signal.SIGCHLD - 1)), "the child inherited it"
+    assert sema_keys(client, name) == []
+
+
 def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
     conch: Runner, name: str, tmp_path: Path
 ) -> None:

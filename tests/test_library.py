@@ -175,3 +175,34 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
     hold = result.get("hold")
     assert isinstance(hold, conch.Hold), result
     hold.release()
+
+
+ADOPTING_EMBEDDER = """
+import sys
+import conch
+from conch.flag import Flag
+from conch.supervisor import adopt_orphans, supervise
+
+assert adopt_orphans() and adopt_orphans()  # idempotent
+with conch.connect(sys.argv[1]) as client:
+    sema = conch.Semaphore(client, sys.argv[2], max=1, ttl=10)
+    for code in (0, 3, 5, 7, 9):
+        cmd = ["sh", "-c", f"(sleep 0 &); exit {code}"]
+        print(supervise(sema, cmd, None, 2.0, Flag("stop")), flush=True)
+"""
+
+
+def test_an_adopting_embedder_gets_every_childs_status_run_after_run(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """After adopt_orphans(), one process-wide thread reaps every child: a later run's child
+    is not reaped (and its status dropped) by what an earlier run left behind."""
+    out = subprocess.run(
+        [sys.executable, "-c", ADOPTING_EMBEDDER, etcd.endpoints, name],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "3", "5", "7", "9"]
+    assert sema_keys(client, name) == []

@@ -379,18 +379,22 @@ def _stop_group(pgid: int, box: Mailbox, child_running: bool, kill_after: float)
     deadline = time.monotonic() + kill_after
     returncode = None if child_running else 0
     returncode = _await_exit(box, deadline, returncode)
-    while _group_alive(pgid) and time.monotonic() < deadline:
-        time.sleep(GROUP_POLL)  # grandchildren are not ours to wait() on; poll to a deadline
+    _await_group_gone(pgid, deadline)
     if returncode is None or _group_alive(pgid):
         _signal_group(pgid, signal.SIGKILL)
         log.warning("kill-sent", pgid=pgid)
         returncode = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
         # A SIGKILLed process is still running its exit (closing files, dropping locks,
         # freeing memory): the slot stays ours until it is gone, within a bound.
-        deadline = time.monotonic() + GONE_AFTER_KILL
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(GROUP_POLL)
+        _await_group_gone(pgid, time.monotonic() + GONE_AFTER_KILL)
     return returncode if child_running else None
+
+
+def _await_group_gone(pgid: int, deadline: float) -> None:
+    """Poll until process group ``pgid`` is empty or ``deadline`` passes (grandchildren are
+    not ours to wait() on)."""
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(GROUP_POLL)
 
 
 def _await_exit(box: Mailbox, deadline: float | None, returncode: int | None) -> int | None:

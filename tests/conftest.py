@@ -58,6 +58,22 @@ def name() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None once
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Running and not a zombie."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
 def sema_keys(client: Client, name: str, max_holders: int | None = None) -> list[rpc_pb2.KeyValue]:
     from conch import keys
 

@@ -20,17 +20,8 @@ from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
-from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
+from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, stat_fields, who_json
 from tests.etcd_server import EtcdCluster
-
-
-def alive(pid: int) -> bool:
-    """Running and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def wait_gone(pid: int, timeout: float) -> None:
@@ -130,11 +121,8 @@ NO_REAPING_INIT = (
 
 
 def parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        return None
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def test_straggler_that_dies_of_sigterm_frees_the_slot_at_once_where_orphans_are_not_reaped(
@@ -179,13 +167,8 @@ def test_what_the_child_leaves_behind_is_adopted_by_conch(
 
 
 def zombies_of(pid: int) -> int:
-    count = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-                count += fields[0] == "Z" and int(fields[1]) == pid
-    return count
+    fields = [stat_fields(int(entry)) for entry in os.listdir("/proc") if entry.isdigit()]
+    return sum(f is not None and f[0] == "Z" and int(f[1]) == pid for f in fields)
 
 
 def test_orphans_that_die_while_the_child_runs_are_reaped_at_once(

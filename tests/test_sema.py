@@ -16,7 +16,7 @@ import pytest
 
 from conch.etcd import Client, lease
 from conch.semaphore import _Standing
-from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
+from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -287,7 +287,7 @@ def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(
     lease.revoke(client, sema_keys(client, name)[0].lease)
     assert proc.wait() == 70
     for pid in (child, grandchild):
-        poll(lambda: not _alive(pid), timeout=10, what=f"pid {pid} gone")  # noqa: B023
+        poll(lambda: not alive(pid), timeout=10, what=f"pid {pid} gone")  # noqa: B023
     events = proc.events()
     assert "lost" in events and "term-sent" in events
 
@@ -508,19 +508,6 @@ def test_holder_json_is_stored_at_the_key(
     assert stored.key.endswith(f"/{stored.lease:x}".encode())
     gate.release("h")
     assert proc.wait() == 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(

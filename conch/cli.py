@@ -10,6 +10,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 from conch import __version__, log
@@ -217,10 +218,39 @@ def _tls(args: argparse.Namespace) -> TLS | None:
             files[attr] = _read_file(source, path)
     if ("cert" in files) != ("key" in files):
         raise UsageError("--cert and --key go together")
+    if files:
+        _check_pem(files)
     skip = args.insecure_skip_tls_verify or _env_flag("CONCH_INSECURE_SKIP_TLS_VERIFY")
     if not files and not skip:
         return None
     return TLS(files.get("cacert"), files.get("cert"), files.get("key"), skip_verify=skip)
+
+
+def _check_pem(files: dict[str, bytes]) -> None:
+    """Usage error unless the CA bundle holds certificates and the client certificate and key
+    load as a pair (gRPC would only say so in its own log lines, then fail the dial)."""
+    import ssl
+    import tempfile
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if "cacert" in files:
+        try:
+            context.load_verify_locations(cadata=files["cacert"].decode("ascii", "replace"))
+        except (ssl.SSLError, ValueError):
+            raise UsageError("bad --cacert: no PEM certificate in it") from None
+    if "cert" in files:
+        with tempfile.TemporaryDirectory(prefix="conch-") as scratch:
+            cert, key = os.path.join(scratch, "cert"), os.path.join(scratch, "key")
+            for path, data in ((cert, files["cert"]), (key, files["key"])):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                    f.write(data)
+            try:
+                # An encrypted key fails here (empty password) instead of prompting.
+                context.load_cert_chain(cert, key, password="")
+            except (ssl.SSLError, ValueError):
+                raise UsageError(
+                    "bad --cert/--key: not a PEM certificate and its unencrypted private key"
+                ) from None
 
 
 def _env_flag(name: str) -> bool:
@@ -228,22 +258,32 @@ def _env_flag(name: str) -> bool:
 
 
 def _credentials(args: argparse.Namespace) -> Credentials | None:
+    """The user and password: a flag beats an env var (NAME:PASSWORD in --user, then
+    --password, then --password-file; then the same from CONCH_USER, CONCH_PASSWORD and
+    CONCH_PASSWORD_FILE)."""
     user, _ = _setting("--user", args.user, "CONCH_USER", "")
     if not user:
+        if args.password is not None or args.password_file is not None:
+            raise UsageError("--password and --password-file need --user")
         return None
-    name, colon, password = user.partition(":")
-    if not colon:
-        password, _ = _setting("--password", args.password, "CONCH_PASSWORD", "")
-    if not password:
-        path, source = _setting("--password-file", args.password_file, "CONCH_PASSWORD_FILE", "")
-        if path:
-            password = _read_file(source, path).decode("utf-8", "replace").rstrip("\r\n")
+    name, _, inline = user.partition(":")
+    from_flag = args.user is not None
+    password = (inline if from_flag else "") or args.password or ""
+    if not password and args.password_file is not None:
+        password = _password_file("--password-file", args.password_file)
+    password = password or (inline if not from_flag else "") or os.environ.get("CONCH_PASSWORD", "")
+    if not password and os.environ.get("CONCH_PASSWORD_FILE"):
+        password = _password_file("CONCH_PASSWORD_FILE", os.environ["CONCH_PASSWORD_FILE"])
     if not name or not password:
         raise UsageError(
             "--user needs a name and a password (NAME:PASSWORD, --password, "
             "CONCH_PASSWORD or --password-file)"
         )
     return Credentials(name, password)
+
+
+def _password_file(source: str, path: str) -> str:
+    return _read_file(source, path).decode("utf-8", "replace").rstrip("\r\n")
 
 
 def _connect(args: argparse.Namespace) -> Client:
@@ -283,7 +323,16 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
     return 0 if held else 1
 
 
-def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str], exiting: bool) -> int:
+@dataclass(frozen=True)
+class _RunSettings:
+    ttl: int  # seconds
+    kill_after: float  # seconds
+    wait: float | None  # seconds; None: forever
+
+
+def _run_settings(args: argparse.Namespace) -> _RunSettings:
+    """--ttl, --kill-after and --wait (or their env vars), checked whatever the mode: a bad
+    value is a usage error even where it would not be used (--who)."""
     ttl_text, ttl_source = _setting("--ttl", args.ttl, "CONCH_TTL", "10s")
     ttl = parse_ttl("--ttl" if ttl_source == "default" else ttl_source, ttl_text)
     ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
@@ -291,6 +340,52 @@ def _run(args: argparse.Namespace, max_holders: int, cmd: Sequence[str], exiting
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
+    return _RunSettings(ttl, kill_after, wait)
+
+
+def _parse(words: list[str]) -> argparse.Namespace:
+    """The arguments before ``--``. A NAME that starts with a single ``-`` (``-x``) is taken
+    as the NAME when it comes right after ``sema``, is not one of our options (``-n``,
+    ``-q``: there a forgotten NAME stays an error), and the words do not parse otherwise."""
+    parser = build_parser()
+    try:
+        return parser.parse_args(words)
+    except UsageError as error:
+        first = words[1] if len(words) > 1 and words[0] == "sema" else ""
+        if not first.startswith("-") or first.startswith("--") or _options(parser, first):
+            raise
+        try:
+            return parser.parse_args([words[0], *words[2:], "--", first])
+        except UsageError:
+            raise error from None
+
+
+def _options(parser: argparse.ArgumentParser, word: str) -> bool:
+    """Whether ``word`` parses as options of ``sema`` (``-n``, ``-qn``)."""
+    try:
+        parser.parse_args(["sema", word, "name"])
+    except UsageError:
+        return False
+    return True
+
+
+_NOT_WITH_WHO = (
+    ("--ttl", "ttl", None),
+    ("--wait", "wait", None),
+    ("--nonblock", "nonblock", False),
+    ("--spread", "spread", False),
+    ("--kill-after", "kill_after", None),
+)
+
+
+def _run(
+    args: argparse.Namespace,
+    max_holders: int,
+    cmd: Sequence[str],
+    settings: _RunSettings,
+    exiting: bool,
+) -> int:
+    ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
     identity = Identity.current(cmd)
     if exiting:
         adopt_orphans()  # the process is ours: reap whatever the child leaves behind
@@ -361,15 +456,19 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         split = words.index("--")
         words, cmd = words[:split], words[split + 1 :]
     try:
-        args = build_parser().parse_args(words)
+        args = _parse(words)
         if args.command != "sema":
             raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
         log.set_quiet(args.quiet)
         max_holders = _parse_max(args.max_holders)
         check_name(args.name)
+        settings = _run_settings(args)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")
+            for flag, attr, unset in _NOT_WITH_WHO:
+                if getattr(args, attr) != unset:
+                    raise UsageError(f"--who takes no {flag}")
             return _who(args, max_holders)
         if args.json:
             raise UsageError("--json goes with --who")
@@ -377,7 +476,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
             raise UsageError("missing --max N")
         if not cmd:
             raise UsageError("missing command: conch sema NAME --max N -- CMD...")
-        return _run(args, max_holders, cmd, exiting)
+        return _run(args, max_holders, cmd, settings, exiting)
     except UsageError as exc:
         print(f"conch: {exc}", file=sys.stderr)
         return exc.exit_code

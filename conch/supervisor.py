@@ -237,8 +237,7 @@ def run_child(
     try:
         item = box.get()
         if isinstance(item, _ChildExit):
-            code = exit_status(item.returncode)
-            log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+            code = _log_child_exit(pid, item.returncode, started)
             if _group_alive(pid):
                 log.warning("stragglers", pgid=pid)
                 watchdog.stand_by()
@@ -260,16 +259,28 @@ def run_child(
         watchdog.stand_by()
         if item is hold.lost:
             log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
-            _stop_group(pid, box, True, kill_after)
+            _log_child_exit(pid, _stop_group(pid, box, True, kill_after), started)
             return EX_SOFTWARE
         log.info("signal", signum=stop.reason, pid=pid)
         exited = _stop_group(pid, box, True, kill_after)
-        return exit_status(exited if exited is not None else -signal.SIGKILL)
+        return _log_child_exit(pid, exited, started)
     finally:
         stop_heartbeats()
         watchdog.dismiss()
         hold.lost.unsubscribe(box)
         stop.unsubscribe(box)
+
+
+def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
+    """Log ``child-exit`` (the child's status as a shell reports it, and how long it ran);
+    return that status. ``None``: not reaped even after SIGKILL (stuck in the kernel),
+    reported as killed by SIGKILL."""
+    if returncode is None:
+        log.warning("child-unreaped", pid=pid, after=f"{REAP_AFTER_KILL:g}s")
+        returncode = -signal.SIGKILL
+    code = exit_status(returncode)
+    log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+    return code
 
 
 def adopt_orphans() -> bool:

@@ -162,6 +162,27 @@ def test_wrong_ca_is_a_clear_error_and_exit_69(
     assert "Traceback" not in err and "cannot reach etcd" in err
 
 
+def test_unusable_certificate_files_are_usage_errors_at_once(
+    tls_etcd: EtcdCluster, pki: Path, tmp_path: Path
+) -> None:
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    runner = Runner(tls_etcd, tmp_path)
+    for flags in (
+        ["--cacert", str(junk)],
+        ["--cacert", str(pki / "ca.pem"), "--cert", str(junk), "--key", str(junk)],
+        ["--cacert", str(pki / "ca.pem"), "--cert", str(pki / "client.pem"), "--key", str(junk)],
+    ):
+        began = time.monotonic()
+        code, _, err = runner.run(
+            "sema", "tls", "--max", "1", "--endpoints", tls_etcd.endpoints, *flags, "--", "true"
+        )
+        assert code == 64, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("conch: bad --"), err  # no gRPC noise
+        assert time.monotonic() - began < 4.0  # not a dial that times out (default 5 s)
+
+
 def test_mutual_tls_needs_the_client_certificate(
     mtls_etcd: EtcdCluster, pki: Path, tmp_path: Path
 ) -> None:
@@ -318,6 +339,37 @@ def test_wrong_password_exits_64_without_echoing_it(auth_etcd: EtcdCluster, tmp_
     )
     assert code == 64
     assert "authentication failed" in err and "Wr0ng-guess" not in err
+
+
+def test_a_password_flag_beats_the_password_env_var(auth_etcd: EtcdCluster, tmp_path: Path) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text(PASSWORD + "\n")
+    runner = Runner(auth_etcd, tmp_path)
+    for flags in (["--password-file", str(secret)], ["--password", PASSWORD]):
+        code, out, err = runner.run(
+            "sema",
+            "x",
+            "--max",
+            "1",
+            "--user",
+            "alice",
+            *flags,
+            "--",
+            "echo",
+            "ran",
+            CONCH_PASSWORD="Wr0ng-guess",
+        )
+        assert (code, out) == (0, "ran\n"), err
+
+
+def test_a_user_given_to_a_cluster_without_auth_is_a_usage_error(
+    etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    code, _, err = Runner(etcd, tmp_path).run(
+        "sema", "x", "--max", "1", "--user", "bob:pw", "--", "true"
+    )
+    assert code == 64, err
+    assert "authentication is not enabled" in err and "cannot reach" not in err
 
 
 def test_permission_denied_is_a_clear_error_and_exit_69(

@@ -290,6 +290,9 @@ def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(
         poll(lambda: not alive(pid), timeout=10, what=f"pid {pid} gone")  # noqa: B023
     events = proc.events()
     assert "lost" in events and "term-sent" in events
+    # the child's end is logged here too (contract section 9), before the release
+    assert events.index("term-sent") < events.index("child-exit") < events.index("released")
+    assert f"pid={child} code={128 + signal.SIGTERM} " in proc.log()
 
 
 def test_deleting_our_key_from_outside_counts_as_loss(
@@ -318,6 +321,9 @@ def test_sigterm_to_conch_terminates_child_releases_and_exits_with_its_status(
     assert proc.wait() == 42
     assert marker.read_text().strip() == "got-term"
     assert sema_keys(client, name) == []
+    events = proc.events()
+    assert events.index("term-sent") < events.index("child-exit") < events.index("released")
+    assert " code=42 " in proc.log()
 
 
 def test_sigterm_while_queued_withdraws_and_exits_128_plus_signal(
@@ -462,6 +468,12 @@ def test_who_against_an_unreachable_etcd_exits_69(conch: Runner, name: str) -> N
         ["sema", "n", "--max", "1", "--wait", "1s", "--nonblock", "--", "true"],
         ["sema", "n", "--max", "1", "--bogus", "--", "true"],
         ["sema", "n", "--who", "--", "true"],
+        ["sema", "n", "--who", "--ttl", "5s"],
+        ["sema", "n", "--who", "--ttl", "soon"],
+        ["sema", "n", "--who", "--nonblock"],
+        ["sema", "n", "--who", "--kill-after", "1s"],
+        ["sema", "n", "--max", "1", "--password", "pw", "--", "true"],
+        ["sema", "--who", "--max", "1"],
         ["frobnicate"],
         [],
     ],
@@ -480,6 +492,28 @@ def test_bad_env_duration_names_the_variable(conch: Runner, name: str) -> None:
     code, _, err = conch.run("sema", name, "--max", "1", "--", "true", CONCH_TTL="soon")
     assert code == 64
     assert "CONCH_TTL" in err
+    code, _, err = conch.run("sema", name, "--who", CONCH_KILL_AFTER="5x")
+    assert code == 64
+    assert "CONCH_KILL_AFTER" in err
+
+
+@pytest.mark.parametrize("odd", ["-x", "-1", "-xq"])
+def test_a_name_that_starts_with_a_dash_right_after_sema(
+    conch: Runner, client: Client, odd: str
+) -> None:
+    show = ["sh", "-c", 'printf "%s\\n" "$CONCH_NAME"']
+    code, out, err = conch.run("sema", odd, "--max", "1", "--", *show)
+    assert (code, out) == (0, f"{odd}\n"), err
+    assert sema_keys(client, odd) == []
+    # options after it are still options
+    code, out, err = conch.run("sema", odd, "-q", "--max", "1", "--", *show)
+    assert (code, out, err) == (0, f"{odd}\n", "")
+
+
+def test_a_forgotten_name_before_a_short_option_stays_an_error(conch: Runner) -> None:
+    for option in ("-n", "-q", "-nq"):
+        code, _, err = conch.run("sema", option, "--max", "1", "--", "true")
+        assert code == 64 and "NAME" in err, err
 
 
 def test_flag_beats_env(conch: Runner, name: str) -> None:

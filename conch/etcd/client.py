@@ -201,6 +201,8 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
         return TokenInvalid(message, code.name)  # permissions changed: authenticate again
     if "authentication failed" in details:
         return AuthenticationFailed(message, code.name)
+    if "authentication is not enabled" in details:  # a user given to an open cluster
+        return AuthenticationFailed(f"{message}: give no user", code.name)
     if code == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
         return PermissionDenied(message, code.name)
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
@@ -276,9 +278,11 @@ class Client:
         except EtcdError as exc:
             client.close()
             eps = ",".join(str(e) for e in endpoints)
-            raise Unavailable(
-                f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
-            ) from None
+            if isinstance(exc, Unavailable):
+                raise Unavailable(
+                    f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
+                ) from None
+            raise Unavailable(f"etcd at {eps} answered with an error: {exc}") from None
         return client
 
     def __enter__(self) -> Client:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from conch import log
+
 Mailbox = queue.SimpleQueue[Any]
 
 
@@ -26,22 +28,27 @@ class Flag:
         self.reason: object = None
         self._set = False
         self._boxes: list[Mailbox] = []
-        self._callbacks: list[Callable[[Flag], None]] = []
-        self._lock = threading.Lock()  # guards _callbacks only; never taken in set()'s hot path
+        # Callbacks not yet run, by a key of their own: whichever thread pops one runs it, so
+        # each runs once even when add_callback() races set() (dict.pop is atomic; no lock,
+        # which set() could not take from a signal handler).
+        self._callbacks: dict[object, Callable[[Flag], None]] = {}
+        self._first = threading.Lock()  # taken, never released, by the one set() that wins
 
     def is_set(self) -> bool:
         return self._set
 
     def set(self, reason: object = None) -> None:
         """Set the flag (first call wins). Safe from signal handlers and any thread."""
-        if self._set:
+        # Not blocking: a signal handler that interrupted a set() in the same thread must
+        # not wait for it (that set() wins).
+        if self._set or not self._first.acquire(blocking=False):
             return
         self.reason = reason
         self._set = True
         for box in tuple(self._boxes):
             box.put(self)
-        for callback in tuple(self._callbacks):
-            callback(self)
+        for key in tuple(self._callbacks):
+            self._run(key)
 
     def subscribe(self, box: Mailbox) -> None:
         """Put ``self`` into ``box`` when set (at once if already set)."""
@@ -54,11 +61,21 @@ class Flag:
             self._boxes.remove(box)
 
     def add_callback(self, callback: Callable[[Flag], None]) -> None:
-        """Call ``callback(flag)`` when set, from the setting thread (at once if already set)."""
-        with self._lock:
-            self._callbacks.append(callback)
+        """Call ``callback(flag)`` once when set, from the setting thread (at once if already
+        set). A callback that raises is logged; the others still run."""
+        key = object()
+        self._callbacks[key] = callback
         if self._set:
+            self._run(key)
+
+    def _run(self, key: object) -> None:
+        callback = self._callbacks.pop(key, None)
+        if callback is None:
+            return  # another thread ran it
+        try:
             callback(self)
+        except Exception as exc:  # one embedder's bug must not silence the others
+            log.error("callback-failed", flag=self.name, error=repr(exc))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until set or ``timeout`` seconds pass; return whether it is set."""

@@ -162,6 +162,13 @@ class Hold:
         self._touch_value = sema.identity.to_json() if touch else None
         self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
+        # Straight from the keepalive thread: the guard may be inside a call to etcd for
+        # seconds (a touch or a Range while etcd hangs) when the session is lost.
+        session.lost.add_callback(self._session_lost)
+
+    def _session_lost(self, session_lost: Flag) -> None:
+        if not self._releasing:
+            self.lost.set(f"session lost: {session_lost.reason}")
 
     def _start_guard(self) -> None:
         """Start the thread that touches and watches our key. ``Semaphore.acquire`` does it
@@ -184,6 +191,8 @@ class Hold:
         self._released.subscribe(box)
         try:
             if self._touch_value is not None and not self._touch(box):
+                return
+            if self.lost.is_set():
                 return
             with contextlib.suppress(queue.Empty):
                 pending = box.get(timeout=GUARD_WATCH_DELAY)

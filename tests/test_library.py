@@ -206,3 +206,42 @@ def test_an_adopting_embedder_gets_every_childs_status_run_after_run(
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "3", "5", "7", "9"]
     assert sema_keys(client, name) == []
+
+
+def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard thread can sit in a call to etcd for seconds (its touch, a Range) while
+    etcd hangs; the session's loss must reach ``hold.lost`` at once all the same. Here the
+    guard's touch is held back in the client, and the lease revoked from outside."""
+    in_touch, let_go = threading.Event(), threading.Event()
+    real_txn = kv.txn
+
+    def txn(*args: object, **kwargs: object) -> object:
+        if threading.current_thread().name == "conch-hold":
+            in_touch.set()
+            let_go.wait(DEADLINE)
+        return real_txn(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv, "txn", txn)
+    first = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
+    second = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
+    holds: list[conch.Hold] = []
+    waiter = threading.Thread(
+        target=lambda: holds.append(conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=30))
+    )
+    waiter.start()
+    try:
+        poll(lambda: len(sema_keys(client, name, 2)) == 3, what="third queued")
+        first.release()
+        waiter.join(DEADLINE)
+        (third,) = holds  # promoted, not first from creation: its guard touches its key
+        assert in_touch.wait(DEADLINE)
+        lease.revoke(client, third.lease_id)
+        assert third.session.lost.wait(DEADLINE)
+        assert third.lost.wait(1.0), "hold.lost waited for the guard"
+        assert str(third.lost.reason).startswith("session lost")
+    finally:
+        let_go.set()
+        for hold in (second, *holds):
+            hold.release()

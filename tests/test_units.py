@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -11,6 +14,7 @@ from conch.cli import parse_duration, parse_ttl
 from conch.errors import UsageError
 from conch.etcd import Endpoint
 from conch.etcd.kv import prefix_end
+from conch.flag import Flag
 from conch.semaphore import Identity, cut_utf8
 
 
@@ -97,3 +101,47 @@ def test_endpoints_parse_with_and_without_scheme() -> None:
 def test_prefix_end_covers_exactly_the_prefix() -> None:
     assert prefix_end(b"/a/") == b"/a0"
     assert prefix_end(b"a\xff") == b"b"
+
+
+def test_a_flag_callback_that_raises_does_not_stop_the_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flag = Flag("f")
+    got: list[str] = []
+    flag.add_callback(lambda f: got.append("first"))
+    flag.add_callback(lambda f: [][0])
+    flag.add_callback(lambda f: got.append(str(f.reason)))
+    flag.set("why")
+    assert got == ["first", "why"]
+    assert "event=callback-failed" in capsys.readouterr().err
+
+
+def test_a_flag_is_set_once_and_each_callback_runs_once_however_calls_race() -> None:
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # make the races likely
+
+    def race(*actions: Callable[[], object]) -> None:
+        barrier = threading.Barrier(len(actions))
+        threads = [threading.Thread(target=lambda a=a: (barrier.wait(), a())) for a in actions]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def set_against_add_callback() -> None:
+        flag, calls = Flag("f"), list[Flag]()
+        race(lambda: flag.set("r"), lambda: flag.add_callback(calls.append))
+        assert len(calls) == 1
+
+    def set_against_set() -> None:
+        flag, calls = Flag("f"), list[object]()
+        flag.add_callback(lambda f: calls.append(f.reason))
+        race(lambda: flag.set("a"), lambda: flag.set("b"))
+        assert len(calls) == 1 and calls[0] == flag.reason
+
+    try:
+        for _ in range(4000):
+            set_against_add_callback()
+            set_against_set()
+    finally:
+        sys.setswitchinterval(switch)

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -65,12 +65,19 @@ WITHDRAW_TIMEOUT = 1.0
 # noticed later; a lost session is noticed at once.
 GUARD_WATCH_DELAY = 0.05
 STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
+# Seconds an etcd call inside acquire() is given at least, however little of its timeout is
+# left: --nonblock and a nearly spent --wait still get one real try.
+ACQUIRE_CALL_FLOOR = 1.0
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
 def default_host() -> str:
     """The node name: ``CONCH_HOST`` if set, else the hostname."""
     return os.environ.get("CONCH_HOST") or socket.gethostname()
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def cut_utf8(text: str, limit: int) -> str:
@@ -84,14 +91,18 @@ class Identity:
 
     host: str
     pid: int
-    started: str  # UTC RFC 3339
+    started: str  # UTC RFC 3339; a key says when it was written (``entering``)
     cmd: str
 
     @classmethod
     def current(cls, argv: Sequence[str] = (), host: str | None = None) -> Identity:
-        started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         cmd = cut_utf8(" ".join(argv), CMD_MAX_BYTES)
-        return cls(host or default_host(), os.getpid(), started, cmd)
+        return cls(host or default_host(), os.getpid(), _utc_now(), cmd)
+
+    def entering(self) -> Identity:
+        """This identity, ``started`` now: what a key written now says (a Semaphore of a
+        long-lived service is made long before it queues)."""
+        return replace(self, started=_utc_now())
 
     def to_json(self) -> bytes:
         record = {"host": self.host, "pid": self.pid, "started": self.started, "cmd": self.cmd}
@@ -123,10 +134,11 @@ class _Standing:
 
 
 MAX_CAPACITY = 1_000_000
+MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 
 
 def check_max(max_holders: int) -> None:
-    if not isinstance(max_holders, int) or not 1 <= max_holders <= MAX_CAPACITY:
+    if type(max_holders) is not int or not 1 <= max_holders <= MAX_CAPACITY:
         raise UsageError(f"bad --max {max_holders!r}: want a whole number, 1 to {MAX_CAPACITY}")
 
 
@@ -142,6 +154,7 @@ class Hold:
         session: Session,
         key: bytes,
         revision: int,
+        value: bytes,
         touch: bool = False,
         retire: Sequence[Watch] = (),
     ) -> None:
@@ -159,7 +172,7 @@ class Hold:
         self._revoked = False  # whether the release's LeaseRevoke was confirmed
         self._revoked_after_loss = False
         self._logged = False
-        self._touch_value = sema.identity.to_json() if touch else None
+        self._touch_value = value if touch else None  # what our key says, written again
         self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
         # Straight from the keepalive thread: the guard may be inside a call to etcd for
@@ -332,14 +345,17 @@ class Semaphore:
     def __post_init__(self) -> None:
         keys.check_name(self.name)
         check_max(self.max)
-        if not isinstance(self.ttl, int) or self.ttl < 1:
-            raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds >= 1")
+        if type(self.ttl) is not int or not 1 <= self.ttl <= MAX_LEASE_TTL:
+            raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
         self.prefix = keys.sema_prefix(self.name, self.max)
 
     def acquire(self, timeout: float | None = None, interrupt: Flag | None = None) -> Hold:
         """Wait for a slot and return the Hold.
 
         ``timeout`` in seconds: None waits as long as it takes, 0 tries once (``--nonblock``).
+        Each etcd call inside gets what is left of it, but at least ACQUIRE_CALL_FLOOR
+        (1 s); with etcd slow or away it runs over by at most that plus WITHDRAW_TIMEOUT
+        (1 s, the revoke that withdraws our key).
         ``interrupt``, when set (e.g. by a signal handler), withdraws and raises Interrupted.
         Raises NoSlot when time runs out, Unavailable when no session can be established.
         Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
@@ -360,7 +376,7 @@ class Semaphore:
             if interrupt.is_set():
                 raise Interrupted(interrupt.reason)
             try:
-                session = Session(self.client, self.ttl)
+                session = Session(self.client, self.ttl, self._call_timeout(deadline))
             except Unavailable as exc:
                 if not entered:
                     raise  # no session at all: etcd unreachable (exit 69)
@@ -402,11 +418,14 @@ class Semaphore:
         woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
         try:
             key = self._key(session)
-            revision, held_at_creation = self._enqueue(session, key, box, deadline, interrupt)
+            value = self.identity.entering().to_json()
+            revision, held_at_creation = self._enqueue(
+                session, key, value, box, deadline, interrupt
+            )
             standing = _Standing(revision, True) if held_at_creation else None
-            standing = standing or self._standing(key, revision)
+            standing = standing or self._standing(key, revision, deadline)
             if not standing.held:
-                ahead = self._count_ahead(revision)
+                ahead = self._count_ahead(revision, deadline)
                 log.info(
                     "queued",
                     name=self.name,
@@ -425,7 +444,7 @@ class Semaphore:
                     # there (events come in revision order): we hold at that revision.
                     standing = _Standing(woke.revision, True)
                 else:
-                    standing = self._standing(key, revision)
+                    standing = self._standing(key, revision, deadline)
             log.info(
                 "acquired",
                 name=self.name,
@@ -439,7 +458,7 @@ class Semaphore:
             # saw us wait), nor when max is 1: then the one slot is ours, the waiter behind
             # is first in line already and needs only our deletion.
             touch = not held_at_creation and self.max > 1
-            hold = Hold(self, session, key, revision, touch=touch, retire=woke_by)
+            hold = Hold(self, session, key, revision, value, touch=touch, retire=woke_by)
             woke_by = []
             return hold
         finally:
@@ -448,19 +467,25 @@ class Semaphore:
             interrupt.unsubscribe(box)
 
     def _enqueue(
-        self, session: Session, key: bytes, box: Mailbox, deadline: float | None, interrupt: Flag
+        self,
+        session: Session,
+        key: bytes,
+        value: bytes,
+        box: Mailbox,
+        deadline: float | None,
+        interrupt: Flag,
     ) -> tuple[int, bool]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
         ``max`` keys in the same KV.Txn. Returns our key's create_revision and whether we
         hold a slot at that very revision. With --spread, a key of our host held by another
         process means no slot: wait for it to go (or raise NoSlot), then try again."""
-        value = self.identity.to_json()
         while True:
             response = kv.txn(
                 self.client,
                 [kv.create_revision_is(key, 0)],
                 [kv.op_put(key, value, session.lease_id), kv.op_range(self._heads_request())],
                 [kv.op_get(key)],
+                self._call_timeout(deadline),
             )
             if response.succeeded:
                 heads = response.responses[1].response_range.kvs
@@ -477,14 +502,23 @@ class Semaphore:
             standing = _Standing(int(response.header.revision), False, [found[0]])
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
-    def _standing(self, key: bytes, revision: int) -> _Standing:
+    def _call_timeout(self, deadline: float | None) -> float | None:
+        """Seconds for one etcd call inside acquire(): the client's request timeout, cut to
+        the time left of the caller's, but at least ACQUIRE_CALL_FLOOR. None: no deadline
+        (the client's own)."""
+        left = remaining(deadline)
+        if left is None:
+            return None
+        return min(self.client.request_timeout, max(ACQUIRE_CALL_FLOOR, left))
+
+    def _standing(self, key: bytes, revision: int, deadline: float | None) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
         to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision; read
         again if compaction overtakes the second (a few times; then re-enter, which backs
         off)."""
         for _ in range(STANDING_READS):
             try:
-                return self._read_standing(key, revision)
+                return self._read_standing(key, revision, self._call_timeout(deadline))
             except Compacted:
                 continue
         raise SessionLost("queue reads kept being overtaken by compaction")
@@ -499,8 +533,8 @@ class Semaphore:
             sort_order=kv.ASCEND,
         )
 
-    def _read_standing(self, key: bytes, revision: int) -> _Standing:
-        heads = kv.range_(self.client, self._heads_request())
+    def _read_standing(self, key: bytes, revision: int, timeout: float | None) -> _Standing:
+        heads = kv.range_(self.client, self._heads_request(), timeout)
         at = int(heads.header.revision)
         if any(h.key == key and h.create_revision == revision for h in heads.kvs):
             return _Standing(at, True)
@@ -508,6 +542,7 @@ class Semaphore:
         mine_and_prev = kv.range_prefix(
             self.client,
             self.prefix,
+            timeout,
             revision=at,
             limit=2,
             keys_only=True,
@@ -525,11 +560,15 @@ class Semaphore:
             return _Standing(at, False, [*heads.kvs, mine_and_prev[0]], first=True)
         return _Standing(at, False, [predecessor], False)
 
-    def _count_ahead(self, revision: int) -> int:
+    def _count_ahead(self, revision: int, deadline: float | None) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
         ignores the create_revision filter, so this reads the keys ahead once)."""
         response = kv.range_prefix(
-            self.client, self.prefix, keys_only=True, max_create_revision=revision - 1
+            self.client,
+            self.prefix,
+            self._call_timeout(deadline),
+            keys_only=True,
+            max_create_revision=revision - 1,
         )
         return len(response.kvs)
 
@@ -585,7 +624,7 @@ class Semaphore:
                         log.info("rewatch", name=self.name, reason=str(item.error))
                         return None
                     if item.created:
-                        if self._changed_since(standing, item.revision):
+                        if self._changed_since(standing, item.revision, deadline):
                             return None
                         continue
                     if any(event.kv.key in relevant for event in item.events):
@@ -595,12 +634,13 @@ class Semaphore:
             if watch is not None and not woke:
                 watch.cancel()
 
-    def _changed_since(self, standing: _Standing, confirmed: int) -> bool:
+    def _changed_since(self, standing: _Standing, confirmed: int, deadline: float | None) -> bool:
         """Whether a watched key changed between our read and the watch's start (one KV.Txn
         of a Range per key; skipped when nothing at all happened in between)."""
         if confirmed <= standing.revision:
             return False
-        response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
+        ops = [kv.op_get(w.key) for w in standing.watched]
+        response = kv.txn(self.client, [], ops, [], self._call_timeout(deadline))
         return standing.changed([r.response_range for r in response.responses])
 
 
@@ -679,12 +719,19 @@ def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
         return "?", None, "", "", "malformed-value"
     pid = data.get("pid")
     return (
-        str(data.get("host", "?")),
-        pid if isinstance(pid, int) else None,
-        str(data.get("started", "")),
-        str(data.get("cmd", "")),
+        _as_text(data.get("host"), "?"),
+        pid if type(pid) is int else None,
+        _as_text(data.get("started"), ""),
+        _as_text(data.get("cmd"), ""),
         "",
     )
+
+
+def _as_text(value: object, missing: str) -> str:
+    """A field of a key's JSON value as text: a string as it is, anything else as JSON."""
+    if value is None:
+        return missing
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
@@ -695,7 +742,10 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
         parsed = keys.parse_under_name(name, item.key)
-        groups.setdefault(parsed.max if parsed else None, []).append(item)
+        capacity = parsed.max if parsed else None
+        if capacity is not None and not 1 <= capacity <= MAX_CAPACITY:
+            capacity = None  # no conch writes it: a bad key
+        groups.setdefault(capacity, []).append(item)
 
     def order(capacity: int | None) -> tuple[int, int]:
         if capacity == max_holders and capacity is not None:

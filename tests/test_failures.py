@@ -7,6 +7,7 @@ import contextlib
 import os
 import queue
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
 from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, stat_fields, who_json
-from tests.etcd_server import EtcdCluster
+from tests.etcd_server import EtcdCluster, etcdctl_binary
 
 
 def wait_gone(pid: int, timeout: float) -> None:
@@ -497,6 +498,70 @@ def test_whole_etcd_outage_fails_closed_within_the_ttl(
         single.stop()
 
 
+@pytest.mark.parametrize("timeout", [0.0, 1.0])
+def test_acquire_keeps_to_its_timeout_when_etcd_hangs(
+    tmp_path: Path, name: str, timeout: float
+) -> None:
+    """Each call inside acquire() gets what is left of the caller's timeout (at least
+    ACQUIRE_CALL_FLOOR), not the client's request timeout (10 s here)."""
+    from conch.errors import NoSlot, Unavailable
+    from conch.semaphore import ACQUIRE_CALL_FLOOR
+
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    try:
+        with Client.connect(solo.client().endpoints, dial_timeout=5, request_timeout=10) as client:
+            solo.members[0].pause()
+            began = time.monotonic()
+            with pytest.raises((NoSlot, Unavailable)):
+                Semaphore(client, name, 1, ttl=5).acquire(timeout=timeout)
+            took = time.monotonic() - began
+            assert took < max(timeout, ACQUIRE_CALL_FLOOR) + 3.0, took  # was 10 s and more
+    finally:
+        solo.members[0].resume()
+        solo.stop()
+
+
+def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: Path) -> None:
+    """gRPC's reconnect backoff would have grown to ~10 s over a 20 s outage (the client came
+    back 4-7 s after etcd did; 10-15 s after a 30 s outage)."""
+    from conch.errors import EtcdError
+
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    member = solo.members[0]
+    try:
+        with Client.connect(solo.client().endpoints, dial_timeout=5) as client:
+            kv.put(client, b"/outage", b"before")
+            member.stop()
+            outage_ends = time.monotonic() + 20  # the outage itself, not a wait for an event
+            while time.monotonic() < outage_ends:  # a client in use keeps reconnecting
+                with contextlib.suppress(EtcdError):
+                    kv.get(client, b"/outage", timeout=0.5)
+                time.sleep(0.5)
+            member.start(solo.initial_cluster, "existing")
+            # etcd's own client says when it is back (ours share gRPC's subchannels, and so
+            # their backoff, whatever their channel).
+            health = [etcdctl_binary(), "--endpoints", member.endpoint, "endpoint", "health"]
+            poll(
+                lambda: subprocess.run(health, capture_output=True, timeout=10).returncode == 0,
+                timeout=30,
+                what="etcd back",
+            )
+            back = time.monotonic()
+
+            def answers() -> bool:
+                with contextlib.suppress(EtcdError):
+                    return kv.get(client, b"/outage", timeout=0.5) is not None
+                return False
+
+            poll(answers, timeout=30, what="our client answered")
+            print(f"\n[measure] client back {time.monotonic() - back:.2f}s after etcd")
+            assert time.monotonic() - back < 2.5
+    finally:
+        solo.stop()
+
+
 # -- compaction ----------------------------------------------------------------------------
 
 
@@ -506,8 +571,8 @@ class CompactingSemaphore(Semaphore):
 
     compactions = 0
 
-    def _standing(self, key: bytes, revision: int) -> _Standing:
-        standing = super()._standing(key, revision)
+    def _standing(self, key: bytes, revision: int, deadline: float | None) -> _Standing:
+        standing = super()._standing(key, revision, deadline)
         if not standing.held and self.compactions == 0:
             self.compactions += 1
             for i in range(3):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,58 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
         let_go.set()
         for hold in (second, *holds):
             hold.release()
+
+
+def test_who_shows_odd_values_as_text_and_capacities_out_of_range_as_bad_keys(
+    client: Client, name: str
+) -> None:
+    base = f"/conch/v1/sema/{name}/".encode()
+    kv.put(client, base + b"99999999999999999999999/x", b"{}")
+    kv.put(client, base + b"1/y", b'{"pid": true, "host": {"x": 1}, "started": null}')
+    try:
+        records = conch.who(client, name)
+        (big,) = [r for r in records if r.max is None]
+        assert "bad-key" in big.note and big.state == "WAIT"
+        (odd,) = [r for r in records if r.max == 1]
+        assert (odd.pid, odd.host, odd.started) == (None, '{"x": 1}', "")
+        assert "since=?" in odd.to_text() and "pid=?" in odd.to_text()
+    finally:
+        kv.delete(client, base, kv.prefix_end(base))
+
+
+def test_a_key_says_when_it_was_written_not_when_its_semaphore_was_made(
+    client: Client, name: str
+) -> None:
+    sema = conch.Semaphore(
+        client, name, 1, identity=conch.Identity("h", 1, "2001-01-01T00:00:00Z", "job")
+    )
+    with sema.acquire(timeout=10):
+        (record,) = conch.who(client, name)
+        written = datetime.strptime(record.started, "%Y-%m-%dT%H:%M:%SZ")
+        assert abs(datetime.utcnow() - written) < timedelta(minutes=5)
+        assert (record.host, record.pid, record.cmd) == ("h", 1, "job")
+
+
+def test_calls_racing_the_clients_close_raise_conch_errors_only(etcd: EtcdCluster) -> None:
+    client = Client.connect([conch.Endpoint.parse(e) for e in etcd.endpoints.split(",")])
+    errors: list[BaseException] = []
+    started = threading.Barrier(9)
+
+    def call_until_it_fails() -> None:
+        started.wait()
+        while True:
+            try:
+                kv.get(client, b"/race")
+            except BaseException as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=call_until_it_fails) for _ in range(8)]
+    for t in threads:
+        t.start()
+    started.wait()
+    client.close()
+    for t in threads:
+        t.join(DEADLINE)
+    assert len(errors) == 8
+    assert all(isinstance(e, conch.EtcdError) for e in errors), errors

@@ -145,3 +145,12 @@ def test_a_flag_is_set_once_and_each_callback_runs_once_however_calls_race() -> 
             set_against_set()
     finally:
         sys.setswitchinterval(switch)
+
+
+@pytest.mark.parametrize(("field", "value"), [("max", True), ("ttl", True), ("ttl", 10**12)])
+def test_semaphore_refuses_booleans_and_absurd_ttls(field: str, value: object) -> None:
+    from conch.semaphore import Semaphore
+
+    settings: dict[str, object] = {"max": 1, "ttl": 10, field: value}
+    with pytest.raises(UsageError):
+        Semaphore(None, "n", **settings)  # type: ignore[arg-type]

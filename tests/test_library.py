@@ -279,25 +279,32 @@ def test_a_key_says_when_it_was_written_not_when_its_semaphore_was_made(
 
 
 def test_calls_racing_the_clients_close_raise_conch_errors_only(etcd: EtcdCluster) -> None:
-    client = Client.connect([conch.Endpoint.parse(e) for e in etcd.endpoints.split(",")])
+    endpoints = [conch.Endpoint.parse(e) for e in etcd.endpoints.split(",")]
     errors: list[BaseException] = []
-    started = threading.Barrier(9)
 
-    def call_until_it_fails() -> None:
-        started.wait()
+    def call_until_it_fails(client: Client, answered: threading.Semaphore) -> None:
+        first = True
         while True:
             try:
                 kv.get(client, b"/race")
             except BaseException as exc:
                 errors.append(exc)
                 return
+            if first:
+                answered.release()
+                first = False
 
-    threads = [threading.Thread(target=call_until_it_fails) for _ in range(8)]
-    for t in threads:
-        t.start()
-    started.wait()
-    client.close()
-    for t in threads:
-        t.join(DEADLINE)
-    assert len(errors) == 8
-    assert all(isinstance(e, conch.EtcdError) for e in errors), errors
+    for _ in range(10):
+        client, answered = Client.connect(endpoints), threading.Semaphore(0)
+        threads = [
+            threading.Thread(target=call_until_it_fails, args=(client, answered)) for _ in range(8)
+        ]
+        for t in threads:
+            t.start()
+        for _ in threads:  # every thread is calling: the close lands mid-call somewhere
+            assert answered.acquire(timeout=DEADLINE)
+        client.close()
+        for t in threads:
+            t.join(DEADLINE)
+    assert len(errors) == 80
+    assert all(isinstance(e, conch.EtcdError) for e in errors), {type(e) for e in errors}

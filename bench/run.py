@@ -51,6 +51,8 @@ TOOLS = ("conch", "etcdctl")
 STAMP_START = 'echo "S $EPOCHREALTIME" >> "$1"'
 STAMP_END = 'echo "E $EPOCHREALTIME" >> "$1"'
 WAITER_CHILD = ["bash", "-c", f"{STAMP_START}; {STAMP_END}", "child"]
+# A waiter whose job takes a while (the second handoff measure): $2 seconds of sleep(1).
+JOB_CHILD = ["bash", "-c", f'{STAMP_START}; sleep "$2"; {STAMP_END}', "child"]
 # The first holder blocks on a FIFO until the benchmark releases it.
 HOLDER_CHILD = ["bash", "-c", f'{STAMP_START}; read -r _ < "$2"; {STAMP_END}', "child"]
 
@@ -69,6 +71,8 @@ print(json.dumps([seconds, usage.ru_maxrss, os.waitstatus_to_exitcode(status)]))
 
 HUNG = -1000  # exit code we report for a process that had to be killed
 HANG_AFTER = 20.0  # seconds a wrapper may take to exit once its child is done
+IDLE_WINDOW = 3.0  # seconds over which the CPU use of W queued waiters is measured
+IDLE_FROM_W = 100  # ... in the chains with this many waiters or more
 
 PROCS: list[subprocess.Popen[bytes]] = []  # everything we started, killed on the way out
 
@@ -167,6 +171,20 @@ def tree_mem(pid: int) -> dict[str, int]:
         for key, value in proc_mem(int(child)).items():
             total[key] += value
     return total
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) used so far by a process and its direct
+    children."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    ticks = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def read_stamps(path: Path) -> tuple[list[float], list[float]]:
@@ -529,11 +547,11 @@ class Bench:
 
     # -- 3./5. handoff chain (and the memory of waiting processes) ---------------------------
 
-    def chain(self, tool: str, waiters: int, rep: int) -> dict[str, Any]:
+    def chain(self, tool: str, waiters: int, rep: int, job: float = 0.0) -> dict[str, Any]:
         """One holder and ``waiters`` queued processes of ``tool`` on a lock; release the
         holder, let the queue drain. Handoff = next child's first stamp - previous child's
-        last stamp."""
-        name = f"chain-{tool}-{waiters}-{rep}"
+        last stamp. Each waiter's child exits at once, or after ``job`` seconds."""
+        name = f"chain-{tool}-{waiters}-{rep}-{job * 1000:.0f}"
         log = self.tmp / f"{name}.log"
         fifo = self.tmp / f"{name}.fifo"
         os.mkfifo(fifo)
@@ -545,16 +563,23 @@ class Bench:
                 raise RuntimeError(f"{tool} holder did not start its child")
             time.sleep(0.02)
         t0 = time.monotonic()
-        procs = [spawn(self.argv(tool, name, [*WAITER_CHILD, str(log)])) for _ in range(waiters)]
+        child = [*JOB_CHILD, str(log), f"{job:.3f}"] if job else [*WAITER_CHILD, str(log)]
+        procs = [spawn(self.argv(tool, name, child)) for _ in range(waiters)]
         # etcdctl waiters watch their predecessor, conch's too; conch's holder also watches
         # its own key.
         queued_s = self.wait_queued(prefix, waiters + 1, waiters, 60 + 2 * waiters, procs)
         startup_all = time.monotonic() - t0
         mem = [tree_mem(p.pid) for p in procs]
+        idle_cpu = None
+        if waiters >= IDLE_FROM_W:  # what the queue costs the machine while it only waits
+            t1, cpu = time.monotonic(), sum(tree_cpu(p.pid) for p in procs)
+            time.sleep(IDLE_WINDOW)
+            used = sum(tree_cpu(p.pid) for p in procs) - cpu
+            idle_cpu = 100 * used / (time.monotonic() - t1)
         before = scrape(self.endpoint)
         with open(fifo, "w") as f:  # the holder's child reads it, stamps, exits
             f.write("go\n")
-        deadline = time.monotonic() + 60 + waiters
+        deadline = time.monotonic() + 60 + waiters * (1 + job)
         while log.read_text().count("\n") < 2 * (waiters + 1):
             if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
                 break
@@ -582,19 +607,23 @@ class Bench:
             "queued_wait_s": queued_s,
             "waiter_rss_mib": [m["rss_kb"] / 1024 for m in mem],
             "waiter_pss_mib": [m["pss_kb"] / 1024 for m in mem],
+            "waiters_idle_cpu_pct": idle_cpu,
             "etcd_per_release": delta(before, after, waiters + 1),
         }
 
-    def handoff(self, sizes: list[int], reps: int) -> dict[str, Any]:
+    def handoff(self, sizes: list[int], reps: int, job: float = 0.0) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for w in sizes:
             runs: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
-            for rep in range(reps):
+            # A chain of one waiter measures a single handoff: more runs for a stable median.
+            n = reps * 5 if w == 1 else reps
+            for rep in range(n):
                 for tool in TOOLS if rep % 2 == 0 else TOOLS[::-1]:
                     t0 = time.monotonic()
-                    runs[tool].append(self.chain(tool, w, rep))
+                    runs[tool].append(self.chain(tool, w, rep, job))
                     print(
-                        f"  handoff W={w} {tool} rep {rep + 1}/{reps}: "
+                        f"  handoff W={w}{f' {job * 1000:.0f} ms jobs' if job else ''} "
+                        f"{tool} rep {rep + 1}/{n}: "
                         f"p50 {runs[tool][-1]['handoff_p50_ms']:.1f} ms "
                         f"({time.monotonic() - t0:.1f} s)",
                         flush=True,
@@ -613,6 +642,9 @@ class Bench:
                     "waiter_rss_mib_one": summary([median(r["waiter_rss_mib"]) for r in rs]),
                     "waiter_rss_mib_all": summary([sum(r["waiter_rss_mib"]) for r in rs]),
                     "waiter_pss_mib_all": summary([sum(r["waiter_pss_mib"]) for r in rs]),
+                    "waiters_idle_cpu_pct": None
+                    if w < IDLE_FROM_W
+                    else summary([r["waiters_idle_cpu_pct"] for r in rs]),
                     "etcd_per_release": {
                         k: median([p[k] for p in per]) for k in per[0] if k != "requests_by_method"
                     },
@@ -776,6 +808,11 @@ def table(results: dict[str, Any]) -> str:
         compare(f"handoff W={w}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
         compare(f"handoff W={w}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
         compare(f"handoff W={w}: drain, s", c["drain_s"], e["drain_s"], 2)
+    for w, entry in results.get("handoff_jobs", {}).items():
+        c, e = entry["conch"], entry["etcdctl"]
+        label = f"handoff W={w}, {results['config']['job_ms']:.0f} ms jobs"
+        compare(f"{label}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
+        compare(f"{label}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
     sizes = sorted(results["handoff"], key=int)
     one, many = results["handoff"][sizes[0]], results["handoff"][sizes[-1]]
     compare(
@@ -795,6 +832,13 @@ def table(results: dict[str, Any]) -> str:
         many["etcdctl"]["waiter_pss_mib_all"],
         0,
     )
+    if many["conch"]["waiters_idle_cpu_pct"] is not None:
+        compare(
+            f"CPU of {sizes[-1]} waiters while queued, % of a core",
+            many["conch"]["waiters_idle_cpu_pct"],
+            many["etcdctl"]["waiters_idle_cpu_pct"],
+            2,
+        )
     hung = {t: u["hung_at_exit"][t] for t in TOOLS}
     runs = dict.fromkeys(TOOLS, u["runs_per_tool"])
     for entry in results["handoff"].values():
@@ -890,6 +934,8 @@ def main() -> int:
         "import_reps": 3 if args.quick else 7,
         "handoff_sizes": [1, 10, 100],
         "handoff_reps": 1 if args.quick else 3,
+        "job_ms": 50.0,  # the second handoff measure: each job takes this long
+        "job_waiters": 10,
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,
     }
@@ -929,6 +975,10 @@ def main() -> int:
         results["importtime"] = bench.importtime(cfg["import_reps"])
         print("handoff chains ...", flush=True)
         results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
+        print("handoff chains, jobs that take a while ...", flush=True)
+        results["handoff_jobs"] = bench.handoff(
+            [cfg["job_waiters"]], cfg["handoff_reps"], job=cfg["job_ms"] / 1000
+        )
         print("queue scaling (library waiters) ...", flush=True)
         results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"], args.workers)
         # diagnostic: the same queue when each holder keeps its slot a little while

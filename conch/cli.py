@@ -226,6 +226,9 @@ def _tls(args: argparse.Namespace) -> TLS | None:
     return TLS(files.get("cacert"), files.get("cert"), files.get("key"), skip_verify=skip)
 
 
+_PEM_CERTIFICATE = rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----"
+
+
 def _check_pem(files: dict[str, bytes]) -> None:
     """Usage error unless the CA bundle holds certificates and the client certificate and key
     load as a pair (gRPC would only say so in its own log lines, then fail the dial)."""
@@ -234,9 +237,12 @@ def _check_pem(files: dict[str, bytes]) -> None:
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if "cacert" in files:
+        # Only the PEM blocks: a bundle's comments may be in any encoding (Mozilla's are
+        # UTF-8), and ssl takes PEM text in ASCII only.
+        blocks = re.findall(_PEM_CERTIFICATE, files["cacert"], re.DOTALL)
         try:
-            context.load_verify_locations(cadata=files["cacert"].decode("ascii", "replace"))
-        except (ssl.SSLError, ValueError):
+            context.load_verify_locations(cadata=b"\n".join(blocks).decode("ascii"))
+        except (ssl.SSLError, ValueError):  # UnicodeDecodeError is a ValueError
             raise UsageError("bad --cacert: no PEM certificate in it") from None
     if "cert" in files:
         with tempfile.TemporaryDirectory(prefix="conch-") as scratch:

@@ -65,9 +65,6 @@ WITHDRAW_TIMEOUT = 1.0
 # noticed later; a lost session is noticed at once.
 GUARD_WATCH_DELAY = 0.05
 STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
-# Seconds an etcd call inside acquire() is given at least, however little of its timeout is
-# left: --nonblock and a nearly spent --wait still get one real try.
-ACQUIRE_CALL_FLOOR = 1.0
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
@@ -252,6 +249,8 @@ class Hold:
                 response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
             except EtcdError:
                 continue
+            if self._releasing:
+                return  # the release deleted it
             if not response.kvs or response.kvs[0].create_revision != self.revision:
                 self.lost.set("our key was deleted")
                 return
@@ -353,9 +352,9 @@ class Semaphore:
         """Wait for a slot and return the Hold.
 
         ``timeout`` in seconds: None waits as long as it takes, 0 tries once (``--nonblock``).
-        Each etcd call inside gets what is left of it, but at least ACQUIRE_CALL_FLOOR
-        (1 s); with etcd slow or away it runs over by at most that plus WITHDRAW_TIMEOUT
-        (1 s, the revoke that withdraws our key).
+        Each etcd call inside has the client's request timeout (failover to another member
+        needs it), so with etcd slow or away the wait can run over by up to that, plus
+        WITHDRAW_TIMEOUT (1 s) to withdraw our key.
         ``interrupt``, when set (e.g. by a signal handler), withdraws and raises Interrupted.
         Raises NoSlot when time runs out, Unavailable when no session can be established.
         Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
@@ -376,7 +375,7 @@ class Semaphore:
             if interrupt.is_set():
                 raise Interrupted(interrupt.reason)
             try:
-                session = Session(self.client, self.ttl, self._call_timeout(deadline))
+                session = Session(self.client, self.ttl)
             except Unavailable as exc:
                 if not entered:
                     raise  # no session at all: etcd unreachable (exit 69)
@@ -418,14 +417,13 @@ class Semaphore:
         woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
         try:
             key = self._key(session)
-            value = self.identity.entering().to_json()
-            revision, held_at_creation = self._enqueue(
-                session, key, value, box, deadline, interrupt
+            revision, held_at_creation, value = self._enqueue(
+                session, key, box, deadline, interrupt
             )
             standing = _Standing(revision, True) if held_at_creation else None
-            standing = standing or self._standing(key, revision, deadline)
+            standing = standing or self._standing(key, revision)
             if not standing.held:
-                ahead = self._count_ahead(revision, deadline)
+                ahead = self._count_ahead(revision)
                 log.info(
                     "queued",
                     name=self.name,
@@ -444,7 +442,7 @@ class Semaphore:
                     # there (events come in revision order): we hold at that revision.
                     standing = _Standing(woke.revision, True)
                 else:
-                    standing = self._standing(key, revision, deadline)
+                    standing = self._standing(key, revision)
             log.info(
                 "acquired",
                 name=self.name,
@@ -467,33 +465,28 @@ class Semaphore:
             interrupt.unsubscribe(box)
 
     def _enqueue(
-        self,
-        session: Session,
-        key: bytes,
-        value: bytes,
-        box: Mailbox,
-        deadline: float | None,
-        interrupt: Flag,
-    ) -> tuple[int, bool]:
+        self, session: Session, key: bytes, box: Mailbox, deadline: float | None, interrupt: Flag
+    ) -> tuple[int, bool, bytes]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
-        ``max`` keys in the same KV.Txn. Returns our key's create_revision and whether we
-        hold a slot at that very revision. With --spread, a key of our host held by another
-        process means no slot: wait for it to go (or raise NoSlot), then try again."""
+        ``max`` keys in the same KV.Txn. Returns our key's create_revision, whether we
+        hold a slot at that very revision, and the value written. With --spread, a key of
+        our host held by another process means no slot: wait for it to go (or raise
+        NoSlot), then try again."""
         while True:
+            value = self.identity.entering().to_json()
             response = kv.txn(
                 self.client,
                 [kv.create_revision_is(key, 0)],
                 [kv.op_put(key, value, session.lease_id), kv.op_range(self._heads_request())],
                 [kv.op_get(key)],
-                self._call_timeout(deadline),
             )
             if response.succeeded:
                 heads = response.responses[1].response_range.kvs
-                return int(response.header.revision), any(h.key == key for h in heads)
+                return int(response.header.revision), any(h.key == key for h in heads), value
             found = response.responses[0].response_range.kvs
             if found and found[0].lease == session.lease_id:
                 # An earlier attempt of ours went through; where we stood then is unknown.
-                return int(found[0].create_revision), False
+                return int(found[0].create_revision), False, found[0].value
             if not found:
                 continue  # deleted between compare and read: try again
             log.info(
@@ -502,23 +495,14 @@ class Semaphore:
             standing = _Standing(int(response.header.revision), False, [found[0]])
             self._wait_for_change(standing, box, deadline, interrupt, session)
 
-    def _call_timeout(self, deadline: float | None) -> float | None:
-        """Seconds for one etcd call inside acquire(): the client's request timeout, cut to
-        the time left of the caller's, but at least ACQUIRE_CALL_FLOOR. None: no deadline
-        (the client's own)."""
-        left = remaining(deadline)
-        if left is None:
-            return None
-        return min(self.client.request_timeout, max(ACQUIRE_CALL_FLOOR, left))
-
-    def _standing(self, key: bytes, revision: int, deadline: float | None) -> _Standing:
+    def _standing(self, key: bytes, revision: int) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
         to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision; read
         again if compaction overtakes the second (a few times; then re-enter, which backs
         off)."""
         for _ in range(STANDING_READS):
             try:
-                return self._read_standing(key, revision, self._call_timeout(deadline))
+                return self._read_standing(key, revision)
             except Compacted:
                 continue
         raise SessionLost("queue reads kept being overtaken by compaction")
@@ -533,8 +517,8 @@ class Semaphore:
             sort_order=kv.ASCEND,
         )
 
-    def _read_standing(self, key: bytes, revision: int, timeout: float | None) -> _Standing:
-        heads = kv.range_(self.client, self._heads_request(), timeout)
+    def _read_standing(self, key: bytes, revision: int) -> _Standing:
+        heads = kv.range_(self.client, self._heads_request())
         at = int(heads.header.revision)
         if any(h.key == key and h.create_revision == revision for h in heads.kvs):
             return _Standing(at, True)
@@ -542,7 +526,6 @@ class Semaphore:
         mine_and_prev = kv.range_prefix(
             self.client,
             self.prefix,
-            timeout,
             revision=at,
             limit=2,
             keys_only=True,
@@ -560,15 +543,11 @@ class Semaphore:
             return _Standing(at, False, [*heads.kvs, mine_and_prev[0]], first=True)
         return _Standing(at, False, [predecessor], False)
 
-    def _count_ahead(self, revision: int, deadline: float | None) -> int:
+    def _count_ahead(self, revision: int) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
         ignores the create_revision filter, so this reads the keys ahead once)."""
         response = kv.range_prefix(
-            self.client,
-            self.prefix,
-            self._call_timeout(deadline),
-            keys_only=True,
-            max_create_revision=revision - 1,
+            self.client, self.prefix, keys_only=True, max_create_revision=revision - 1
         )
         return len(response.kvs)
 
@@ -624,7 +603,7 @@ class Semaphore:
                         log.info("rewatch", name=self.name, reason=str(item.error))
                         return None
                     if item.created:
-                        if self._changed_since(standing, item.revision, deadline):
+                        if self._changed_since(standing, item.revision):
                             return None
                         continue
                     if any(event.kv.key in relevant for event in item.events):
@@ -634,13 +613,12 @@ class Semaphore:
             if watch is not None and not woke:
                 watch.cancel()
 
-    def _changed_since(self, standing: _Standing, confirmed: int, deadline: float | None) -> bool:
+    def _changed_since(self, standing: _Standing, confirmed: int) -> bool:
         """Whether a watched key changed between our read and the watch's start (one KV.Txn
         of a Range per key; skipped when nothing at all happened in between)."""
         if confirmed <= standing.revision:
             return False
-        ops = [kv.op_get(w.key) for w in standing.watched]
-        response = kv.txn(self.client, [], ops, [], self._call_timeout(deadline))
+        response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
         return standing.changed([r.response_range for r in response.responses])
 
 

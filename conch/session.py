@@ -30,10 +30,10 @@ class Session:
     LeaseGrant fails.
     """
 
-    def __init__(self, client: Client, ttl: int, timeout: float | None = None) -> None:
+    def __init__(self, client: Client, ttl: int) -> None:
         self._client = client
         asked = time.monotonic()
-        granted = lease.grant(client, ttl, timeout)
+        granted = lease.grant(client, ttl)
         self.lease_id = granted.id
         self.ttl = granted.ttl
         self.interval = self.ttl / 3

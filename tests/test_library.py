@@ -14,6 +14,7 @@ import pytest
 
 import conch
 from conch.etcd import Client, kv, lease
+from conch.etcd.watch import Watch
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -282,10 +283,12 @@ def test_calls_racing_the_clients_close_raise_conch_errors_only(etcd: EtcdCluste
     endpoints = [conch.Endpoint.parse(e) for e in etcd.endpoints.split(",")]
     errors: list[BaseException] = []
 
-    def call_until_it_fails(client: Client, answered: threading.Semaphore) -> None:
+    def call_until_it_fails(client: Client, answered: threading.Semaphore, watch: bool) -> None:
         first = True
         while True:
             try:
+                if watch:  # a stream: opening one races the close as a unary call does
+                    Watch(client, b"/race", 0, lambda notice: None).cancel()
                 kv.get(client, b"/race")
             except BaseException as exc:
                 errors.append(exc)
@@ -297,7 +300,8 @@ def test_calls_racing_the_clients_close_raise_conch_errors_only(etcd: EtcdCluste
     for _ in range(10):
         client, answered = Client.connect(endpoints), threading.Semaphore(0)
         threads = [
-            threading.Thread(target=call_until_it_fails, args=(client, answered)) for _ in range(8)
+            threading.Thread(target=call_until_it_fails, args=(client, answered, i % 2 == 0))
+            for i in range(8)
         ]
         for t in threads:
             t.start()

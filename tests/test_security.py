@@ -122,22 +122,26 @@ def mtls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[E
 
 
 def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path) -> None:
+    # a bundle as Mozilla's are: comments in UTF-8 between the certificates
+    bundle = tmp_path / "bundle.pem"
+    bundle.write_bytes("# Issuer: CN=Főtanúsítvány\n".encode() + (pki / "ca.pem").read_bytes())
     runner = Runner(tls_etcd, tmp_path)
-    code, out, err = runner.run(
-        "sema",
-        "tls",
-        "--max",
-        "1",
-        "--endpoints",
-        tls_etcd.endpoints,
-        "--cacert",
-        str(pki / "ca.pem"),
-        "--",
-        "echo",
-        "inside",
-    )
-    assert code == 0, err
-    assert out.strip() == "inside"
+    for cacert in (pki / "ca.pem", bundle):
+        code, out, err = runner.run(
+            "sema",
+            "tls",
+            "--max",
+            "1",
+            "--endpoints",
+            tls_etcd.endpoints,
+            "--cacert",
+            str(cacert),
+            "--",
+            "echo",
+            "inside",
+        )
+        assert code == 0, err
+        assert out.strip() == "inside"
 
 
 def test_wrong_ca_is_a_clear_error_and_exit_69(

@@ -555,11 +555,11 @@ def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
         look = threading.Event()
         go = threading.Event()
 
-        def _standing(self, key: bytes, revision: int, deadline: float | None) -> _Standing:
+        def _standing(self, key: bytes, revision: int) -> _Standing:
             if not self.look.is_set():
                 self.look.set()
                 assert self.go.wait(30)
-            return super()._standing(key, revision, deadline)
+            return super()._standing(key, revision)
 
     a = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
     b = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)

@@ -417,8 +417,13 @@ class Client:
         metadata = (*self._metadata(None), ("hasleader", "true"))
         endpoint = self.endpoint
         stub = getattr(self._stubs_for(endpoint), service)
-        # The call is both the handle to cancel and the iterator of responses.
-        return endpoint, getattr(stub, method)(requests, metadata=metadata)
+        try:
+            # The call is both the handle to cancel and the iterator of responses.
+            return endpoint, getattr(stub, method)(requests, metadata=metadata)
+        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
+            if self._closed:
+                raise EtcdError("client is closed", "CANCELLED") from None
+            raise
 
 
 def connect(

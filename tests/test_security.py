@@ -15,6 +15,8 @@ from conch.etcd.client import TLS
 from tests.conftest import Gate, Runner, poll
 from tests.etcd_server import EtcdCluster, etcdctl_binary
 
+Result = tuple[int, str, str]
+
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 PASSWORD = "s3cret-Pa55"
@@ -121,25 +123,18 @@ def mtls_etcd(tmp_path_factory: pytest.TempPathFactory, pki: Path) -> Iterator[E
     cluster.stop()
 
 
+def run_tls(cluster: EtcdCluster, tmp_path: Path, *flags: str, cmd: str = "true") -> Result:
+    """``conch sema tls --max 1`` against ``cluster`` with ``flags``, running ``cmd``."""
+    base = ("sema", "tls", "--max", "1", "--endpoints", cluster.endpoints)
+    return Runner(cluster, tmp_path).run(*base, *flags, "--", *cmd.split())
+
+
 def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path) -> None:
     # a bundle as Mozilla's are: comments in UTF-8 between the certificates
     bundle = tmp_path / "bundle.pem"
     bundle.write_bytes("# Issuer: CN=Főtanúsítvány\n".encode() + (pki / "ca.pem").read_bytes())
-    runner = Runner(tls_etcd, tmp_path)
     for cacert in (pki / "ca.pem", bundle):
-        code, out, err = runner.run(
-            "sema",
-            "tls",
-            "--max",
-            "1",
-            "--endpoints",
-            tls_etcd.endpoints,
-            "--cacert",
-            str(cacert),
-            "--",
-            "echo",
-            "inside",
-        )
+        code, out, err = run_tls(tls_etcd, tmp_path, "--cacert", str(cacert), cmd="echo inside")
         assert code == 0, err
         assert out.strip() == "inside"
 
@@ -147,21 +142,8 @@ def test_server_tls_with_our_ca(tls_etcd: EtcdCluster, pki: Path, tmp_path: Path
 def test_wrong_ca_is_a_clear_error_and_exit_69(
     tls_etcd: EtcdCluster, pki: Path, tmp_path: Path
 ) -> None:
-    runner = Runner(tls_etcd, tmp_path)
-    code, _, err = runner.run(
-        "sema",
-        "tls",
-        "--max",
-        "1",
-        "--endpoints",
-        tls_etcd.endpoints,
-        "--cacert",
-        str(pki / "other-ca.pem"),
-        "--dial-timeout",
-        "2s",
-        "--",
-        "true",
-    )
+    ca = str(pki / "other-ca.pem")
+    code, _, err = run_tls(tls_etcd, tmp_path, "--cacert", ca, "--dial-timeout", "2s")
     assert code == 69
     assert "Traceback" not in err and "cannot reach etcd" in err
 

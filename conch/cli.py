@@ -319,7 +319,7 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
                 log.warning(
                     "other-capacity",
                     name=args.name,
-                    max=capacity,
+                    max="?" if capacity is None else capacity,
                     hint="one name, several --max: these are separate semaphores",
                 )
     for record in records:

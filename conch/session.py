@@ -47,6 +47,8 @@ class Session:
         self._thread = threading.Thread(target=self._run, name="conch-keepalive", daemon=True)
         self._thread.start()
         log.info("session", lease=f"{self.lease_id:x}", ttl=f"{self.ttl}s")
+        if self.ttl != ttl:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
+            log.warning("ttl-raised", asked=f"{ttl}s", granted=f"{self.ttl}s", by="etcd")
 
     def _run(self) -> None:
         margin = keepalive_margin(self.ttl)

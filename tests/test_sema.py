@@ -528,6 +528,10 @@ def test_quiet_keeps_only_warnings_and_errors(conch: Runner, name: str) -> None:
     code, _, err = conch.run("sema", name, "--max", "1", "--quiet", "--", "true")
     assert code == 0
     assert err == ""
+    # etcd raises a TTL below its minimum (2 s here): a warning says so
+    code, _, err = conch.run("sema", name, "--max", "1", "--quiet", "--ttl", "1", "--", "true")
+    assert code == 0
+    assert err == "conch: level=warning event=ttl-raised asked=1s granted=2s by=etcd\n"
 
 
 def test_holder_json_is_stored_at_the_key(

@@ -235,7 +235,9 @@ class Client:
     ``request_timeout`` (seconds) is the default deadline of each unary call, failover
     included. ``tls`` secures every endpoint (``https://`` endpoints are secured anyway);
     ``credentials`` make every call carry an etcd auth token, renewed when etcd says it is
-    invalid. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels.
+    invalid. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels:
+    release every hold first (a hold still open then is lost only when its keepalive fails,
+    within about TTL/3 + 1 s, and its key stays until the lease expires).
     """
 
     def __init__(

@@ -236,8 +236,8 @@ class Client:
     included. ``tls`` secures every endpoint (``https://`` endpoints are secured anyway);
     ``credentials`` make every call carry an etcd auth token, renewed when etcd says it is
     invalid. Use ``Client.connect`` to dial; ``close()`` (or ``with``) drops the channels:
-    release every hold first (a hold still open then is lost only when its keepalive fails,
-    within about TTL/3 + 1 s, and its key stays until the lease expires).
+    release every hold first (a hold still open then is lost only when its next keepalive
+    fails, up to 2 TTL/3 + 1 s later, and its key stays until the lease expires).
     """
 
     def __init__(

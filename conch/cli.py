@@ -274,12 +274,14 @@ def _credentials(args: argparse.Namespace) -> Credentials | None:
         return None
     name, _, inline = user.partition(":")
     from_flag = args.user is not None
-    password = (inline if from_flag else "") or args.password or ""
-    if not password and args.password_file is not None:
-        password = _password_file("--password-file", args.password_file)
-    password = password or (inline if not from_flag else "") or os.environ.get("CONCH_PASSWORD", "")
-    if not password and os.environ.get("CONCH_PASSWORD_FILE"):
-        password = _password_file("CONCH_PASSWORD_FILE", os.environ["CONCH_PASSWORD_FILE"])
+    password = _password(
+        inline if from_flag else "", args.password, "--password-file", args.password_file
+    ) or _password(
+        "" if from_flag else inline,
+        os.environ.get("CONCH_PASSWORD"),
+        "CONCH_PASSWORD_FILE",
+        os.environ.get("CONCH_PASSWORD_FILE") or None,
+    )
     if not name or not password:
         raise UsageError(
             "--user needs a name and a password (NAME:PASSWORD, --password, "
@@ -288,8 +290,14 @@ def _credentials(args: argparse.Namespace) -> Credentials | None:
     return Credentials(name, password)
 
 
-def _password_file(source: str, path: str) -> str:
-    return _read_file(source, path).decode("utf-8", "replace").rstrip("\r\n")
+def _password(inline: str, given: str | None, file_source: str, path: str | None) -> str:
+    """The password from one source, flags or environment: NAME:PASSWORD, else the password
+    itself, else the file's content without its line end; empty if none is given."""
+    if inline or given:
+        return inline or given or ""
+    if path is None:
+        return ""
+    return _read_file(file_source, path).decode("utf-8", "replace").rstrip("\r\n")
 
 
 def _connect(args: argparse.Namespace) -> Client:

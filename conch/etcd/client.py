@@ -312,7 +312,7 @@ class Client:
     def _stubs_for(self, endpoint: Endpoint) -> _Stubs:
         with self._lock:
             if self._closed:
-                raise EtcdError("client is closed", "CANCELLED")
+                raise _closed_error()
             stubs = self._stubs.get(endpoint)
         if stubs is not None:
             return stubs
@@ -325,7 +325,7 @@ class Client:
         if stubs is not dialled:
             dialled.channel.close()
         if stubs is None:
-            raise EtcdError("client is closed", "CANCELLED")
+            raise _closed_error()
         return stubs
 
     def failover(self, failed: Endpoint) -> None:
@@ -394,7 +394,7 @@ class Client:
                 error = exc
             except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
                 if self._closed:
-                    raise EtcdError("client is closed", "CANCELLED") from None
+                    raise _closed_error() from None
                 raise
             if isinstance(error, TokenInvalid) and not _authenticating and reauthenticated < 2:
                 reauthenticated += 1
@@ -424,8 +424,13 @@ class Client:
             return endpoint, getattr(stub, method)(requests, metadata=metadata)
         except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
             if self._closed:
-                raise EtcdError("client is closed", "CANCELLED") from None
+                raise _closed_error() from None
             raise
+
+
+def _closed_error() -> EtcdError:
+    """What a call or stream on a closed Client raises."""
+    return EtcdError("client is closed", "CANCELLED")
 
 
 def connect(

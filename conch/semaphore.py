@@ -12,12 +12,15 @@ waiter C watching A: B leaves, C stays asleep with a slot free). So:
   with no deletion of its own key before it, means it holds a slot at that revision;
   nothing else needs to be read or written before its child starts;
 * every later waiter watches its immediate predecessor for deletion or change;
-* with max > 1, a waiter that takes a slot, unless it held one from the revision its key
-  was created, re-puts its own key under a compare on its create_revision (a *touch*) once
-  it holds: the change that tells the next waiter it is now first in line. It happens
-  after the hold is confirmed (the child may already run); a failed compare means the hold
-  is lost. With max 1 no touch is needed: the waiter behind a new holder is first in line
-  already, and watching the holder's deletion is all it has to do.
+* a waiter that takes a slot, unless it held one from the revision its key was created,
+  re-puts its own key under a compare on its create_revision (a *touch*) once it holds: the
+  change that tells the next waiter it is now first in line. It happens after the hold is
+  confirmed (the child may already run); a failed compare means the hold is lost. With
+  max > 1 at once: another holder may leave any moment, and the waiter behind must be
+  watching for it. With max 1 only GUARD_WATCH_DELAY after the hold: the waiter behind
+  moves up while our job runs, so that our release hands it the slot with no read; a
+  shorter job is over first and spares etcd and the handoff the touch (the waiter behind
+  then wakes on our deletion and reads the queue once).
 
 A release therefore wakes one waiter to take the slot and one to move up: constant work per
 release, whatever the length of the queue.
@@ -59,10 +62,11 @@ CMD_MAX_BYTES = 256
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
-# Seconds a new hold waits before it opens the watch on its own key: a short job is over
-# by then and never pays for that stream, whose set-up would compete with its release.
-# A deletion in between is not missed (the watch starts from our create_revision), only
-# noticed later; a lost session is noticed at once.
+# Seconds a new hold waits before it opens the watch on its own key (and, with max 1,
+# touches it): a short job is over by then and never pays for that stream or that write,
+# whose set-up would compete with its release. A deletion in between is not missed (the
+# watch starts from our create_revision), only noticed later; a lost session is noticed at
+# once.
 GUARD_WATCH_DELAY = 0.05
 STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
@@ -193,14 +197,15 @@ class Hold:
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
     def _guard_key(self) -> None:
-        """Touch our key if due, then set ``lost`` when the session is lost or our key is
-        deleted. After any watch failure (compaction, broken stream) re-check the key with a
-        Range and watch again."""
+        """Touch our key if due (max 1: after GUARD_WATCH_DELAY), then set ``lost`` when
+        the session is lost or our key is deleted. After any watch failure (compaction,
+        broken stream) re-check the key with a Range and watch again."""
         box: Mailbox = queue.SimpleQueue()
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
+        touch_now = self._touch_value is not None and self.max > 1
         try:
-            if self._touch_value is not None and not self._touch(box):
+            if touch_now and not self._touch(box):
                 return
             if self.lost.is_set():
                 return
@@ -209,6 +214,8 @@ class Hold:
                 if pending is self._released or self._releasing:
                     return
                 self.lost.set(f"session lost: {self.session.lost.reason}")
+                return
+            if self._touch_value is not None and not touch_now and not self._touch(box):
                 return
             _cancel_all(self._retire)
             self._watch_key(box)
@@ -452,10 +459,9 @@ class Semaphore:
                 waited=f"{time.monotonic() - started:.3f}s",
             )
             # The waiter behind us may be watching us for the change that says we hold (the
-            # Hold's touch). Not if we held from the revision our key was created (nobody
-            # saw us wait), nor when max is 1: then the one slot is ours, the waiter behind
-            # is first in line already and needs only our deletion.
-            touch = not held_at_creation and self.max > 1
+            # Hold's touch). Not if we held from the revision our key was created: nobody
+            # saw us wait, a waiter behind us knew where it stood from the start.
+            touch = not held_at_creation
             hold = Hold(self, session, key, revision, value, touch=touch, retire=woke_by)
             woke_by = []
             return hold
@@ -583,7 +589,7 @@ class Semaphore:
                 0,
                 box.put,
                 range_end=end,
-                only_deletes=standing.first or self.max == 1,
+                only_deletes=standing.first,
                 confirm=True,
             )
         relevant = {item.key for item in standing.watched}

@@ -7,14 +7,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections import Counter
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import conch
+from conch import semaphore
 from conch.etcd import Client, kv, lease
-from conch.etcd.watch import Watch
+from conch.etcd.watch import Watch, WatchNotice
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -126,7 +129,7 @@ def test_coexists_with_another_etcd_clients_stubs(etcd: EtcdCluster, order: str)
 
 
 def _acquire_in_thread(
-    sema: conch.Semaphore, timeout: float
+    sema: conch.Semaphore, timeout: float, thread_name: str | None = None
 ) -> tuple[threading.Thread, dict[str, object]]:
     result: dict[str, object] = {}
 
@@ -136,7 +139,7 @@ def _acquire_in_thread(
         except conch.ConchError as exc:
             result["error"] = exc
 
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=run, name=thread_name, daemon=True)
     thread.start()
     return thread, result
 
@@ -177,6 +180,72 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
     hold = result.get("hold")
     assert isinstance(hold, conch.Hold), result
     hold.release()
+
+
+def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_with_no_request(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A holder that waited touches its key GUARD_WATCH_DELAY into its hold, also at max 1.
+    The waiter behind it wakes on that change while the job runs, finds itself first in
+    line and watches the deletions under the prefix; the holder's release then hands it the
+    slot straight from the deletion event, with no request on the way (before, it woke on
+    the deletion and read the queue first)."""
+    requests: Counter[str] = Counter()
+    moved_up = threading.Event()
+    real_range, real_txn, real_watch = kv.range_, kv.txn, Watch
+
+    def range_(*args: Any, **kwargs: Any) -> Any:
+        requests[threading.current_thread().name] += 1
+        return real_range(*args, **kwargs)
+
+    def txn(*args: Any, **kwargs: Any) -> Any:
+        requests[threading.current_thread().name] += 1
+        return real_txn(*args, **kwargs)
+
+    def watch(client: Client, key: bytes, start: int, deliver: Any, **kwargs: Any) -> Watch:
+        if threading.current_thread().name == "second" and kwargs.get("range_end"):
+            inner = deliver
+
+            def deliver(notice: WatchNotice) -> None:
+                inner(notice)
+                if notice.created:  # first in line: watching the deletions ahead of it
+                    moved_up.set()
+
+        return real_watch(client, key, start, deliver, **kwargs)
+
+    monkeypatch.setattr(kv, "range_", range_)
+    monkeypatch.setattr(kv, "txn", txn)
+    monkeypatch.setattr(semaphore, "Watch", watch)
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    holder = sema.acquire(timeout=10)
+    first, first_result = _acquire_in_thread(sema, 30, "first")
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
+    second, second_result = _acquire_in_thread(sema, 30, "second")
+    poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
+    holder.release()
+    first.join(DEADLINE)
+    new_holder = first_result.get("hold")
+    assert isinstance(new_holder, conch.Hold), first_result
+    try:
+        key = poll(
+            lambda: next(k for k in sema_keys(client, name) if k.key == new_holder.key),
+            what="the new holder's key",
+        )
+        poll(
+            lambda: kv.get(client, key.key).mod_revision > key.create_revision,  # type: ignore[union-attr]
+            what="the new holder's touch",
+        )
+        assert moved_up.wait(DEADLINE), "the waiter behind did not move up"
+        before = requests["second"]
+        new_holder.release()
+        second.join(DEADLINE)
+        hold = second_result.get("hold")
+        assert isinstance(hold, conch.Hold), second_result
+        assert requests["second"] == before, "the waiter read etcd between release and hold"
+        hold.release()
+    finally:
+        new_holder.release()
+    assert sema_keys(client, name) == []
 
 
 ADOPTING_EMBEDDER = """

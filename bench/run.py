@@ -808,11 +808,12 @@ def table(results: dict[str, Any]) -> str:
         compare(f"handoff W={w}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
         compare(f"handoff W={w}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
         compare(f"handoff W={w}: drain, s", c["drain_s"], e["drain_s"], 2)
-    for w, entry in results.get("handoff_jobs", {}).items():
-        c, e = entry["conch"], entry["etcdctl"]
-        label = f"handoff W={w}, {results['config']['job_ms']:.0f} ms jobs"
-        compare(f"{label}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
-        compare(f"{label}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
+    for job_ms, by_w in results.get("handoff_jobs", {}).items():
+        for w, entry in by_w.items():
+            c, e = entry["conch"], entry["etcdctl"]
+            label = f"handoff W={w}, {job_ms} ms jobs"
+            compare(f"{label}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
+            compare(f"{label}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
     sizes = sorted(results["handoff"], key=int)
     one, many = results["handoff"][sizes[0]], results["handoff"][sizes[-1]]
     compare(
@@ -934,8 +935,8 @@ def main() -> int:
         "import_reps": 3 if args.quick else 7,
         "handoff_sizes": [1, 10, 100],
         "handoff_reps": 1 if args.quick else 3,
-        "job_ms": 50.0,  # the second handoff measure: each job takes this long
-        "job_waiters": 10,
+        # the second handoff measure: job length in ms -> chain lengths (W)
+        "jobs_ms": {50: [10], 200: [10, 100]},
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,
     }
@@ -976,9 +977,10 @@ def main() -> int:
         print("handoff chains ...", flush=True)
         results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
         print("handoff chains, jobs that take a while ...", flush=True)
-        results["handoff_jobs"] = bench.handoff(
-            [cfg["job_waiters"]], cfg["handoff_reps"], job=cfg["job_ms"] / 1000
-        )
+        results["handoff_jobs"] = {
+            str(ms): bench.handoff(sizes, cfg["handoff_reps"], job=ms / 1000)
+            for ms, sizes in cfg["jobs_ms"].items()
+        }
         print("queue scaling (library waiters) ...", flush=True)
         results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"], args.workers)
         # diagnostic: the same queue when each holder keeps its slot a little while

@@ -44,12 +44,15 @@ def exit_status(returncode: int) -> int:
 @contextlib.contextmanager
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
-    instead of killing us; the previous handlers come back on leaving, unless ``restore``
-    is False (a process about to exit with its child's status: a late signal must not
-    turn that into death by the signal)."""
+    instead of killing us. One of them that is ignored on entry stays ignored, here and in
+    the child (``posix_spawn`` keeps what is ignored): whoever started us said it must not
+    stop us (``nohup``, a script's background job, which ignores SIGINT). The previous
+    handlers come back on leaving, unless ``restore`` is False (a process about to exit
+    with its child's status: a late signal must not turn that into death by the signal)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, frame: stop.set(signum))
+    for sig, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(sig, lambda signum, frame: stop.set(signum))
     try:
         yield stop
     finally:

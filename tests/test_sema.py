@@ -262,16 +262,54 @@ def test_a_script_without_a_shebang_line_is_run_by_sh_as_execvp_does(
     assert (code, out) == (3, f"{script} ran with two\n"), err
 
 
+# Runs its arguments with every signal at its default disposition (what a shell's background
+# job, or the test runner's own caller, may have ignored is not ours to test here).
+DEFAULT_SIGNALS = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys\n"
+    "for sig in signal.valid_signals():\n"
+    "    try: signal.signal(sig, signal.SIG_DFL)\n"
+    "    except (OSError, ValueError): pass\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])",
+]
+
+
+def _ignored(status: str) -> int:
+    """The standard signals (1-31) ignored, as a mask, from a /proc/PID/status text."""
+    line = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return int(line.split()[1], 16) & 0x7FFFFFFF
+
+
 def test_child_starts_with_no_standard_signal_ignored(conch: Runner, name: str) -> None:
     """Python ignores SIGPIPE and SIGXFSZ; the child must not inherit that, or pipelines in it
     see EPIPE instead of dying by SIGPIPE. (Signals 32 and up: glibc's reserved signals, which
     its posix_spawn leaves ignored.)"""
-    code, out, err = conch.run("sema", name, "--max", "1", "--", "cat", "/proc/self/status")
-    assert code == 0, err
-    ignored = next(line.split()[1] for line in out.splitlines() if line.startswith("SigIgn:"))
-    assert int(ignored, 16) & 0x7FFFFFFF == 0  # the standard signals, 1-31
+    proc = conch.start(
+        "sema", name, "--max", "1", "--", "cat", "/proc/self/status", launcher=DEFAULT_SIGNALS
+    )
+    assert proc.wait() == 0, proc.log()
+    assert _ignored(proc.stdout()) == 0
     code, out, _ = conch.run("sema", name, "--max", "1", "--", "sh", "-c", "yes | head -1")
     assert code == 0 and out == "y\n"
+
+
+def test_a_stop_signal_ignored_by_whoever_started_conch_stays_ignored(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """``nohup conch ...``: SIGHUP must neither stop conch nor reach the child as anything
+    but ignored, as with ``nohup CMD``. SIGHUP then SIGTERM are sent at once; Python runs
+    pending handlers lowest signal first, so a handled SIGHUP would be the one logged."""
+    up, status = tmp_path / "up", tmp_path / "status"
+    script = f"cat /proc/self/status > {status}; touch {up}; while :; do sleep 0.05; done"
+    launcher = [*DEFAULT_SIGNALS, "nohup"]
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=launcher)
+    poll(up.exists, what="child up")
+    assert _ignored(status.read_text()) == 1 << (signal.SIGHUP - 1)
+    os.kill(proc.pid, signal.SIGHUP)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait() == 128 + signal.SIGTERM
+    assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
 
 
 def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(

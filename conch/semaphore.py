@@ -44,7 +44,6 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
 from conch.errors import (
-    Compacted,
     EtcdError,
     Interrupted,
     NoSlot,
@@ -68,7 +67,6 @@ WITHDRAW_TIMEOUT = 1.0
 # watch starts from our create_revision), only noticed later; a lost session is noticed at
 # once.
 GUARD_WATCH_DELAY = 0.05
-STANDING_READS = 5  # attempts at a queue read that compaction keeps overtaking
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
@@ -503,15 +501,32 @@ class Semaphore:
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
-        to watch. Two KV.Range calls of at most ``max`` and 2 keys, at one revision; read
-        again if compaction overtakes the second (a few times; then re-enter, which backs
-        off)."""
-        for _ in range(STANDING_READS):
-            try:
-                return self._read_standing(key, revision)
-            except Compacted:
-                continue
-        raise SessionLost("queue reads kept being overtaken by compaction")
+        to watch. One read-only KV.Txn of two ranges, so both see one revision: the first
+        ``max`` keys, and our key with the one just ahead of it (keys only)."""
+        mine_and_prev = kv.prefix_request(
+            self.prefix,
+            limit=2,
+            keys_only=True,
+            max_create_revision=revision,
+            sort_target=kv.CREATE,
+            sort_order=kv.DESCEND,
+        )
+        response = kv.txn(
+            self.client, [], [kv.op_range(self._heads_request()), kv.op_range(mine_and_prev)], []
+        )
+        at = int(response.header.revision)
+        heads = response.responses[0].response_range.kvs
+        if any(h.key == key and h.create_revision == revision for h in heads):
+            return _Standing(at, True)
+        mine, *ahead = response.responses[1].response_range.kvs or [None]
+        if mine is None or mine.key != key:
+            raise SessionLost("our key is gone (lease expired or key deleted)")
+        if not ahead:
+            # Nobody ahead, yet not among the first max: cannot be. Fail closed, re-enter.
+            raise SessionLost("inconsistent queue read; re-entering")
+        if ahead[0].create_revision <= heads[-1].create_revision:
+            return _Standing(at, False, [*heads, mine], first=True)
+        return _Standing(at, False, [ahead[0]], False)
 
     def _heads_request(self) -> rpc_pb2.RangeRequest:
         """The first ``max`` keys by create_revision (the holders), keys only."""
@@ -522,32 +537,6 @@ class Semaphore:
             sort_target=kv.CREATE,
             sort_order=kv.ASCEND,
         )
-
-    def _read_standing(self, key: bytes, revision: int) -> _Standing:
-        heads = kv.range_(self.client, self._heads_request())
-        at = int(heads.header.revision)
-        if any(h.key == key and h.create_revision == revision for h in heads.kvs):
-            return _Standing(at, True)
-        # Our key and the one just ahead of it, at the same revision.
-        mine_and_prev = kv.range_prefix(
-            self.client,
-            self.prefix,
-            revision=at,
-            limit=2,
-            keys_only=True,
-            max_create_revision=revision,
-            sort_target=kv.CREATE,
-            sort_order=kv.DESCEND,
-        ).kvs
-        if not mine_and_prev or mine_and_prev[0].key != key:
-            raise SessionLost("our key is gone (lease expired or key deleted)")
-        if len(mine_and_prev) < 2:
-            # Nobody ahead, yet not among the first max: cannot be. Fail closed, re-enter.
-            raise SessionLost("inconsistent queue read; re-entering")
-        predecessor = mine_and_prev[1]
-        if predecessor.create_revision <= heads.kvs[-1].create_revision:
-            return _Standing(at, False, [*heads.kvs, mine_and_prev[0]], first=True)
-        return _Standing(at, False, [predecessor], False)
 
     def _count_ahead(self, revision: int) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count

@@ -936,7 +936,7 @@ def main() -> int:
         "handoff_sizes": [1, 10, 100],
         "handoff_reps": 1 if args.quick else 3,
         # the second handoff measure: job length in ms -> chain lengths (W)
-        "jobs_ms": {50: [10], 200: [10, 100]},
+        "jobs_ms": {50: [10], 500: [10], 1000: [10]},
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,
     }

@@ -62,11 +62,12 @@ CMD_MAX_BYTES = 256
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
 # Seconds a new hold waits before it opens the watch on its own key (and, with max 1,
-# touches it): a short job is over by then and never pays for that stream or that write,
-# whose set-up would compete with its release. A deletion in between is not missed (the
-# watch starts from our create_revision), only noticed later; a lost session is noticed at
-# once.
-GUARD_WATCH_DELAY = 0.05
+# touches it): a short job is over by then and never pays for that stream or that write.
+# A job that ends just as they are made pays the most: they compete with its release
+# (about 3 ms more at the handoff, measured), which is small next to half a second. A
+# deletion in between is not missed (the watch starts from our create_revision), only
+# noticed later; a lost session is noticed at once.
+GUARD_WATCH_DELAY = 0.5
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 

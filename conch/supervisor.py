@@ -294,12 +294,18 @@ def adopt_orphans() -> bool:
     where PID 1 is slow, never where it does not reap), and a zombie still counts as a
     member of the group: the slot stays held until ``kill_after`` runs out. Process-wide:
     only for a process that waits for no children of its own (the ``conch`` command); the
-    statuses of children ``run_child`` did not start are dropped. Idempotent. Returns
-    whether it worked."""
+    statuses of children ``run_child`` did not start are dropped, and SIGCHLD is set back to
+    its default if ignored (the kernel would reap them itself). Idempotent. Returns whether
+    it worked."""
     global _adopting
     with _reap_lock:
         if _adopting:
             return True
+        if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            except ValueError:  # not the main thread: waitpid() per child copes
+                return False
         try:
             import ctypes
 
@@ -321,13 +327,14 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
         return
 
     def wait() -> None:
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-            except InterruptedError:
-                continue
-            callback(status)
-            return
+        try:
+            _, status = os.waitpid(pid, 0)  # retried by Python on EINTR (PEP 475)
+        except ChildProcessError:
+            # Reaped by the kernel (SIGCHLD ignored) or by someone else's waitpid: the
+            # child is gone and its status lost. 0, as subprocess reports it then.
+            log.warning("child-status-lost", pid=pid)
+            status = 0
+        callback(status)
 
     threading.Thread(target=wait, name="conch-reap", daemon=True).start()
 

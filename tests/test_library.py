@@ -279,6 +279,40 @@ def test_an_adopting_embedder_gets_every_childs_status_run_after_run(
     assert sema_keys(client, name) == []
 
 
+IGNORING_SIGCHLD = """
+import signal, sys
+import conch
+from conch.flag import Flag
+from conch.supervisor import adopt_orphans, supervise
+
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps our children itself
+if sys.argv[3] == "adopting":
+    assert adopt_orphans()
+with conch.connect(sys.argv[1]) as client:
+    sema = conch.Semaphore(client, sys.argv[2], max=1, ttl=10)
+    for _ in range(2):
+        print(supervise(sema, ["sh", "-c", "exit 0"], None, 2.0, Flag("stop")), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["plain", "adopting"])
+def test_an_embedder_that_ignores_sigchld_gets_its_slot_back_when_the_child_ends(
+    etcd: EtcdCluster, client: Client, name: str, mode: str
+) -> None:
+    """With SIGCHLD ignored the kernel reaps children at once and waitpid() fails with
+    ECHILD: the child's end must still end the run (status 0, as subprocess reports it),
+    not leave the slot held by a supervisor that waits forever."""
+    out = subprocess.run(
+        [sys.executable, "-c", IGNORING_SIGCHLD, etcd.endpoints, name, mode],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "0"]
+    assert sema_keys(client, name) == []
+
+
 def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
     client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,6 +24,9 @@ _adopting = False  # adopt_orphans() worked: every child of this process is ours
 _reap_lock = threading.Lock()
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Stop signals that stay ignored if they are when we start (nohup; a script's background
+# job). Not SIGTERM: it is how conch, and its watchdog, stop the child.
+KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -44,14 +47,14 @@ def exit_status(returncode: int) -> int:
 @contextlib.contextmanager
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
-    instead of killing us. One of them that is ignored on entry stays ignored, here and in
-    the child (``posix_spawn`` keeps what is ignored): whoever started us said it must not
-    stop us (``nohup``, a script's background job, which ignores SIGINT). The previous
+    instead of killing us. SIGINT or SIGHUP ignored on entry stays ignored, here and in the
+    child (``posix_spawn`` keeps what is ignored): whoever started us said it must not stop
+    us (``nohup``, a script's background job, which ignores SIGINT). The previous
     handlers come back on leaving, unless ``restore`` is False (a process about to exit
     with its child's status: a late signal must not turn that into death by the signal)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig, handler in previous.items():
-        if handler != signal.SIG_IGN:
+        if handler != signal.SIG_IGN or sig not in KEEP_IGNORED:
             signal.signal(sig, lambda signum, frame: stop.set(signum))
     try:
         yield stop

@@ -294,20 +294,23 @@ def test_child_starts_with_no_standard_signal_ignored(conch: Runner, name: str) 
     assert code == 0 and out == "y\n"
 
 
-def test_a_stop_signal_ignored_by_whoever_started_conch_stays_ignored(
+def test_sigint_or_sighup_ignored_by_whoever_started_conch_stays_ignored_but_not_sigterm(
     conch: Runner, name: str, tmp_path: Path
 ) -> None:
-    """``nohup conch ...``: SIGHUP must neither stop conch nor reach the child as anything
-    but ignored, as with ``nohup CMD``. SIGHUP then SIGTERM are sent at once; Python runs
-    pending handlers lowest signal first, so a handled SIGHUP would be the one logged."""
+    """``nohup conch ...`` or a script's background job: SIGHUP and SIGINT must neither stop
+    conch nor reach the child as anything but ignored, as with ``nohup CMD``. SIGTERM, even
+    if ignored by the caller, is how conch stops the child: still handled, and at its
+    default in the child. All three are sent at once; Python runs pending handlers lowest
+    signal first, so a handled SIGHUP or SIGINT would be the one logged."""
     up, status = tmp_path / "up", tmp_path / "status"
     script = f"cat /proc/self/status > {status}; touch {up}; while :; do sleep 0.05; done"
-    launcher = [*DEFAULT_SIGNALS, "nohup"]
+    ignoring = ["sh", "-c", "trap '' HUP INT TERM; exec \"$@\"", "sh"]
+    launcher = [*DEFAULT_SIGNALS, *ignoring]
     proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=launcher)
     poll(up.exists, what="child up")
-    assert _ignored(status.read_text()) == 1 << (signal.SIGHUP - 1)
-    os.kill(proc.pid, signal.SIGHUP)
-    proc.signal(signal.SIGTERM)
+    assert _ignored(status.read_text()) == (1 << (signal.SIGHUP - 1)) | (1 << (signal.SIGINT - 1))
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM):
+        os.kill(proc.pid, sig)
     assert proc.wait() == 128 + signal.SIGTERM
     assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
 

@@ -17,10 +17,10 @@ waiter C watching A: B leaves, C stays asleep with a slot free). So:
   change that tells the next waiter it is now first in line. It happens after the hold is
   confirmed (the child may already run); a failed compare means the hold is lost. With
   max > 1 at once: another holder may leave any moment, and the waiter behind must be
-  watching for it. With max 1 only GUARD_WATCH_DELAY after the hold: the waiter behind
-  moves up while our job runs, so that our release hands it the slot with no read; a
-  shorter job is over first and spares etcd and the handoff the touch (the waiter behind
-  then wakes on our deletion and reads the queue once).
+  watching for it. With max 1 only TOUCH_DELAY into the hold: the waiter behind moves up
+  while our job runs, so that our release hands it the slot with no read; a shorter job is
+  over first and spares etcd and the handoff the touch (the waiter behind then wakes on
+  our deletion and reads the queue once).
 
 A release therefore wakes one waiter to take the slot and one to move up: constant work per
 release, whatever the length of the queue.
@@ -61,13 +61,16 @@ CMD_MAX_BYTES = 256
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
-# Seconds a new hold waits before it opens the watch on its own key (and, with max 1,
-# touches it): a short job is over by then and never pays for that stream or that write.
-# A job that ends just as they are made pays the most: they compete with its release
-# (about 3 ms more at the handoff, measured), which is small next to half a second. A
-# deletion in between is not missed (the watch starts from our create_revision), only
+# Seconds a new hold waits before it opens the watch on its own key: a short job is over
+# by then and never pays for that stream, whose set-up would compete with its release.
+# A deletion in between is not missed (the watch starts from our create_revision), only
 # noticed later; a lost session is noticed at once.
-GUARD_WATCH_DELAY = 0.5
+GUARD_WATCH_DELAY = 0.05
+# Seconds into a hold at max 1 before its touch (a hold that waited: the waiter behind
+# moves up). A job that ends just as it is made pays the most: the touch and the next
+# waiter's move-up compete with its release (about 3 ms more at that handoff, measured),
+# small next to half a second; a shorter job never pays for that write.
+TOUCH_DELAY = 0.5
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
 
@@ -196,16 +199,21 @@ class Hold:
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
     def _guard_key(self) -> None:
-        """Touch our key if due (max 1: after GUARD_WATCH_DELAY), then set ``lost`` when
-        the session is lost or our key is deleted. After any watch failure (compaction,
-        broken stream) re-check the key with a Range and watch again."""
+        """Touch our key if due (max 1: from a thread of its own, TOUCH_DELAY into the
+        hold), then set ``lost`` when the session is lost or our key is deleted. After any
+        watch failure (compaction, broken stream) re-check the key with a Range and watch
+        again."""
         box: Mailbox = queue.SimpleQueue()
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
         touch_now = self._touch_value is not None and self.max > 1
+        start = self.revision + 1
         try:
-            if touch_now and not self._touch(box):
-                return
+            if touch_now:
+                touched = self._touch(box)
+                if touched is None:
+                    return
+                start = touched + 1  # ours at the touch: a watch from there is current
             if self.lost.is_set():
                 return
             with contextlib.suppress(queue.Empty):
@@ -214,16 +222,32 @@ class Hold:
                     return
                 self.lost.set(f"session lost: {self.session.lost.reason}")
                 return
-            if self._touch_value is not None and not touch_now and not self._touch(box):
-                return
+            if self._touch_value is not None and not touch_now:
+                threading.Thread(target=self._touch_later, name="conch-touch", daemon=True).start()
             _cancel_all(self._retire)
-            self._watch_key(box)
+            self._watch_key(box, start)
         finally:
             _cancel_all(self._retire)
 
-    def _watch_key(self, box: Mailbox) -> None:
-        """The guard proper: watch our key for deletion until released or lost."""
-        start = self.revision + 1
+    def _touch_later(self) -> None:
+        """Touch our key TOUCH_DELAY into the hold (GUARD_WATCH_DELAY of it are over),
+        unless released or lost by then."""
+        box: Mailbox = queue.SimpleQueue()
+        flags = (self.session.lost, self._released, self.lost)
+        for flag in flags:
+            flag.subscribe(box)
+        try:
+            with contextlib.suppress(queue.Empty):
+                box.get(timeout=TOUCH_DELAY - GUARD_WATCH_DELAY)
+                return
+            self._touch(box)
+        finally:
+            for flag in flags:
+                flag.unsubscribe(box)
+
+    def _watch_key(self, box: Mailbox, start: int) -> None:
+        """The guard proper: watch our key for deletion, from revision ``start``, until
+        released or lost."""
         backoff = Backoff()
         pending: Any = None
         while True:
@@ -262,11 +286,11 @@ class Hold:
                 return
             start = response.header.revision + 1
 
-    def _touch(self, box: Mailbox) -> bool:
+    def _touch(self, box: Mailbox) -> int | None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
         waiter behind us, which watches our key. Retried with backoff while etcd is away;
-        returns False when there is nothing left to guard (released, lost, or the compare
-        failed: our key is gone, and ``lost`` is set)."""
+        returns the touch's revision, or None when there is nothing left to guard (released,
+        lost, or the compare failed: our key is gone, and ``lost`` is set)."""
         assert self._touch_value is not None
         backoff = Backoff()
         while not (self._releasing or self.lost.is_set()):
@@ -283,13 +307,13 @@ class Hold:
                     box.get(timeout=backoff.next())  # a release or a loss cuts it short
                 continue
             if response.succeeded:
-                return True
+                return int(response.header.revision)
             if not self._releasing:
                 self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
-            return False
+            return None
         if self.session.lost.is_set() and not self._releasing:
             self.lost.set(f"session lost: {self.session.lost.reason}")
-        return False
+        return None
 
     def release(self) -> None:
         """Revoke the session's lease (Lease.LeaseRevoke), which deletes our key with it in
@@ -498,7 +522,9 @@ class Semaphore:
                 "spread-busy", name=self.name, host=self.identity.host, rev=found[0].create_revision
             )
             standing = _Standing(int(response.header.revision), False, [found[0]])
-            self._wait_for_change(standing, box, deadline, interrupt, session)
+            woke = self._wait_for_change(standing, box, deadline, interrupt, session)
+            if woke is not None:
+                woke.watch.cancel()
 
     def _standing(self, key: bytes, revision: int) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys

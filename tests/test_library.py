@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections import Counter
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -246,6 +247,57 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     finally:
         new_holder.release()
     assert sema_keys(client, name) == []
+
+
+def test_a_key_deleted_early_in_a_hold_that_waited_is_noticed_within_a_fraction_of_a_second(
+    client: Client, name: str
+) -> None:
+    """The hold's own watch opens GUARD_WATCH_DELAY into the hold, whatever the max-1 touch
+    waits for (TOUCH_DELAY): a deletion from outside 0.1 s in is noticed at once, not when
+    the touch is due (a child would run beside the next holder for 0.4 s more)."""
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    first = sema.acquire(timeout=10)
+    thread, result = _acquire_in_thread(sema, 30)
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
+    first.release()
+    thread.join(DEADLINE)
+    hold = result.get("hold")
+    assert isinstance(hold, conch.Hold), result
+    try:
+        time.sleep(0.1)  # where in the hold the fault lands, not a synchronisation
+        kv.delete(client, hold.key)
+        deleted = time.monotonic()
+        assert hold.lost.wait(DEADLINE)
+        assert time.monotonic() - deleted < 0.3, "the deletion was noticed late"
+    finally:
+        hold.release()
+
+
+def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--spread: a waiter whose host holds the key already waits for that key to change;
+    the watch that woke it is closed before it tries again (it stayed open, one more per
+    wake, for as long as the client lived: a long-running service leaked streams)."""
+    opened: list[Watch] = []
+
+    def watch(*args: Any, **kwargs: Any) -> Watch:
+        opened.append(Watch(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(semaphore, "Watch", watch)
+    identity = conch.Identity.current(["job"], host="h1")
+    holder = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
+    waiter = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
+    hold = holder.acquire(timeout=10)
+    thread, result = _acquire_in_thread(waiter, 30, "waiter")
+    poll(lambda: len(opened) == 2, what="the holder's and the busy waiter's watches")
+    hold.release()
+    thread.join(DEADLINE)
+    second = result.get("hold")
+    assert isinstance(second, conch.Hold), result
+    second.release()
+    poll(lambda: all(w._ended.is_set() for w in opened), timeout=5, what="every watch closed")
 
 
 ADOPTING_EMBEDDER = """

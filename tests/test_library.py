@@ -145,6 +145,17 @@ def _acquire_in_thread(
     return thread, result
 
 
+def _handed_over(
+    holder: conch.Hold, thread: threading.Thread, result: dict[str, object]
+) -> conch.Hold:
+    """Release ``holder``; return the Hold the waiter in ``thread`` gets."""
+    holder.release()
+    thread.join(DEADLINE)
+    hold = result.get("hold")
+    assert isinstance(hold, conch.Hold), result
+    return hold
+
+
 def test_first_waiter_whose_key_was_deleted_does_not_take_the_freed_slot_with_it(
     client: Client, name: str
 ) -> None:
@@ -223,10 +234,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
     second, second_result = _acquire_in_thread(sema, 30, "second")
     poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
-    holder.release()
-    first.join(DEADLINE)
-    new_holder = first_result.get("hold")
-    assert isinstance(new_holder, conch.Hold), first_result
+    new_holder = _handed_over(holder, first, first_result)
     try:
         key = poll(
             lambda: next(k for k in sema_keys(client, name) if k.key == new_holder.key),
@@ -238,10 +246,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
         )
         assert moved_up.wait(DEADLINE), "the waiter behind did not move up"
         before = requests["second"]
-        new_holder.release()
-        second.join(DEADLINE)
-        hold = second_result.get("hold")
-        assert isinstance(hold, conch.Hold), second_result
+        hold = _handed_over(new_holder, second, second_result)
         assert requests["second"] == before, "the waiter read etcd between release and hold"
         hold.release()
     finally:
@@ -259,10 +264,7 @@ def test_a_key_deleted_early_in_a_hold_that_waited_is_noticed_within_a_fraction_
     first = sema.acquire(timeout=10)
     thread, result = _acquire_in_thread(sema, 30)
     poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
-    first.release()
-    thread.join(DEADLINE)
-    hold = result.get("hold")
-    assert isinstance(hold, conch.Hold), result
+    hold = _handed_over(first, thread, result)
     try:
         time.sleep(0.1)  # where in the hold the fault lands, not a synchronisation
         kv.delete(client, hold.key)
@@ -292,11 +294,7 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
     hold = holder.acquire(timeout=10)
     thread, result = _acquire_in_thread(waiter, 30, "waiter")
     poll(lambda: len(opened) == 2, what="the holder's and the busy waiter's watches")
-    hold.release()
-    thread.join(DEADLINE)
-    second = result.get("hold")
-    assert isinstance(second, conch.Hold), result
-    second.release()
+    _handed_over(hold, thread, result).release()
     poll(lambda: all(w._ended.is_set() for w in opened), timeout=5, what="every watch closed")
 
 

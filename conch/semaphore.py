@@ -213,7 +213,7 @@ class Hold:
                 touched = self._touch(box)
                 if touched is None:
                     return
-                start = touched + 1  # ours at the touch: a watch from there is current
+                start = touched + 1  # ours at the touch: nothing before it to replay
             if self.lost.is_set():
                 return
             with contextlib.suppress(queue.Empty):

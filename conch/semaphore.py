@@ -160,6 +160,7 @@ class Hold:
         value: bytes,
         touch: bool = False,
         retire: Sequence[Watch] = (),
+        held_at: int = 0,
     ) -> None:
         self.name = sema.name
         self.max = sema.max
@@ -177,6 +178,10 @@ class Hold:
         self._logged = False
         self._touch_value = value if touch else None  # what our key says, written again
         self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
+        # A revision at which our key was seen ours and holding: the guard watches from there
+        # (from our create_revision, after a long wait, etcd would replay all that history
+        # to the watch, or refuse it as compacted).
+        self._held_at = held_at or revision
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
         # Straight from the keepalive thread: the guard may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
@@ -207,7 +212,7 @@ class Hold:
         self.session.lost.subscribe(box)
         self._released.subscribe(box)
         touch_now = self._touch_value is not None and self.max > 1
-        start = self.revision + 1
+        start = self._held_at + 1
         try:
             if touch_now:
                 touched = self._touch(box)
@@ -485,7 +490,16 @@ class Semaphore:
             # Hold's touch). Not if we held from the revision our key was created: nobody
             # saw us wait, a waiter behind us knew where it stood from the start.
             touch = not held_at_creation
-            hold = Hold(self, session, key, revision, value, touch=touch, retire=woke_by)
+            hold = Hold(
+                self,
+                session,
+                key,
+                revision,
+                value,
+                touch=touch,
+                retire=woke_by,
+                held_at=standing.revision,
+            )
             woke_by = []
             return hold
         finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conchpb.etcdserverpb import rpc_pb2
 
 import conch
 from conch import semaphore
@@ -296,6 +297,37 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
     poll(lambda: len(opened) == 2, what="the holder's and the busy waiter's watches")
     _handed_over(hold, thread, result).release()
     poll(lambda: all(w._ended.is_set() for w in opened), timeout=5, what="every watch closed")
+
+
+def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hold's own watch starts at the revision where the key was seen holding, not at
+    the key's create_revision: after a long wait on a busy cluster etcd would replay all the
+    history in between to that watch, or refuse it as compacted (here: compacted past it)."""
+    guard_starts: list[int] = []
+
+    def watch(client: Client, key: bytes, start: int, *args: Any, **kwargs: Any) -> Watch:
+        if threading.current_thread().name == "conch-hold":
+            guard_starts.append(start)
+        return Watch(client, key, start, *args, **kwargs)
+
+    monkeypatch.setattr(semaphore, "Watch", watch)
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    holder = sema.acquire(timeout=10)
+    thread, result = _acquire_in_thread(sema, 30)
+    queued = poll(lambda: sema_keys(client, name)[1:], what="the waiter queued")[0]
+    for i in range(3):
+        kv.put(client, f"/churn/{name}/{i}".encode(), b"x")
+    compacted = kv.put(client, f"/churn/{name}/last".encode(), b"x").header.revision
+    client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=compacted))
+    hold = _handed_over(holder, thread, result)
+    try:
+        poll(lambda: guard_starts, what="the hold's own watch")
+        assert guard_starts[0] > compacted > queued.create_revision
+        assert not hold.lost.is_set()
+    finally:
+        hold.release()
 
 
 ADOPTING_EMBEDDER = """

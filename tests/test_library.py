@@ -305,11 +305,11 @@ def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
     """The hold's own watch starts at the revision where the key was seen holding, not at
     the key's create_revision: after a long wait on a busy cluster etcd would replay all the
     history in between to that watch, or refuse it as compacted (here: compacted past it)."""
-    guard_starts: list[int] = []
+    guard_starts: list[tuple[bytes, int]] = []  # the holder's guard may open one too (slow box)
 
     def watch(client: Client, key: bytes, start: int, *args: Any, **kwargs: Any) -> Watch:
         if threading.current_thread().name == "conch-hold":
-            guard_starts.append(start)
+            guard_starts.append((key, start))
         return Watch(client, key, start, *args, **kwargs)
 
     monkeypatch.setattr(semaphore, "Watch", watch)
@@ -323,8 +323,11 @@ def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
     client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=compacted))
     hold = _handed_over(holder, thread, result)
     try:
-        poll(lambda: guard_starts, what="the hold's own watch")
-        assert guard_starts[0] > compacted > queued.create_revision
+        starts = poll(
+            lambda: [start for key, start in guard_starts if key == hold.key],
+            what="the hold's own watch",
+        )
+        assert starts[0] > compacted > queued.create_revision
         assert not hold.lost.is_set()
     finally:
         hold.release()

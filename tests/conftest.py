@@ -178,7 +178,7 @@ def conch(etcd: EtcdCluster, tmp_path: Path) -> Iterator[Runner]:
 class Gate:
     """A child command that records it runs, then holds its slot until released.
 
-    ``cmd(id)`` is the child's argv: it writes ``running/<id>`` (containing CONCH_REV),
+    ``cmd(id)`` is the child's argv: it puts ``running/<id>`` (containing CONCH_REV),
     waits until ``release/<id>`` exists, then removes its running file and exits. On
     SIGTERM it removes the running file and exits 143."""
 
@@ -192,7 +192,9 @@ class Gate:
     def cmd(self, ident: str, code: int = 0) -> list[str]:
         script = (
             f"trap 'rm -f {self.running}/{ident}; exit 143' TERM; "
-            f'echo "$CONCH_REV" > {self.running}/{ident}; '
+            # written aside and renamed in: a reader never sees the file empty
+            f'echo "$CONCH_REV" > {self.running}.{ident}; '
+            f"mv {self.running}.{ident} {self.running}/{ident}; "
             f"echo {ident} >> {self.started_log}; "
             f"while [ ! -e {self.release_dir}/{ident} ]; do sleep 0.02; done; "
             f"rm -f {self.running}/{ident}; exit {code}"

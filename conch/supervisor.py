@@ -26,7 +26,7 @@ _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Stop signals that stay ignored if they are when we start (nohup; a script's background
 # job). Not SIGTERM: it is how conch, and its watchdog, stop the child.
-KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP)
+KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP, signal.SIGTSTP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -47,14 +47,21 @@ def exit_status(returncode: int) -> int:
 @contextlib.contextmanager
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
-    instead of killing us. SIGINT or SIGHUP ignored on entry stays ignored, here and in the
-    child (``posix_spawn`` keeps what is ignored): whoever started us said it must not stop
-    us (``nohup``, a script's background job, which ignores SIGINT). The previous
-    handlers come back on leaving, unless ``restore`` is False (a process about to exit
-    with its child's status: a late signal must not turn that into death by the signal)."""
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    instead of killing us, and SIGTSTP (^Z) is refused with a warning: a stopped conch
+    sends no keepalives, so its child would run on unsupervised until the watchdog or the
+    lease's expiry ended the hold. SIGINT, SIGHUP or SIGTSTP ignored on entry stays ignored,
+    here and in the child (``posix_spawn`` keeps what is ignored): whoever started us said it
+    must not stop us (``nohup``, a script's background job, which ignores SIGINT). The
+    previous handlers come back on leaving, unless ``restore`` is False (a process about to
+    exit with its child's status: a late signal must not turn that into death by the
+    signal)."""
+    previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGTSTP)}
     for sig, handler in previous.items():
-        if handler != signal.SIG_IGN or sig not in KEEP_IGNORED:
+        if handler == signal.SIG_IGN and sig in KEEP_IGNORED:
+            continue
+        if sig == signal.SIGTSTP:
+            signal.signal(sig, _refuse_suspend)
+        else:
             signal.signal(sig, lambda signum, frame: stop.set(signum))
     try:
         yield stop
@@ -62,6 +69,14 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
         if restore:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def _refuse_suspend(signum: int, frame: object) -> None:
+    log.warning(
+        "suspend-refused",
+        signum=signum,
+        reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
+    )
 
 
 def child_env(hold: Hold) -> dict[str, str]:

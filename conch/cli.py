@@ -18,7 +18,7 @@ from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageErro
 from conch.etcd import ETCD_API_VERSION, Client
 from conch.etcd.client import TLS, Credentials, connect
 from conch.flag import Flag
-from conch.keys import check_name
+from conch.keys import check_host, check_name
 from conch.semaphore import Identity, Semaphore, check_max, who
 from conch.supervisor import adopt_orphans, stop_on_signals, supervise
 
@@ -303,7 +303,10 @@ def _password(inline: str, given: str | None, file_source: str, path: str | None
 def _connect(args: argparse.Namespace) -> Client:
     endpoints_text, _ = _setting("--endpoints", args.endpoints, "CONCH_ENDPOINTS", "127.0.0.1:2379")
     dial_text, source = _setting("--dial-timeout", args.dial_timeout, "CONCH_DIAL_TIMEOUT", "5s")
-    dial_timeout = parse_duration(source if source != "default" else "--dial-timeout", dial_text)
+    flag = source if source != "default" else "--dial-timeout"
+    dial_timeout = parse_duration(flag, dial_text)
+    if dial_timeout <= 0:
+        raise UsageError(f"bad {flag} {dial_text!r}: want a duration above 0")
     return connect(endpoints_text, dial_timeout, tls=_tls(args), credentials=_credentials(args))
 
 
@@ -401,6 +404,7 @@ def _run(
 ) -> int:
     ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
     identity = Identity.current(cmd)
+    check_host(identity.host)
     if exiting:
         adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Dialling writes nothing, so a signal then may simply end us; from the first write on,

@@ -17,16 +17,26 @@ NAME_MAX_BYTES = 200
 def check_name(name: str) -> None:
     """Raise UsageError unless ``name`` is 1..200 bytes of UTF-8, no control characters,
     not ``.`` or ``..``."""
+    _check_segment("name", name)
+
+
+def check_host(host: str) -> None:
+    """The node name (``CONCH_HOST``) goes into the value of every key and, with --spread,
+    into the key: the same rules as a name. Raises UsageError."""
+    _check_segment("CONCH_HOST", host)
+
+
+def _check_segment(what: str, text: str) -> None:
     try:
-        size = len(name.encode("utf-8"))
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise UsageError(f"bad name {name!r}: not valid UTF-8") from None
+        raise UsageError(f"bad {what} {text!r}: not valid UTF-8") from None
     if not 1 <= size <= NAME_MAX_BYTES:
-        raise UsageError(f"bad name {name!r}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
-    if name in (".", ".."):
-        raise UsageError(f"bad name {name!r}: '.' and '..' are not names")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
-        raise UsageError(f"bad name {name!r}: control characters are not allowed")
+        raise UsageError(f"bad {what} {text!r}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
+    if text in (".", ".."):
+        raise UsageError(f"bad {what} {text!r}: '.' and '..' are not names")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text):
+        raise UsageError(f"bad {what} {text!r}: control characters are not allowed")
 
 
 def encode_segment(text: str) -> bytes:

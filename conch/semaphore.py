@@ -378,6 +378,7 @@ class Semaphore:
 
     def __post_init__(self) -> None:
         keys.check_name(self.name)
+        keys.check_host(self.identity.host)
         check_max(self.max)
         if type(self.ttl) is not int or not 1 <= self.ttl <= MAX_LEASE_TTL:
             raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def do_work(hold: conch.Hold, journal: Path, steps: int) -> bool:
     return True
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--endpoints", default=os.environ.get("CONCH_ENDPOINTS", "127.0.0.1:2379"))
     parser.add_argument("--name", default="reports")
@@ -39,7 +40,12 @@ def main() -> None:
     parser.add_argument("--journal", type=Path, required=True)
     args = parser.parse_args()
 
-    with conch.connect(args.endpoints, dial_timeout=5.0) as client:
+    try:
+        client = conch.connect(args.endpoints, dial_timeout=5.0)
+    except conch.ConchError as exc:  # bad endpoints (64), no etcd within the dial timeout (69)
+        print(f"guarded_service: {exc}", file=sys.stderr)
+        return exc.exit_code
+    with client:
         sema = conch.Semaphore(client, args.name, max=args.max, ttl=5)
         for _ in range(args.rounds):
             try:
@@ -49,7 +55,8 @@ def main() -> None:
                     print(f"round token={hold.revision} done={done}", flush=True)
             except conch.NoSlot:
                 print("no slot in time; trying again next round", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

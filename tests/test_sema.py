@@ -348,6 +348,23 @@ def test_deleting_our_key_from_outside_counts_as_loss(
     assert "our key was deleted" in proc.log()
 
 
+def test_sigtstp_is_refused_conch_keeps_supervising_and_the_child_runs_on(
+    conch: Runner, gate: Gate, name: str
+) -> None:
+    """^Z: a stopped conch sends no keepalives, and its child (in a session of its own, out
+    of the terminal's reach) would run on unsupervised until the watchdog killed it. conch
+    refuses the stop with a warning and goes on; the child is not stopped either."""
+    proc = conch.start("sema", name, "--max", "1", "--", *gate.cmd("a"), launcher=DEFAULT_SIGNALS)
+    poll(lambda: gate.now_running() == {"a"}, what="child running")
+    proc.signal(signal.SIGTSTP)
+    poll(lambda: "event=suspend-refused" in proc.log(), what="the refusal logged")
+    state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state != "T", "conch stopped"
+    gate.release("a")
+    assert proc.wait() == 0, proc.log()
+    assert "event=released" in proc.log()
+
+
 def test_sigterm_to_conch_terminates_child_releases_and_exits_with_its_status(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:
@@ -643,6 +660,23 @@ def test_absurd_values_are_usage_errors(conch: Runner, name: str) -> None:
         code, _, err = conch.run("sema", name, *args, "--", "true")
         assert code == 64, (args, err)
         assert "Traceback" not in err
+
+
+def test_a_zero_dial_timeout_or_a_control_character_in_conch_host_is_a_usage_error(
+    conch: Runner, client: Client, name: str
+) -> None:
+    """A dial timeout of 0 would fail every connection at once ("within 0s"); a newline in
+    CONCH_HOST would go into every key's value and, with --spread, into the key itself."""
+    for args, env, named in (
+        (["--dial-timeout", "0"], {}, "--dial-timeout"),
+        ([], {"CONCH_DIAL_TIMEOUT": "0s"}, "CONCH_DIAL_TIMEOUT"),
+        (["--spread"], {"CONCH_HOST": "node\nX"}, "CONCH_HOST"),
+        ([], {"CONCH_HOST": "tab\there"}, "CONCH_HOST"),
+    ):
+        code, _, err = conch.run("sema", name, "--max", "1", *args, "--", "true", **env)  # type: ignore[arg-type]
+        assert code == 64, (args, env, err)
+        assert err.startswith(f"conch: bad {named} ") and len(err.splitlines()) == 1, err
+    assert sema_keys(client, name) == []
 
 
 def test_who_survives_hostile_values_and_cannot_be_forged(

@@ -154,3 +154,20 @@ def test_semaphore_refuses_booleans_and_absurd_ttls(field: str, value: object) -
     settings: dict[str, object] = {"max": 1, "ttl": 10, field: value}
     with pytest.raises(UsageError):
         Semaphore(None, "n", **settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("host", ["", "a\nb", "nul\x00", "x" * 201, ".."])
+def test_semaphore_refuses_a_host_name_no_key_could_carry(host: str) -> None:
+    from conch.semaphore import Semaphore
+
+    identity = Identity(host, 1, "2026-01-01T00:00:00Z", "true")
+    with pytest.raises(UsageError, match="CONCH_HOST"):
+        Semaphore(None, "n", 1, identity=identity)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeouts", [(0.0, 5.0), (5.0, 0.0), (-1.0, 5.0), (float("nan"), 5.0)])
+def test_connect_refuses_timeouts_that_are_not_above_zero(timeouts: tuple[float, float]) -> None:
+    from conch.etcd.client import connect
+
+    with pytest.raises(UsageError, match="want seconds above 0"):
+        connect("127.0.0.1:1", *timeouts)

@@ -443,7 +443,12 @@ def connect(
     """A Client for ``endpoints`` (a comma-separated string or a list of ``host:port`` /
     ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises UsageError for
     a bad endpoint, Unavailable when none answers in time, AuthenticationFailed for wrong
-    credentials."""
+    credentials, and for a timeout that is not above 0."""
+    if not (dial_timeout > 0 and request_timeout > 0):
+        raise UsageError(
+            f"bad timeouts (dial {dial_timeout!r}, request {request_timeout!r}): "
+            "want seconds above 0"
+        )
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]
     if not parsed:

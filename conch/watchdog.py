@@ -3,7 +3,7 @@ when its wrapper can no longer supervise it.
 
 A wrapper killed with SIGKILL cannot clean up, and one frozen by SIGSTOP (or a long GC pause,
 or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So conch
-starts a watchdog (``python -I -S -c``, no imports beyond the standard library) before it
+starts a watchdog (``python -I -S``, no imports beyond the standard library) before it
 queues, so that its start-up is long over when the slot comes, and arms it with the child's
 process group the moment the child exists. It reads a pipe from conch:
 
@@ -34,74 +34,15 @@ import select
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 HEARTBEAT = b"h"
 GOODBYE = b"x"
 STAND_BY = b"s"
 
-_CODE = r"""
-import os, select, signal, sys, time
-kill_after = float(sys.argv[1])
-for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
-    signal.signal(sig, signal.SIG_IGN)
-def leave():
-    # Goodbye comes as conch releases its slot and the next holder starts: exiting a moment
-    # later keeps this process's teardown from competing with that start for the CPU.
-    time.sleep(0.2)
-    os._exit(0)
-line = b""
-while b"\n" not in line:
-    data = os.read(0, 256)
-    if not data or b"x" in data:
-        leave()
-    line += data
-line, _, data = line.partition(b"\n")
-pgid, timeout = int(line.split()[1]), float(line.split()[2])
-deadline = time.monotonic() + timeout
-standby = None
-while True:
-    if b"x" in data:
-        leave()
-    if b"s" in data and standby is None:
-        # conch terminates the group itself now: SIGTERM, SIGKILL kill_after later. If it
-        # has not said goodbye a second after that (frozen or dead), SIGKILL is ours.
-        standby = time.monotonic() + kill_after + 1.0
-    until = deadline if standby is None else standby
-    ready, _, _ = select.select([0], [], [], max(0.0, until - time.monotonic()))
-    if not ready:
-        break
-    data = os.read(0, 256)
-    if not data:
-        break
-    if standby is None:
-        deadline = time.monotonic() + timeout
-if standby is not None:
-    time.sleep(max(0.0, standby - time.monotonic()))
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    sys.exit(0)
-try:
-    os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
-except OSError:
-    pass
-try:
-    os.killpg(pgid, signal.SIGTERM)
-except ProcessLookupError:
-    sys.exit(0)
-end = time.monotonic() + kill_after
-while time.monotonic() < end:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        sys.exit(0)
-    time.sleep(0.05)
-try:
-    os.killpg(pgid, signal.SIGKILL)
-except ProcessLookupError:
-    pass
-"""
+# The watchdog's own code: a script run with ``python -I -S`` (no site, no user paths, not
+# even its own directory on sys.path), so ``ps`` shows its path rather than its source.
+_MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
 FIRED = b"F"  # what the watchdog writes to its stdout when it terminates the group
 
 
@@ -115,7 +56,7 @@ class Watchdog:
 
     def __init__(self, kill_after: float) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _CODE, f"{kill_after:.3f}"],
+            [sys.executable, "-I", "-S", _MAIN, f"{kill_after:.3f}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,

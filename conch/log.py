@@ -8,6 +8,8 @@ warnings and errors. Logging never raises: a closed stderr must not kill a super
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import threading
 
@@ -27,12 +29,16 @@ def _format_value(value: object) -> str:
     return text
 
 
-def _emit(level: str, event: str, fields: dict[str, object]) -> None:
+def _line(level: str, event: str, fields: dict[str, object]) -> str:
     parts = [f"event={event}"]
     if level != "info":
         parts.insert(0, f"level={level}")
     parts.extend(f"{key}={_format_value(value)}" for key, value in fields.items())
-    line = "conch: " + " ".join(parts) + "\n"
+    return "conch: " + " ".join(parts) + "\n"
+
+
+def _emit(level: str, event: str, fields: dict[str, object]) -> None:
+    line = _line(level, event, fields)
     try:
         with _lock:
             sys.stderr.write(line)
@@ -52,3 +58,10 @@ def warning(event: str, **fields: object) -> None:
 
 def error(event: str, **fields: object) -> None:
     _emit("error", event, fields)
+
+
+def warning_from_signal_handler(event: str, **fields: object) -> None:
+    """``warning`` for a signal handler: one os.write to fd 2, no lock and no buffer (the
+    handler may run in a thread that is inside ``_emit``, holding both)."""
+    with contextlib.suppress(OSError):
+        os.write(2, _line("warning", event, fields).encode("utf-8", "replace"))

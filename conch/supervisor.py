@@ -72,7 +72,7 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
 
 
 def _refuse_suspend(signum: int, frame: object) -> None:
-    log.warning(
+    log.warning_from_signal_handler(
         "suspend-refused",
         signum=signum,
         reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",

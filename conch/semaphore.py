@@ -411,7 +411,7 @@ class Semaphore:
             if interrupt.is_set():
                 raise Interrupted(interrupt.reason)
             try:
-                session = Session(self.client, self.ttl)
+                session = Session(self.client, self.ttl, interrupt)
             except Unavailable as exc:
                 if not entered:
                     raise  # no session at all: etcd unreachable (exit 69)

@@ -27,13 +27,13 @@ class Session:
     answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no answer comes
     within one interval plus ``keepalive_margin``. Its ``reason`` says which. ``close()``
     revokes the lease so its keys go at once. Raises Unavailable (or another EtcdError) when
-    LeaseGrant fails.
+    LeaseGrant fails, Interrupted when ``interrupt`` is set while it retries.
     """
 
-    def __init__(self, client: Client, ttl: int) -> None:
+    def __init__(self, client: Client, ttl: int, interrupt: Flag | None = None) -> None:
         self._client = client
         asked = time.monotonic()
-        granted = lease.grant(client, ttl)
+        granted = lease.grant(client, ttl, interrupt=interrupt)
         self.lease_id = granted.id
         self.ttl = granted.ttl
         self.interval = self.ttl / 3

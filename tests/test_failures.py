@@ -498,6 +498,35 @@ def test_whole_etcd_outage_fails_closed_within_the_ttl(
         single.stop()
 
 
+def test_a_waiter_retrying_its_lease_grant_against_a_dead_etcd_stops_at_once_on_sigterm(
+    tmp_path: Path, name: str
+) -> None:
+    """Queued, etcd gone: the waiter re-enters, and each LeaseGrant retries for the request
+    timeout (5 s). SIGTERM in the middle of those retries used to wait them out."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    runner = Runner(solo, tmp_path)
+    gate = Gate(tmp_path)
+    try:
+        holder = runner.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+        poll(lambda: gate.now_running() == {"h"}, what="holder running")
+        waiter = runner.start("sema", name, "--max", "1", "--ttl", "3s", "--", "true")
+        poll(lambda: "event=queued" in waiter.log(), what="waiter queued")
+        solo.members[0].stop()  # refused connections: each grant attempt fails at once
+        # The second requeue comes after a whole grant deadline; 1 s later (past its 0.2 s
+        # backoff) the next grant is retrying, with about 4 s of its deadline left.
+        poll(lambda: waiter.log().count("event=requeue") >= 2, timeout=30, what="2 requeues")
+        time.sleep(1.0)  # a moment inside the retries, not a wait for an event
+        sent = time.monotonic()
+        waiter.signal(signal.SIGTERM)
+        assert waiter.wait() == 128 + signal.SIGTERM, waiter.log()
+        assert time.monotonic() - sent < 2.0, waiter.log()
+        holder.kill()
+    finally:
+        runner.cleanup()
+        solo.stop()
+
+
 def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: Path) -> None:
     """gRPC's reconnect backoff would have grown to ~10 s over a 20 s outage (the client came
     back 4-7 s after etcd did; 10-15 s after a 30 s outage)."""

@@ -22,12 +22,14 @@ from conch.errors import (
     AuthenticationFailed,
     Compacted,
     EtcdError,
+    Interrupted,
     LeaseNotFound,
     PermissionDenied,
     TokenInvalid,
     Unavailable,
     UsageError,
 )
+from conch.flag import Flag
 
 # HTTP/2 pings find a dead connection even on an idle stream. etcd refuses pings more often
 # than every 5 s (--grpc-keepalive-min-time), so stay above that.
@@ -364,13 +366,15 @@ class Client:
         request: Any,
         timeout: float | None = None,
         _authenticating: bool = False,
+        interrupt: Flag | None = None,
     ) -> Any:
         """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
 
         Fails over and retries on UNAVAILABLE, and authenticates again when the token is
-        invalid, until ``timeout`` seconds (default ``request_timeout``) pass. Raises
-        Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted or
-        EtcdError.
+        invalid, until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``,
+        when set, ends the retries (not an attempt in flight) with Interrupted. Raises
+        Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
+        Interrupted or EtcdError.
         """
         total = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + total
@@ -408,7 +412,10 @@ class Client:
             if tried_in_round >= len(self.endpoints):
                 tried_in_round = 0
                 pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
-                time.sleep(pause)
+                if interrupt is None:
+                    time.sleep(pause)
+                elif interrupt.wait(pause):
+                    raise Interrupted(interrupt.reason)
 
     def open_stream(
         self, service: str, method: str, requests: Iterator[Any]

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch.etcd.client import Client
 
-KeyValue = kv_pb2.KeyValue
-RangeRequest = rpc_pb2.RangeRequest
-RangeResponse = rpc_pb2.RangeResponse
-TxnResponse = rpc_pb2.TxnResponse
+KeyValue: TypeAlias = kv_pb2.KeyValue
+RangeRequest: TypeAlias = rpc_pb2.RangeRequest
+RangeResponse: TypeAlias = rpc_pb2.RangeResponse
+TxnResponse: TypeAlias = rpc_pb2.TxnResponse
 
 
 def prefix_end(prefix: bytes) -> bytes:

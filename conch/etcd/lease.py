@@ -11,6 +11,7 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
+from conch.flag import Flag
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,13 @@ class Grant:
     ttl: int
 
 
-def grant(client: Client, ttl: int, timeout: float | None = None) -> Grant:
-    """Lease.LeaseGrant for ``ttl`` seconds (etcd may raise it to its minimum)."""
-    response = client.call("lease", "LeaseGrant", rpc_pb2.LeaseGrantRequest(TTL=ttl), timeout)
+def grant(
+    client: Client, ttl: int, timeout: float | None = None, interrupt: Flag | None = None
+) -> Grant:
+    """Lease.LeaseGrant for ``ttl`` seconds (etcd may raise it to its minimum); ``interrupt``
+    as in ``Client.call``."""
+    request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
+    response = client.call("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
     if response.error:
         raise EtcdError(f"lease grant refused: {response.error}")
     return Grant(response.ID, response.TTL)

@@ -468,6 +468,7 @@ def _reopen_closed_std_fds() -> None:
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
     the process exits right after, so stop signals stay caught to the end."""
+    log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
     cmd: list[str] = []
     if "--" in words:

@@ -11,6 +11,7 @@ writes the fencing token with each step, so a resource can refuse a stale holder
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -39,6 +40,8 @@ def main() -> int:
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for a slot")
     parser.add_argument("--journal", type=Path, required=True)
     args = parser.parse_args()
+    # conch logs its state transitions to the logger "conch" (INFO), one key=value line each
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     try:
         client = conch.connect(args.endpoints, dial_timeout=5.0)

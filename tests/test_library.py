@@ -500,3 +500,33 @@ def test_calls_racing_the_clients_close_raise_conch_errors_only(etcd: EtcdCluste
             t.join(DEADLINE)
     assert len(errors) == 80
     assert all(isinstance(e, conch.EtcdError) for e in errors), {type(e) for e in errors}
+
+
+LIBRARY_LOGGING = """
+import logging, sys
+import conch
+with conch.connect(sys.argv[1]) as client:
+    sema = conch.Semaphore(client, sys.argv[2], max=1, ttl=5)
+    sema.acquire(timeout=10).release()
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+    sema.acquire(timeout=10).release()
+"""
+
+
+def test_the_library_logs_through_the_standard_logging_module(etcd: EtcdCluster, name: str) -> None:
+    """A service that embeds conch routes its lines with its own logs (logger ``conch``):
+    nothing on stderr before it sets logging up, INFO lines after."""
+    run = subprocess.run(
+        [sys.executable, "-c", LIBRARY_LOGGING, etcd.endpoints, name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.splitlines()
+    assert lines and all(line.startswith("conch INFO conch: event=") for line in lines), lines
+    assert [line.split()[3] for line in lines] == [
+        "event=session",
+        "event=acquired",
+        "event=released",
+    ]

@@ -79,11 +79,33 @@ def _refuse_suspend(signum: int, frame: object) -> None:
     )
 
 
+# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
+# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
+# in another locale under conch than without it.
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+
+
+def _started_with(name: str) -> bool:
+    """Whether ``name`` was in the environment this process was started with (Linux's
+    /proc/self/environ keeps it as exec() gave it); True when that cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as environ:
+            return any(
+                entry.startswith(name.encode() + b"=") for entry in environ.read().split(b"\0")
+            )
+    except OSError:
+        return True
+
+
 def child_env(hold: Hold) -> dict[str, str]:
-    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
+    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX;
+    less what Python and gRPC set in it themselves (PEP 538's LC_CTYPE, unless we were
+    started with one; our GRPC_ENABLE_FORK_SUPPORT)."""
     env = dict(os.environ)
     if FORK_SUPPORT_OFF:
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    if env.get("LC_CTYPE") in _COERCED_LC_CTYPE and not _started_with("LC_CTYPE"):
+        del env["LC_CTYPE"]  # Python's own, not the caller's: see _COERCED_LC_CTYPE
     env.update(
         CONCH_NAME=hold.name,
         CONCH_REV=str(hold.revision),

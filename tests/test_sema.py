@@ -294,6 +294,20 @@ def test_child_starts_with_no_standard_signal_ignored(conch: Runner, name: str) 
     assert code == 0 and out == "y\n"
 
 
+def test_the_child_gets_the_environment_conch_was_started_with_plus_its_conch_variables(
+    conch: Runner, name: str
+) -> None:
+    """As from cron: no LANG, no LC_*. Python coerces its own C locale (PEP 538: it sets
+    LC_CTYPE=C.UTF-8 in its environment); the child must not inherit that."""
+    started_with = {"PATH": os.environ["PATH"], "CONCH_ENDPOINTS": conch.etcd.endpoints}
+    launcher = ["env", "-i", *(f"{k}={v}" for k, v in started_with.items())]
+    proc = conch.start("sema", name, "--max", "1", "--", "env", launcher=launcher)
+    assert proc.wait() == 0, proc.log()
+    child = dict(line.split("=", 1) for line in proc.stdout().splitlines())
+    assert set(child) == {*started_with, "CONCH_NAME", "CONCH_REV", "CONCH_LEASE", "CONCH_MAX"}
+    assert {k: child[k] for k in started_with} == started_with
+
+
 def test_sigint_or_sighup_ignored_by_whoever_started_conch_stays_ignored_but_not_sigterm(
     conch: Runner, name: str, tmp_path: Path
 ) -> None:

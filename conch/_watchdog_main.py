@@ -21,6 +21,7 @@ def main() -> None:
     kill_after = float(sys.argv[1])
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
+    os.write(1, b"R")  # running: conch starts no child before it reads this
     line = b""
     while b"\n" not in line:
         data = os.read(0, 256)

@@ -32,6 +32,7 @@ SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zombies may stay)
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
+WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def exit_status(returncode: int) -> int:
 @contextlib.contextmanager
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
-    instead of killing us, and SIGTSTP (^Z) is refused with a warning: a stopped conch
+    instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped conch
     sends no keepalives, so its child would run on unsupervised until the watchdog or the
     lease's expiry ended the hold. SIGINT, SIGHUP or SIGTSTP ignored on entry stays ignored,
     here and in the child (``posix_spawn`` keeps what is ignored): whoever started us said it
@@ -71,7 +72,14 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
                 signal.signal(sig, handler)
 
 
+_suspend_refused = False  # the warning is written once: a storm of ^Z must not nest handlers
+
+
 def _refuse_suspend(signum: int, frame: object) -> None:
+    global _suspend_refused
+    if _suspend_refused:
+        return
+    _suspend_refused = True
     log.warning_from_signal_handler(
         "suspend-refused",
         signum=signum,
@@ -248,6 +256,10 @@ def run_child(
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE
+    if not watchdog.ready(WATCHDOG_START_TIMEOUT):  # long since, unless the slot was free
+        watchdog.dismiss()
+        log.error("watchdog-failed", error=f"not running after {WATCHDOG_START_TIMEOUT:g}s")
+        return EX_SOFTWARE
     box: Mailbox = queue.SimpleQueue()
     with _reap_lock:  # the adopting reaper takes no status until the child is claimed
         try:
@@ -307,6 +319,11 @@ def run_child(
         log.info("signal", signum=stop.reason, pid=pid)
         exited = _stop_group(pid, box, True, kill_after)
         return _log_child_exit(pid, exited, started)
+    except BaseException:
+        # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
+        # running with nobody watching it while the slot is released.
+        _signal_group(pid, signal.SIGKILL)
+        raise
     finally:
         stop_heartbeats()
         watchdog.dismiss()

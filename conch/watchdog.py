@@ -4,8 +4,10 @@ when its wrapper can no longer supervise it.
 A wrapper killed with SIGKILL cannot clean up, and one frozen by SIGSTOP (or a long GC pause,
 or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So conch
 starts a watchdog (``python -I -S``, no imports beyond the standard library) before it
-queues, so that its start-up is long over when the slot comes, and arms it with the child's
-process group the moment the child exists. It reads a pipe from conch:
+queues, so that its start-up is long over when the slot comes; it says ``R`` on its stdout
+once it runs, and conch starts no child before it has (a watchdog whose script is gone
+exits at once), then arms it with the child's process group the moment the child exists.
+It reads a pipe from conch:
 
 * end of file or the goodbye byte before it is armed: exit quietly (conch gave up, or died,
   before there was a child);
@@ -43,7 +45,8 @@ STAND_BY = b"s"
 # The watchdog's own code: a script run with ``python -I -S`` (no site, no user paths, not
 # even its own directory on sys.path), so ``ps`` shows its path rather than its source.
 _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
-FIRED = b"F"  # what the watchdog writes to its stdout when it terminates the group
+READY = b"R"  # what the watchdog writes to its stdout once it runs
+FIRED = b"F"  # ... and when it terminates the group
 
 
 class Watchdog:
@@ -64,6 +67,17 @@ class Watchdog:
         )
         self._lock = threading.Lock()
         self._dismissed = False
+        self._ready = False
+
+    def ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the watchdog to say it runs (a watchdog that
+        cannot start, its script gone in an upgrade, exits at once and never says so)."""
+        if not self._ready:
+            assert self._process.stdout is not None
+            fd = self._process.stdout.fileno()
+            readable, _, _ = select.select([fd], [], [], timeout)
+            self._ready = bool(readable) and os.read(fd, 1) == READY
+        return self._ready
 
     def arm(self, pgid: int, timeout: float) -> None:
         """Guard process group ``pgid`` from now on. Raises OSError when the watchdog is
@@ -100,7 +114,7 @@ class Watchdog:
 
     @property
     def fired(self) -> bool:
-        """Whether the watchdog has terminated the group."""
+        """Whether the watchdog has terminated the group (after ``ready()``)."""
         assert self._process.stdout is not None
         fd = self._process.stdout.fileno()
         ready, _, _ = select.select([fd], [], [], 0)

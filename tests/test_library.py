@@ -20,7 +20,7 @@ import conch
 from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
-from tests.conftest import DEADLINE, poll, sema_keys
+from tests.conftest import DEADLINE, alive, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -530,3 +530,56 @@ def test_the_library_logs_through_the_standard_logging_module(etcd: EtcdCluster,
         "event=acquired",
         "event=released",
     ]
+
+
+def test_no_child_starts_when_the_watchdog_cannot(
+    client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog's script gone (an upgrade in progress, a broken package): its interpreter
+    exits at once. The child must not start without it; the slot is given back."""
+    from conch import watchdog
+    from conch.flag import Flag
+    from conch.supervisor import supervise
+
+    monkeypatch.setattr(watchdog, "_MAIN", str(tmp_path / "gone.py"))
+    marker = tmp_path / "ran"
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    code = supervise(sema, ["touch", str(marker)], None, 1.0, Flag("stop"))
+    assert code == 70
+    assert not marker.exists()
+    assert sema_keys(client, name) == []
+
+
+def test_an_error_inside_the_supervision_kills_the_child_before_the_slot_goes(
+    client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fail closed: whatever escapes run_child (here an error while stopping the child on a
+    signal) must not leave the child running, unwatched, while the slot is released."""
+    from conch import supervisor
+    from conch.flag import Flag
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("a bug in the termination")
+
+    monkeypatch.setattr(supervisor, "_stop_group", broken)
+    pidfile = tmp_path / "pid"
+    stop = Flag("stop")
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            supervisor.supervise(
+                sema, ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], None, 1.0, stop
+            )
+        except RuntimeError as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    pid = int(poll(lambda: pidfile.exists() and pidfile.read_text().strip(), what="child up"))
+    stop.set(15)
+    thread.join(DEADLINE)
+    assert "error" in result
+    poll(lambda: not alive(pid), what="the child killed")
+    assert sema_keys(client, name) == []

@@ -379,6 +379,21 @@ def test_sigtstp_is_refused_conch_keeps_supervising_and_the_child_runs_on(
     assert "event=released" in proc.log()
 
 
+def test_a_storm_of_sigtstp_is_refused_with_one_warning(
+    conch: Runner, gate: Gate, name: str
+) -> None:
+    """Thousands of ^Z as fast as they come: each would run the handler, nested inside the
+    last one's write, until a RecursionError escaped the supervision (the child ran on while
+    the slot was released). One warning; conch supervises on and exits with the child's 0."""
+    proc = conch.start("sema", name, "--max", "1", "--", *gate.cmd("a"), launcher=DEFAULT_SIGNALS)
+    poll(lambda: gate.now_running() == {"a"}, what="child running")
+    for _ in range(3000):
+        proc.signal(signal.SIGTSTP)
+    gate.release("a")
+    assert proc.wait() == 0, proc.log()
+    assert proc.log().count("event=suspend-refused") == 1, proc.log()
+
+
 def test_sigterm_to_conch_terminates_child_releases_and_exits_with_its_status(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:

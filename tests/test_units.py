@@ -165,9 +165,12 @@ def test_semaphore_refuses_a_host_name_no_key_could_carry(host: str) -> None:
         Semaphore(None, "n", 1, identity=identity)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("timeouts", [(0.0, 5.0), (5.0, 0.0), (-1.0, 5.0), (float("nan"), 5.0)])
+@pytest.mark.parametrize(
+    "timeouts",
+    [(0.0, 5.0), (5.0, 0.0), (-1.0, 5.0), (float("nan"), 5.0), (float("inf"), 5.0), (5.0, 9e9)],
+)
 def test_connect_refuses_timeouts_that_are_not_above_zero(timeouts: tuple[float, float]) -> None:
     from conch.etcd.client import connect
 
-    with pytest.raises(UsageError, match="want seconds above 0"):
+    with pytest.raises(UsageError, match="want seconds above 0, at most 10 years"):
         connect("127.0.0.1:1", *timeouts)

@@ -31,6 +31,8 @@ from conch.errors import (
 )
 from conch.flag import Flag
 
+MAX_TIMEOUT = 10 * 365 * 86400.0  # seconds; gRPC's deadlines overflow somewhere past 1e9 s
+
 # HTTP/2 pings find a dead connection even on an idle stream. etcd refuses pings more often
 # than every 5 s (--grpc-keepalive-min-time), so stay above that.
 _CHANNEL_OPTIONS = [
@@ -450,11 +452,12 @@ def connect(
     """A Client for ``endpoints`` (a comma-separated string or a list of ``host:port`` /
     ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises UsageError for
     a bad endpoint, Unavailable when none answers in time, AuthenticationFailed for wrong
-    credentials, and for a timeout that is not above 0."""
-    if not (dial_timeout > 0 and request_timeout > 0):
+    credentials, and for a timeout that is not above 0 or is over 10 years (gRPC would wait
+    forever)."""
+    if not all(0 < t <= MAX_TIMEOUT for t in (dial_timeout, request_timeout)):
         raise UsageError(
             f"bad timeouts (dial {dial_timeout!r}, request {request_timeout!r}): "
-            "want seconds above 0"
+            "want seconds above 0, at most 10 years"
         )
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]

@@ -62,7 +62,10 @@ def _line(level: str, event: str, fields: dict[str, object]) -> str:
 
 def _emit(level: int, name: str, event: str, fields: dict[str, object]) -> None:
     if LOGGER.isEnabledFor(level):
-        LOGGER.log(level, _line(name, event, fields))
+        # An embedder's handler that raises must not kill the conch thread that logs (the
+        # keepalive thread is the one that declares a lost session).
+        with contextlib.suppress(Exception):
+            LOGGER.log(level, _line(name, event, fields))
 
 
 def info(event: str, **fields: object) -> None:

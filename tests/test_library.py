@@ -583,3 +583,26 @@ def test_an_error_inside_the_supervision_kills_the_child_before_the_slot_goes(
     assert "error" in result
     poll(lambda: not alive(pid), what="the child killed")
     assert sema_keys(client, name) == []
+
+
+def test_a_logging_handler_that_raises_does_not_break_the_hold(client: Client, name: str) -> None:
+    """The embedder's logging is not ours to trust: a handler that raises on every record
+    must neither fail acquire() nor kill the thread that notices a lost lease."""
+    import logging
+
+    class Raising(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            raise RuntimeError("broken handler")
+
+    logger = logging.getLogger("conch")
+    handler, level = Raising(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+        lease.revoke(client, hold.lease_id)
+        assert hold.lost.wait(DEADLINE), "the loss went unnoticed"
+        hold.release()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -457,9 +457,9 @@ class Semaphore:
                 session, key, box, deadline, interrupt
             )
             standing = _Standing(revision, True) if held_at_creation else None
-            standing = standing or self._standing(key, revision)
+            standing = standing or self._standing(key, revision, interrupt)
             if not standing.held:
-                ahead = self._count_ahead(revision)
+                ahead = self._count_ahead(revision, interrupt)
                 log.info(
                     "queued",
                     name=self.name,
@@ -478,7 +478,7 @@ class Semaphore:
                     # there (events come in revision order): we hold at that revision.
                     standing = _Standing(woke.revision, True)
                 else:
-                    standing = self._standing(key, revision)
+                    standing = self._standing(key, revision, interrupt)
             log.info(
                 "acquired",
                 name=self.name,
@@ -523,6 +523,7 @@ class Semaphore:
                 [kv.create_revision_is(key, 0)],
                 [kv.op_put(key, value, session.lease_id), kv.op_range(self._heads_request())],
                 [kv.op_get(key)],
+                interrupt=interrupt,
             )
             if response.succeeded:
                 heads = response.responses[1].response_range.kvs
@@ -541,7 +542,7 @@ class Semaphore:
             if woke is not None:
                 woke.watch.cancel()
 
-    def _standing(self, key: bytes, revision: int) -> _Standing:
+    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
         to watch. One read-only KV.Txn of two ranges, so both see one revision: the first
         ``max`` keys, and our key with the one just ahead of it (keys only)."""
@@ -553,9 +554,8 @@ class Semaphore:
             sort_target=kv.CREATE,
             sort_order=kv.DESCEND,
         )
-        response = kv.txn(
-            self.client, [], [kv.op_range(self._heads_request()), kv.op_range(mine_and_prev)], []
-        )
+        reads = [kv.op_range(self._heads_request()), kv.op_range(mine_and_prev)]
+        response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
         at = int(response.header.revision)
         heads = response.responses[0].response_range.kvs
         if any(h.key == key and h.create_revision == revision for h in heads):
@@ -580,11 +580,15 @@ class Semaphore:
             sort_order=kv.ASCEND,
         )
 
-    def _count_ahead(self, revision: int) -> int:
+    def _count_ahead(self, revision: int, interrupt: Flag) -> int:
         """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
         ignores the create_revision filter, so this reads the keys ahead once)."""
         response = kv.range_prefix(
-            self.client, self.prefix, keys_only=True, max_create_revision=revision - 1
+            self.client,
+            self.prefix,
+            interrupt=interrupt,
+            keys_only=True,
+            max_create_revision=revision - 1,
         )
         return len(response.kvs)
 
@@ -640,7 +644,7 @@ class Semaphore:
                         log.info("rewatch", name=self.name, reason=str(item.error))
                         return None
                     if item.created:
-                        if self._changed_since(standing, item.revision):
+                        if self._changed_since(standing, item.revision, interrupt):
                             return None
                         continue
                     if any(event.kv.key in relevant for event in item.events):
@@ -650,12 +654,13 @@ class Semaphore:
             if watch is not None and not woke:
                 watch.cancel()
 
-    def _changed_since(self, standing: _Standing, confirmed: int) -> bool:
+    def _changed_since(self, standing: _Standing, confirmed: int, interrupt: Flag) -> bool:
         """Whether a watched key changed between our read and the watch's start (one KV.Txn
         of a Range per key; skipped when nothing at all happened in between)."""
         if confirmed <= standing.revision:
             return False
-        response = kv.txn(self.client, [], [kv.op_get(w.key) for w in standing.watched], [])
+        reads = [kv.op_get(w.key) for w in standing.watched]
+        response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
         return standing.changed([r.response_range for r in response.responses])
 
 

@@ -93,27 +93,33 @@ def _refuse_suspend(signum: int, frame: object) -> None:
 _COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
 
 
-def _started_with(name: str) -> bool:
-    """Whether ``name`` was in the environment this process was started with (Linux's
-    /proc/self/environ keeps it as exec() gave it); True when that cannot be read."""
+def _started_with(name: str) -> str | None:
+    """``name``'s value in the environment this process was started with (Linux's
+    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
+    value when that cannot be read."""
+    prefix = name.encode() + b"="
     try:
         with open("/proc/self/environ", "rb") as environ:
-            return any(
-                entry.startswith(name.encode() + b"=") for entry in environ.read().split(b"\0")
-            )
+            entries = environ.read().split(b"\0")
     except OSError:
-        return True
+        return os.environ.get(name)
+    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
+    return os.fsdecode(found[0]) if found else None
 
 
 def child_env(hold: Hold) -> dict[str, str]:
     """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX;
-    less what Python and gRPC set in it themselves (PEP 538's LC_CTYPE, unless we were
-    started with one; our GRPC_ENABLE_FORK_SUPPORT)."""
+    less what Python and gRPC set in it themselves (PEP 538's LC_CTYPE: the caller's back,
+    or none; our GRPC_ENABLE_FORK_SUPPORT)."""
     env = dict(os.environ)
     if FORK_SUPPORT_OFF:
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    if env.get("LC_CTYPE") in _COERCED_LC_CTYPE and not _started_with("LC_CTYPE"):
-        del env["LC_CTYPE"]  # Python's own, not the caller's: see _COERCED_LC_CTYPE
+    if env.get("LC_CTYPE") in _COERCED_LC_CTYPE:  # maybe Python's own: see _COERCED_LC_CTYPE
+        given = _started_with("LC_CTYPE")
+        if given is None:
+            del env["LC_CTYPE"]
+        else:
+            env["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
     env.update(
         CONCH_NAME=hold.name,
         CONCH_REV=str(hold.revision),
@@ -247,10 +253,6 @@ def run_child(
     ``hold`` is released as soon as the child has exited with nothing left in its group.
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
     started here, before the child."""
-    if hold.lost.is_set() or not hold.session.certainly_alive():
-        reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
-        log.error("lost", name=hold.name, rev=hold.revision, reason=str(reason))
-        return EX_SOFTWARE
     try:
         watchdog = watchdog or Watchdog(kill_after)
     except OSError as exc:
@@ -259,6 +261,12 @@ def run_child(
     if not watchdog.ready(WATCHDOG_START_TIMEOUT):  # long since, unless the slot was free
         watchdog.dismiss()
         log.error("watchdog-failed", error=f"not running after {WATCHDOG_START_TIMEOUT:g}s")
+        return EX_SOFTWARE
+    # After the watchdog's start, which can take a while on a loaded machine.
+    if hold.lost.is_set() or not hold.session.certainly_alive():
+        watchdog.dismiss()
+        reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
+        log.error("lost", name=hold.name, rev=hold.revision, reason=str(reason))
         return EX_SOFTWARE
     box: Mailbox = queue.SimpleQueue()
     with _reap_lock:  # the adopting reaper takes no status until the child is claimed
@@ -279,17 +287,18 @@ def run_child(
         except OSError as exc:
             unarmed = exc
         _on_exit(pid, lambda status: _child_exited(pid, status, box, hold))
-    if unarmed is not None:
-        log.error("watchdog-failed", error=str(unarmed))
-        _stop_group(pid, box, True, kill_after)
-        return EX_SOFTWARE
-    hold._start_guard()
-    started = time.monotonic()
-    log.info("child-start", pid=pid, rev=hold.revision)
-    stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
-    hold.lost.subscribe(box)
-    stop.subscribe(box)
-    try:
+    stop_heartbeats: Callable[[], None] | None = None
+    try:  # from here on, whatever goes wrong, the child does not outlive our supervision
+        if unarmed is not None:
+            log.error("watchdog-failed", error=str(unarmed))
+            _stop_group(pid, box, True, kill_after)
+            return EX_SOFTWARE
+        hold._start_guard()
+        started = time.monotonic()
+        log.info("child-start", pid=pid, rev=hold.revision)
+        stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
+        hold.lost.subscribe(box)
+        stop.subscribe(box)
         item = box.get()
         if isinstance(item, _ChildExit):
             code = _log_child_exit(pid, item.returncode, started)
@@ -325,7 +334,8 @@ def run_child(
         _signal_group(pid, signal.SIGKILL)
         raise
     finally:
-        stop_heartbeats()
+        if stop_heartbeats is not None:
+            stop_heartbeats()
         watchdog.dismiss()
         hold.lost.unsubscribe(box)
         stop.unsubscribe(box)

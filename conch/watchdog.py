@@ -70,14 +70,15 @@ class Watchdog:
         self._ready = False
 
     def ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for the watchdog to say it runs (a watchdog that
-        cannot start, its script gone in an upgrade, exits at once and never says so)."""
+        """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
+        that; one that cannot start, its script gone in an upgrade, exits at once and never
+        says it) and has not exited since (killed while conch queued)."""
         if not self._ready:
             assert self._process.stdout is not None
             fd = self._process.stdout.fileno()
             readable, _, _ = select.select([fd], [], [], timeout)
             self._ready = bool(readable) and os.read(fd, 1) == READY
-        return self._ready
+        return self._ready and self._process.poll() is None
 
     def arm(self, pgid: int, timeout: float) -> None:
         """Guard process group ``pgid`` from now on. Raises OSError when the watchdog is

@@ -527,6 +527,33 @@ def test_a_waiter_retrying_its_lease_grant_against_a_dead_etcd_stops_at_once_on_
         solo.stop()
 
 
+def test_a_waiter_rereading_the_queue_against_a_dead_etcd_stops_at_once_on_sigterm(
+    tmp_path: Path, name: str
+) -> None:
+    """Queued, etcd gone: the waiter's watch breaks ("rewatch") and it reads the queue
+    again, a read that retries for the request timeout (5 s). SIGTERM then used to wait for
+    it to give up."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    runner = Runner(solo, tmp_path)
+    gate = Gate(tmp_path)
+    try:
+        holder = runner.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+        poll(lambda: gate.now_running() == {"h"}, what="holder running")
+        waiter = runner.start("sema", name, "--max", "1", "--", "true")
+        poll(lambda: "event=queued" in waiter.log(), what="waiter queued")
+        solo.members[0].stop()  # refused connections: each read attempt fails at once
+        poll(lambda: "event=rewatch" in waiter.log(), what="the waiter's watch broken")
+        sent = time.monotonic()
+        waiter.signal(signal.SIGTERM)
+        assert waiter.wait() == 128 + signal.SIGTERM, waiter.log()
+        assert time.monotonic() - sent < 2.5, waiter.log()
+        holder.kill()
+    finally:
+        runner.cleanup()
+        solo.stop()
+
+
 def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: Path) -> None:
     """gRPC's reconnect backoff would have grown to ~10 s over a 20 s outage (the client came
     back 4-7 s after etcd did; 10-15 s after a 30 s outage)."""
@@ -576,8 +603,8 @@ class CompactingSemaphore(Semaphore):
 
     compactions = 0
 
-    def _standing(self, key: bytes, revision: int) -> _Standing:
-        standing = super()._standing(key, revision)
+    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
+        standing = super()._standing(key, revision, interrupt)
         if not standing.held and self.compactions == 0:
             self.compactions += 1
             for i in range(3):

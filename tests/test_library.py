@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -606,3 +607,38 @@ def test_a_logging_handler_that_raises_does_not_break_the_hold(client: Client, n
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+
+
+def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
+    client: Client, name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a loaded machine the watchdog's start can take seconds after the slot came; the
+    hold is checked again after it, right before the child."""
+    from conch.flag import Flag
+    from conch.supervisor import run_child
+    from conch.watchdog import Watchdog
+
+    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+
+    class SlowStart(Watchdog):
+        def ready(self, timeout: float) -> bool:
+            lease.revoke(client, hold.lease_id)  # the hold goes while we wait
+            hold.lost.wait(DEADLINE)
+            return super().ready(timeout)
+
+    caplog.set_level(logging.INFO, logger="conch")
+    marker = tmp_path / "ran"
+    watchdog = SlowStart(1.0)
+    assert run_child(hold, ["touch", str(marker)], 1.0, Flag("stop"), watchdog) == 70
+    assert "event=child-start" not in caplog.text and not marker.exists()
+    hold.release()
+
+
+def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
+    from conch.watchdog import Watchdog
+
+    watchdog = Watchdog(1.0)
+    assert watchdog.ready(DEADLINE)
+    watchdog._process.kill()
+    watchdog._process.wait(DEADLINE)
+    assert not watchdog.ready(0)

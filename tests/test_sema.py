@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conch.etcd import Client, lease
+from conch.flag import Flag
 from conch.semaphore import _Standing
 from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
@@ -306,6 +307,11 @@ def test_the_child_gets_the_environment_conch_was_started_with_plus_its_conch_va
     child = dict(line.split("=", 1) for line in proc.stdout().splitlines())
     assert set(child) == {*started_with, "CONCH_NAME", "CONCH_REV", "CONCH_LEASE", "CONCH_MAX"}
     assert {k: child[k] for k in started_with} == started_with
+    # A C locale the caller asked for is coerced too: the child gets the caller's back.
+    launcher = [*launcher, "LC_CTYPE=POSIX"]
+    proc = conch.start("sema", name, "--max", "1", "--", "env", launcher=launcher)
+    assert proc.wait() == 0, proc.log()
+    assert "LC_CTYPE=POSIX" in proc.stdout().splitlines()
 
 
 def test_sigint_or_sighup_ignored_by_whoever_started_conch_stays_ignored_but_not_sigterm(
@@ -646,11 +652,11 @@ def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
         look = threading.Event()
         go = threading.Event()
 
-        def _standing(self, key: bytes, revision: int) -> _Standing:
+        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
             if not self.look.is_set():
                 self.look.set()
                 assert self.go.wait(30)
-            return super()._standing(key, revision)
+            return super()._standing(key, revision, interrupt)
 
     a = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
     b = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)

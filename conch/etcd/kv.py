@@ -8,6 +8,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch.etcd.client import Client
+from conch.flag import Flag
 
 KeyValue: TypeAlias = kv_pb2.KeyValue
 RangeRequest: TypeAlias = rpc_pb2.RangeRequest
@@ -27,10 +28,16 @@ def prefix_end(prefix: bytes) -> bytes:
 
 
 def range_(
-    client: Client, request: rpc_pb2.RangeRequest, timeout: float | None = None
+    client: Client,
+    request: rpc_pb2.RangeRequest,
+    timeout: float | None = None,
+    interrupt: Flag | None = None,
 ) -> rpc_pb2.RangeResponse:
-    """KV.Range, linearizable unless the request says serializable."""
-    response: rpc_pb2.RangeResponse = client.call("kv", "Range", request, timeout)
+    """KV.Range, linearizable unless the request says serializable; ``interrupt`` as in
+    ``Client.call``."""
+    response: rpc_pb2.RangeResponse = client.call(
+        "kv", "Range", request, timeout, interrupt=interrupt
+    )
     return response
 
 
@@ -40,11 +47,15 @@ DESCEND = rpc_pb2.RangeRequest.DESCEND
 
 
 def range_prefix(
-    client: Client, prefix: bytes, timeout: float | None = None, **fields: Any
+    client: Client,
+    prefix: bytes,
+    timeout: float | None = None,
+    interrupt: Flag | None = None,
+    **fields: Any,
 ) -> rpc_pb2.RangeResponse:
     """KV.Range over every key under ``prefix``; ``fields`` are further RangeRequest fields
     (``limit``, ``revision``, ``keys_only``, ``max_create_revision``, ``sort_target``, ...)."""
-    return range_(client, prefix_request(prefix, **fields), timeout)
+    return range_(client, prefix_request(prefix, **fields), timeout, interrupt)
 
 
 def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:
@@ -79,10 +90,12 @@ def txn(
     success: list[rpc_pb2.RequestOp],
     failure: list[rpc_pb2.RequestOp],
     timeout: float | None = None,
+    interrupt: Flag | None = None,
 ) -> rpc_pb2.TxnResponse:
-    """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically."""
+    """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically;
+    ``interrupt`` as in ``Client.call``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response: rpc_pb2.TxnResponse = client.call("kv", "Txn", request, timeout)
+    response: rpc_pb2.TxnResponse = client.call("kv", "Txn", request, timeout, interrupt=interrupt)
     return response
 
 

@@ -46,6 +46,7 @@ from conch import keys, log
 from conch.errors import (
     EtcdError,
     Interrupted,
+    LeaseNotFound,
     NoSlot,
     SessionLost,
     Unavailable,
@@ -420,7 +421,9 @@ class Semaphore:
             entered = True
             try:
                 return self._acquire_with(session, deadline, interrupt, started)
-            except (SessionLost, Unavailable) as exc:
+            except (SessionLost, LeaseNotFound, Unavailable) as exc:
+                # LeaseNotFound: the lease expired before our first write (a process stopped
+                # in between); like any lost session, re-enter.
                 session.close(timeout=WITHDRAW_TIMEOUT)
                 self._before_reentry(exc, deadline, interrupt, backoff)
             except BaseException:

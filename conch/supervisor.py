@@ -87,39 +87,12 @@ def _refuse_suspend(signum: int, frame: object) -> None:
     )
 
 
-# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
-# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
-# in another locale under conch than without it.
-_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
-
-
-def _started_with(name: str) -> str | None:
-    """``name``'s value in the environment this process was started with (Linux's
-    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
-    value when that cannot be read."""
-    prefix = name.encode() + b"="
-    try:
-        with open("/proc/self/environ", "rb") as environ:
-            entries = environ.read().split(b"\0")
-    except OSError:
-        return os.environ.get(name)
-    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
-    return os.fsdecode(found[0]) if found else None
-
-
 def child_env(hold: Hold) -> dict[str, str]:
-    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX;
-    less what Python and gRPC set in it themselves (PEP 538's LC_CTYPE: the caller's back,
-    or none; our GRPC_ENABLE_FORK_SUPPORT)."""
+    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX,
+    less our GRPC_ENABLE_FORK_SUPPORT."""
     env = dict(os.environ)
     if FORK_SUPPORT_OFF:
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    if env.get("LC_CTYPE") in _COERCED_LC_CTYPE:  # maybe Python's own: see _COERCED_LC_CTYPE
-        given = _started_with("LC_CTYPE")
-        if given is None:
-            del env["LC_CTYPE"]
-        else:
-            env["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
     env.update(
         CONCH_NAME=hold.name,
         CONCH_REV=str(hold.revision),
@@ -249,7 +222,8 @@ def run_child(
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
-    (terminate it, return its status). Never starts it without a hold: 70 if already lost.
+    (terminate it, return its status). Never starts it without a hold: 70 if already lost;
+    raises Interrupted if ``stop`` is set before it starts.
     ``hold`` is released as soon as the child has exited with nothing left in its group.
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
     started here, before the child."""
@@ -258,11 +232,16 @@ def run_child(
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE
-    if not watchdog.ready(WATCHDOG_START_TIMEOUT):  # long since, unless the slot was free
+    if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
         watchdog.dismiss()
+        if stop.is_set():
+            raise Interrupted(stop.reason)
         log.error("watchdog-failed", error=f"not running after {WATCHDOG_START_TIMEOUT:g}s")
         return EX_SOFTWARE
     # After the watchdog's start, which can take a while on a loaded machine.
+    if stop.is_set():
+        watchdog.dismiss()
+        raise Interrupted(stop.reason)
     if hold.lost.is_set() or not hold.session.certainly_alive():
         watchdog.dismiss()
         reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
@@ -280,13 +259,17 @@ def run_child(
             watchdog.dismiss()
             log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
             return EX_CANNOT_EXECUTE
-        # Armed first thing: a conch killed before this line leaves the child unwatched.
         try:
-            watchdog.arm(pid, hold.session.silence_limit)
-            unarmed = None
-        except OSError as exc:
-            unarmed = exc
-        _on_exit(pid, lambda status: _child_exited(pid, status, box, hold))
+            # Armed first thing: a conch killed before this line leaves the child unwatched.
+            try:
+                watchdog.arm(pid, hold.session.silence_limit)
+                unarmed = None
+            except OSError as exc:
+                unarmed = exc
+            _on_exit(pid, lambda status: _child_exited(pid, status, box, hold))
+        except BaseException:  # no reaping thread (can't start new thread): fail closed
+            _kill_group(pid)
+            raise
     stop_heartbeats: Callable[[], None] | None = None
     try:  # from here on, whatever goes wrong, the child does not outlive our supervision
         if unarmed is not None:
@@ -331,7 +314,7 @@ def run_child(
     except BaseException:
         # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
         # running with nobody watching it while the slot is released.
-        _signal_group(pid, signal.SIGKILL)
+        _kill_group(pid)
         raise
     finally:
         if stop_heartbeats is not None:
@@ -452,6 +435,15 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the group and give it a moment (GONE_AFTER_KILL) to be gone; never raises
+    (it runs on the way out of an error, which must stay the one reported)."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        _await_group_gone(pgid, time.monotonic() + GONE_AFTER_KILL)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

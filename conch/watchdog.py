@@ -36,7 +36,10 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
+
+from conch.flag import Flag
 
 HEARTBEAT = b"h"
 GOODBYE = b"x"
@@ -69,16 +72,33 @@ class Watchdog:
         self._dismissed = False
         self._ready = False
 
-    def ready(self, timeout: float) -> bool:
+    def ready(self, timeout: float, stop: Flag | None = None) -> bool:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
-        that; one that cannot start, its script gone in an upgrade, exits at once and never
-        says it) and has not exited since (killed while conch queued)."""
-        if not self._ready:
-            assert self._process.stdout is not None
-            fd = self._process.stdout.fileno()
-            readable, _, _ = select.select([fd], [], [], timeout)
-            self._ready = bool(readable) and os.read(fd, 1) == READY
-        return self._ready and self._process.poll() is None
+        that, or until ``stop`` is set; one that cannot start, its script gone in an
+        upgrade, exits at once and never says it) and has not exited since (killed while
+        conch queued)."""
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            left = deadline - time.monotonic()
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return False
+            # In slices: a signal handler's flag does not cut a wait on the pipe short.
+            if self._readable(min(left, 0.05)):
+                self._ready = os.read(self._stdout(), 1) == READY
+                if not self._ready:
+                    return False
+        return self._process.poll() is None
+
+    def _stdout(self) -> int:
+        assert self._process.stdout is not None
+        return self._process.stdout.fileno()
+
+    def _readable(self, timeout: float) -> bool:
+        """Whether the watchdog's stdout has a byte within ``timeout`` seconds (poll, not
+        select: an embedding service may hold more than 1024 descriptors)."""
+        poller = select.poll()
+        poller.register(self._stdout(), select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
 
     def arm(self, pgid: int, timeout: float) -> None:
         """Guard process group ``pgid`` from now on. Raises OSError when the watchdog is
@@ -116,10 +136,7 @@ class Watchdog:
     @property
     def fired(self) -> bool:
         """Whether the watchdog has terminated the group (after ``ready()``)."""
-        assert self._process.stdout is not None
-        fd = self._process.stdout.fileno()
-        ready, _, _ = select.select([fd], [], [], 0)
-        return bool(ready) and os.read(fd, 1) == FIRED
+        return self._readable(0) and os.read(self._stdout(), 1) == FIRED
 
     def _send(self, byte: bytes) -> None:
         assert self._process.stdin is not None

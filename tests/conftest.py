@@ -192,10 +192,11 @@ class Gate:
     def cmd(self, ident: str, code: int = 0) -> list[str]:
         script = (
             f"trap 'rm -f {self.running}/{ident}; exit 143' TERM; "
-            # written aside and renamed in: a reader never sees the file empty
+            # logged first, then the running file, written aside and renamed in: whoever
+            # sees it running finds it in the log, and never finds the file empty
+            f"echo {ident} >> {self.started_log}; "
             f'echo "$CONCH_REV" > {self.running}.{ident}; '
             f"mv {self.running}.{ident} {self.running}/{ident}; "
-            f"echo {ident} >> {self.started_log}; "
             f"while [ ! -e {self.release_dir}/{ident} ]; do sleep 0.02; done; "
             f"rm -f {self.running}/{ident}; exit {code}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -621,10 +622,10 @@ def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
     hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
 
     class SlowStart(Watchdog):
-        def ready(self, timeout: float) -> bool:
+        def ready(self, timeout: float, stop: Flag | None = None) -> bool:
             lease.revoke(client, hold.lease_id)  # the hold goes while we wait
             hold.lost.wait(DEADLINE)
-            return super().ready(timeout)
+            return super().ready(timeout, stop)
 
     caplog.set_level(logging.INFO, logger="conch")
     marker = tmp_path / "ran"
@@ -642,3 +643,103 @@ def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
     watchdog._process.kill()
     watchdog._process.wait(DEADLINE)
     assert not watchdog.ready(0)
+
+
+def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(
+    client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal (stop) while run_child waits for a slow watchdog: Interrupted, as when still
+    queued, and no child. It used to wait the watchdog out and start the child anyway."""
+    from conch import supervisor
+    from conch.errors import Interrupted
+    from conch.flag import Flag
+    from conch.watchdog import Watchdog
+
+    stop = Flag("stop")
+
+    class SlowStart(Watchdog):
+        def ready(self, timeout: float, stop_flag: Flag | None = None) -> bool:
+            stop.set(15)  # the signal comes while the watchdog is still starting
+            return super().ready(timeout, stop_flag)
+
+    monkeypatch.setattr(supervisor, "Watchdog", SlowStart)
+    marker = tmp_path / "ran"
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    with pytest.raises(Interrupted):
+        supervisor.supervise(sema, ["touch", str(marker)], None, 1.0, stop)
+    assert not marker.exists()
+    assert sema_keys(client, name) == []
+
+
+def test_an_embedders_own_lc_ctype_reaches_the_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the command undoes Python's locale coercion; a service's LC_CTYPE is its own."""
+    from types import SimpleNamespace
+
+    from conch.supervisor import child_env
+
+    monkeypatch.setenv("LC_CTYPE", "C.UTF-8")
+    hold = SimpleNamespace(name="n", revision=7, lease_id=255, max=1)
+    assert child_env(hold)["LC_CTYPE"] == "C.UTF-8"  # type: ignore[arg-type]
+
+
+def test_no_reaping_thread_for_the_child_kills_it_before_the_slot_goes(
+    client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thread.start fails (a pids limit the child itself just reached): the child must not
+    run on, unreaped and unwatched, while the slot is released."""
+    from conch import supervisor
+    from conch.flag import Flag
+
+    children: list[int] = []
+
+    def no_thread(pid: int, callback: object) -> None:
+        children.append(pid)
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(supervisor, "_on_exit", no_thread)
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    with pytest.raises(RuntimeError):
+        supervisor.supervise(sema, ["sleep", "60"], None, 1.0, Flag("stop"))
+    poll(lambda: not alive(children[0]), what="the child killed")  # a zombie at most
+    assert sema_keys(client, name) == []
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(children[0], 0)
+
+
+def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, name: str) -> None:
+    """select() refuses descriptors past 1023; a busy service holds that many."""
+    import resource
+
+    from conch.flag import Flag
+    from conch.supervisor import supervise
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        sema = conch.Semaphore(client, name, max=1, ttl=5)
+        assert supervise(sema, ["sh", "-c", "exit 3"], None, 1.0, Flag("stop")) == 3
+    finally:
+        for fd in fds:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_lease_gone_before_the_first_write_re_enters(client: Client, name: str) -> None:
+    """A process stopped between its LeaseGrant and its first write finds its lease expired:
+    etcd refuses the put (lease not found). That is a lost session: re-enter, not give up."""
+
+    class ExpiredFirst(conch.Semaphore):
+        tries = 0
+
+        def _enqueue(self, session: Any, *args: Any) -> Any:
+            ExpiredFirst.tries += 1
+            if ExpiredFirst.tries == 1:
+                lease.revoke(client, session.lease_id)
+            return super()._enqueue(session, *args)
+
+    hold = ExpiredFirst(client, name, max=1, ttl=5).acquire(timeout=20)
+    assert ExpiredFirst.tries == 2
+    hold.release()

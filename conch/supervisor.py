@@ -305,7 +305,10 @@ def run_child(
         # conch die meanwhile (SIGKILL, OOM) it still finishes the termination.
         watchdog.stand_by()
         if item is hold.lost:
-            log.error("lost", name=hold.name, rev=hold.revision, reason=str(hold.lost.reason))
+            reason = str(hold.lost.reason)
+            if watchdog.fired:  # frozen past the silence limit: the key went meanwhile too
+                reason = "wrapper stalled; the watchdog terminated the child"
+            log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
             _log_child_exit(pid, _stop_group(pid, box, True, kill_after), started)
             return EX_SOFTWARE
         log.info("signal", signum=stop.reason, pid=pid)

@@ -21,7 +21,17 @@ from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.semaphore import Identity, Semaphore, _Standing
-from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, stat_fields, who_json
+from tests.conftest import (
+    DEADLINE,
+    Conch,
+    Gate,
+    Runner,
+    alive,
+    poll,
+    sema_keys,
+    stat_fields,
+    who_json,
+)
 from tests.etcd_server import EtcdCluster, etcdctl_binary
 
 
@@ -453,7 +463,9 @@ def test_watch_resumes_on_another_member_without_losing_or_repeating_events(
             first = box.get(timeout=30)
             assert [e.kv.value for e in first.events] == [b"0"]
             cluster.members[0].stop()  # the member the watch stream is on
-            kv.put(other, b"/resume/k", b"1")
+            # If it led, the others elect a new leader first: seconds on a loaded machine
+            # (a 5 s request timeout ran out once in CI on etcd 3.4).
+            kv.put(other, b"/resume/k", b"1", timeout=DEADLINE)
             kv.put(other, b"/resume/k", b"2")
             kv.delete(other, b"/resume/k")
             seen: list[tuple[int, bytes]] = []

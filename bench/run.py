@@ -511,6 +511,7 @@ class Bench:
             "google.protobuf.descriptor_pool",
             "google.protobuf.text_format",
             "conch.semaphore",
+            "conch.hold",
             "conch.supervisor",
             "conch.watchdog",
             "conch.session",

@@ -34,10 +34,10 @@ _EXPORTS = {
     "Endpoint": "conch.etcd",
     "connect": "conch.etcd.client",
     "Semaphore": "conch.semaphore",
-    "Hold": "conch.semaphore",
-    "Identity": "conch.semaphore",
-    "Record": "conch.semaphore",
-    "who": "conch.semaphore",
+    "Hold": "conch.hold",
+    "Identity": "conch.identity",
+    "Record": "conch.listing",
+    "who": "conch.listing",
     "Session": "conch.session",
     "Flag": "conch.flag",
     "supervise": "conch.supervisor",
@@ -95,7 +95,10 @@ if TYPE_CHECKING:
     from conch.etcd import ETCD_API_VERSION, Client, Endpoint
     from conch.etcd.client import connect
     from conch.flag import Flag
-    from conch.semaphore import Hold, Identity, Record, Semaphore, who
+    from conch.hold import Hold
+    from conch.identity import Identity
+    from conch.listing import Record, who
+    from conch.semaphore import Semaphore
     from conch.session import Session
     from conch.supervisor import supervise
 

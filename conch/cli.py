@@ -18,8 +18,10 @@ from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageErro
 from conch.etcd import ETCD_API_VERSION, Client
 from conch.etcd.client import TLS, Credentials, connect
 from conch.flag import Flag
-from conch.keys import check_host, check_name
-from conch.semaphore import Identity, Semaphore, check_max, who
+from conch.identity import Identity
+from conch.keys import check_host, check_max, check_name
+from conch.listing import who
+from conch.semaphore import Semaphore
 from conch.supervisor import adopt_orphans, stop_on_signals, supervise
 
 _UNITS = {

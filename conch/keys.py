@@ -12,6 +12,7 @@ from conch.errors import UsageError
 
 ROOT = b"/conch/v1/sema/"
 NAME_MAX_BYTES = 200
+MAX_CAPACITY = 1_000_000
 
 
 def check_name(name: str) -> None:
@@ -87,3 +88,8 @@ def parse_under_name(name: str, key: bytes) -> ParsedKey | None:
     max_text = max_raw.decode("ascii", "replace")
     capacity = int(max_text) if max_text.isdigit() and str(int(max_text)) == max_text else None
     return ParsedKey(capacity, decode_segment(tail))
+
+
+def check_max(max_holders: int) -> None:
+    if type(max_holders) is not int or not 1 <= max_holders <= MAX_CAPACITY:
+        raise UsageError(f"bad --max {max_holders!r}: want a whole number, 1 to {MAX_CAPACITY}")

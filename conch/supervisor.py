@@ -17,7 +17,8 @@ from conch import log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
 from conch.etcd import FORK_SUPPORT_OFF
 from conch.flag import Flag, Mailbox, remaining
-from conch.semaphore import Hold, Semaphore
+from conch.hold import Hold
+from conch.semaphore import Semaphore
 from conch.watchdog import Watchdog
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap

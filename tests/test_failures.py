@@ -20,7 +20,8 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
-from conch.semaphore import Identity, Semaphore, _Standing
+from conch.identity import Identity
+from conch.semaphore import Semaphore, _Standing
 from tests.conftest import (
     DEADLINE,
     Conch,

@@ -19,6 +19,7 @@ import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
 import conch
+from conch import hold as hold_module
 from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
@@ -291,6 +292,7 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
         return opened[-1]
 
     monkeypatch.setattr(semaphore, "Watch", watch)
+    monkeypatch.setattr(hold_module, "Watch", watch)
     identity = conch.Identity.current(["job"], host="h1")
     holder = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
     waiter = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
@@ -314,7 +316,7 @@ def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
             guard_starts.append((key, start))
         return Watch(client, key, start, *args, **kwargs)
 
-    monkeypatch.setattr(semaphore, "Watch", watch)
+    monkeypatch.setattr(hold_module, "Watch", watch)
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     holder = sema.acquire(timeout=10)
     thread, result = _acquire_in_thread(sema, 30)

@@ -15,7 +15,7 @@ from conch.errors import UsageError
 from conch.etcd import Endpoint
 from conch.etcd.kv import prefix_end
 from conch.flag import Flag
-from conch.semaphore import Identity, cut_utf8
+from conch.identity import Identity, cut_utf8
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,50 @@
+"""Who holds or waits: the JSON value at every key (contract section 6)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+
+CMD_MAX_BYTES = 256
+
+
+def default_host() -> str:
+    """The node name: ``CONCH_HOST`` if set, else the hostname."""
+    return os.environ.get("CONCH_HOST") or socket.gethostname()
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cut_utf8(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8 without splitting a character."""
+    return text.encode("utf-8", "replace")[:limit].decode("utf-8", "ignore")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who holds or waits: the value at every key, one line of JSON (contract section 6)."""
+
+    host: str
+    pid: int
+    started: str  # UTC RFC 3339; a key says when it was written (``entering``)
+    cmd: str
+
+    @classmethod
+    def current(cls, argv: Sequence[str] = (), host: str | None = None) -> Identity:
+        cmd = cut_utf8(" ".join(argv), CMD_MAX_BYTES)
+        return cls(host or default_host(), os.getpid(), _utc_now(), cmd)
+
+    def entering(self) -> Identity:
+        """This identity, ``started`` now: what a key written now says (a Semaphore of a
+        long-lived service is made long before it queues)."""
+        return replace(self, started=_utc_now())
+
+    def to_json(self) -> bytes:
+        record = {"host": self.host, "pid": self.pid, "started": self.started, "cmd": self.cmd}
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

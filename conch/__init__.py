@@ -50,6 +50,7 @@ _EXPORTS = {
     "Compacted": "conch.errors",
     "SessionLost": "conch.errors",
     "NoSlot": "conch.errors",
+    "HoldLost": "conch.errors",
     "Interrupted": "conch.errors",
 }
 
@@ -62,6 +63,7 @@ __all__ = [
     "EtcdError",
     "Flag",
     "Hold",
+    "HoldLost",
     "Identity",
     "Interrupted",
     "LeaseNotFound",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
         Compacted,
         ConchError,
         EtcdError,
+        HoldLost,
         Interrupted,
         LeaseNotFound,
         NoSlot,

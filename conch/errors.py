@@ -68,6 +68,13 @@ class SessionLost(ConchError):
     exit_code = EX_SOFTWARE
 
 
+class HoldLost(ConchError):
+    """The hold is no longer certainly ours: the session's lease was lost (or its last
+    confirmed keepalive is older than the TTL), or our key was seen deleted."""
+
+    exit_code = EX_SOFTWARE
+
+
 class NoSlot(ConchError):
     """No slot was free in time (``--nonblock`` or ``--wait`` ran out); our waiter key is gone."""
 

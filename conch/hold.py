@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
-from conch.errors import EtcdError
+from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
 from conch.etcd.client import Backoff
 from conch.etcd.watch import Watch, WatchNotice
@@ -90,6 +90,18 @@ class Hold:
         loss is noticed late, never missed: it subscribes to the session's loss first."""
         if self._guard.ident is None and not self._releasing:
             self._guard.start()
+
+    def check(self) -> None:
+        """Raise HoldLost unless the hold is certainly ours at this moment: the lease is
+        certainly alive (a keepalive confirmed within the TTL, on the monotonic clock, so a
+        process frozen past its TTL fails at once) and our key has not been seen deleted.
+        Makes no etcd call."""
+        if self.lost.is_set():
+            raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self.lost.reason}")
+        if not self.session.certainly_alive():
+            raise HoldLost(
+                f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
+            )
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""

@@ -9,6 +9,7 @@ failure, which lands them on the next endpoint.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -262,6 +263,7 @@ class Client:
         self._stubs: dict[Endpoint, _Stubs] = {}
         self._current = 0
         self._lock = threading.Lock()
+        self._failover_listeners: list[Callable[[Endpoint], None]] = []
         self._closed = False
 
     @classmethod
@@ -333,10 +335,28 @@ class Client:
         return stubs
 
     def failover(self, failed: Endpoint) -> None:
-        """Move on from ``failed`` to the next endpoint (no-op if someone already moved on)."""
+        """Move on from ``failed`` to the next endpoint (no-op if someone already moved on).
+        Listeners (``on_failover``) hear of it when this call is the one that moved."""
         with self._lock:
-            if self.endpoints[self._current] == failed:
+            moved = self.endpoints[self._current] == failed
+            if moved:
                 self._current = (self._current + 1) % len(self.endpoints)
+            listeners = tuple(self._failover_listeners) if moved else ()
+        for listener in listeners:
+            listener(failed)
+
+    def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
+        """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time
+        calls move away from an endpoint, so that streams still on it can move too. Returns
+        a function that removes it."""
+        with self._lock:
+            self._failover_listeners.append(listener)
+
+        def remove() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._failover_listeners.remove(listener)
+
+        return remove
 
     def authenticate(self, timeout: float | None = None) -> None:
         """Auth.Authenticate with our credentials and keep the token for later calls.

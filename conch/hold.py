@@ -1,23 +1,31 @@
 """A slot held: its guard (the watch on our key, the touch that moves the next waiter up)
-and its release."""
+and its release.
+
+The guard is a few short steps, not a thread: they run on the client's timer thread
+(``conch.timer``) and from the client's shared Watch stream, and reach the Hold through
+weak references only. So a hold costs no thread of its own, and a Hold nobody references
+any more is collected: its finalizer releases it (with a ResourceWarning), and no key or
+lease of it outlives it by more than the TTL.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
-from conch.etcd.client import Backoff
+from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
-from conch.flag import Flag, Mailbox
+from conch.flag import Flag
 from conch.session import Session
+from conch.timer import timer_for, weakly
 
 if TYPE_CHECKING:
     from conch.semaphore import Semaphore
@@ -26,7 +34,7 @@ if TYPE_CHECKING:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
 # Seconds a new hold waits before it opens the watch on its own key: a short job is over
-# by then and never pays for that stream, whose set-up would compete with its release.
+# by then and never pays for that watch, whose set-up would compete with its release.
 # A deletion in between is not missed (the watch starts from our create_revision), only
 # noticed later; a lost session is noticed at once.
 GUARD_WATCH_DELAY = 0.05
@@ -37,11 +45,28 @@ GUARD_WATCH_DELAY = 0.05
 TOUCH_DELAY = 0.5
 
 
+def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
+    """Delete ``key`` if it is still the one created at ``revision`` (one KV.Txn comparing
+    its create_revision, so a key someone else made since is left alone). Returns whether
+    it was ours to delete. Raises EtcdError."""
+    response = kv.txn(
+        client,
+        [kv.create_revision_is(key, revision)],
+        [kv.op_delete(key)],
+        [],
+        timeout=timeout,
+    )
+    return bool(response.succeeded)
+
+
 class Hold:
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
-    ``release()`` (or leaving the ``with`` block) deletes the key and revokes the lease."""
+    ``release()`` (or leaving the ``with`` block) gives the slot back: on a session of its
+    own it revokes the lease (key and lease go in one revision), on a shared session it
+    deletes our key only (KV.Txn comparing its create_revision). A Hold dropped without
+    release is released when collected, with a ResourceWarning."""
 
     def __init__(
         self,
@@ -53,6 +78,7 @@ class Hold:
         touch: bool = False,
         retire: Sequence[Watch] = (),
         held_at: int = 0,
+        shared: bool = False,
     ) -> None:
         self.name = sema.name
         self.max = sema.max
@@ -62,34 +88,67 @@ class Hold:
         self.lease_id = session.lease_id
         self.lost = Flag("hold-lost")
         self._client = sema.client
+        self._shared = shared
         self._released = Flag("released")
         self._releasing = False  # set before the revoke: the deletion it causes is no loss
         self._release_lock = threading.Lock()
-        self._revoked = False  # whether the release's LeaseRevoke was confirmed
+        self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._revoked_after_loss = False
         self._logged = False
         self._touch_value = value if touch else None  # what our key says, written again
-        self._retire = list(retire)  # the waiting watch, cancelled by the guard (not before)
+        # The guard's watches (the waiting watch it retires, then its own): a list the
+        # finalizer can cancel without reaching the Hold.
+        self._watches: list[Watch] = list(retire)
         # A revision at which our key was seen ours and holding: the guard watches from there
         # (from our create_revision, after a long wait, etcd would replay all that history
         # to the watch, or refuse it as compacted).
         self._held_at = held_at or revision
-        self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
-        # Straight from the keepalive thread: the guard may be inside a call to etcd for
+        self._guard_started = False
+        self._backoff = Backoff()
+        self._timer = timer_for(self._client)
+        # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        session.lost.add_callback(self._session_lost)
+        session.lost.add_callback(weakly(self._session_lost))
+        self._finalizer = weakref.finalize(
+            self, _dropped, session, self._client, key, revision, shared, self._watches
+        )
+        self._finalizer.atexit = False  # at exit the lease expires after its TTL
 
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
             self.lost.set(f"session lost: {session_lost.reason}")
 
+    def _done(self) -> bool:
+        """Nothing left to guard: released (or releasing), or lost."""
+        return self._releasing or self.lost.is_set()
+
+    def _later(self, delay: float, step: Callable[[], None]) -> None:
+        """Run the guard's ``step`` (a bound method) ``delay`` seconds from now on the
+        timer thread, unless the Hold is gone or done by then."""
+        call = weakly(step)
+        ref = weakref.ref(self)
+
+        def run() -> None:
+            hold = ref()
+            if hold is not None and not hold._done():
+                call()
+
+        self._timer.call_later(delay, run)
+
     def _start_guard(self) -> None:
-        """Start the thread that touches and watches our key. ``Semaphore.acquire`` does it
-        before returning; the supervisor does it just after starting the child, because a
-        thread's start-up costs the handoff a GIL switch (milliseconds). Until it runs, a
-        loss is noticed late, never missed: it subscribes to the session's loss first."""
-        if self._guard.ident is None and not self._releasing:
-            self._guard.start()
+        """Start guarding the key. ``Semaphore.acquire`` does it before returning; the
+        supervisor does it just after starting the child. Until then, a loss is noticed
+        late, never missed: the hold subscribes to the session's loss first."""
+        with self._release_lock:
+            if self._guard_started or self._releasing:
+                return
+            self._guard_started = True
+        if self._touch_value is not None and self.max > 1:
+            # With max > 1 another holder may leave any moment: the waiter behind us must
+            # be watching for it, so it must learn it is first in line now.
+            self._later(0, self._touch_then_watch)
+        else:
+            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
 
     def check(self) -> None:
         """Raise HoldLost unless the hold is certainly ours at this moment: the lease is
@@ -107,130 +166,94 @@ class Hold:
         """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
-    def _guard_key(self) -> None:
-        """Touch our key if due (max 1: from a thread of its own, TOUCH_DELAY into the
-        hold), then set ``lost`` when the session is lost or our key is deleted. After any
-        watch failure (compaction, broken stream) re-check the key with a Range and watch
-        again."""
-        box: Mailbox = queue.SimpleQueue()
-        self.session.lost.subscribe(box)
-        self._released.subscribe(box)
-        touch_now = self._touch_value is not None and self.max > 1
-        start = self._held_at + 1
+    # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
+
+    def _touch_then_watch(self) -> None:
+        touched = self._touch(retry=self._touch_then_watch)
+        if touched is not None:
+            # Ours at the touch: nothing before it to replay.
+            self._held_at = touched
+            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+
+    def _touch_due(self) -> None:
+        self._touch(retry=self._touch_due)
+
+    def _watch_own_key(self) -> None:
+        """Retire the waiting watch and watch our key for deletion; a max-1 hold that
+        waited touches its key TOUCH_DELAY into the hold."""
+        if self._touch_value is not None and self.max == 1:
+            self._later(TOUCH_DELAY - GUARD_WATCH_DELAY, self._touch_due)
+        self._open_watch(self._held_at + 1)
+
+    def _open_watch(self, start: int) -> None:
+        _cancel_all(self._watches)
         try:
-            if touch_now:
-                touched = self._touch(box)
-                if touched is None:
-                    return
-                start = touched + 1  # ours at the touch: nothing before it to replay
-            if self.lost.is_set():
-                return
-            with contextlib.suppress(queue.Empty):
-                pending = box.get(timeout=GUARD_WATCH_DELAY)
-                if pending is self._released or self._releasing:
-                    return
-                self.lost.set(f"session lost: {self.session.lost.reason}")
-                return
-            if self._touch_value is not None and not touch_now:
-                threading.Thread(target=self._touch_later, name="conch-touch", daemon=True).start()
-            _cancel_all(self._retire)
-            self._watch_key(box, start)
-        finally:
-            _cancel_all(self._retire)
+            watch = Watch(self._client, self.key, start, weakly(self._on_notice), only_deletes=True)
+        except EtcdError:
+            self._later(self._backoff.next(), self._look_at_key)
+            return
+        self._watches.append(watch)
+        if self._done():  # released or lost while it opened
+            _cancel_all(self._watches)
 
-    def _touch_later(self) -> None:
-        """Touch our key TOUCH_DELAY into the hold (GUARD_WATCH_DELAY of it are over),
-        unless released or lost by then."""
-        box: Mailbox = queue.SimpleQueue()
-        flags = (self.session.lost, self._released, self.lost)
-        for flag in flags:
-            flag.subscribe(box)
+    def _on_notice(self, notice: WatchNotice) -> None:
+        """From the watch stream's reader: our key deleted, or the watch ended."""
+        if self._done():
+            return
+        if notice.error is None:
+            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            return
+        # Compacted, or the stream gave up: look at the key itself after a pause; whether
+        # the session is lost is the keepalive's call.
+        self._later(self._backoff.next(), self._look_at_key)
+
+    def _look_at_key(self) -> None:
         try:
-            with contextlib.suppress(queue.Empty):
-                box.get(timeout=TOUCH_DELAY - GUARD_WATCH_DELAY)
-                return
-            self._touch(box)
-        finally:
-            for flag in flags:
-                flag.unsubscribe(box)
+            response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
+        except EtcdError:
+            self._later(self._backoff.next(), self._look_at_key)
+            return
+        if self._releasing:
+            return  # the release deleted it
+        if not response.kvs or response.kvs[0].create_revision != self.revision:
+            self.lost.set("our key was deleted")
+            return
+        self._open_watch(response.header.revision + 1)
 
-    def _watch_key(self, box: Mailbox, start: int) -> None:
-        """The guard proper: watch our key for deletion, from revision ``start``, until
-        released or lost."""
-        backoff = Backoff()
-        pending: Any = None
-        while True:
-            if pending is None:
-                try:
-                    watch = Watch(self._client, self.key, start, box.put, only_deletes=True)
-                except EtcdError:
-                    pass
-                else:
-                    pending = box.get()
-                    watch.cancel()
-            item, pending = pending, None
-            if item is self._released or self._releasing:
-                return
-            if item is self.session.lost:
-                self.lost.set(f"session lost: {self.session.lost.reason}")
-                return
-            if isinstance(item, WatchNotice) and item.error is None:
-                self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
-                return
-            # The watch broke or could not start. Pause (a release or a loss cuts it short),
-            # then look at the key itself; whether the session is lost is the keepalive's call.
-            try:
-                pending = box.get(timeout=backoff.next())
-                continue
-            except queue.Empty:
-                pass
-            try:
-                response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
-            except EtcdError:
-                continue
-            if self._releasing:
-                return  # the release deleted it
-            if not response.kvs or response.kvs[0].create_revision != self.revision:
-                self.lost.set("our key was deleted")
-                return
-            start = response.header.revision + 1
-
-    def _touch(self, box: Mailbox) -> int | None:
+    def _touch(self, retry: Callable[[], None]) -> int | None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
         waiter behind us, which watches our key. Retried with backoff while etcd is away;
-        returns the touch's revision, or None when there is nothing left to guard (released,
-        lost, or the compare failed: our key is gone, and ``lost`` is set)."""
+        returns the touch's revision, or None when there is nothing more to do now
+        (released, lost, the compare failed: our key is gone and ``lost`` is set, or a
+        ``retry`` is scheduled)."""
         assert self._touch_value is not None
-        backoff = Backoff()
-        while not (self._releasing or self.lost.is_set()):
-            try:
-                response = kv.txn(
-                    self._client,
-                    [kv.create_revision_is(self.key, self.revision)],
-                    [kv.op_put(self.key, self._touch_value, self.lease_id)],
-                    [],
-                )
-            except EtcdError as exc:
-                log.warning("touch-failed", name=self.name, error=str(exc))
-                with contextlib.suppress(queue.Empty):
-                    box.get(timeout=backoff.next())  # a release or a loss cuts it short
-                continue
-            if response.succeeded:
-                return int(response.header.revision)
-            if not self._releasing:
-                self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+        try:
+            response = kv.txn(
+                self._client,
+                [kv.create_revision_is(self.key, self.revision)],
+                [kv.op_put(self.key, self._touch_value, self.lease_id)],
+                [],
+            )
+        except EtcdError as exc:
+            log.warning("touch-failed", name=self.name, error=str(exc))
+            self._later(self._backoff.next(), retry)
             return None
-        if self.session.lost.is_set() and not self._releasing:
-            self.lost.set(f"session lost: {self.session.lost.reason}")
+        if response.succeeded:
+            return int(response.header.revision)
+        if not self._releasing:
+            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
         return None
 
+    # -- release ---------------------------------------------------------------------------
+
     def release(self) -> None:
-        """Revoke the session's lease (Lease.LeaseRevoke), which deletes our key with it in
-        one revision: the waiter first in line holds at that revision. Best effort: on
-        failure the lease expires after its TTL. After a loss the revoke is tried for at
-        most WITHDRAW_TIMEOUT seconds: etcd is likely unreachable, and the exit must not
-        wait on it. Thread-safe; returns once the revoke is over, whichever thread sent it.
-        Logs ``released`` once."""
+        """Give the slot back: on a session of its own, revoke the lease
+        (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
+        session, delete our key (KV.Txn comparing its create_revision). The waiter first in
+        line holds at that revision. Best effort: on failure the lease expires after its
+        TTL. After a loss it is tried for at most WITHDRAW_TIMEOUT seconds: etcd is likely
+        unreachable, and the exit must not wait on it. Thread-safe; returns once the revoke
+        is over, whichever thread sent it. Logs ``released`` once."""
         self._revoke()
         with self._release_lock:
             logged, self._logged = self._logged, True
@@ -247,15 +270,16 @@ class Hold:
         if releasing:
             self._released.wait()
             return
+        self._finalizer.detach()
         self._revoked_after_loss = self.lost.is_set()
         try:
-            if self._guard.ident is None:
-                _cancel_all(self._retire)  # the guard never ran
-            # The guard is woken only after the revoke: its stream teardown would compete
-            # with the revoke, which is what the next holder waits for.
             timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
-            self._revoked = self.session.close(timeout=timeout)
+            self._revoked = _give_back(
+                self.session, self._client, self.key, self.revision, self._shared, timeout
+            )
         finally:
+            # The watches go only after the revoke: it is what the next holder waits for.
+            _cancel_all(self._watches)
             self._released.set()
 
     def __enter__(self) -> Hold:
@@ -263,6 +287,52 @@ class Hold:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _give_back(
+    session: Session,
+    client: Client,
+    key: bytes,
+    revision: int,
+    shared: bool,
+    timeout: float | None,
+) -> bool:
+    """Revoke a private session, or delete our key from a shared one; whether confirmed."""
+    if not shared:
+        return session.close(timeout=timeout)
+    try:
+        delete_own_key(client, key, revision, timeout)
+    except EtcdError as exc:
+        log.warning("delete-failed", key=key.decode(errors="replace"), error=str(exc))
+        return False
+    finally:
+        session._unclaim(key)
+    return True
+
+
+def _dropped(
+    session: Session,
+    client: Client,
+    key: bytes,
+    revision: int,
+    shared: bool,
+    watches: list[Watch],
+) -> None:
+    """A Hold was garbage-collected unreleased: warn, as Python does for an unclosed file,
+    and release it from the client's timer thread (not the collecting thread)."""
+    warnings.warn(
+        f"conch hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
+        "release(); releasing it",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+
+    def give_back() -> None:
+        _cancel_all(watches)
+        _give_back(session, client, key, revision, shared, None)
+
+    timer_for(client).call_later(0, give_back)
 
 
 def _cancel_all(watches: list[Watch]) -> None:

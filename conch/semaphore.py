@@ -37,6 +37,7 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
 from conch.errors import (
+    EtcdError,
     Interrupted,
     LeaseNotFound,
     NoSlot,
@@ -48,7 +49,7 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
-from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all
+from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key
 from conch.identity import Identity
 from conch.session import Session
 
@@ -103,7 +104,12 @@ class Semaphore:
             raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
         self.prefix = keys.sema_prefix(self.name, self.max)
 
-    def acquire(self, timeout: float | None = None, interrupt: Flag | None = None) -> Hold:
+    def acquire(
+        self,
+        timeout: float | None = None,
+        interrupt: Flag | None = None,
+        session: Session | None = None,
+    ) -> Hold:
         """Wait for a slot and return the Hold.
 
         ``timeout`` in seconds: None waits as long as it takes, 0 tries once (``--nonblock``).
@@ -114,16 +120,26 @@ class Semaphore:
         Raises NoSlot when time runs out, Unavailable when no session can be established.
         Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
         while queued re-enters at the back of the queue if time allows.
+
+        ``session``: a ``conch.Session`` of this client to hold the slot on, shared with
+        other holds (``ttl`` is then the session's). Without it the hold gets a lease of
+        its own. On a shared session a loss while queued raises SessionLost (a new lease
+        is the caller's call, not ours); a second wait for this semaphore on the same
+        session raises UsageError while the first waits or holds.
         """
-        hold = self._acquire(timeout, interrupt)
+        hold = self._acquire(timeout, interrupt, session=session)
         hold._start_guard()
         return hold
 
-    def _acquire(self, timeout: float | None, interrupt: Flag | None) -> Hold:
+    def _acquire(
+        self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
+    ) -> Hold:
         """``acquire`` without starting the Hold's guard (the caller must, at once)."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         interrupt = interrupt or Flag("interrupt")
+        if session is not None:
+            return self._acquire_shared(session, deadline, interrupt, started)
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         entered = False
         while True:
@@ -148,6 +164,32 @@ class Semaphore:
                 session.close(timeout=WITHDRAW_TIMEOUT)
                 raise
 
+    def _acquire_shared(
+        self, session: Session, deadline: float | None, interrupt: Flag, started: float
+    ) -> Hold:
+        """``_acquire`` on a session the caller owns: our key is claimed on it, withdrawn
+        by deleting it (never by revoking the lease), and a lost session is raised."""
+        if session.client is not self.client:
+            raise UsageError("session: belongs to another client than the semaphore")
+        key = self._key(session)
+        session._claim(key)
+        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+        try:
+            while True:
+                if interrupt.is_set():
+                    raise Interrupted(interrupt.reason)
+                if session.lost.is_set():
+                    raise SessionLost(f"session lost: {session.lost.reason}")
+                try:
+                    return self._acquire_with(session, deadline, interrupt, started, shared=True)
+                except (SessionLost, LeaseNotFound, Unavailable) as exc:
+                    if session.lost.is_set() or isinstance(exc, LeaseNotFound):
+                        raise SessionLost(f"session lost while queued: {exc}") from None
+                    self._before_reentry(exc, deadline, interrupt, backoff)
+        except BaseException:
+            session._unclaim(key)
+            raise
+
     def _before_reentry(
         self, cause: Exception, deadline: float | None, interrupt: Flag, backoff: Backoff
     ) -> None:
@@ -166,12 +208,18 @@ class Semaphore:
         return keys.holder_key(self.name, self.max, session.lease_id)
 
     def _acquire_with(
-        self, session: Session, deadline: float | None, interrupt: Flag, started: float
+        self,
+        session: Session,
+        deadline: float | None,
+        interrupt: Flag,
+        started: float,
+        shared: bool = False,
     ) -> Hold:
         box: Mailbox = queue.SimpleQueue()
         session.lost.subscribe(box)
         interrupt.subscribe(box)
         woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
+        revision = 0
         try:
             key = self._key(session)
             revision, held_at_creation, value = self._enqueue(
@@ -221,9 +269,14 @@ class Semaphore:
                 touch=touch,
                 retire=woke_by,
                 held_at=standing.revision,
+                shared=shared,
             )
             woke_by = []
             return hold
+        except BaseException:
+            if shared and revision:
+                _withdraw(self.client, key, revision)
+            raise
         finally:
             _cancel_all(woke_by)
             session.lost.unsubscribe(box)
@@ -383,6 +436,15 @@ class Semaphore:
         reads = [kv.op_get(w.key) for w in standing.watched]
         response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
         return standing.changed([r.response_range for r in response.responses])
+
+
+def _withdraw(client: Client, key: bytes, revision: int) -> None:
+    """Delete our key from a shared session (its lease lives on), best effort: if etcd
+    cannot be reached it stays until the session ends."""
+    try:
+        delete_own_key(client, key, revision, WITHDRAW_TIMEOUT)
+    except EtcdError as exc:
+        log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
 
 
 def _deleted(notice: WatchNotice) -> set[bytes]:

@@ -1,16 +1,25 @@
-"""A session: one lease, kept alive, and the moment it is lost (contract section 3)."""
+"""A session: one lease, kept alive, and the moment it is lost (contract section 3).
+
+Several holds may share one session, as with etcd's ``concurrency.Session``: one lease,
+one keepalive stream and one thread however many holds ride on it. The keepalive thread
+holds only the ``_Keeper`` (the lease and its loss), never the Session itself, so a
+Session nobody references any more is noticed (``weakref.finalize``) and its lease revoked.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 
 from conch import log
-from conch.errors import EtcdError, LeaseNotFound
+from conch.errors import EtcdError, LeaseNotFound, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
+from conch.timer import timer_for
 
 
 def keepalive_margin(ttl: float) -> float:
@@ -20,58 +29,134 @@ def keepalive_margin(ttl: float) -> float:
     return min(1.0, ttl / 6)
 
 
+class _Keeper:
+    """The lease, its keepalive loop and its loss: everything the keepalive thread needs,
+    and nothing that keeps the Session alive."""
+
+    def __init__(self, client: Client, lease_id: int, ttl: int, alive_until: float) -> None:
+        self.client = client
+        self.lease_id = lease_id
+        self.ttl = ttl
+        self.interval = ttl / 3
+        self.alive_until = alive_until
+        self.lost = Flag("session-lost")
+        self.listeners: list[Callable[[], None]] = []
+        self.stop = threading.Event()
+        self.keepalive = lease.KeepAlive(client, lease_id)
+        self.thread = threading.Thread(target=self.run, name="conch-keepalive", daemon=True)
+
+    def run(self) -> None:
+        margin = keepalive_margin(self.ttl)
+        next_send = time.monotonic() + self.interval
+        while not self.stop.wait(max(0.0, next_send - time.monotonic())):
+            sent = time.monotonic()
+            try:
+                ttl = self.keepalive.refresh(deadline=sent + self.interval + margin)
+            except LeaseNotFound:
+                self.declare_lost("lease expired or was revoked")
+                return
+            except EtcdError as exc:
+                self.declare_lost(f"keepalive failed: {exc}")
+                return
+            self.alive_until = sent + ttl
+            for listener in tuple(self.listeners):
+                listener()
+            next_send = sent + self.interval
+
+    def declare_lost(self, reason: str) -> None:
+        if self.stop.is_set():
+            return
+        self.keepalive.close()
+        self.lost.set(reason)
+
+    def close(self, timeout: float | None) -> bool:
+        self.stop.set()
+        try:
+            lease.revoke(self.client, self.lease_id, timeout)
+        except EtcdError as exc:
+            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
+            return False
+        finally:
+            # After the revoke, which is what a waiter waits for: the stream's teardown
+            # would compete with it. A keepalive answered meanwhile changes nothing.
+            self.keepalive.close()
+            if threading.current_thread() is not self.thread:
+                self.thread.join(timeout=1.0)
+        return True
+
+
+def _dropped(keeper: _Keeper) -> None:
+    """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
+    and revoke its lease from the client's timer thread (not the collecting thread, which
+    may be anyone's)."""
+    warnings.warn(
+        f"conch session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
+    keeper.stop.set()
+    timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
+
+
 class Session:
-    """One etcd lease of ``ttl`` seconds, refreshed on a LeaseKeepAlive stream every TTL/3.
+    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed on a LeaseKeepAlive
+    stream every TTL/3, from a thread of its own.
 
     ``lost`` (a Flag) is set the moment it is no longer certain the lease is alive: etcd
     answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no answer comes
     within one interval plus ``keepalive_margin``. Its ``reason`` says which. ``close()``
-    revokes the lease so its keys go at once. Raises Unavailable (or another EtcdError) when
-    LeaseGrant fails, Interrupted when ``interrupt`` is set while it retries.
+    (or leaving the ``with`` block) revokes the lease, so every key on it goes at once.
+    Raises Unavailable (or another EtcdError) when LeaseGrant fails, Interrupted when
+    ``interrupt`` is set while it retries.
+
+    To share one lease between holds (``Semaphore.acquire(session=...)``)::
+
+        with conch.Session(client, ttl=10) as session:
+            with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
+                ...
+
+    A hold on a shared session releases by deleting its own key; the session's loss loses
+    every hold on it. One session holds at most one key per semaphore at a time (a second
+    acquire of the same semaphore on it raises UsageError while the first is held or
+    waiting): make a session per concurrent holder of one semaphore. A session dropped
+    without ``close()`` is revoked when collected, with a ResourceWarning.
     """
 
-    def __init__(self, client: Client, ttl: int, interrupt: Flag | None = None) -> None:
+    def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
-        self.lease_id = granted.id
-        self.ttl = granted.ttl
-        self.interval = self.ttl / 3
         # etcd restarts the countdown when it receives a grant or keepalive, which is after
         # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
-        self.alive_until = asked + self.ttl
-        self.lost = Flag("session-lost")
-        self._keepalive_listeners: list[Callable[[], None]] = []
-        self._stop = threading.Event()
-        self._keepalive = lease.KeepAlive(client, self.lease_id)
-        self._thread = threading.Thread(target=self._run, name="conch-keepalive", daemon=True)
-        self._thread.start()
+        self._keeper = _Keeper(client, granted.id, granted.ttl, asked + granted.ttl)
+        self.lease_id = granted.id
+        self.ttl = granted.ttl
+        self.interval = self._keeper.interval
+        self.lost = self._keeper.lost
+        self._claims: set[bytes] = set()
+        self._claims_lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _dropped, self._keeper)
+        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
+        self._keeper.thread.start()
         log.info("session", lease=f"{self.lease_id:x}", ttl=f"{self.ttl}s")
         if self.ttl != ttl:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
             log.warning("ttl-raised", asked=f"{ttl}s", granted=f"{self.ttl}s", by="etcd")
 
-    def _run(self) -> None:
-        margin = keepalive_margin(self.ttl)
-        next_send = time.monotonic() + self.interval
-        while not self._stop.wait(max(0.0, next_send - time.monotonic())):
-            sent = time.monotonic()
-            try:
-                ttl = self._keepalive.refresh(deadline=sent + self.interval + margin)
-            except LeaseNotFound:
-                self._declare_lost("lease expired or was revoked")
-                return
-            except EtcdError as exc:
-                self._declare_lost(f"keepalive failed: {exc}")
-                return
-            self.alive_until = sent + ttl
-            for listener in tuple(self._keepalive_listeners):
-                listener()
-            next_send = sent + self.interval
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    @property
+    def alive_until(self) -> float:
+        """``time.monotonic()`` until which the lease is alive for sure (last confirmed
+        keepalive's send time + TTL)."""
+        return self._keeper.alive_until
 
     def certainly_alive(self) -> bool:
         """Whether the lease is alive for sure now: not lost, and etcd's countdown from our
         last confirmed keepalive has not run out (a process frozen past its TTL fails this)."""
-        return not self.lost.is_set() and time.monotonic() < self.alive_until
+        return not self.lost.is_set() and time.monotonic() < self._keeper.alive_until
 
     @property
     def silence_limit(self) -> float:
@@ -82,32 +167,30 @@ class Session:
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` (from the keepalive thread) after every confirmed keepalive.
         Returns a function that removes it."""
-        self._keepalive_listeners.append(listener)
-        return lambda: self._keepalive_listeners.remove(listener)
+        self._keeper.listeners.append(listener)
+        return lambda: self._keeper.listeners.remove(listener)
 
-    def _declare_lost(self, reason: str) -> None:
-        if self._stop.is_set():
-            return
-        self._keepalive.close()
-        self.lost.set(reason)
+    def _claim(self, key: bytes) -> None:
+        """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
+        holds of one semaphore on one lease would be one key, as with etcd's Mutex)."""
+        with self._claims_lock:
+            if key in self._claims:
+                raise UsageError(
+                    f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
+                    "one hold per semaphore per session; use another session"
+                )
+            self._claims.add(key)
+
+    def _unclaim(self, key: bytes) -> None:
+        with self._claims_lock:
+            self._claims.discard(key)
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
-        self._stop.set()
-        try:
-            lease.revoke(self._client, self.lease_id, timeout)
-        except EtcdError as exc:
-            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
-            return False
-        finally:
-            # After the revoke, which is what a waiter waits for: the stream's teardown
-            # would compete with it. A keepalive answered meanwhile changes nothing.
-            self._keepalive.close()
-            if threading.current_thread() is not self._thread:
-                self._thread.join(timeout=1.0)
-        return True
+        self._finalizer.detach()
+        return self._keeper.close(timeout)
 
     def __enter__(self) -> Session:
         return self

@@ -312,7 +312,7 @@ def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
     guard_starts: list[tuple[bytes, int]] = []  # the holder's guard may open one too (slow box)
 
     def watch(client: Client, key: bytes, start: int, *args: Any, **kwargs: Any) -> Watch:
-        if threading.current_thread().name == "conch-hold":
+        if threading.current_thread().name == "conch-timer":
             guard_starts.append((key, start))
         return Watch(client, key, start, *args, **kwargs)
 
@@ -412,7 +412,7 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
     real_txn = kv.txn
 
     def txn(*args: object, **kwargs: object) -> object:
-        if threading.current_thread().name == "conch-hold":
+        if threading.current_thread().name == "conch-timer":
             in_touch.set()
             let_go.wait(DEADLINE)
         return real_txn(*args, **kwargs)  # type: ignore[arg-type]

@@ -1,27 +1,40 @@
-"""The Watch stream: a key or range watched from a start revision, events delivered to a
-mailbox."""
+"""Watches: a key or range watched from a start revision, events delivered to a callback.
+
+All the watches of one Client share one Watch.Watch stream (etcd serves many watchers on a
+stream and tells them apart by watch_id), so a process with many waiters and holds pays for
+one stream and one reader thread, not one of each per watch. etcd answers create requests
+in the order it receives them, so the n-th ``created`` answer belongs to the n-th create
+request still unanswered; later answers carry the watch_id it gave.
+"""
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
-from conch.errors import Compacted, EtcdError, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
+from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
+from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
+from conch.timer import Timer, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
 # A member that hangs (stopped, swapping, cut off without closing connections) leaves a
-# watch silent, and gRPC's own pings take long to give up on it. So a watch silent for
+# watch silent, and gRPC's own pings take long to give up on it. So a stream silent for
 # PROBE_AFTER seconds asks etcd for a progress report (Watch.Watch progress_request, etcd
 # 3.4+); no answer within PROBE_TIMEOUT seconds and the stream moves to the next endpoint.
 PROBE_AFTER = 10.0
 PROBE_TIMEOUT = 5.0
+# Seconds the shared stream stays open with no watch on it: a waiter replaces its watch
+# at every wake, and a new hold its waiting watch with its guard, each time for a moment
+# with none open; re-opening the stream then would cost the handoff a stream set-up.
+IDLE_CLOSE = 2.0
 
 
 @dataclass(frozen=True)
@@ -41,15 +54,17 @@ class WatchNotice:
 
 class Watch:
     """Watch.Watch on one key, or on the range ``[key, range_end)`` when ``range_end`` is
-    given, from ``start_revision`` on (0: from now). Notices go to ``deliver`` from a reader
-    thread, events in revision order (one etcd watcher). ``only_deletes`` asks etcd to filter
-    out PUT events; ``confirm`` asks for a ``created`` notice once etcd has set the watch up.
-    ``cancel()`` stops delivery.
+    given, from ``start_revision`` on (0: from now). Notices go to ``deliver`` from the
+    client's stream reader thread, events in revision order (one etcd watcher); ``deliver``
+    must not block. ``only_deletes`` asks etcd to filter out PUT events; ``confirm`` asks for
+    a ``created`` notice once etcd has set the watch up. ``cancel()`` stops delivery.
+    Raises EtcdError when the client's stream is not open and cannot be opened.
 
-    When the stream breaks (a member goes away) or stays silent through a progress request
-    (a hung member, see PROBE_AFTER), the watch moves to the next endpoint and resumes just
-    after the last revision it delivered, so no event is lost or repeated; only after
-    ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    When the shared stream breaks (a member goes away), stays silent through a progress
+    request (a hung member, see ``probe_after``), or calls fail over away from its endpoint,
+    every watch on it moves to the next endpoint and resumes just after the last revision
+    it delivered, so no event is lost or repeated; only after ``MAX_RESUMES`` failed
+    attempts in a row is the error delivered.
     """
 
     MAX_RESUMES = 3
@@ -65,118 +80,302 @@ class Watch:
         confirm: bool = False,
         probe_after: float = PROBE_AFTER,
     ) -> None:
-        self._client = client
         self._confirm = confirm
         self._deliver = deliver
-        self._cancelled = False
         self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
         self._key = key
         self._range_end = range_end
         self._next = start_revision  # first revision still owed; 0 until etcd says "now"
-        self._failures = 0
-        self._backoff = Backoff()
-        self._generation = 0
-        self._lock = threading.Lock()
+        self._probe_after = probe_after
+        self._id: int | None = None  # etcd's watch_id on the current stream
+        self._cancelled = False
         self._ended = threading.Event()  # cancelled, or the error delivered
-        self._heard = time.monotonic()  # when the current stream last answered
-        self._stream = self._open()
-        threading.Thread(
-            target=self._probe, args=(probe_after,), name="conch-watch-probe", daemon=True
-        ).start()
-
-    def _open(self) -> BidiStream:
-        # Items of an older stream are stale; the generation is fixed before the new stream
-        # can deliver anything.
-        self._generation += 1
-        generation = self._generation
-        self._heard = time.monotonic()
-        stream = BidiStream(
-            self._client, "watch", "Watch", lambda item: self._on_item(item, generation)
-        )
-        stream.send(
-            rpc_pb2.WatchRequest(
-                create_request=rpc_pb2.WatchCreateRequest(
-                    key=self._key,
-                    range_end=self._range_end,
-                    start_revision=self._next,
-                    filters=self._filters,
-                )
-            )
-        )
-        return stream
+        self._hub = _hub_for(client)
+        self._hub.add(self)
 
     def cancel(self) -> None:
-        with self._lock:  # no stream is re-opened after this
-            self._cancelled = True
-            stream = self._stream
+        """Stop delivery (nothing is delivered once this returns, but from a notice
+        being delivered right now) and tell etcd to drop the watcher."""
+        self._cancelled = True
         self._ended.set()
+        self._hub.remove(self)
+
+    def _create_request(self) -> rpc_pb2.WatchRequest:
+        return rpc_pb2.WatchRequest(
+            create_request=rpc_pb2.WatchCreateRequest(
+                key=self._key,
+                range_end=self._range_end,
+                start_revision=self._next,
+                filters=self._filters,
+            )
+        )
+
+    def _on_created(self, revision: int) -> WatchNotice | None:
+        if self._next == 0:
+            self._next = revision + 1  # "from now" is this revision on
+        return WatchNotice(self, (), revision, created=True) if self._confirm else None
+
+    def _on_events(self, response: rpc_pb2.WatchResponse) -> WatchNotice:
+        self._next = response.events[-1].kv.mod_revision + 1
+        return WatchNotice(self, list(response.events), response.header.revision)
+
+    def _end(self, error: EtcdError) -> WatchNotice:
+        self._ended.set()
+        return WatchNotice(self, (), 0, error)
+
+
+def _cancel_error(response: rpc_pb2.WatchResponse) -> EtcdError:
+    if response.compact_revision:
+        return Compacted(
+            f"watch start revision compacted (oldest left {response.compact_revision})",
+            response.compact_revision,
+        )
+    return EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
+
+
+class _Hub:
+    """The one Watch.Watch stream of a Client and the watches on it.
+
+    State changes under ``_lock``; notices are delivered outside it, from the reader thread
+    (or, for the errors that end watches, the thread that found the stream broken), so a
+    ``deliver`` may cancel or open watches."""
+
+    def __init__(self, client: Client) -> None:
+        self._client_ref = weakref.ref(client)  # the hub lives in a map keyed by the client
+        self._timer: Timer = timer_for(client)
+        self._lock = threading.RLock()
+        self._stream: BidiStream | None = None
+        self._watches: set[Watch] = set()
+        self._unanswered: collections.deque[Watch] = collections.deque()  # creates, in order
+        self._by_id: dict[int, Watch] = {}
+        self._heard = time.monotonic()  # when the current stream last answered
+        self._failures = 0
+        self._backoff = Backoff()
+        self._resuming = False
+        self._left: Endpoint | None = None  # the endpoint of the stream that broke
+        self._probing = False
+        self._idle_check = False
+        client.on_failover(self._endpoint_failed)
+
+    # -- watches come and go -----------------------------------------------------------
+
+    def add(self, watch: Watch) -> None:
+        with self._lock:
+            if self._stream is None and not self._resuming:
+                self._stream = self._open()  # raises EtcdError: nothing registered then
+            self._watches.add(watch)
+            if self._stream is not None:
+                self._send_create(self._stream, watch)
+            self._schedule_probe()
+
+    def remove(self, watch: Watch) -> None:
+        with self._lock:
+            if watch not in self._watches:
+                return
+            self._watches.discard(watch)
+            stream = self._stream
+            if watch._id is not None and stream is not None:
+                self._by_id.pop(watch._id, None)
+                stream.send(
+                    rpc_pb2.WatchRequest(
+                        cancel_request=rpc_pb2.WatchCancelRequest(watch_id=watch._id)
+                    )
+                )
+            # Not yet created: its ``created`` answer is matched, then cancelled.
+            if not self._watches and not self._idle_check:
+                self._idle_check = True
+                self._timer.call_later(IDLE_CLOSE, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        with self._lock:
+            self._idle_check = False
+            stream = self._stream
+            if self._watches or stream is None:
+                return
+            self._stream = None
+            self._unanswered.clear()
+            self._by_id.clear()
         stream.close()
 
-    def _probe(self, after: float) -> None:
-        """Ask a silent stream for a progress report; if none comes, treat it as broken."""
-        while not self._ended.wait(max(0.0, self._heard + after - time.monotonic())):
-            stream, asked = self._stream, time.monotonic()
-            if asked - self._heard < after:
-                continue
-            stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
-            if self._ended.wait(PROBE_TIMEOUT) or self._heard >= asked:
-                continue
-            with self._lock:
-                if stream is not self._stream or self._cancelled:
-                    continue
-                self._generation += 1  # anything the silent stream still says is stale
-            stream.close()
-            error = Unavailable(f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s")
-            self._resume_or_fail(StreamItem(stream, None, error))
+    # -- the stream ----------------------------------------------------------------------
 
-    def _on_item(self, item: StreamItem, generation: int) -> None:
-        if self._cancelled or generation != self._generation:
-            return
+    def _open(self) -> BidiStream:
+        client = self._client_ref()
+        if client is None:
+            raise EtcdError("client is closed", "CANCELLED")
         self._heard = time.monotonic()
-        if item.error is not None:
-            self._resume_or_fail(item)
-            return
-        response = item.response
-        revision = response.header.revision
-        if response.canceled:
-            error: EtcdError
-            if response.compact_revision:
-                error = Compacted(
-                    f"watch start revision compacted (oldest left {response.compact_revision})",
-                    response.compact_revision,
-                )
-            else:
-                error = EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
-            self._deliver(WatchNotice(self, (), revision, error))
-            self.cancel()
-        elif response.created:
-            self._failures = 0
-            if self._next == 0:
-                self._next = revision + 1  # "from now" is this revision on
-            if self._confirm:
-                self._deliver(WatchNotice(self, (), revision, created=True))
-        elif response.events:
-            self._failures = 0
-            self._next = response.events[-1].kv.mod_revision + 1
-            self._deliver(WatchNotice(self, list(response.events), revision))
+        self._unanswered.clear()
+        self._by_id.clear()
+        return BidiStream(client, "watch", "Watch", self._on_item)
 
-    def _resume_or_fail(self, item: StreamItem) -> None:
-        """Called from the broken stream's reader thread: reopen on the next endpoint."""
-        assert item.error is not None
-        self._failures += 1
-        if not isinstance(item.error, Unavailable) or self._failures > self.MAX_RESUMES:
-            self._ended.set()
-            self._deliver(WatchNotice(self, (), 0, item.error))
-            return
-        self._client.failover(item.stream.endpoint)
-        time.sleep(self._backoff.next())
-        if self._cancelled:
-            return
-        try:
-            with self._lock:
-                if self._cancelled:
+    def _send_create(self, stream: BidiStream, watch: Watch) -> None:
+        watch._id = None
+        self._unanswered.append(watch)
+        stream.send(watch._create_request())
+
+    def _on_item(self, item: StreamItem) -> None:
+        """From the stream's reader thread: match the answer to its watch."""
+        notices: list[WatchNotice] = []
+        with self._lock:
+            if item.stream is not self._stream:
+                return  # a stream we already left
+            self._heard = time.monotonic()
+            if item.error is not None:
+                self._broken(item.stream, item.error)
+                return
+            response = item.response
+            if response.created:
+                watch = self._unanswered.popleft() if self._unanswered else None
+                if watch is None:
                     return
+                if response.canceled:  # refused (permission denied, bad range)
+                    self._watches.discard(watch)
+                    if not watch._cancelled:
+                        notices.append(watch._end(_cancel_error(response)))
+                elif watch._cancelled or watch not in self._watches:
+                    item.stream.send(
+                        rpc_pb2.WatchRequest(
+                            cancel_request=rpc_pb2.WatchCancelRequest(watch_id=response.watch_id)
+                        )
+                    )
+                else:
+                    self._failures = 0
+                    self._backoff = Backoff()
+                    watch._id = response.watch_id
+                    self._by_id[response.watch_id] = watch
+                    notice = watch._on_created(response.header.revision)
+                    if notice is not None:
+                        notices.append(notice)
+            else:
+                watch = self._by_id.get(response.watch_id)
+                if watch is None or watch._cancelled:
+                    return  # a progress report, or a watch cancelled meanwhile
+                if response.canceled:
+                    self._by_id.pop(response.watch_id, None)
+                    self._watches.discard(watch)
+                    notices.append(watch._end(_cancel_error(response)))
+                elif response.events:
+                    self._failures = 0
+                    notices.append(watch._on_events(response))
+        for notice in notices:
+            notice.watch._deliver(notice)
+
+    def _broken(self, stream: BidiStream, error: EtcdError) -> None:
+        """The stream failed (called with the lock held, with the stream current): move
+        every watch to the next endpoint after a pause, or end them all with the error."""
+        self._stream = None
+        self._unanswered.clear()
+        self._by_id.clear()
+        stream.close()
+        self._failures += 1
+        if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
+            self._end_all(error)
+            return
+        self._left = stream.endpoint
+        self._resuming = True
+        self._timer.call_later(self._backoff.next(), self._resume)
+
+    def _end_all(self, error: EtcdError) -> None:
+        watches, self._watches = [w for w in self._watches if not w._cancelled], set()
+        self._failures = 0
+        self._backoff = Backoff()
+        notices = [w._end(error) for w in watches]
+
+        def deliver() -> None:
+            for notice in notices:
+                if not notice.watch._cancelled:
+                    notice.watch._deliver(notice)
+
+        # Not under the lock, nor from inside a caller that holds it.
+        self._timer.call_later(0, deliver)
+
+    def _resume(self) -> None:
+        """Re-open the stream on the next endpoint and re-create every watch from the
+        revision it still owes."""
+        client, left, self._left = self._client_ref(), self._left, None
+        if client is not None and left is not None:
+            client.failover(left)  # not under our lock: it calls failover listeners
+        with self._lock:
+            self._resuming = False
+            if self._stream is not None:
+                return
+            if not self._watches:
+                return
+            try:
                 self._stream = self._open()
-        except EtcdError as exc:
-            self._ended.set()
-            self._deliver(WatchNotice(self, (), 0, exc))
+            except EtcdError as exc:
+                self._failures += 1
+                if not _resumable(exc) or self._failures > Watch.MAX_RESUMES:
+                    self._end_all(exc)
+                else:
+                    self._resuming = True
+                    self._timer.call_later(self._backoff.next(), self._resume)
+                return
+            for watch in list(self._watches):
+                self._send_create(self._stream, watch)
+            self._schedule_probe()
+
+    def _endpoint_failed(self, failed: Endpoint) -> None:
+        """Calls moved away from ``failed``: a stream on it moves too (a member that no
+        longer answers calls likely leaves its watchers silent)."""
+        with self._lock:
+            stream = self._stream
+            if stream is None or stream.endpoint != failed:
+                return
+            self._broken(stream, Unavailable(f"watch: calls failed over from {failed}"))
+
+    # -- the probe of a silent stream ----------------------------------------------------
+
+    def _schedule_probe(self) -> None:
+        if self._probing or not self._watches:
+            return
+        self._probing = True
+        after = min(w._probe_after for w in self._watches)
+        self._timer.call_later(max(0.0, self._heard + after - time.monotonic()), self._probe)
+
+    def _probe(self) -> None:
+        """Ask a silent stream for a progress report; if none comes, treat it as broken."""
+        with self._lock:
+            self._probing = False
+            stream = self._stream
+            if stream is None or not self._watches:
+                return
+            after = min(w._probe_after for w in self._watches)
+            if time.monotonic() - self._heard < after:
+                self._schedule_probe()
+                return
+            asked = time.monotonic()
+            stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
+            self._probing = True
+        self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe_answered(stream, asked))
+
+    def _probe_answered(self, stream: BidiStream, asked: float) -> None:
+        with self._lock:
+            self._probing = False
+            if stream is not self._stream:
+                return
+            if self._heard < asked:
+                error = Unavailable(
+                    f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
+                )
+                self._broken(stream, error)
+                return
+            self._schedule_probe()
+
+
+def _resumable(error: EtcdError) -> bool:
+    """Errors a new stream may not meet: the member went away, or the token went stale
+    (the new stream authenticates again)."""
+    return isinstance(error, (Unavailable, TokenInvalid))
+
+
+_hubs: weakref.WeakKeyDictionary[Client, _Hub] = weakref.WeakKeyDictionary()
+_hubs_lock = threading.Lock()
+
+
+def _hub_for(client: Client) -> _Hub:
+    with _hubs_lock:
+        hub = _hubs.get(client)
+        if hub is None:
+            hub = _hubs[client] = _Hub(client)
+        return hub

@@ -1,0 +1,106 @@
+"""One timer thread per client: the delayed calls of its holds and watches.
+
+A hold's guard (open the watch on our key a moment into the hold, touch the key, look at it
+again after a broken watch) and the shared Watch stream's progress probe are short steps at
+given times, not loops that need a thread each. They run here, one after another, on one
+thread per Client, so that a process with many holds pays for one thread, not one per hold.
+A step may call etcd (always with a deadline); the steps behind it wait for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from conch import log
+
+# Seconds the thread stays up with nothing to do before it ends (the next call_later
+# starts it again): a client with no hold left costs no thread.
+IDLE_EXIT = 5.0
+
+
+class Handle:
+    """A call scheduled by ``Timer.call_later``; ``cancel()`` drops it if it has not run."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class Timer:
+    """Calls functions at given ``time.monotonic()`` times, in order, on one daemon thread."""
+
+    def __init__(self, name: str = "conch-timer") -> None:
+        self._name = name
+        self._queue: list[tuple[float, int, Handle, Callable[[], Any]]] = []
+        self._order = itertools.count()
+        self._wake = threading.Condition(threading.Lock())
+        self._running = False
+
+    def call_later(self, delay: float, function: Callable[[], Any]) -> Handle:
+        """Call ``function()`` from the timer thread ``delay`` seconds from now (at once for
+        0). A function that raises is logged; the next ones still run."""
+        handle = Handle()
+        with self._wake:
+            entry = (time.monotonic() + max(0.0, delay), next(self._order), handle, function)
+            heapq.heappush(self._queue, entry)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name=self._name, daemon=True).start()
+            elif self._queue[0] is entry:
+                self._wake.notify()
+        return handle
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while True:
+                    now = time.monotonic()
+                    if self._queue and self._queue[0][0] <= now:
+                        _, _, handle, function = heapq.heappop(self._queue)
+                        break
+                    wait = self._queue[0][0] - now if self._queue else IDLE_EXIT
+                    if not self._wake.wait(wait) and not self._queue:
+                        self._running = False
+                        return
+            if handle.cancelled:
+                continue
+            try:
+                function()
+            except Exception as exc:  # one step's bug must not stop every other hold's
+                log.error("timer-call-failed", call=repr(function), error=repr(exc))
+
+
+_timers: weakref.WeakKeyDictionary[object, Timer] = weakref.WeakKeyDictionary()
+_timers_lock = threading.Lock()
+
+
+def timer_for(owner: object) -> Timer:
+    """The one Timer of ``owner`` (a Client), made on first use, gone with the owner."""
+    with _timers_lock:
+        timer = _timers.get(owner)
+        if timer is None:
+            timer = _timers[owner] = Timer()
+        return timer
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., None]:
+    """``method`` (a bound method) called through a weak reference to its object: a callback
+    that does not keep its object alive, and does nothing once the object is gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call

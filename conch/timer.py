@@ -78,6 +78,9 @@ class Timer:
                 function()
             except Exception as exc:  # one step's bug must not stop every other hold's
                 log.error("timer-call-failed", call=repr(function), error=repr(exc))
+            # Not kept while the thread waits: a call may hold the last reference to a
+            # session or client that should be collected now.
+            del function, handle
 
 
 _timers: weakref.WeakKeyDictionary[object, Timer] = weakref.WeakKeyDictionary()

@@ -1,0 +1,293 @@
+"""Shared sessions, one Watch stream per client, threads per client, dropped holds."""
+
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import conch
+from conch.etcd import Client, Endpoint, kv, lease
+from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
+from tests.conftest import DEADLINE, poll, sema_keys
+from tests.etcd_server import EtcdCluster
+
+
+def _threads() -> set[threading.Thread]:
+    """Every thread but the application's own (named "app" here): conch's, gRPC's."""
+    return {t for t in threading.enumerate() if t.name != "app"}
+
+
+# -- a shared session ------------------------------------------------------------------
+
+
+def test_holds_of_two_semaphores_share_one_lease_and_release_their_own_keys_only(
+    client: Client, name: str
+) -> None:
+    with conch.Session(client, ttl=5) as session:
+        a = conch.Semaphore(client, name + "a", max=1).acquire(timeout=10, session=session)
+        b = conch.Semaphore(client, name + "b", max=1).acquire(timeout=10, session=session)
+        assert a.lease_id == b.lease_id == session.lease_id
+        a.release()
+        assert sema_keys(client, name + "a") == []
+        assert len(sema_keys(client, name + "b")) == 1, "the release revoked the shared lease"
+        assert lease.time_to_live(client, session.lease_id) > 0
+        b.check()  # still certainly ours
+        b.release()
+        assert sema_keys(client, name + "b") == []
+        assert not session.lost.is_set()
+    assert lease.time_to_live(client, session.lease_id) == -1
+
+
+def test_a_second_hold_of_one_semaphore_on_one_session_is_refused_and_leaves_nothing(
+    client: Client, name: str
+) -> None:
+    """Keys are named by lease: two holds of one semaphore on one session would be one key.
+    The second acquire is refused; the first hold stands; once it is released the session
+    may acquire that semaphore again."""
+    sema = conch.Semaphore(client, name, max=2)
+    with conch.Session(client, ttl=5) as session:
+        first = sema.acquire(timeout=10, session=session)
+        with pytest.raises(conch.UsageError, match="one hold per semaphore per session"):
+            sema.acquire(timeout=10, session=session)
+        assert [kv_.create_revision for kv_ in sema_keys(client, name)] == [first.revision]
+        assert not first.lost.is_set()
+        first.release()
+        again = sema.acquire(timeout=10, session=session)
+        again.release()
+    assert sema_keys(client, name) == []
+
+
+def test_the_loss_of_a_shared_session_loses_every_hold_on_it(client: Client, name: str) -> None:
+    with conch.Session(client, ttl=5) as session:
+        holds = [
+            conch.Semaphore(client, f"{name}{i}", max=1).acquire(timeout=10, session=session)
+            for i in range(3)
+        ]
+        lease.revoke(client, session.lease_id)
+        for hold in holds:
+            assert hold.lost.wait(DEADLINE)
+            with pytest.raises(conch.HoldLost):
+                hold.check()
+            hold.release()
+
+
+def test_a_waiter_whose_shared_session_is_lost_raises_and_is_not_granted_a_new_lease(
+    client: Client, name: str
+) -> None:
+    """A private session lost while queued is replaced (the waiter re-enters); a shared one
+    belongs to the caller, and its holds must not move silently to another lease."""
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    holder = sema.acquire(timeout=10)
+    errors: list[BaseException] = []
+    session = conch.Session(client, ttl=5)
+
+    def wait() -> None:
+        try:
+            sema.acquire(timeout=DEADLINE, session=session).release()
+        except conch.ConchError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
+        lease.revoke(client, session.lease_id)
+        waiter.join(DEADLINE)
+        assert not waiter.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], conch.SessionLost), errors
+        assert [k.lease for k in sema_keys(client, name)] == [holder.lease_id]
+    finally:
+        holder.release()
+        session.close()
+    assert sema_keys(client, name) == []
+
+
+def test_a_waiter_on_a_shared_session_that_gives_up_deletes_its_key_and_keeps_the_lease(
+    client: Client, name: str
+) -> None:
+    sema = conch.Semaphore(client, name, max=1)
+    with sema.acquire(timeout=10), conch.Session(client, ttl=5) as session:
+        with pytest.raises(conch.NoSlot):
+            sema.acquire(timeout=0.5, session=session)
+        assert len(sema_keys(client, name)) == 1
+        assert lease.time_to_live(client, session.lease_id) > 0
+        with pytest.raises(conch.UsageError):  # the client must be the semaphore's
+            conch.Semaphore(_other_client(client), name, max=1).acquire(session=session)
+    assert sema_keys(client, name) == []
+
+
+def _other_client(client: Client) -> Client:
+    return Client(client.endpoints)
+
+
+# -- one Watch stream per client ---------------------------------------------------------
+
+
+def test_the_watches_of_one_client_share_one_stream_and_each_gets_its_own_events(
+    client: Client, name: str
+) -> None:
+    before = sum(t.name == "conch-Watch" for t in threading.enumerate())
+    boxes: list[queue.SimpleQueue[WatchNotice]] = [queue.SimpleQueue() for _ in range(20)]
+    keys = [f"/test/{name}/{i}".encode() for i in range(20)]
+    start = kv.put(client, b"/test/" + name.encode(), b"x").header.revision + 1
+    watches = [Watch(client, k, start, box.put) for k, box in zip(keys, boxes, strict=True)]
+    try:
+        readers = sum(t.name == "conch-Watch" for t in threading.enumerate()) - before
+        assert readers <= 1, f"{readers} stream readers for 20 watches"
+        watches[3].cancel()
+        for k in keys:
+            kv.put(client, k, k)
+        kv.delete(client, keys[5])
+        for i, box in enumerate(boxes):
+            if i == 3:
+                continue
+            want = [(PUT, keys[i])] + ([(DELETE, keys[i])] if i == 5 else [])
+            assert _events(box, len(want)) == want
+        with pytest.raises(queue.Empty):
+            boxes[3].get(timeout=0.5)  # cancelled: nothing
+    finally:
+        for w in watches:
+            w.cancel()
+
+
+def _events(box: queue.SimpleQueue[WatchNotice], count: int) -> list[tuple[int, bytes]]:
+    """The next ``count`` events delivered to ``box`` (etcd may batch them)."""
+    seen: list[tuple[int, bytes]] = []
+    while len(seen) < count:
+        notice = box.get(timeout=DEADLINE)
+        assert notice.error is None, notice.error
+        seen.extend((e.type, e.kv.key) for e in notice.events)
+    return seen
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    c = EtcdCluster(tmp_path / "cluster", size=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+def test_the_shared_stream_follows_a_failover_of_calls_and_resumes_every_watch(
+    cluster: EtcdCluster,
+) -> None:
+    """When calls move off an endpoint (Client.on_failover), the shared stream moves too,
+    and every watch on it resumes after the last revision it delivered."""
+    endpoints = [Endpoint.parse(m.endpoint) for m in cluster.members]
+    with Client.connect(endpoints) as client:
+        boxes: list[queue.SimpleQueue[WatchNotice]] = [queue.SimpleQueue() for _ in range(2)]
+        start = kv.put(client, b"/fo/a", b"0").header.revision
+        watches = [
+            Watch(client, k, start, b.put) for k, b in zip([b"/fo/a", b"/fo/b"], boxes, strict=True)
+        ]
+        try:
+            assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"0"]
+            hub = _hub_for(client)
+            old = hub._stream
+            assert old is not None and old.endpoint == endpoints[0]
+            client.failover(endpoints[0])
+            poll(lambda: hub._stream is not None and hub._stream is not old, what="moved")
+            assert hub._stream is not None and hub._stream.endpoint == endpoints[1]
+            kv.put(client, b"/fo/a", b"1")
+            kv.put(client, b"/fo/b", b"1")
+            assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"1"]
+            assert [e.kv.value for e in boxes[1].get(timeout=DEADLINE).events] == [b"1"]
+            with pytest.raises(queue.Empty):
+                boxes[0].get(timeout=0.5)  # nothing repeated
+        finally:
+            for w in watches:
+                w.cancel()
+
+
+# -- threads per client, not per hold --------------------------------------------------
+
+
+def test_waiters_on_one_shared_session_cost_a_constant_number_of_threads(
+    client: Client, name: str
+) -> None:
+    """20 waiters of 20 semaphores on one session: the threads conch adds do not grow with
+    the number of waiters (each had its own watch stream, reader and probe threads)."""
+    base = _threads()
+    holders = [conch.Semaphore(client, f"{name}{i}", max=1, ttl=5) for i in range(20)]
+    with conch.Session(client, ttl=5) as shared:
+        holds = [s.acquire(timeout=10, session=shared) for s in holders]
+        with conch.Session(client, ttl=5) as session:
+            threads = []
+            for sema in holders:
+                t = threading.Thread(
+                    target=_acquire_quietly, args=(sema, session), name="app", daemon=True
+                )
+                t.start()
+                threads.append(t)
+            poll(
+                lambda: all(len(sema_keys(client, s.name)) == 2 for s in holders),
+                what="every waiter queued",
+            )
+            added = _threads() - base
+            assert len(added) <= 12, sorted(t.name for t in added)
+            for hold in holds:
+                hold.release()
+            for t in threads:
+                t.join(DEADLINE)
+
+
+def _acquire_quietly(sema: conch.Semaphore, session: conch.Session) -> None:
+    sema.acquire(timeout=DEADLINE, session=session).release()
+
+
+# -- a dropped hold is released ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_hold_dropped_in_a_live_process_is_released_with_a_warning(
+    etcd: EtcdCluster, client: Client, name: str, shared: bool
+) -> None:
+    """``del client, sema, hold; gc.collect()``: the key (and a private lease) must not
+    outlive the hold by more than the TTL; a ResourceWarning says it was dropped."""
+    ttl = 3
+    own = etcd.client()
+    session = conch.Session(own, ttl=ttl) if shared else None
+    sema = conch.Semaphore(own, name, max=1, ttl=ttl)
+    hold = sema.acquire(timeout=10, session=session)
+    lease_id = hold.lease_id
+    time.sleep(0.2)  # into the hold: its guard is watching (not a synchronisation)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dropped = time.monotonic()
+        del hold, sema
+        if not shared:
+            del own
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) for w in caught), caught
+    poll(lambda: sema_keys(client, name) == [], timeout=ttl + 2.0, what="the key gone")
+    assert time.monotonic() - dropped < ttl + 2.0
+    if shared:
+        assert session is not None and not session.lost.is_set()
+        assert lease.time_to_live(client, lease_id) > 0, "a dropped hold ended the session"
+        session.close()
+    else:
+        assert lease.time_to_live(client, lease_id) == -1
+
+
+def test_a_session_dropped_with_its_holds_is_revoked_with_a_warning(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    own = etcd.client()
+    session = conch.Session(own, ttl=3)
+    hold = conch.Semaphore(own, name, max=1).acquire(timeout=10, session=session)
+    lease_id = session.lease_id
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del hold, session, own
+        gc.collect()
+        poll(lambda: lease.time_to_live(client, lease_id) == -1, timeout=5.0, what="lease gone")
+    assert sema_keys(client, name) == []
+    dropped = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert any("hold" in m for m in dropped) and any("session" in m for m in dropped), dropped

@@ -60,13 +60,19 @@ class Flag:
         with contextlib.suppress(ValueError):
             self._boxes.remove(box)
 
-    def add_callback(self, callback: Callable[[Flag], None]) -> None:
+    def add_callback(self, callback: Callable[[Flag], None]) -> Callable[[], None]:
         """Call ``callback(flag)`` once when set, from the setting thread (at once if already
-        set). A callback that raises is logged; the others still run."""
+        set). A callback that raises is logged; the others still run. Returns a function
+        that removes it (a long-lived flag must not collect callbacks of done things)."""
         key = object()
         self._callbacks[key] = callback
         if self._set:
             self._run(key)
+
+        def remove() -> None:
+            self._callbacks.pop(key, None)
+
+        return remove
 
     def _run(self, key: object) -> None:
         callback = self._callbacks.pop(key, None)

@@ -108,7 +108,7 @@ class Hold:
         self._timer = timer_for(self._client)
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        session.lost.add_callback(weakly(self._session_lost))
+        self._forget_session = session.lost.add_callback(weakly(self._session_lost))
         self._finalizer = weakref.finalize(
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
@@ -163,7 +163,9 @@ class Hold:
             )
 
     def on_lost(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""
+        """Call ``callback(reason)`` once the hold is lost (at once if it already is), from
+        the conch thread that saw the loss (the session's keepalive thread, or the client's
+        watch reader, which every watch of the client shares): it must not block."""
         self.lost.add_callback(lambda flag: callback(str(flag.reason)))
 
     # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
@@ -280,6 +282,7 @@ class Hold:
         finally:
             # The watches go only after the revoke: it is what the next holder waits for.
             _cancel_all(self._watches)
+            self._forget_session()
             self._released.set()
 
     def __enter__(self) -> Hold:

@@ -155,8 +155,12 @@ class Session:
 
     def certainly_alive(self) -> bool:
         """Whether the lease is alive for sure now: not lost, and etcd's countdown from our
-        last confirmed keepalive has not run out (a process frozen past its TTL fails this)."""
-        return not self.lost.is_set() and time.monotonic() < self._keeper.alive_until
+        last confirmed keepalive has not run out (a process frozen past its TTL fails this),
+        and not closed (a hold left on a shared session closed under it is no longer ours)."""
+        keeper = self._keeper
+        return not (keeper.lost.is_set() or keeper.stop.is_set()) and (
+            time.monotonic() < keeper.alive_until
+        )
 
     @property
     def silence_limit(self) -> float:

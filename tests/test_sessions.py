@@ -78,6 +78,17 @@ def test_the_loss_of_a_shared_session_loses_every_hold_on_it(client: Client, nam
             hold.release()
 
 
+def test_a_hold_left_on_a_shared_session_that_is_closed_is_lost(client: Client, name: str) -> None:
+    session = conch.Session(client, ttl=5)
+    hold = conch.Semaphore(client, name, max=1).acquire(timeout=10, session=session)
+    session.close()
+    with pytest.raises(conch.HoldLost):
+        hold.check()
+    assert hold.lost.wait(DEADLINE)  # the guard saw the key go with the lease
+    hold.release()
+    assert sema_keys(client, name) == []
+
+
 def test_a_waiter_whose_shared_session_is_lost_raises_and_is_not_granted_a_new_lease(
     client: Client, name: str
 ) -> None:

@@ -217,6 +217,25 @@ def test_the_shared_stream_follows_a_failover_of_calls_and_resumes_every_watch(
                 w.cancel()
 
 
+def test_a_single_endpoint_clients_failover_leaves_its_watch_stream_alone(
+    client: Client, name: str
+) -> None:
+    """With one endpoint a failover moves nowhere (a unary call that timed out under load):
+    the shared stream, and every watch on it, stays as it is."""
+    box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+    watch = Watch(client, f"/test/{name}".encode(), 0, box.put, confirm=True)
+    try:
+        assert box.get(timeout=DEADLINE).created
+        hub = _hub_for(client)
+        stream = hub._stream
+        client.failover(client.endpoint)
+        assert hub._stream is stream
+        with pytest.raises(queue.Empty):
+            box.get(timeout=0.5)  # no second "created": the watch was not made again
+    finally:
+        watch.cancel()
+
+
 # -- threads per client, not per hold --------------------------------------------------
 
 

@@ -318,6 +318,9 @@ class _Hub:
     def _endpoint_failed(self, failed: Endpoint) -> None:
         """Calls moved away from ``failed``: a stream on it moves too (a member that no
         longer answers calls likely leaves its watchers silent)."""
+        client = self._client_ref()
+        if client is None or client.endpoint == failed:
+            return  # one endpoint only: nowhere to move, and the stream may be fine
         with self._lock:
             stream = self._stream
             if stream is None or stream.endpoint != failed:

@@ -274,8 +274,8 @@ class Semaphore:
             woke_by = []
             return hold
         except BaseException:
-            if shared and revision:
-                _withdraw(self.client, key, revision)
+            if shared:
+                _withdraw(self.client, key, revision, session.lease_id)
             raise
         finally:
             _cancel_all(woke_by)
@@ -438,11 +438,18 @@ class Semaphore:
         return standing.changed([r.response_range for r in response.responses])
 
 
-def _withdraw(client: Client, key: bytes, revision: int) -> None:
+def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
     """Delete our key from a shared session (its lease lives on), best effort: if etcd
-    cannot be reached it stays until the session ends."""
+    cannot be reached it stays until the session ends. ``revision`` 0: our enqueue's
+    outcome is unknown (etcd went away mid-call), so the key goes if it is on our lease."""
     try:
-        delete_own_key(client, key, revision, WITHDRAW_TIMEOUT)
+        if revision:
+            delete_own_key(client, key, revision, WITHDRAW_TIMEOUT)
+            return
+        on_our_lease = rpc_pb2.Compare(
+            result=rpc_pb2.Compare.EQUAL, target=rpc_pb2.Compare.LEASE, key=key, lease=lease_id
+        )
+        kv.txn(client, [on_our_lease], [kv.op_delete(key)], [], timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
 

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,6 +133,26 @@ def test_a_waiter_on_a_shared_session_that_gives_up_deletes_its_key_and_keeps_th
         with pytest.raises(conch.UsageError):  # the client must be the semaphore's
             conch.Semaphore(_other_client(client), name, max=1).acquire(session=session)
     assert sema_keys(client, name) == []
+
+
+def test_a_shared_waiter_whose_enqueue_went_through_unanswered_leaves_no_key(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """etcd applied our enqueue but the answer was lost (Unavailable), and time is up: the
+    key must not stay on the shared lease, where it would queue as a ghost while the
+    session lives."""
+    real_txn = kv.txn
+
+    def txn_answer_lost(*args: Any, **kwargs: Any) -> Any:
+        real_txn(*args, **kwargs)
+        monkeypatch.setattr(kv, "txn", real_txn)
+        raise conch.Unavailable("answer lost")
+
+    with conch.Session(client, ttl=5) as session:
+        monkeypatch.setattr(kv, "txn", txn_answer_lost)
+        with pytest.raises(conch.NoSlot):
+            conch.Semaphore(client, name, max=1).acquire(timeout=0, session=session)
+        assert sema_keys(client, name) == []
 
 
 def _other_client(client: Client) -> Client:

@@ -109,6 +109,10 @@ class Hold:
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
         self._forget_session = session.lost.add_callback(weakly(self._session_lost))
+        # A lost hold has nothing left to watch, released or not (the watch would otherwise
+        # stay on the client's stream for as long as the Hold is kept).
+        watches = self._watches
+        self.lost.add_callback(lambda _: _cancel_all(watches))
         self._finalizer = weakref.finalize(
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
@@ -339,6 +343,11 @@ def _dropped(
 
 
 def _cancel_all(watches: list[Watch]) -> None:
-    for watch in watches:
+    # One pop at a time (atomic): a watch appended by another thread meanwhile is
+    # cancelled too, never cleared from the list uncancelled.
+    while watches:
+        try:
+            watch = watches.pop()
+        except IndexError:
+            return
         watch.cancel()
-    watches.clear()

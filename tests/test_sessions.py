@@ -257,6 +257,20 @@ def test_a_single_endpoint_clients_failover_leaves_its_watch_stream_alone(
         watch.cancel()
 
 
+def test_a_lost_hold_kept_by_its_owner_leaves_no_watch_on_the_stream(
+    client: Client, name: str
+) -> None:
+    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    hub = _hub_for(client)
+    try:
+        poll(lambda: hub._watches, what="the guard's watch")
+        kv.delete(client, hold.key)
+        assert hold.lost.wait(DEADLINE)
+        poll(lambda: not hub._watches, timeout=5.0, what="the guard's watch cancelled")
+    finally:
+        hold.release()
+
+
 # -- threads per client, not per hold --------------------------------------------------
 
 

@@ -296,7 +296,10 @@ def test_waiters_on_one_shared_session_cost_a_constant_number_of_threads(
                 what="every waiter queued",
             )
             added = _threads() - base
-            assert len(added) <= 12, sorted(t.name for t in added)
+            # Two sessions (keepalive thread, stream reader, gRPC's request thread each),
+            # the watch stream (reader, request thread), the timer: 9, and slack for
+            # threads of earlier tests' clients winding down; 20 waiters made 60 more.
+            assert len(added) <= 20, sorted(t.name for t in added)
             for hold in holds:
                 hold.release()
             for t in threads:

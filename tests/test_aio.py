@@ -1,0 +1,275 @@
+"""conch.aio, the asyncio API, against a real etcd: cancellation leaves no key, the loop never
+blocks and never needs its default executor, a loss reaches the coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import conch
+import conch.aio
+from conch import hold as hold_module
+from conch.etcd import Client, lease
+from tests.conftest import DEADLINE, sema_keys
+from tests.etcd_server import EtcdCluster
+
+
+async def apoll(check: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
+    """``tests.conftest.poll`` for coroutines: the loop keeps running between checks."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def run(etcd: EtcdCluster, body: Callable[[conch.aio.Client], Awaitable[None]]) -> None:
+    """Run ``body(client)`` in a new event loop, with a conch.aio client of the test etcd."""
+
+    async def main() -> None:
+        async with conch.aio.connect(etcd.endpoints) as client:
+            await body(client)
+
+    asyncio.run(main())
+
+
+def test_async_with_holds_a_slot_and_releases_it(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    async def body(aclient: conch.aio.Client) -> None:
+        sema = conch.aio.Semaphore(aclient, name, max=2, ttl=5)
+        async with sema.acquire(timeout=10) as hold:
+            [key] = sema_keys(client, name)
+            assert (hold.revision, hold.lease_id) == (key.create_revision, key.lease)
+            assert not hold.lost.is_set()
+            await hold.check()
+            records = await conch.aio.who(aclient, name)
+            assert [(r.state, r.rev) for r in records] == [("HELD", hold.revision)]
+        assert sema_keys(client, name) == []
+
+    run(etcd, body)
+
+
+def test_nonblocking_acquire_raises_no_slot_and_leaves_no_key(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    async def body(aclient: conch.aio.Client) -> None:
+        async with conch.aio.Semaphore(aclient, name, max=1).acquire(timeout=10) as hold:
+            with pytest.raises(conch.NoSlot):
+                await conch.aio.Semaphore(aclient, name, max=1).acquire(timeout=0)
+            assert [k.create_revision for k in sema_keys(client, name)] == [hold.revision]
+
+    run(etcd, body)
+    assert sema_keys(client, name) == []
+
+
+async def _cancel_by_task_cancel(waiting: Coroutine[Any, Any, None], queued: asyncio.Event) -> None:
+    task = asyncio.create_task(waiting)
+    await queued.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _cancel_by_asyncio_timeout(
+    waiting: Coroutine[Any, Any, None], queued: asyncio.Event
+) -> None:
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(1.0):
+            await waiting
+
+
+async def _cancel_by_wait_for(waiting: Coroutine[Any, Any, None], queued: asyncio.Event) -> None:
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(waiting, 1.0)
+
+
+@pytest.mark.parametrize(
+    "cancel", [_cancel_by_task_cancel, _cancel_by_asyncio_timeout, _cancel_by_wait_for]
+)
+def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propagates(
+    etcd: EtcdCluster,
+    client: Client,
+    name: str,
+    cancel: Callable[[Coroutine[Any, Any, None], asyncio.Event], Awaitable[None]],
+) -> None:
+    async def body(aclient: conch.aio.Client) -> None:
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=5)
+        async with sema.acquire(timeout=10) as holder:
+            queued = asyncio.Event()
+            entered: list[conch.aio.Hold] = []
+
+            async def waiting() -> None:
+                async with sema.acquire() as hold:
+                    entered.append(hold)
+
+            async def watch_queue() -> None:
+                await apoll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+                queued.set()
+
+            watcher = asyncio.create_task(watch_queue())
+            await cancel(waiting(), queued)
+            await watcher
+            # No poll: the waiter's key must be gone by the time the cancel has propagated.
+            assert [k.create_revision for k in sema_keys(client, name)] == [holder.revision]
+            assert entered == []
+
+    run(etcd, body)
+    assert sema_keys(client, name) == []
+
+
+def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
+    etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The waiting thread gets the slot, then (before the hold reaches the loop) the task is
+    cancelled: the hold must be released before the CancelledError leaves the task."""
+    holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    granted, go = threading.Event(), threading.Event()
+    start_guard = hold_module.Hold._start_guard
+
+    def held_back(hold: hold_module.Hold) -> None:  # runs on the acquiring thread
+        granted.set()
+        go.wait(DEADLINE)
+        start_guard(hold)
+
+    monkeypatch.setattr(hold_module.Hold, "_start_guard", held_back)
+    entered: list[conch.aio.Hold] = []
+
+    async def body(aclient: conch.aio.Client) -> None:
+        async def waiting() -> None:
+            async with conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire() as hold:
+                entered.append(hold)
+
+        task = asyncio.create_task(waiting())
+        await apoll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        holder.release()
+        await apoll(granted.is_set, "the slot granted")
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sema_keys(client, name) == []
+        assert entered == []
+
+    try:
+        run(etcd, body)
+    finally:
+        go.set()
+
+
+async def _contend(aclient: conch.aio.Client, name: str, tasks: int, max_holders: int) -> int:
+    """``tasks`` tasks each take one of ``max_holders`` slots once, briefly; returns the most
+    that were inside at once."""
+    inside = most = 0
+
+    async def one() -> None:
+        nonlocal inside, most
+        async with conch.aio.Semaphore(aclient, name, max=max_holders, ttl=5).acquire(
+            timeout=DEADLINE
+        ) as hold:
+            inside += 1
+            most = max(most, inside)
+            await asyncio.sleep(0.02)
+            await hold.check()
+            inside -= 1
+
+    await asyncio.gather(*(one() for _ in range(tasks)))
+    return most
+
+
+def test_a_one_worker_default_executor_kept_busy_does_not_stall_contending_tasks(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """The loop's default executor has one worker, and it is busy for the whole test: any
+    call of conch.aio that needed it would hang."""
+    unblock = threading.Event()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(1)
+        loop.set_default_executor(executor)
+        blocker = loop.run_in_executor(None, unblock.wait, DEADLINE * 4)
+        try:
+            async with asyncio.timeout(DEADLINE * 2):
+                async with conch.aio.connect(etcd.endpoints) as aclient:
+                    assert await _contend(aclient, name, tasks=10, max_holders=2) == 2
+                    assert await conch.aio.who(aclient, name) == []
+        finally:
+            unblock.set()
+            await blocker
+
+    asyncio.run(main())
+    assert sema_keys(client, name) == []
+
+
+def test_the_loop_keeps_ticking_while_twenty_tasks_contend(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """A 10 ms ticker runs beside 20 tasks taking one slot in turn; its worst lateness is the
+    loop's worst stall (a blocking call to etcd on the loop would stall it for the call)."""
+    lags: list[float] = []
+
+    async def body(aclient: conch.aio.Client) -> None:
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            while not done.is_set():
+                before = time.monotonic()
+                await asyncio.sleep(0.01)
+                lags.append(time.monotonic() - before - 0.01)
+
+        ticking = asyncio.create_task(ticker())
+        try:
+            assert await _contend(aclient, name, tasks=20, max_holders=1) == 1
+        finally:
+            done.set()
+            await ticking
+
+    run(etcd, body)
+    print(f"loop lag over {len(lags)} ticks: max {max(lags) * 1000:.1f} ms")
+    assert max(lags) < 0.5
+    assert sema_keys(client, name) == []
+
+
+def test_an_outside_revoke_sets_lost_then_check_and_leaving_raise_hold_lost(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    reasons: list[str] = []
+
+    async def body(aclient: conch.aio.Client) -> None:
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=5)
+        with pytest.raises(conch.HoldLost):
+            async with sema.acquire(timeout=10) as hold:
+                hold.on_lost(reasons.append)
+                lease.revoke(client, hold.lease_id)
+                await asyncio.wait_for(hold.lost.wait(), DEADLINE)
+                with pytest.raises(conch.HoldLost):
+                    await hold.check()
+                await apoll(lambda: reasons, "the on_lost callback")
+                assert hold.reason == reasons[0]
+
+    run(etcd, body)
+    assert sema_keys(client, name) == []
+
+
+def test_leaving_after_a_loss_lets_the_body_s_own_exception_through(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    class Failed(Exception):
+        pass
+
+    async def body(aclient: conch.aio.Client) -> None:
+        with pytest.raises(Failed):
+            async with conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire(10) as hold:
+                lease.revoke(client, hold.lease_id)
+                await asyncio.wait_for(hold.lost.wait(), DEADLINE)
+                raise Failed
+
+    run(etcd, body)
+    assert sema_keys(client, name) == []

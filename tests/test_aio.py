@@ -4,10 +4,15 @@ blocks and never needs its default executor, a loss reaches the coroutines."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +21,10 @@ import conch
 import conch.aio
 from conch import hold as hold_module
 from conch.etcd import Client, lease
-from tests.conftest import DEADLINE, sema_keys
+from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def apoll(check: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
@@ -273,3 +280,81 @@ def test_leaving_after_a_loss_lets_the_body_s_own_exception_through(
 
     run(etcd, body)
     assert sema_keys(client, name) == []
+
+
+class ExampleService:
+    """One ``examples/asyncio_service.py`` process on a free port."""
+
+    def __init__(self, etcd: EtcdCluster, name: str, journal: Path, log: Path) -> None:
+        cmd = [sys.executable, str(ROOT / "examples" / "asyncio_service.py")]
+        cmd += ["--endpoints", etcd.endpoints, "--name", name, "--port", "0"]
+        cmd += ["--journal", str(journal)]
+        with log.open("wb") as err:
+            self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        assert self.process.stdout is not None
+        self.stdout = self.process.stdout
+        self.port = int(self.stdout.readline().rsplit(":", 1)[1])
+
+    def get(self) -> str:
+        """One request; the status line and the body."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=DEADLINE * 2) as conn:
+            conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            answer = b"".join(iter(lambda: conn.recv(4096), b"")).decode()
+        head, _, body = answer.partition("\r\n\r\n")
+        return f"{head.splitlines()[0]} {body.strip()}"
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(DEADLINE)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture
+def services(etcd: EtcdCluster, tmp_path: Path, name: str) -> Iterator[list[ExampleService]]:
+    started = [
+        ExampleService(etcd, name, tmp_path / "journal", tmp_path / f"service-{i}.log")
+        for i in range(2)
+    ]
+    yield started
+    for service in started:
+        service.kill()
+    for i in range(2):  # shown by pytest only when the test failed
+        print(f"--- service {i}\n{(tmp_path / f'service-{i}.log').read_text(errors='replace')}")
+
+
+def test_example_service_answers_ten_concurrent_requests_each_without_overlap(
+    services: list[ExampleService], client: Client, tmp_path: Path, name: str
+) -> None:
+    """Two instances, ten concurrent requests to each, one slot: every request is served
+    (none times out, nothing deadlocks on the one-worker default executor), and the journal
+    shows the critical sections one after another, tokens rising."""
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(lambda s: s.get(), services * 10))
+    assert all(a.startswith("HTTP/1.0 200 OK token=") for a in answers), answers
+    assert [s.stop() for s in services] == [0, 0]
+    lines = [line.split() for line in (tmp_path / "journal").read_text().splitlines()]
+    tokens = [int(fields[2].split("=")[1]) for fields in lines]
+    runs = [tokens[i : i + 5] for i in range(0, 100, 5)]
+    assert len(lines) == 100 and all(len(set(run)) == 1 for run in runs)
+    assert [run[0] for run in runs] == sorted(set(tokens))
+    assert sema_keys(client, name) == []
+
+
+def test_example_service_stopped_with_requests_waiting_leaves_no_key(
+    services: list[ExampleService], client: Client, name: str
+) -> None:
+    holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    with ThreadPoolExecutor(6) as pool:
+        answers = [pool.submit(services[i % 2].get) for i in range(6)]
+        poll(lambda: len(sema_keys(client, name)) == 7, what="six requests queued")
+        assert [s.stop() for s in services] == [0, 0]
+        # Each handler was cancelled while waiting, and says so.
+        assert {a.result(DEADLINE) for a in answers} == {
+            "HTTP/1.0 503 Service Unavailable stopping"
+        }
+    assert [k.create_revision for k in sema_keys(client, name)] == [holder.revision]
+    holder.release()

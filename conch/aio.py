@@ -60,35 +60,41 @@ def _call_soon(
     return True
 
 
-def _settle(future: asyncio.Future[T], result: T | None, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]
-
-
 def _off_loop(
-    call: Callable[[], T], what: str, orphaned: Callable[[T], object] | None = None
+    call: Callable[[], T], what: str, undo: Callable[[T], object] | None = None
 ) -> asyncio.Future[T]:
     """Run ``call()`` on a new daemon thread; its result or exception settles the returned
-    future on the running loop. ``orphaned(result)`` runs on that thread when the loop
-    closed before the result could reach it (to release what nobody will receive)."""
+    future on the running loop. ``undo(result)`` runs, on a thread, when nobody can receive
+    the result: the future was cancelled meanwhile, or the loop is closed (a Client dialled
+    or a Hold granted for a caller gone is closed or released, not left behind)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T) -> None:  # on the loop
+        if not future.done():
+            future.set_result(result)
+        elif undo is not None:
+            _in_thread(lambda: undo(result), f"undo-{what}")
+
+    def fail(error: BaseException) -> None:  # on the loop
+        if not future.done():
+            future.set_exception(error)
 
     def run() -> None:
         try:
             result = call()
         except BaseException as exc:  # handed to the awaiting coroutine, which raises it
-            _call_soon(loop, _settle, future, None, exc)
+            _call_soon(loop, fail, exc)
             return
-        if not _call_soon(loop, _settle, future, result, None) and orphaned is not None:
-            orphaned(result)
+        if not _call_soon(loop, settle, result) and undo is not None:
+            undo(result)
 
-    threading.Thread(target=run, name=f"conch-aio-{what}", daemon=True).start()
+    _in_thread(run, what)
     return future
+
+
+def _in_thread(run: Callable[[], object], what: str) -> None:
+    threading.Thread(target=run, name=f"conch-aio-{what}", daemon=True).start()
 
 
 async def _outlast_cancel(future: asyncio.Future[T]) -> T:
@@ -146,8 +152,8 @@ class connect:  # a function to its callers: ``async with connect(...)``
         self._client: Client | None = None
 
     async def _connect(self) -> Client:
-        sync = await _outlast_cancel(_off_loop(self._dial, "connect", orphaned=_close_client))
-        return Client(sync)
+        # A cancel propagates at once; a client dialled meanwhile is closed when it comes.
+        return Client(await _off_loop(self._dial, "connect", undo=etcd_client.Client.close))
 
     def __await__(self) -> Generator[Any, None, Client]:
         return self._connect().__await__()
@@ -159,10 +165,6 @@ class connect:  # a function to its callers: ``async with connect(...)``
     async def __aexit__(self, *exc: object) -> None:
         if self._client is not None:
             await self._client.close()
-
-
-def _close_client(client: etcd_client.Client) -> None:
-    client.close()
 
 
 class Hold:
@@ -250,9 +252,7 @@ class _Acquiring:
             # Withdraw our key before the cancel propagates; a slot granted just now (the
             # thread was past its last look at the interrupt) is released.
             interrupt.set("cancelled")
-            with contextlib.suppress(errors.ConchError):
-                granted = await _outlast_cancel(waiting)
-                await _outlast_cancel(_off_loop(granted.release, "release"))
+            await _outlast_cancel(asyncio.ensure_future(_release_if_granted(waiting)))
             raise
         return Hold(sync, loop)
 
@@ -271,6 +271,14 @@ class _Acquiring:
     ) -> None:
         assert self._hold is not None
         await self._hold.__aexit__(exc_type, exc, traceback)
+
+
+async def _release_if_granted(waiting: asyncio.Future[_Hold]) -> None:
+    """After an interrupted wait: release the hold if it came all the same. Run as a task of
+    its own, so a second cancel cannot stop it between the grant and the release."""
+    with contextlib.suppress(errors.ConchError):  # Interrupted, NoSlot...: no key left
+        granted = await waiting
+        await _off_loop(granted.release, "release")
 
 
 class Semaphore:

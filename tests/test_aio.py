@@ -282,6 +282,46 @@ def test_leaving_after_a_loss_lets_the_body_s_own_exception_through(
     assert sema_keys(client, name) == []
 
 
+def test_a_loss_after_the_loop_closed_is_no_error(
+    etcd: EtcdCluster, client: Client, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hold that outlives its loop: the loss reaches conch's thread, which cannot call into
+    the closed loop; that must be quiet, not a failed callback."""
+
+    async def take() -> tuple[conch.aio.Client, conch.aio.Hold]:
+        aclient = await conch.aio.connect(etcd.endpoints)  # outlives the loop, as the hold
+        hold = await conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire(10)
+        hold.on_lost(print)
+        return aclient, hold
+
+    aclient, hold = asyncio.run(take())
+    try:
+        lease.revoke(client, hold.lease_id)
+        assert hold.sync.lost.wait(DEADLINE)
+        assert "callback-failed" not in caplog.text
+    finally:
+        hold.sync.release()
+        aclient.sync.close()
+    assert sema_keys(client, name) == []
+
+
+def test_cancelling_a_dial_returns_at_once(etcd: EtcdCluster) -> None:
+    """The dial cannot be interrupted; the cancel does not wait for it (the client it makes,
+    if any, is closed when it comes)."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{unused.getsockname()[1]}"  # nothing listens there
+
+        async def main() -> float:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await conch.aio.connect(endpoint, dial_timeout=10)
+            return time.monotonic() - started
+
+        assert asyncio.run(main()) < 5
+
+
 class ExampleService:
     """One ``examples/asyncio_service.py`` process on a free port."""
 

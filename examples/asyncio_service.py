@@ -38,7 +38,7 @@ async def do_work(hold: conch.aio.Hold, journal: Path, steps: int) -> bool:
     """The critical section: append ``steps`` lines stamped with the fencing token; give up
     (return False) the moment the hold is lost."""
     for step in range(steps):
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11
             await asyncio.wait_for(hold.lost.wait(), 0.05)  # also paces the work
         if hold.lost.is_set():
             return False

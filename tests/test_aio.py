@@ -87,14 +87,22 @@ async def _cancel_by_task_cancel(waiting: Coroutine[Any, Any, None], queued: asy
 async def _cancel_by_asyncio_timeout(
     waiting: Coroutine[Any, Any, None], queued: asyncio.Event
 ) -> None:
+    async def expire_once_queued(scope: asyncio.Timeout) -> None:
+        await queued.wait()
+        scope.reschedule(asyncio.get_running_loop().time())
+
     with pytest.raises(TimeoutError):
-        async with asyncio.timeout(1.0):
+        async with asyncio.timeout(None) as scope:
+            expiry = asyncio.create_task(expire_once_queued(scope))
             await waiting
+    await expiry
 
 
 async def _cancel_by_wait_for(waiting: Coroutine[Any, Any, None], queued: asyncio.Event) -> None:
+    # wait_for's clock cannot wait for the queueing: 2 s is plenty for it (a LeaseGrant and
+    # a Txn); a waiter not queued by then must leave no key all the same.
     with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(waiting, 1.0)
+        await asyncio.wait_for(waiting, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +138,7 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
 
             watcher = asyncio.create_task(watch_queue())
             await cancel(waiting(), queued)
-            await watcher
+            watcher.cancel()
             # No poll: the waiter's key must be gone by the time the cancel has propagated.
             assert [k.create_revision for k in sema_keys(client, name)] == [holder.revision]
             assert entered == []

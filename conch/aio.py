@@ -106,7 +106,7 @@ async def _outlast_cancel(future: asyncio.Future[T]) -> T:
             result = await asyncio.shield(future)
         except asyncio.CancelledError as exc:
             if future.done():
-                raise  # the call itself ended so: nothing to outlast
+                raise  # the call is over (a cancel coming with its end): nothing to outlast
             cancelled = exc
             continue
         if cancelled is not None:

@@ -186,6 +186,27 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
         go.set()
 
 
+def test_cancelling_a_task_inside_its_hold_releases_before_the_cancel_propagates(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    async def body(aclient: conch.aio.Client) -> None:
+        inside = asyncio.Event()
+
+        async def holding() -> None:
+            async with conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire(10):
+                inside.set()
+                await asyncio.Event().wait()  # until cancelled
+
+        task = asyncio.create_task(holding())
+        await asyncio.wait_for(inside.wait(), DEADLINE)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sema_keys(client, name) == []
+
+    run(etcd, body)
+
+
 async def _contend(aclient: conch.aio.Client, name: str, tasks: int, max_holders: int) -> int:
     """``tasks`` tasks each take one of ``max_holders`` slots once, briefly; returns the most
     that were inside at once."""

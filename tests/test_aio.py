@@ -187,8 +187,16 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
 
 
 def test_cancelling_a_task_inside_its_hold_releases_before_the_cancel_propagates(
-    etcd: EtcdCluster, client: Client, name: str
+    etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    release = hold_module.Hold.release
+
+    def slow_release(hold: hold_module.Hold) -> None:  # as with etcd slow to answer
+        time.sleep(0.3)
+        release(hold)
+
+    monkeypatch.setattr(hold_module.Hold, "release", slow_release)
+
     async def body(aclient: conch.aio.Client) -> None:
         inside = asyncio.Event()
 

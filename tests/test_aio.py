@@ -21,6 +21,7 @@ import conch
 import conch.aio
 from conch import hold as hold_module
 from conch.etcd import Client, lease
+from conch.session import Session
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -121,7 +122,16 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
     client: Client,
     name: str,
     cancel: Callable[[Coroutine[Any, Any, None], asyncio.Event], Awaitable[None]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    close = Session.close
+
+    def slow_close(session: Session, timeout: float | None = None) -> bool:
+        time.sleep(0.3)  # a withdrawal as with etcd slow to answer: one not awaited shows
+        return close(session, timeout)
+
+    monkeypatch.setattr(Session, "close", slow_close)
+
     async def body(aclient: conch.aio.Client) -> None:
         sema = conch.aio.Semaphore(aclient, name, max=1, ttl=5)
         async with sema.acquire(timeout=10) as holder:

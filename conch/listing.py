@@ -4,7 +4,8 @@ How long a key has held or waited: etcd keeps no time, only revisions, and a lea
 refreshed by every keepalive, so neither tells an age. The one clock in etcd is the ``started``
 field of a key's value (contract section 6): the writer's UTC clock when it wrote the key, to
 the second. The ages here are the reader's clock minus that, so they are as good as the two
-machines' clocks agree (floored at 0: a writer's clock ahead of ours reads as "just now").
+machines' clocks agree (floored at 0: a writer's clock ahead of ours reads as "just now"),
+and up to a second long (``started`` is cut to the second).
 
 A key's age is its waiting time while it waits. A holder that held from its key's creation
 has held for all of it. A holder that waited first got its slot at the deletion of a key ahead

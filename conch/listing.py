@@ -1,9 +1,26 @@
-"""The listing of a semaphore's keys (``--who``): one Record per holder or waiter."""
+"""The listing of a semaphore's keys (``--who``): one Record per holder or waiter.
+
+How long a key has held or waited: etcd keeps no time, only revisions, and a lease's TTL is
+refreshed by every keepalive, so neither tells an age. The one clock in etcd is the ``started``
+field of a key's value (contract section 6): the writer's UTC clock when it wrote the key, to
+the second. The ages here are the reader's clock minus that, so they are as good as the two
+machines' clocks agree (floored at 0: a writer's clock ahead of ours reads as "just now"),
+and up to a second long (``started`` is cut to the second).
+
+A key's age is its waiting time while it waits. A holder that held from its key's creation
+has held for all of it. A holder that waited first got its slot at the deletion of a key ahead
+of it, a revision etcd keeps no time for; its key was re-put then (the touch, see hold.py:
+``version`` > 1), so such a holder is told apart, and its age bounds its hold from above only.
+At max 1 the touch comes half a second into the hold: until then a holder that waited reads
+as one that held from the start.
+"""
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from conch import keys
@@ -16,7 +33,12 @@ from conch.keys import MAX_CAPACITY
 class Record:
     """One key of ``who()``: ``state`` HELD or WAIT; ``held`` how many slots of (name, max)
     are taken; ``rev`` the key's create_revision; ``lease`` hex. ``note`` says what is wrong
-    with a key conch did not write (bad JSON, no lease, bad capacity), empty otherwise."""
+    with a key conch did not write (bad JSON, no lease, bad capacity), empty otherwise.
+
+    Ages in whole seconds, by the reader's clock against ``started`` (None where unknown):
+    ``queued_s`` since the key was written; ``waited_s`` how long it waited (a waiter: all of
+    it; a holder that held from its key's creation: 0); ``held_s`` how long it has held (None
+    for a waiter, and for a holder that waited first: etcd keeps no time for its promotion)."""
 
     name: str
     max: int | None
@@ -29,6 +51,9 @@ class Record:
     lease: str
     cmd: str
     note: str = ""
+    queued_s: int | None = None
+    waited_s: int | None = None
+    held_s: int | None = None
 
     def to_text(self) -> str:
         """One line, fields in a fixed order; a field with spaces or unprintable characters
@@ -40,7 +65,16 @@ class Record:
             f"since={_quoted(self.started or '?')} "
             f"rev={self.rev}"
         )
-        return line + (f" note={self.note}" if self.note else "")
+        return line + (f" note={self.note}" if self.note else "") + self._times_text()
+
+    def _times_text(self) -> str:
+        if self.held_s is not None:
+            return f" held={_duration(self.held_s)}"
+        if self.waited_s is not None:
+            return f" waited={_duration(self.waited_s)}"
+        if self.queued_s is not None:  # a holder that waited first: its hold began unseen
+            return f" held=? queued={_duration(self.queued_s)}"
+        return ""
 
     def to_json(self) -> str:
         return json.dumps(
@@ -55,6 +89,9 @@ class Record:
                 "lease": self.lease,
                 "cmd": self.cmd,
                 **({"note": self.note} if self.note else {}),
+                "queued_s": self.queued_s,
+                "waited_s": self.waited_s,
+                "held_s": self.held_s,
             },
             ensure_ascii=False,
         )
@@ -64,6 +101,41 @@ def _quoted(text: str) -> str:
     if text.isprintable() and " " not in text:
         return text
     return json.dumps(text, ensure_ascii=False)
+
+
+def _duration(seconds: int) -> str:
+    """Whole seconds, Go-style as conch's flags take them: ``45s``, ``3m12s``, ``2h0m5s``."""
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def _age(started: str, now: float) -> int | None:
+    """Whole seconds from ``started`` (UTC RFC 3339) to ``now`` (Unix time), at least 0;
+    None if ``started`` is not such a time."""
+    try:
+        written = datetime.fromisoformat(started.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        return None
+    if written.tzinfo is None:
+        return None  # no zone: not the contract's UTC time, so no age
+    return max(0, int(now - written.timestamp()))
+
+
+def _times(
+    state: str, started: str, version: int, now: float
+) -> tuple[int | None, int | None, int | None]:
+    """(queued_s, waited_s, held_s) of a key; ``version`` > 1: re-put, the holder waited."""
+    queued = _age(started, now)
+    if queued is None:
+        return None, None, None
+    if state == "WAIT":
+        return queued, queued, None
+    if version > 1:
+        return queued, None, None
+    return queued, 0, queued
 
 
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
@@ -93,7 +165,9 @@ def _as_text(value: object, missing: str) -> str:
 
 def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
     """Every key under ``name`` (all capacities), in create_revision order per capacity; the
-    capacity ``max_holders`` first when given. One KV.Range; reads only (no lease)."""
+    capacity ``max_holders`` first when given. One KV.Range; reads only (no lease). The
+    Records' ages are this host's clock against each key's ``started`` (see the module)."""
+    now = time.time()
     prefix = keys.name_prefix(name)
     response = kv.range_prefix(client, prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
     groups: dict[int | None, list[Any]] = {}
@@ -121,6 +195,7 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
             if not item.lease:
                 notes.append("no-lease")
             state = "HELD" if capacity is not None and rank < capacity else "WAIT"
+            times = _times(state, started, int(item.version), now)
             records.append(
                 Record(
                     name,
@@ -134,6 +209,7 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
                     f"{item.lease:x}",
                     cmd,
                     ",".join(notes),
+                    *times,
                 )
             )
     return records

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job for real: a throwaway local etcd, five contending commands on
-# `conch sema heavy-jobs --max 2`, and a --who listing while they queue.
+# `conch sema heavy-jobs --max 2`, --who listings (with held and waited times) while they
+# queue, and a --nonblock that finds a lock taken.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/bootstrap.sh"
@@ -33,12 +34,15 @@ echo "== etcd on $CONCH_ENDPOINTS; five jobs contend for heavy-jobs --max 2"
 jobs_pids=()
 for i in 1 2 3 4 5; do
     CONCH_HOST=node$i $conch sema heavy-jobs --max 2 -- \
-        sh -c "echo \"   job $i runs (fencing token \$CONCH_REV)\"; sleep 2; echo \"   job $i done\"" &
+        sh -c "echo \"   job $i runs (fencing token \$CONCH_REV)\"; sleep 3; echo \"   job $i done\"" &
     jobs_pids+=("$!")
     sleep 0.2
 done
-sleep 0.5
-echo "== conch sema heavy-jobs --max 2 --who"
+sleep 1.5
+echo "== conch sema heavy-jobs --max 2 --who (held=/waited=: time since each key was written)"
+$conch sema heavy-jobs --max 2 --who
+sleep 3
+echo "== again: two waiters took over (held=?: a promotion's time is not in etcd; queued= bounds it)"
 $conch sema heavy-jobs --max 2 --who
 wait "${jobs_pids[@]}"
 echo "== afterwards (exit 1: nobody holds it)"

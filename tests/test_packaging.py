@@ -65,3 +65,33 @@ def test_built_wheel_installs_and_runs_without_grpcio_tools(
     )
     assert run.returncode == 0, run.stderr
     assert (venv / "share" / "man" / "man1" / "conch.1").is_file()
+    for completion in (
+        "bash-completion/completions/conch",
+        "zsh/site-functions/_conch",
+        "fish/vendor_completions.d/conch.fish",
+    ):
+        assert (venv / "share" / completion).is_file(), completion
+
+
+@pytest.mark.parametrize("typed", ["--", "--w"])
+def test_bash_completes_the_flags_of_conch_sema(typed: str) -> None:
+    """``conch sema NAME --<TAB>`` with the completion file as installed, in a plain bash."""
+    script = (
+        "source completions/bash/conch\n"
+        f"COMP_WORDS=(conch sema nightly-backup {typed}); COMP_CWORD=3\n"
+        "_shtab_conch\n"
+        'printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    result = subprocess.run(
+        ["bash", "--norc", "--noprofile", "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    offered = result.stdout.split()
+    if typed == "--":
+        assert {"--max", "--who", "--wait", "--kill-after", "--endpoints"} <= set(offered)
+    else:
+        assert sorted(offered) == ["--wait", "--who"]

@@ -24,10 +24,41 @@ from conch.watchdog import Watchdog
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
 _reap_lock = threading.Lock()
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Stop signals that stay ignored if they are when we start (nohup; a script's background
-# job). Not SIGTERM: it is how conch, and its watchdog, stop the child.
-KEEP_IGNORED = (signal.SIGINT, signal.SIGHUP, signal.SIGTSTP)
+
+# Every signal whose default action ends the process, that can be caught, and that is sent to
+# ask a process to stop (a user, a terminal's ^C or ^\, a timer, a CPU limit): each stops conch
+# as SIGTERM does (withdraw while queued; terminate the child, release). Left out: SIGKILL and
+# SIGSTOP (cannot be caught: the watchdog's job); SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP,
+# SIGSYS and SIGABRT, which report a fault in conch itself (a Python handler would return to
+# the faulting instruction, or hide a crash); SIGPIPE and SIGXFSZ, which Python ignores (a
+# write fails with EPIPE or EFBIG instead of killing us, and a log line to a closed stderr
+# must not stop the supervision).
+STOP_SIGNALS: tuple[int, ...] = (
+    *(
+        getattr(signal, name)
+        for name in (
+            "SIGHUP",
+            "SIGINT",
+            "SIGQUIT",
+            "SIGUSR1",
+            "SIGUSR2",
+            "SIGALRM",
+            "SIGTERM",
+            "SIGSTKFLT",
+            "SIGXCPU",
+            "SIGVTALRM",
+            "SIGPROF",
+            "SIGIO",
+            "SIGPWR",
+        )
+        if hasattr(signal, name)
+    ),
+    *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
+)
+# Signals that stay ignored if they are when we start (nohup's SIGHUP; a script's background
+# job, which ignores SIGINT and SIGQUIT): whoever started us said they must not stop us. Not
+# SIGTERM: it is how conch, and its watchdog, stop the child.
+KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
@@ -48,12 +79,14 @@ def exit_status(returncode: int) -> int:
 
 @contextlib.contextmanager
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
-    """While inside, SIGINT, SIGTERM and SIGHUP set ``stop`` (reason: the signal number)
+    """While inside, every signal of STOP_SIGNALS (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
+    SIGUSR2, SIGALRM, ..., the real-time signals) sets ``stop`` (reason: the signal number)
     instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped conch
     sends no keepalives, so its child would run on unsupervised until the watchdog or the
-    lease's expiry ended the hold. SIGINT, SIGHUP or SIGTSTP ignored on entry stays ignored,
+    lease's expiry ended the hold. Any of them but SIGTERM ignored on entry stays ignored,
     here and in the child (``posix_spawn`` keeps what is ignored): whoever started us said it
-    must not stop us (``nohup``, a script's background job, which ignores SIGINT). The
+    must not stop us (``nohup``, a script's background job, which ignores SIGINT). Process-wide
+    signal handlers: for the command, or a caller that owns the process's signals. The
     previous handlers come back on leaving, unless ``restore`` is False (a process about to
     exit with its child's status: a late signal must not turn that into death by the
     signal)."""

@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from conch import log
-from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
+from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, HoldLost, Interrupted
 from conch.etcd import FORK_SUPPORT_OFF
+from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
-from conch.semaphore import Semaphore
+from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.watchdog import Watchdog
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
@@ -147,11 +148,27 @@ def supervise(
 
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
     SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
-    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost. What
-    the child leaves in its group is reaped as it dies only after ``adopt_orphans()`` (the
-    command calls it); else a zombie among them holds the slot until PID 1 reaps it or
-    ``kill_after`` runs out.
+    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost while
+    the child ran. A hold lost before the child started (nothing ran) is given back and the
+    slot queued for again, at the back of the queue, while ``wait`` allows (a ``requeue``
+    warning; NoSlot once it does not). What the child leaves in its group is reaped as it
+    dies only after ``adopt_orphans()`` (the command calls it); else a zombie among them
+    holds the slot until PID 1 reaps it or ``kill_after`` runs out.
     """
+    deadline = None if wait is None else time.monotonic() + wait
+    backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+    while True:
+        try:
+            return _hold_and_run(sema, argv, remaining(deadline), kill_after, stop)
+        except HoldLost as exc:
+            sema._before_reentry(exc, deadline, stop, backoff)
+
+
+def _hold_and_run(
+    sema: Semaphore, argv: Sequence[str], wait: float | None, kill_after: float, stop: Flag
+) -> int:
+    """One round of ``supervise``: a watchdog, a hold, the child. Raises HoldLost when the
+    hold was lost before the child started."""
     try:
         watchdog = Watchdog(kill_after)  # before queueing: its start-up is over by the slot
     except OSError as exc:
@@ -256,8 +273,9 @@ def run_child(
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
-    (terminate it, return its status). Never starts it without a hold: 70 if already lost;
-    raises Interrupted if ``stop`` is set before it starts.
+    (terminate it, return its status). Never starts it without a hold: raises HoldLost if
+    it is lost (or its lease not certainly alive) before the child starts, Interrupted if
+    ``stop`` is set before it starts.
     ``hold`` is released as soon as the child has exited with nothing left in its group.
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
     started here, before the child."""
@@ -279,8 +297,7 @@ def run_child(
     if hold.lost.is_set() or not hold.session.certainly_alive():
         watchdog.dismiss()
         reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
-        log.error("lost", name=hold.name, rev=hold.revision, reason=str(reason))
-        return EX_SOFTWARE
+        raise HoldLost(f"hold lost before the child started: {reason}")
     box: Mailbox = queue.SimpleQueue()
     with _reap_lock:  # the adopting reaper takes no status until the child is claimed
         try:

@@ -3,13 +3,19 @@ its process group, and a hold lost before the child starts."""
 
 from __future__ import annotations
 
+import logging
 import signal
 from pathlib import Path
 
 import pytest
 
-from conch.etcd import Client
-from tests.conftest import Gate, Runner, poll, sema_keys
+from conch.errors import NoSlot
+from conch.etcd import Client, lease
+from conch.flag import Flag
+from conch.hold import Hold
+from conch.semaphore import Semaphore
+from conch.supervisor import supervise
+from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
 from tests.test_sema import DEFAULT_SIGNALS, _ignored
 
 # The signals whose default action ends a process that conch handled as anything but that
@@ -88,3 +94,51 @@ def test_fatal_signals_ignored_by_whoever_started_conch_stay_ignored(
         proc.signal(sig)
     assert proc.wait() == 128 + signal.SIGTERM
     assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
+
+
+# -- a hold lost before the child starts -------------------------------------------------------
+
+
+class LostOnce(Semaphore):
+    """A semaphore whose first hold is lost right after its acquisition, before the child
+    starts: its lease revoked from outside, and the session has noticed."""
+
+    rounds = 0
+
+    def _acquire(self, timeout: float | None, interrupt: Flag | None) -> Hold:
+        hold = super()._acquire(timeout, interrupt)
+        LostOnce.rounds += 1
+        if LostOnce.rounds == 1:
+            lease.revoke(self.client, hold.lease_id)
+            assert hold.lost.wait(DEADLINE), "the session did not notice the revoke"
+        return hold
+
+
+def test_a_hold_lost_before_the_child_starts_requeues_and_the_child_runs(
+    client: Client, name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter whose session died as it reached the front logged acquired, then lost, and
+    exited 70 without ever running its command. Nothing ran: it queues again instead."""
+    LostOnce.rounds = 0
+    caplog.set_level(logging.INFO, logger="conch")
+    marker = tmp_path / "ran"
+    sema = LostOnce(client, name, max=1, ttl=3)
+    assert supervise(sema, ["touch", str(marker)], 20.0, 1.0, Flag("stop")) == 0
+    assert LostOnce.rounds == 2 and marker.exists()
+    assert "event=requeue" in caplog.text and "before the child started" in caplog.text
+    assert sema_keys(client, name) == []
+
+
+def test_a_hold_lost_before_the_child_starts_with_no_wait_left_is_no_slot(
+    client: Client, name: str, tmp_path: Path
+) -> None:
+    """--nonblock (or a --wait run out): the lost hold is no slot (exit 75), not a loss
+    while the child ran (70); the child never starts and nothing is left in etcd."""
+    LostOnce.rounds = 0
+    marker = tmp_path / "ran"
+    sema = LostOnce(client, name, max=1, ttl=3)
+    with pytest.raises(NoSlot) as raised:
+        supervise(sema, ["touch", str(marker)], 0.0, 1.0, Flag("stop"))
+    assert raised.value.exit_code == 75
+    assert LostOnce.rounds == 1 and not marker.exists()
+    assert sema_keys(client, name) == []

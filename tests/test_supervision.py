@@ -4,7 +4,10 @@ its process group, and a hold lost before the child starts."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from conch.flag import Flag
 from conch.hold import Hold
 from conch.semaphore import Semaphore
 from conch.supervisor import supervise
-from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
+from tests.conftest import DEADLINE, Gate, Runner, alive, poll, sema_keys
+from tests.test_failures import read_pid, reaped_at_the_end
 from tests.test_sema import DEFAULT_SIGNALS, _ignored
 
 # The signals whose default action ends a process that conch handled as anything but that
@@ -142,3 +146,151 @@ def test_a_hold_lost_before_the_child_starts_with_no_wait_left_is_no_slot(
     assert raised.value.exit_code == 75
     assert LostOnce.rounds == 1 and not marker.exists()
     assert sema_keys(client, name) == []
+
+
+# -- what the child leaves outside its process group -------------------------------------------
+
+
+def escaping(script: str, pidfile: Path, wait: bool) -> str:
+    """A child that starts ``script`` in a session of its own (``setsid``, out of the child's
+    process group) and, once ``pidfile`` is written, exits (or, if ``wait``, runs on)."""
+    quoted = script.replace("'", "'\\''")
+    then = "while :; do sleep 0.05; done" if wait else "exit 0"
+    return f"setsid sh -c '{quoted}' & while [ ! -s {pidfile} ]; do sleep 0.01; done; {then}"
+
+
+def write_pid(pidfile: Path) -> str:
+    return f"echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}"
+
+
+def escaped_line(log: str, pid: int) -> str:
+    return next(
+        (line for line in log.splitlines() if "event=escaped" in line and f" pid={pid} " in line),
+        "",
+    )
+
+
+def test_a_process_that_left_the_group_keeps_the_slot_until_it_is_gone(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """A child that starts ``setsid ... &`` and exits: conch released the slot at once and the
+    next holder ran beside the escaped process. The escaped process counts as the child: it
+    is named in a warning, sent SIGTERM (this one ignores it), and the slot stays held until
+    it is gone; the next holder starts only after that."""
+    pidfile, gate, order = tmp_path / "escaped", tmp_path / "gate", tmp_path / "order"
+    script = (
+        f"trap '' TERM; {write_pid(pidfile)}; "
+        f"while [ ! -e {gate} ]; do sleep 0.02; done; echo escaped-gone >> {order}"
+    )
+    holder = conch.start(
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--kill-after",
+        "60s",
+        "--",
+        "sh",
+        "-c",
+        escaping(script, pidfile, wait=False),
+    )
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        poll(lambda: "event=child-exit" in holder.log(), what="the child's exit")
+        waiter = conch.start("sema", name, "--max", "1", "--", "sh", "-c", f"echo next >> {order}")
+        poll(lambda: "event=queued" in waiter.log() or order.exists(), what="the next holder")
+        assert alive(escaped)
+        gate.touch()
+        assert waiter.wait() == 0, waiter.log()
+        assert order.read_text().split() == ["escaped-gone", "next"]
+        assert "cmd=" in escaped_line(holder.log(), escaped)
+        assert holder.wait() == 0, holder.log()
+        assert "kill-sent" not in holder.events()
+
+
+@pytest.mark.parametrize("end", ["loss", "signal"])
+def test_a_process_that_left_the_group_is_terminated_with_it_on_a_loss_or_signal(
+    conch: Runner, client: Client, name: str, tmp_path: Path, end: str
+) -> None:
+    """The child runs on with a ``setsid``'d process of its own: on a loss or a stop signal
+    that process is terminated with the group (its parent, dying of SIGTERM, leaves it to
+    conch), not left running after the release."""
+    pidfile = tmp_path / "escaped"
+    script = f"{write_pid(pidfile)}; exec sleep 600"
+    proc = conch.start(
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--kill-after",
+        "10s",
+        "--",
+        "sh",
+        "-c",
+        escaping(script, pidfile, wait=True),
+    )
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        if end == "loss":
+            lease.revoke(client, sema_keys(client, name)[0].lease)
+        else:
+            proc.signal(signal.SIGTERM)
+        assert proc.wait() == (70 if end == "loss" else 128 + signal.SIGTERM), proc.log()
+        assert not alive(escaped), "the escaped process outlived conch"
+        assert escaped_line(proc.log(), escaped)
+        assert sema_keys(client, name) == []
+        assert "kill-sent" not in proc.events()
+
+
+def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """A daemon's double fork: a subshell starts ``setsid sleep`` and exits at once, so the
+    sleep is re-parented to conch while the child still runs. When the child exits, the
+    sleep is terminated and the slot released only after it is gone."""
+    pidfile = tmp_path / "escaped"
+    script = f"(setsid sh -c '{write_pid(pidfile)}; exec sleep 600' &); sleep 0.3; exit 5"
+    proc = conch.start("sema", name, "--max", "1", "--kill-after", "10s", "--", "sh", "-c", script)
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        poll(lambda: not sema_keys(client, name), what="the slot released")
+        assert not alive(escaped), "the slot was released while the escaped process ran"
+        assert proc.wait() == 5, proc.log()
+        events = proc.events()
+        assert events.index("escaped") < events.index("term-sent") < events.index("released")
+
+
+# A process that becomes a subreaper, gets an orphan (a double fork into a session of its
+# own) and a child of its own, and prints what each way of listing its children finds.
+LIST_CHILDREN = """
+import os, signal, subprocess, time
+from conch import supervisor
+assert supervisor.adopt_orphans()
+subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+os.system("(setsid sleep 30 >/dev/null 2>&1 &)")
+deadline = time.monotonic() + 20
+def settled(children):  # both there, the orphan past its setsid()
+    return len(children) == 2 and any(pid == pgid for pid, pgid in children.items())
+while time.monotonic() < deadline and not settled(supervisor._children()):
+    time.sleep(0.02)
+ways = {}
+with supervisor._reap_lock:  # nothing reaped in between
+    for files in (True, False):
+        supervisor._children_files = files
+        ways[files] = supervisor._children()
+print(sorted(ways[True].items()) == sorted(ways[False].items()), len(ways[False]), flush=True)
+for pid in ways[False]:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_both_ways_of_listing_our_children_agree() -> None:
+    """The children files of our threads (where the kernel has them) and a scan of every
+    /proc/PID/stat (where it does not) find the same children: the one we started and the
+    orphan re-parented to us."""
+    if not Path(f"/proc/self/task/{os.getpid()}/children").exists():
+        pytest.skip("no /proc/PID/task/TID/children here (CONFIG_PROC_CHILDREN)")
+    out = subprocess.run(
+        [sys.executable, "-c", LIST_CHILDREN], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert out.stdout.split() == ["True", "2"], out.stderr

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from conch import log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, HoldLost, Interrupted
@@ -27,7 +28,9 @@ _adopting = False  # adopt_orphans() worked: every child of this process is ours
 # it has just spawned (holding it) also looks for what escaped.
 _reap_lock = threading.RLock()
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
-_beside_jobs: set[int] = set()  # our children that are no job's (watchdogs), until reaped
+# Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
+# reaped by Popen stays: its start time tells it from a later process with its pid).
+_beside_jobs: dict[int, int] = {}
 
 # Every signal whose default action ends the process, that can be caught, and that is sent to
 # ask a process to stop (a user, a terminal's ^C or ^\, a timer, a CPU limit): each stops conch
@@ -276,8 +279,8 @@ def _start_watchdog(kill_after: float) -> Watchdog:
     child too). Raises OSError as Watchdog does."""
     with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
         watchdog = Watchdog(kill_after)
-        if _adopting:
-            _beside_jobs.add(watchdog.pid)
+        if _adopting and (stat := _stat(watchdog.pid)) is not None:
+            _beside_jobs[watchdog.pid] = stat.started
     return watchdog
 
 
@@ -482,7 +485,7 @@ def _reap_all() -> None:
                     break
                 if reaped == 0:
                     break
-                _beside_jobs.discard(reaped)
+                _beside_jobs.pop(reaped, None)
                 callback = _claimed.pop(reaped, None)
                 if callback is not None:
                     done.append((callback, status))
@@ -511,28 +514,29 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _orphans() -> dict[int, int]:
+def _orphans() -> dict[int, _Stat]:
     """What jobs left outside their process groups: our children that conch did not start
-    (re-parented to us, their subreaper, as their parents died), pid -> process group.
-    Zombies count: they are reaped a moment later. Empty unless ``adopt_orphans()`` worked
-    (without it they go to another reaper, out of our sight)."""
+    (re-parented to us, their subreaper, as their parents died). Zombies count: they are
+    reaped a moment later. Empty unless ``adopt_orphans()`` worked (without it they go to
+    another reaper, out of our sight)."""
     if not _adopting:
         return {}
     # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
     # that parent (or an ancestor of it) is then a child of ours, in view until reaped.
     with _reap_lock:
-        found = _children()
-        for pid in (*_claimed, *_beside_jobs):
-            found.pop(pid, None)
-        return found
+        return {
+            pid: stat
+            for pid, stat in _children().items()
+            if pid not in _claimed and _beside_jobs.get(pid) != stat.started
+        }
 
 
 _PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_CHILDREN
 _children_files: bool | None = None  # whether this kernel has them; None: not looked yet
 
 
-def _children() -> dict[int, int]:
-    """Our children, zombies included, pid -> process group. Read from each of our threads'
+def _children() -> dict[int, _Stat]:
+    """Our children, zombies included. Read from each of our threads'
     ``children`` file where the kernel has them (a read per thread, a few more per child),
     else from every /proc/PID/stat on the machine (about 20 µs a process: 3 ms for 150,
     measured on a 2-core VM)."""
@@ -543,11 +547,11 @@ def _children() -> dict[int, int]:
         for _ in range(3):
             pids = _children_of_threads()
             if pids is not None:
-                return {pid: stat[1] for pid in pids if (stat := _stat(pid)) is not None}
+                return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
     me, found = os.getpid(), {}
     for name in os.listdir("/proc"):
-        if name.isdigit() and (stat := _stat(int(name))) is not None and stat[0] == me:
-            found[int(name)] = stat[1]
+        if name.isdigit() and (stat := _stat(int(name))) is not None and stat.ppid == me:
+            found[int(name)] = stat
     return found
 
 
@@ -575,13 +579,22 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, process group) of ``pid``; None once it is gone."""
+class _Stat(NamedTuple):
+    """What /proc/PID/stat says of a process."""
+
+    ppid: int
+    pgid: int
+    zombie: bool
+    started: int  # clock ticks after boot
+
+
+def _stat(pid: int) -> _Stat | None:
+    """/proc/``pid``/stat; None once the process is gone."""
     try:
-        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split(maxsplit=3)
-    except (OSError, IndexError):
+        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+        return _Stat(int(fields[1]), int(fields[2]), fields[0] == b"Z", int(fields[19]))
+    except (OSError, IndexError, ValueError):
         return None
-    return int(fields[1]), int(fields[2])
 
 
 def _command_line(pid: int) -> str:
@@ -618,18 +631,19 @@ class _Job:
         one that leads a group of its own: what it started in turn)."""
         self._sent = sig
         _signal_group(self.pgid, sig)
-        for pid, pgid in self._escaped().items():
-            _signal_escaped(pid, pgid, sig)
+        for pid, stat in self._escaped().items():
+            _signal_escaped(pid, stat.pgid, sig)
 
-    def _escaped(self) -> dict[int, int]:
+    def _escaped(self) -> dict[int, _Stat]:
         orphans = _orphans()
-        for pid, pgid in orphans.items():
-            if pgid == self.pgid or pid in self._known:
-                continue  # in the group: signalled with it
+        for pid, stat in orphans.items():
+            # In the group: signalled with it. A zombie: gone, but for its reaping.
+            if stat.pgid == self.pgid or stat.zombie or pid in self._known:
+                continue
             self._known.add(pid)
             log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
             if self._sent is not None:
-                _signal_escaped(pid, pgid, self._sent)
+                _signal_escaped(pid, stat.pgid, self._sent)
         return orphans
 
 

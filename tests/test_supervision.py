@@ -204,6 +204,7 @@ def test_a_process_that_left_the_group_keeps_the_slot_until_it_is_gone(
         assert waiter.wait() == 0, waiter.log()
         assert order.read_text().split() == ["escaped-gone", "next"]
         assert "cmd=" in escaped_line(holder.log(), escaped)
+        assert holder.log().count("event=escaped") == 1, "something else named (the watchdog?)"
         assert holder.wait() == 0, holder.log()
         assert "kill-sent" not in holder.events()
 
@@ -238,6 +239,7 @@ def test_a_process_that_left_the_group_is_terminated_with_it_on_a_loss_or_signal
         assert proc.wait() == (70 if end == "loss" else 128 + signal.SIGTERM), proc.log()
         assert not alive(escaped), "the escaped process outlived conch"
         assert escaped_line(proc.log(), escaped)
+        assert proc.log().count("event=escaped") == 1, "something else named (the watchdog?)"
         assert sema_keys(client, name) == []
         assert "kill-sent" not in proc.events()
 
@@ -270,7 +272,7 @@ subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.D
 os.system("(setsid sleep 30 >/dev/null 2>&1 &)")
 deadline = time.monotonic() + 20
 def settled(children):  # both there, the orphan past its setsid()
-    return len(children) == 2 and any(pid == pgid for pid, pgid in children.items())
+    return len(children) == 2 and any(pid == s.pgid for pid, s in children.items())
 while time.monotonic() < deadline and not settled(supervisor._children()):
     time.sleep(0.02)
 ways = {}

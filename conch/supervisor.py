@@ -650,7 +650,8 @@ class _Job:
 def _signal_escaped(pid: int, pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if pgid == pid:
-            # A group (so a session) of its own: only its descendants can be in it.
+            # It leads a group, in a session of its own or the child's: only processes
+            # of the job can be in it, what it started in turn.
             os.killpg(pid, sig)
         else:
             os.kill(pid, sig)

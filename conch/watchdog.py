@@ -72,6 +72,11 @@ class Watchdog:
         self._dismissed = False
         self._ready = False
 
+    @property
+    def pid(self) -> int:
+        """The watchdog process's pid."""
+        return self._process.pid
+
     def ready(self, timeout: float, stop: Flag | None = None) -> bool:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
         that, or until ``stop`` is set; one that cannot start, its script gone in an

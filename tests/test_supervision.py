@@ -1,0 +1,298 @@
+"""The supervision against real etcd: every fatal signal, what the child leaves behind outside
+its process group, and a hold lost before the child starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conch.errors import NoSlot
+from conch.etcd import Client, lease
+from conch.flag import Flag
+from conch.hold import Hold
+from conch.semaphore import Semaphore
+from conch.supervisor import supervise
+from tests.conftest import DEADLINE, Gate, Runner, alive, poll, sema_keys
+from tests.test_failures import read_pid, reaped_at_the_end
+from tests.test_sema import DEFAULT_SIGNALS, _ignored
+
+# The signals whose default action ends a process that conch handled as anything but that
+# (INT, TERM and HUP are covered in test_sema): the named ones and both ends of the real-time
+# range.
+FATAL_SIGNALS = [
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGVTALRM,
+    signal.SIGPROF,
+    signal.SIGIO,
+    signal.SIGPWR,
+    signal.SIGSTKFLT,
+    signal.SIGXCPU,
+    signal.SIGRTMIN,
+    signal.SIGRTMAX,
+]
+
+
+def test_every_fatal_signal_to_a_queued_conch_withdraws_and_exits_128_plus_it(
+    conch: Runner, gate: Gate, client: Client, name: str
+) -> None:
+    """SIGQUIT (^\\), SIGUSR1, SIGALRM and the like killed a queued conch outright, leaving
+    its key in etcd until the lease's TTL ran out. Each now withdraws, as SIGTERM does."""
+    holder = conch.start("sema", name, "--max", "1", "--", *gate.cmd("h"))
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    waiters = {
+        sig: conch.start("sema", name, "--max", "1", "--", "true", launcher=DEFAULT_SIGNALS)
+        for sig in FATAL_SIGNALS
+    }
+    poll(lambda: len(sema_keys(client, name)) == 1 + len(waiters), what="every waiter queued")
+    for sig, waiter in waiters.items():
+        waiter.signal(sig)
+    codes = {sig: waiter.wait() for sig, waiter in waiters.items()}
+    assert codes == {sig: 128 + sig for sig in FATAL_SIGNALS}
+    assert len(sema_keys(client, name)) == 1, "a waiter left its key behind"
+    for sig, waiter in waiters.items():
+        assert f"event=interrupted name={name} signum={int(sig)}" in waiter.log()
+    gate.release("h")
+    assert holder.wait() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGRTMIN])
+def test_a_fatal_signal_to_a_running_conch_terminates_the_child_and_releases(
+    conch: Runner, client: Client, name: str, tmp_path: Path, sig: int
+) -> None:
+    """As SIGTERM: the child's group gets SIGTERM, conch releases and exits with the child's
+    status (contract section 7)."""
+    up, marker = tmp_path / "up", tmp_path / "trapped"
+    script = f"trap 'echo term > {marker}; exit 42' TERM; touch {up}; while :; do sleep 0.05; done"
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script)
+    poll(up.exists, what="child up")
+    proc.signal(sig)
+    assert proc.wait() == 42, proc.log()
+    assert marker.read_text().strip() == "term"
+    assert sema_keys(client, name) == []
+    events = proc.events()
+    assert events.index("signal") < events.index("term-sent") < events.index("released")
+
+
+def test_fatal_signals_ignored_by_whoever_started_conch_stay_ignored(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """A script's background job ignores SIGQUIT as it does SIGINT; whatever is ignored when
+    conch starts neither stops conch nor reaches the child as anything but ignored."""
+    up, status = tmp_path / "up", tmp_path / "status"
+    script = f"cat /proc/self/status > {status}; touch {up}; while :; do sleep 0.05; done"
+    ignoring = ["sh", "-c", "trap '' QUIT USR1; exec \"$@\"", "sh"]
+    launcher = [*DEFAULT_SIGNALS, *ignoring]
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=launcher)
+    poll(up.exists, what="child up")
+    assert _ignored(status.read_text()) == (1 << (signal.SIGQUIT - 1)) | (1 << (signal.SIGUSR1 - 1))
+    for sig in (signal.SIGQUIT, signal.SIGUSR1, signal.SIGTERM):
+        proc.signal(sig)
+    assert proc.wait() == 128 + signal.SIGTERM
+    assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
+
+
+# -- a hold lost before the child starts -------------------------------------------------------
+
+
+class LostOnce(Semaphore):
+    """A semaphore whose first hold is lost right after its acquisition, before the child
+    starts: its lease revoked from outside, and the session has noticed."""
+
+    rounds = 0
+
+    def _acquire(self, timeout: float | None, interrupt: Flag | None) -> Hold:
+        hold = super()._acquire(timeout, interrupt)
+        LostOnce.rounds += 1
+        if LostOnce.rounds == 1:
+            lease.revoke(self.client, hold.lease_id)
+            assert hold.lost.wait(DEADLINE), "the session did not notice the revoke"
+        return hold
+
+
+def test_a_hold_lost_before_the_child_starts_requeues_and_the_child_runs(
+    client: Client, name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter whose session died as it reached the front logged acquired, then lost, and
+    exited 70 without ever running its command. Nothing ran: it queues again instead."""
+    LostOnce.rounds = 0
+    caplog.set_level(logging.INFO, logger="conch")
+    marker = tmp_path / "ran"
+    sema = LostOnce(client, name, max=1, ttl=3)
+    assert supervise(sema, ["touch", str(marker)], 20.0, 1.0, Flag("stop")) == 0
+    assert LostOnce.rounds == 2 and marker.exists()
+    assert "event=requeue" in caplog.text and "before the child started" in caplog.text
+    assert sema_keys(client, name) == []
+
+
+def test_a_hold_lost_before_the_child_starts_with_no_wait_left_is_no_slot(
+    client: Client, name: str, tmp_path: Path
+) -> None:
+    """--nonblock (or a --wait run out): the lost hold is no slot (exit 75), not a loss
+    while the child ran (70); the child never starts and nothing is left in etcd."""
+    LostOnce.rounds = 0
+    marker = tmp_path / "ran"
+    sema = LostOnce(client, name, max=1, ttl=3)
+    with pytest.raises(NoSlot) as raised:
+        supervise(sema, ["touch", str(marker)], 0.0, 1.0, Flag("stop"))
+    assert raised.value.exit_code == 75
+    assert LostOnce.rounds == 1 and not marker.exists()
+    assert sema_keys(client, name) == []
+
+
+# -- what the child leaves outside its process group -------------------------------------------
+
+
+def escaping(script: str, pidfile: Path, wait: bool) -> str:
+    """A child that starts ``script`` in a session of its own (``setsid``, out of the child's
+    process group) and, once ``pidfile`` is written, exits (or, if ``wait``, runs on)."""
+    quoted = script.replace("'", "'\\''")
+    then = "while :; do sleep 0.05; done" if wait else "exit 0"
+    return f"setsid sh -c '{quoted}' & while [ ! -s {pidfile} ]; do sleep 0.01; done; {then}"
+
+
+def write_pid(pidfile: Path) -> str:
+    return f"echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}"
+
+
+def escaped_line(log: str, pid: int) -> str:
+    return next(
+        (line for line in log.splitlines() if "event=escaped" in line and f" pid={pid} " in line),
+        "",
+    )
+
+
+def test_a_process_that_left_the_group_keeps_the_slot_until_it_is_gone(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """A child that starts ``setsid ... &`` and exits: conch released the slot at once and the
+    next holder ran beside the escaped process. The escaped process counts as the child: it
+    is named in a warning, sent SIGTERM (this one ignores it), and the slot stays held until
+    it is gone; the next holder starts only after that."""
+    pidfile, gate, order = tmp_path / "escaped", tmp_path / "gate", tmp_path / "order"
+    script = (
+        f"trap '' TERM; {write_pid(pidfile)}; "
+        f"while [ ! -e {gate} ]; do sleep 0.02; done; echo escaped-gone >> {order}"
+    )
+    holder = conch.start(
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--kill-after",
+        "60s",
+        "--",
+        "sh",
+        "-c",
+        escaping(script, pidfile, wait=False),
+    )
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        poll(lambda: "event=child-exit" in holder.log(), what="the child's exit")
+        waiter = conch.start("sema", name, "--max", "1", "--", "sh", "-c", f"echo next >> {order}")
+        poll(lambda: "event=queued" in waiter.log() or order.exists(), what="the next holder")
+        assert alive(escaped)
+        gate.touch()
+        assert waiter.wait() == 0, waiter.log()
+        assert order.read_text().split() == ["escaped-gone", "next"]
+        assert "cmd=" in escaped_line(holder.log(), escaped)
+        assert holder.log().count("event=escaped") == 1, "something else named (the watchdog?)"
+        assert holder.wait() == 0, holder.log()
+        assert "kill-sent" not in holder.events()
+
+
+@pytest.mark.parametrize("end", ["loss", "signal"])
+def test_a_process_that_left_the_group_is_terminated_with_it_on_a_loss_or_signal(
+    conch: Runner, client: Client, name: str, tmp_path: Path, end: str
+) -> None:
+    """The child runs on with a ``setsid``'d process of its own: on a loss or a stop signal
+    that process is terminated with the group (its parent, dying of SIGTERM, leaves it to
+    conch), not left running after the release."""
+    pidfile = tmp_path / "escaped"
+    script = f"{write_pid(pidfile)}; exec sleep 600"
+    proc = conch.start(
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--kill-after",
+        "10s",
+        "--",
+        "sh",
+        "-c",
+        escaping(script, pidfile, wait=True),
+    )
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        if end == "loss":
+            lease.revoke(client, sema_keys(client, name)[0].lease)
+        else:
+            proc.signal(signal.SIGTERM)
+        assert proc.wait() == (70 if end == "loss" else 128 + signal.SIGTERM), proc.log()
+        assert not alive(escaped), "the escaped process outlived conch"
+        assert escaped_line(proc.log(), escaped)
+        assert proc.log().count("event=escaped") == 1, "something else named (the watchdog?)"
+        assert sema_keys(client, name) == []
+        assert "kill-sent" not in proc.events()
+
+
+def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """A daemon's double fork: a subshell starts ``setsid sleep`` and exits at once, so the
+    sleep is re-parented to conch while the child still runs. When the child exits, the
+    sleep is terminated and the slot released only after it is gone."""
+    pidfile = tmp_path / "escaped"
+    script = f"(setsid sh -c '{write_pid(pidfile)}; exec sleep 600' &); sleep 0.3; exit 5"
+    proc = conch.start("sema", name, "--max", "1", "--kill-after", "10s", "--", "sh", "-c", script)
+    with reaped_at_the_end(pidfile):
+        escaped = read_pid(pidfile)
+        poll(lambda: not sema_keys(client, name), what="the slot released")
+        assert not alive(escaped), "the slot was released while the escaped process ran"
+        assert proc.wait() == 5, proc.log()
+        events = proc.events()
+        assert events.index("escaped") < events.index("term-sent") < events.index("released")
+
+
+# A process that becomes a subreaper, gets an orphan (a double fork into a session of its
+# own) and a child of its own, and prints what each way of listing its children finds.
+LIST_CHILDREN = """
+import os, signal, subprocess, time
+from conch import supervisor
+assert supervisor.adopt_orphans()
+subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+os.system("(setsid sleep 30 >/dev/null 2>&1 &)")
+deadline = time.monotonic() + 20
+def settled(children):  # both there, the orphan past its setsid()
+    return len(children) == 2 and any(pid == s.pgid for pid, s in children.items())
+while time.monotonic() < deadline and not settled(supervisor._children()):
+    time.sleep(0.02)
+ways = {}
+with supervisor._reap_lock:  # nothing reaped in between
+    for files in (True, False):
+        supervisor._children_files = files
+        ways[files] = supervisor._children()
+print(sorted(ways[True].items()) == sorted(ways[False].items()), len(ways[False]), flush=True)
+for pid in ways[False]:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_both_ways_of_listing_our_children_agree() -> None:
+    """The children files of our threads (where the kernel has them) and a scan of every
+    /proc/PID/stat (where it does not) find the same children: the one we started and the
+    orphan re-parented to us."""
+    if not Path(f"/proc/self/task/{os.getpid()}/children").exists():
+        pytest.skip("no /proc/PID/task/TID/children here (CONFIG_PROC_CHILDREN)")
+    out = subprocess.run(
+        [sys.executable, "-c", LIST_CHILDREN], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert out.stdout.split() == ["True", "2"], out.stderr

@@ -17,6 +17,7 @@ from conch.etcd import Client, lease
 from conch.flag import Flag
 from conch.hold import Hold
 from conch.semaphore import Semaphore
+from conch.session import Session
 from conch.supervisor import supervise
 from tests.conftest import DEADLINE, Gate, Runner, alive, poll, sema_keys
 from tests.test_failures import read_pid, reaped_at_the_end
@@ -109,8 +110,10 @@ class LostOnce(Semaphore):
 
     rounds = 0
 
-    def _acquire(self, timeout: float | None, interrupt: Flag | None) -> Hold:
-        hold = super()._acquire(timeout, interrupt)
+    def _acquire(
+        self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
+    ) -> Hold:
+        hold = super()._acquire(timeout, interrupt, session)
         LostOnce.rounds += 1
         if LostOnce.rounds == 1:
             lease.revoke(self.client, hold.lease_id)

@@ -1,0 +1,122 @@
+"""etcd authentication under churn: JWT tokens that go stale at every auth change, and simple
+tokens lost when the one member a client talks to restarts. Real etcd; users and roles made
+by etcdctl, key pairs by the openssl command."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conchpb.authpb import auth_pb2
+from conchpb.etcdserverpb import rpc_pb2
+
+from conch.errors import EtcdError
+from conch.etcd import Client, Endpoint
+from conch.etcd.client import Credentials
+from tests.conftest import Runner, sema_keys
+from tests.etcd_server import EtcdCluster
+from tests.test_security import PASSWORD, etcdctl, openssl
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
+
+ROOT = Credentials("root", "rootpw")
+
+
+def enable_auth(cluster: EtcdCluster) -> None:
+    """root, and ``alice`` who may read and write /conch/v1/sema/ only; then auth on."""
+    etcdctl(cluster, "user", "add", "root:rootpw", user=None)
+    etcdctl(cluster, "user", "grant-role", "root", "root", user=None)
+    etcdctl(cluster, "role", "add", "conch", user=None)
+    etcdctl(
+        cluster,
+        "role",
+        "grant-permission",
+        "conch",
+        "readwrite",
+        "/conch/v1/sema/",
+        "--prefix=true",
+        user=None,
+    )
+    etcdctl(cluster, "user", "add", f"alice:{PASSWORD}", user=None)
+    etcdctl(cluster, "user", "grant-role", "alice", "conch", user=None)
+    etcdctl(cluster, "auth", "enable", user=None)
+
+
+def root_client(cluster: EtcdCluster) -> Client:
+    endpoints = [Endpoint.parse(e) for e in cluster.endpoints.split(",")]
+    return Client.connect(endpoints, credentials=ROOT)
+
+
+@pytest.fixture(scope="module")
+def jwt_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """One member issuing RS256 JWT tokens (5 s), which carry the auth revision they were
+    issued at: any user or role change makes every token issued before it stale."""
+    base = tmp_path_factory.mktemp("jwt")
+    openssl("genrsa", "-out", "jwt.key", "2048", cwd=base)
+    openssl("rsa", "-in", "jwt.key", "-pubout", "-out", "jwt.pub", cwd=base)
+    token = f"jwt,pub-key={base}/jwt.pub,priv-key={base}/jwt.key,sign-method=RS256,ttl=5s"
+    # A cheap password hash: etcd checks it at every Authenticate, and retries one whose
+    # check an auth change overtook, so a slow hash would let the churn starve every login.
+    cluster = EtcdCluster(base / "etcd", extra=[f"--auth-token={token}", "--bcrypt-cost=4"])
+    cluster.start()
+    enable_auth(cluster)
+    yield cluster
+    cluster.stop()
+
+
+@contextlib.contextmanager
+def auth_churn(cluster: EtcdCluster, pause: float = 0.01) -> Iterator[list[int]]:
+    """A thread bumping the auth revision every ``pause`` seconds while the block runs;
+    yields a one-item list counting the bumps."""
+    done = threading.Event()
+    bumps = [0]
+
+    # Granting a permission the role has already changes nothing but the auth revision.
+    grant = rpc_pb2.AuthRoleGrantPermissionRequest(
+        name="conch",
+        perm=auth_pb2.Permission(permType=auth_pb2.Permission.READWRITE, key=b"/churn/"),
+    )
+
+    def churn() -> None:
+        with root_client(cluster) as client:
+            while not done.wait(pause):
+                with contextlib.suppress(EtcdError):  # its own token goes stale too
+                    client.call("auth", "RoleGrantPermission", grant)
+                    bumps[0] += 1
+
+    threads = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield bumps
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join(timeout=30)
+
+
+def test_runs_and_releases_keep_up_with_auth_changes(
+    jwt_etcd: EtcdCluster, tmp_path: Path, name: str
+) -> None:
+    runner = Runner(jwt_etcd, tmp_path)
+    env = {"CONCH_USER": "alice", "CONCH_PASSWORD": PASSWORD, "CONCH_TTL": "5s"}
+    try:
+        with auth_churn(jwt_etcd) as bumps:
+            procs = [
+                runner.start("sema", name, "--max", "2", "--", "sleep", "0.3", **env)
+                for _ in range(6)
+            ]
+            codes = [proc.wait() for proc in procs]
+        logs = [proc.log() for proc in procs]
+        assert codes == [0] * 6, logs
+        assert bumps[0] > 20  # many auth changes during the runs
+        for log in logs:
+            assert "revoke-failed" not in log and "revoked=True" in log, log
+        with root_client(jwt_etcd) as client:
+            assert sema_keys(client, name) == []
+    finally:
+        runner.cleanup()

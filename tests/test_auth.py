@@ -5,6 +5,7 @@ by etcdctl, key pairs by the openssl command."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import shutil
 import threading
 from collections.abc import Iterator
@@ -15,9 +16,10 @@ from conchpb.authpb import auth_pb2
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import EtcdError
-from conch.etcd import Client, Endpoint
+from conch.etcd import Client, Endpoint, kv
 from conch.etcd.client import Credentials
-from tests.conftest import Runner, sema_keys
+from conch.etcd.watch import Watch, WatchNotice
+from tests.conftest import Runner, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_security import PASSWORD, etcdctl, openssl
 
@@ -120,3 +122,32 @@ def test_runs_and_releases_keep_up_with_auth_changes(
             assert sema_keys(client, name) == []
     finally:
         runner.cleanup()
+
+
+def alice(cluster: EtcdCluster) -> Client:
+    endpoints = [Endpoint.parse(e) for e in cluster.endpoints.split(",")]
+    return Client.connect(endpoints, credentials=Credentials("alice", PASSWORD))
+
+
+def bump_auth_revision(cluster: EtcdCluster) -> None:
+    with auth_churn(cluster, pause=0.0) as bumps:
+        poll(lambda: bumps[0] >= 1, what="an auth change")
+
+
+def test_a_watch_opened_with_a_stale_token_starts_with_a_fresh_one(
+    jwt_etcd: EtcdCluster, name: str
+) -> None:
+    key = f"/conch/v1/sema/{name}".encode()
+    notices: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+    with alice(jwt_etcd) as client:
+        bump_auth_revision(jwt_etcd)  # etcd cancels a watch created with the token we hold
+        watch = Watch(client, key, 0, notices.put, confirm=True)
+        try:
+            notice = notices.get(timeout=10)
+            assert notice.error is None and notice.created, notice.error
+            kv.put(client, key, b"x")
+            notice = notices.get(timeout=10)
+            assert notice.error is None and [e.kv.key for e in notice.events] == [key]
+        finally:
+            watch.cancel()
+            kv.delete(client, key)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
-from conch.errors import Compacted, EtcdError, Unavailable
+from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
 
 PUT = kv_pb2.Event.PUT
@@ -48,8 +48,9 @@ class Watch:
 
     When the stream breaks (a member goes away) or stays silent through a progress request
     (a hung member, see PROBE_AFTER), the watch moves to the next endpoint and resumes just
-    after the last revision it delivered, so no event is lost or repeated; only after
-    ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    after the last revision it delivered, so no event is lost or repeated; when etcd refuses
+    the stream's auth token, it resumes with a fresh one. Only after ``MAX_RESUMES`` failed
+    attempts in a row is the error delivered.
     """
 
     MAX_RESUMES = 3
@@ -145,6 +146,16 @@ class Watch:
                     f"watch start revision compacted (oldest left {response.compact_revision})",
                     response.compact_revision,
                 )
+            elif item.stream.token is not None and _refused(response.cancel_reason):
+                # etcd checks the stream's token when the watch is created and refuses a
+                # stale one (issued before an auth change, expired, unknown to a restarted
+                # member) by cancelling it, in 3.5 as "permission denied": retried with a
+                # fresh token; a real refusal is delivered after MAX_RESUMES attempts.
+                self._client.invalidate_token(item.stream.token)
+                item.stream.close()
+                reason = response.cancel_reason
+                self._resume_or_fail(StreamItem(item.stream, None, TokenInvalid(reason)))
+                return
             else:
                 error = EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
             self._deliver(WatchNotice(self, (), revision, error))
@@ -164,11 +175,13 @@ class Watch:
         """Called from the broken stream's reader thread: reopen on the next endpoint."""
         assert item.error is not None
         self._failures += 1
-        if not isinstance(item.error, Unavailable) or self._failures > self.MAX_RESUMES:
+        resumable = isinstance(item.error, Unavailable | TokenInvalid)
+        if not resumable or self._failures > self.MAX_RESUMES:
             self._ended.set()
             self._deliver(WatchNotice(self, (), 0, item.error))
             return
-        self._client.failover(item.stream.endpoint)
+        if isinstance(item.error, Unavailable):
+            self._client.failover(item.stream.endpoint)
         time.sleep(self._backoff.next())
         if self._cancelled:
             return
@@ -180,3 +193,11 @@ class Watch:
         except EtcdError as exc:
             self._ended.set()
             self._deliver(WatchNotice(self, (), 0, exc))
+
+
+def _refused(cancel_reason: str) -> bool:
+    """Whether etcd cancelled a watch for its token or permissions."""
+    return any(
+        words in cancel_reason
+        for words in ("permission denied", "auth token", "revision of auth store is old")
+    )

@@ -8,6 +8,7 @@ import contextlib
 import queue
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv
 from conch.etcd.client import Credentials
 from conch.etcd.watch import Watch, WatchNotice
-from tests.conftest import Runner, poll, sema_keys
+from tests.conftest import Gate, Runner, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_security import PASSWORD, etcdctl, openssl
 
@@ -124,6 +125,46 @@ def test_runs_and_releases_keep_up_with_auth_changes(
         runner.cleanup()
 
 
+def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) -> None:
+    """Simple tokens live in each member's memory: a member that restarts from a snapshot
+    refuses connections while down, then has forgotten every token it issued (invalid auth
+    token). Waiters given only its endpoint must ride both out, never exit 69."""
+    # A small snapshot count: without a snapshot the member replays the Authenticate
+    # entries of its log on restart and so remembers the tokens, unlike a long-lived one.
+    extra = ["--auth-token=simple", "--auth-token-ttl=2", "--snapshot-count=5"]
+    cluster = EtcdCluster(tmp_path / "etcd", size=3, extra=extra)
+    runner = Runner(cluster, tmp_path)
+    gate = Gate(tmp_path)
+    env = {"CONCH_USER": "alice", "CONCH_PASSWORD": PASSWORD, "CONCH_TTL": "10s"}
+    restarted = cluster.members[0]
+    try:
+        cluster.start()
+        enable_auth(cluster)
+        holder = runner.start("sema", name, "--max", "1", "--", *gate.cmd("h"), **env)
+        poll(lambda: gate.now_running() == {"h"}, what="holder")
+        one = {"CONCH_ENDPOINTS": restarted.endpoint, **env}
+        waiters = [
+            runner.start("sema", name, "--max", "1", "--", *gate.cmd(f"w{i}"), **one)
+            for i in range(10)
+        ]
+        poll(lambda: all("event=queued" in w.log() for w in waiters), what="waiters queued")
+        restarted.kill()
+        time.sleep(3)  # the outage the waiters must ride out
+        restarted.start(cluster.initial_cluster)
+        time.sleep(4)  # observation window: the waiters meet the forgotten tokens
+        assert [w.process.poll() for w in waiters] == [None] * 10, [w.log() for w in waiters]
+        for ident in ["h"] + [f"w{i}" for i in range(10)]:
+            gate.release(ident)
+        codes = [holder.wait(), *(w.wait(timeout=60) for w in waiters)]
+        assert codes == [0] * 11, [w.log() for w in waiters if w.process.returncode]
+        assert sorted(gate.start_order()) == sorted(["h"] + [f"w{i}" for i in range(10)])
+        with root_client(cluster) as client:
+            assert sema_keys(client, name) == []
+    finally:
+        runner.cleanup()
+        cluster.stop()
+
+
 def alice(cluster: EtcdCluster) -> Client:
     endpoints = [Endpoint.parse(e) for e in cluster.endpoints.split(",")]
     return Client.connect(endpoints, credentials=Credentials("alice", PASSWORD))
@@ -151,3 +192,44 @@ def test_a_watch_opened_with_a_stale_token_starts_with_a_fresh_one(
         finally:
             watch.cancel()
             kv.delete(client, key)
+
+
+def authenticate_calls(cluster: EtcdCluster) -> int:
+    """Auth.Authenticate calls the member has answered, from its Prometheus metrics."""
+    import urllib.request
+
+    url = f"http://{cluster.members[0].endpoint}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("grpc_server_handled_total{") and 'grpc_method="Authenticate"' in line
+    )
+
+
+def test_threads_that_meet_a_stale_token_share_one_fresh_token(
+    jwt_etcd: EtcdCluster, name: str
+) -> None:
+    key = f"/conch/v1/sema/{name}".encode()
+    threads = 16
+    start = threading.Barrier(threads)
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        start.wait(timeout=10)
+        try:
+            kv.get(client, key)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with alice(jwt_etcd) as client:
+        bump_auth_revision(jwt_etcd)  # the token every thread sends first is stale
+        before = authenticate_calls(jwt_etcd)
+        readers = [threading.Thread(target=read) for _ in range(threads)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(timeout=30)
+        assert failures == []
+        assert authenticate_calls(jwt_etcd) - before == 1

@@ -450,6 +450,10 @@ class Client:
                 raise
             stale = isinstance(error, TokenInvalid) and token is not None
             if not (stale or isinstance(error, Unavailable)) or time.monotonic() >= deadline:
+                if stale:
+                    # Out of time while renewing a token (a restarted member that forgot
+                    # it, a burst of auth changes): as transient as a member that is away.
+                    raise Unavailable(f"no fresh auth token accepted in time: {error}") from None
                 raise error
             if stale:
                 # Any auth change makes every JWT token issued before it stale, and a burst

@@ -5,6 +5,12 @@ member stopped, no leader) or runs out its per-attempt time moves to the next en
 tried again, with capped exponential backoff between rounds, until the call's own deadline.
 Streams (watch, keepalive) run on the current endpoint; their owners re-open them after a
 failure, which lands them on the next endpoint.
+
+With credentials, calls and streams carry an auth token. etcd refuses a stale one: expired,
+issued before an auth change (a JWT token carries the auth revision it was issued at), or
+unknown to a member that restarted (simple tokens live in each member's memory). One thread
+then authenticates for all (``Client.token``), and the call is retried with the fresh
+token within its own deadline.
 """
 
 from __future__ import annotations

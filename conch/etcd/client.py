@@ -396,9 +396,9 @@ class Client:
         Single-flight: when the token was invalidated, one thread authenticates and the others
         wait for its token, so a burst of stale tokens costs one Authenticate, not one per
         thread. Raises AuthenticationFailed, or Unavailable when no token comes in time."""
-        credentials = self._credentials
-        if credentials is None or self._token is not None:
-            return self._token
+        credentials, token = self._credentials, self._token  # read once: others reset it
+        if credentials is None or token is not None:
+            return token
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
         if not self._auth_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise Unavailable("timed out waiting for another thread's Auth.Authenticate")

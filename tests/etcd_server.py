@@ -101,6 +101,13 @@ class Member:
                 self.process.wait()
         self.process = None
 
+    def kill(self) -> None:
+        """SIGKILL: no clean shutdown, as in a crash."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+        self.process = None
+
     def pause(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGSTOP)

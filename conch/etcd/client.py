@@ -5,6 +5,12 @@ member stopped, no leader) or runs out its per-attempt time moves to the next en
 tried again, with capped exponential backoff between rounds, until the call's own deadline.
 Streams (watch, keepalive) run on the current endpoint; their owners re-open them after a
 failure, which lands them on the next endpoint.
+
+With credentials, calls and streams carry an auth token. etcd refuses a stale one: expired,
+issued before an auth change (a JWT token carries the auth revision it was issued at), or
+unknown to a member that restarted (simple tokens live in each member's memory). One thread
+then authenticates for all (``Client.token``), and the call is retried with the fresh
+token within its own deadline.
 """
 
 from __future__ import annotations
@@ -206,8 +212,10 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
         return Unavailable(message, code.name)
     if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:
         return TokenInvalid(message, code.name)
-    if "auth: revision in header is old" in details:
-        return TokenInvalid(message, code.name)  # permissions changed: authenticate again
+    # Permissions changed since the token was issued: authenticate again. etcd says so in
+    # its apply path's words, or (3.4, checks before the proposal) its gRPC error's.
+    if "revision in header is old" in details or "revision of auth store is old" in details:
+        return TokenInvalid(message, code.name)
     if "authentication failed" in details:
         return AuthenticationFailed(message, code.name)
     if "authentication is not enabled" in details:  # a user given to an open cluster
@@ -359,27 +367,48 @@ class Client:
         return remove
 
     def authenticate(self, timeout: float | None = None) -> None:
-        """Auth.Authenticate with our credentials and keep the token for later calls.
-        Raises AuthenticationFailed for a wrong user or password."""
+        """Auth.Authenticate with our credentials and keep the token for later calls, within
+        ``timeout`` seconds (default ``request_timeout``). Raises AuthenticationFailed for a
+        wrong user or password, Unavailable when no member answers in time."""
         if self._credentials is None:
             return
-        request = rpc_pb2.AuthenticateRequest(
-            name=self._credentials.user, password=self._credentials.password
-        )
+        self._authenticate(self._credentials, timeout)
+
+    def _authenticate(self, credentials: Credentials, timeout: float | None) -> str:
+        request = rpc_pb2.AuthenticateRequest(name=credentials.user, password=credentials.password)
         response = self.call("auth", "Authenticate", request, timeout, _authenticating=True)
-        self._token = response.token
+        token: str = response.token
+        self._token = token
+        return token
 
-    def invalidate_token(self) -> None:
-        """Forget the token: the next call or stream authenticates again."""
-        self._token = None
+    def invalidate_token(self, stale: str | None = None) -> None:
+        """Forget the token, or only the token ``stale`` when given (a caller that failed
+        with a token another thread has already replaced keeps the replacement): the next
+        call or stream authenticates again."""
+        with self._lock:
+            if stale is None or self._token == stale:
+                self._token = None
 
-    def _metadata(self, timeout: float | None) -> tuple[tuple[str, str], ...]:
-        if self._credentials is None:
-            return ()
-        with self._auth_lock:
-            if self._token is None:
-                self.authenticate(timeout)
-        return (("token", self._token or ""),)
+    def token(self, timeout: float | None = None) -> str | None:
+        """The auth token calls carry now (None without credentials), from Auth.Authenticate
+        within ``timeout`` seconds (default ``request_timeout``) when there is none.
+
+        Single-flight: when the token was invalidated, one thread authenticates and the others
+        wait for its token, so a burst of stale tokens costs one Authenticate, not one per
+        thread. Raises AuthenticationFailed, or Unavailable when no token comes in time."""
+        credentials, token = self._credentials, self._token  # read once: others reset it
+        if credentials is None or token is not None:
+            return token
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        if not self._auth_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise Unavailable("timed out waiting for another thread's Auth.Authenticate")
+        try:
+            token = self._token
+            if token is None:
+                token = self._authenticate(credentials, max(0.001, deadline - time.monotonic()))
+            return token
+        finally:
+            self._auth_lock.release()
 
     def call(
         self,
@@ -392,8 +421,9 @@ class Client:
     ) -> Any:
         """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
 
-        Fails over and retries on UNAVAILABLE, and authenticates again when the token is
-        invalid, until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``,
+        Fails over and retries on UNAVAILABLE, and authenticates again and retries when the
+        token is stale (expired, issued before an auth change, unknown to a member that
+        restarted), until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``,
         when set, ends the retries (not an attempt in flight) with Interrupted. Raises
         Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
         Interrupted or EtcdError.
@@ -401,16 +431,18 @@ class Client:
         total = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + total
         backoff = Backoff()
-        tried_in_round = reauthenticated = 0
+        tried_in_round = stale_tokens = 0
         while True:
             endpoint = self.endpoint
             left = deadline - time.monotonic()
             # A hung member must not eat the whole deadline when others could answer.
             attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
             error: EtcdError
+            token = None
             try:
                 stub = getattr(self._stubs_for(endpoint), service)
-                metadata = () if _authenticating else self._metadata(total)
+                token = None if _authenticating else self.token(max(0.001, left))
+                metadata = () if token is None else (("token", token),)
                 return getattr(stub, method)(
                     request, timeout=max(attempt, 0.001), metadata=metadata
                 )
@@ -422,30 +454,48 @@ class Client:
                 if self._closed:
                     raise _closed_error() from None
                 raise
-            if isinstance(error, TokenInvalid) and not _authenticating and reauthenticated < 2:
-                reauthenticated += 1
-                self.invalidate_token()
-                if time.monotonic() < deadline:
-                    continue
-            if not isinstance(error, Unavailable) or time.monotonic() >= deadline:
+            stale = isinstance(error, TokenInvalid) and token is not None
+            if not (stale or isinstance(error, Unavailable)) or time.monotonic() >= deadline:
+                if stale:
+                    # Out of time while renewing a token (a restarted member that forgot
+                    # it, a burst of auth changes): as transient as a member that is away.
+                    raise Unavailable(f"no fresh auth token accepted in time: {error}") from None
                 raise error
-            self.failover(endpoint)
-            tried_in_round += 1
-            if tried_in_round >= len(self.endpoints):
+            if stale:
+                # Any auth change makes every JWT token issued before it stale, and a burst
+                # of them can outrun any fixed number of retries: retry while time is left,
+                # at once after the first stale token, then backing off.
+                self.invalidate_token(token)
+                stale_tokens += 1
+                if stale_tokens == 1:
+                    continue
+            else:
+                self.failover(endpoint)
+                tried_in_round += 1
+                if tried_in_round < len(self.endpoints):
+                    continue
                 tried_in_round = 0
-                pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
-                if interrupt is None:
-                    time.sleep(pause)
-                elif interrupt.wait(pause):
-                    raise Interrupted(interrupt.reason)
+            pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
+            if interrupt is None:
+                time.sleep(pause)
+            elif interrupt.wait(pause):
+                raise Interrupted(interrupt.reason)
 
     def open_stream(
-        self, service: str, method: str, requests: Iterator[Any]
+        self,
+        service: str,
+        method: str,
+        requests: Iterator[Any],
+        timeout: float | None = None,
+        token: str | None = None,
     ) -> tuple[Endpoint, Any]:
-        """Open a bidirectional stream on the current endpoint (with the auth token); the
-        caller owns failover. Streams ask for ``hasleader``: etcd then ends them when the
-        member loses its leader (partitioned from the quorum), instead of leaving them silent."""
-        metadata = (*self._metadata(None), ("hasleader", "true"))
+        """Open a bidirectional stream on the current endpoint with ``token`` (by default
+        ``token(timeout)``); the caller owns failover and, when the stream ends with
+        TokenInvalid, ``invalidate_token(token)``. Streams ask for ``hasleader``: etcd then
+        ends them when the member loses its leader (partitioned from the quorum), instead of
+        leaving them silent."""
+        token = token or self.token(timeout)
+        metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
         endpoint = self.endpoint
         stub = getattr(self._stubs_for(endpoint), service)
         try:
@@ -490,12 +540,19 @@ class BidiStream:
     """A bidirectional gRPC stream whose answers arrive in a mailbox.
 
     ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
-    response, then one with ``error`` set when the stream ends for any reason. ``close()``
-    cancels the call; nothing is delivered after it.
+    response, then one with ``error`` set when the stream ends for any reason; when that is
+    TokenInvalid, the token it was opened with is invalidated, so that the owner's next
+    stream carries a fresh one. ``timeout`` (seconds) bounds the Auth.Authenticate that
+    opening may need. ``close()`` cancels the call; nothing is delivered after it.
     """
 
     def __init__(
-        self, client: Client, service: str, method: str, deliver: Callable[[StreamItem], None]
+        self,
+        client: Client,
+        service: str,
+        method: str,
+        deliver: Callable[[StreamItem], None],
+        timeout: float | None = None,
     ) -> None:
         import queue
 
@@ -503,8 +560,9 @@ class BidiStream:
         self._client = client
         self._deliver = deliver
         self._closed = False
+        self.token = client.token(timeout)
         self.endpoint, self._call = client.open_stream(
-            service, method, iter(self._requests.get, None)
+            service, method, iter(self._requests.get, None), token=self.token
         )
         self._reader = threading.Thread(
             target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True
@@ -530,7 +588,7 @@ class BidiStream:
         except grpc.RpcError as rpc_error:
             error = map_rpc_error(rpc_error, self.endpoint)
         if isinstance(error, TokenInvalid):
-            self._client.invalidate_token()
+            self._client.invalidate_token(self.token)
         if not self._closed:
             self._deliver(StreamItem(self, None, error))
 

@@ -75,7 +75,11 @@ class KeepAlive:
             if self._stream is None:
                 try:
                     self._stream = BidiStream(
-                        self._client, "lease", "LeaseKeepAlive", self._answers.put
+                        self._client,
+                        "lease",
+                        "LeaseKeepAlive",
+                        self._answers.put,
+                        timeout=max(0.001, deadline - time.monotonic()),
                     )
                 except EtcdError as exc:
                     last_error = exc

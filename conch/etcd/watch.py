@@ -228,6 +228,17 @@ class _Hub:
                 watch = self._unanswered.popleft() if self._unanswered else None
                 if watch is None:
                     return
+                if response.canceled and item.stream.token and _refused(response.cancel_reason):
+                    # etcd checks the stream's token when a watch is created and refuses a
+                    # stale one (issued before an auth change, expired, unknown to a
+                    # restarted member) by cancelling it, in 3.5 as "permission denied":
+                    # the stream resumes with a fresh token; a real refusal is delivered
+                    # after MAX_RESUMES attempts.
+                    client = self._client_ref()
+                    if client is not None:
+                        client.invalidate_token(item.stream.token)
+                    self._broken(item.stream, TokenInvalid(response.cancel_reason))
+                    return
                 if response.canceled:  # refused (permission denied, bad range)
                     self._watches.discard(watch)
                     if not watch._cancelled:
@@ -271,7 +282,8 @@ class _Hub:
         if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
             self._end_all(error)
             return
-        self._left = stream.endpoint
+        # A stale token is no fault of the member: resume on the same one.
+        self._left = stream.endpoint if isinstance(error, Unavailable) else None
         self._resuming = True
         self._timer.call_later(self._backoff.next(), self._resume)
 
@@ -382,3 +394,11 @@ def _hub_for(client: Client) -> _Hub:
         if hub is None:
             hub = _hubs[client] = _Hub(client)
         return hub
+
+
+def _refused(cancel_reason: str) -> bool:
+    """Whether etcd cancelled a watch for its token or permissions."""
+    return any(
+        words in cancel_reason
+        for words in ("permission denied", "auth token", "revision of auth store is old")
+    )

@@ -49,6 +49,7 @@ _CHANNEL_OPTIONS = [
 ]
 BACKOFF_FIRST = 0.05  # seconds
 BACKOFF_CAP = 1.0  # seconds
+ATTEMPT_FIRST = 1.0  # seconds; see _attempt_time
 
 
 @dataclass(frozen=True)
@@ -401,12 +402,11 @@ class Client:
         total = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + total
         backoff = Backoff()
-        tried_in_round = reauthenticated = 0
+        tried_in_round = rounds = reauthenticated = 0
         while True:
             endpoint = self.endpoint
             left = deadline - time.monotonic()
-            # A hung member must not eat the whole deadline when others could answer.
-            attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
+            attempt = left if len(self.endpoints) == 1 else min(left, _attempt_time(rounds))
             error: EtcdError
             try:
                 stub = getattr(self._stubs_for(endpoint), service)
@@ -433,6 +433,7 @@ class Client:
             tried_in_round += 1
             if tried_in_round >= len(self.endpoints):
                 tried_in_round = 0
+                rounds += 1
                 pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
                 if interrupt is None:
                     time.sleep(pause)
@@ -440,13 +441,18 @@ class Client:
                     raise Interrupted(interrupt.reason)
 
     def open_stream(
-        self, service: str, method: str, requests: Iterator[Any]
+        self,
+        service: str,
+        method: str,
+        requests: Iterator[Any],
+        endpoint: Endpoint | None = None,
     ) -> tuple[Endpoint, Any]:
-        """Open a bidirectional stream on the current endpoint (with the auth token); the
-        caller owns failover. Streams ask for ``hasleader``: etcd then ends them when the
-        member loses its leader (partitioned from the quorum), instead of leaving them silent."""
+        """Open a bidirectional stream on ``endpoint`` (default: the current one), with the
+        auth token; the caller owns failover. Streams ask for ``hasleader``: etcd then ends
+        them when the member loses its leader (partitioned from the quorum), instead of
+        leaving them silent."""
         metadata = (*self._metadata(None), ("hasleader", "true"))
-        endpoint = self.endpoint
+        endpoint = self.endpoint if endpoint is None else endpoint
         stub = getattr(self._stubs_for(endpoint), service)
         try:
             # The call is both the handle to cancel and the iterator of responses.
@@ -455,6 +461,16 @@ class Client:
             if self._closed:
                 raise _closed_error() from None
             raise
+
+
+def _attempt_time(rounds: int) -> float:
+    """Seconds one attempt of a unary call may take on one member, with other endpoints to
+    try, after ``rounds`` full rounds over the endpoints failed. A silent member (cut off, or
+    a leader cut from us) holds each call this long before another member is asked, so it
+    starts short; it doubles each round, so a link that is only slow still gets calls
+    through. (An attempt of half the time left held a LeaseRevoke 2.5 s on an unreachable
+    leader, and the next holder waited as long.)"""
+    return ATTEMPT_FIRST * 2.0 ** min(rounds, 6)
 
 
 def _closed_error() -> EtcdError:
@@ -491,11 +507,17 @@ class BidiStream:
 
     ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
     response, then one with ``error`` set when the stream ends for any reason. ``close()``
-    cancels the call; nothing is delivered after it.
+    cancels the call; nothing is delivered after it. It runs on ``endpoint``, by default the
+    client's current one.
     """
 
     def __init__(
-        self, client: Client, service: str, method: str, deliver: Callable[[StreamItem], None]
+        self,
+        client: Client,
+        service: str,
+        method: str,
+        deliver: Callable[[StreamItem], None],
+        endpoint: Endpoint | None = None,
     ) -> None:
         import queue
 
@@ -504,7 +526,7 @@ class BidiStream:
         self._deliver = deliver
         self._closed = False
         self.endpoint, self._call = client.open_stream(
-            service, method, iter(self._requests.get, None)
+            service, method, iter(self._requests.get, None), endpoint
         )
         self._reader = threading.Thread(
             target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True

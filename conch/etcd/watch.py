@@ -12,7 +12,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
+from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -49,7 +49,10 @@ class Watch:
     When the stream breaks (a member goes away) or stays silent through a progress request
     (a hung member, see PROBE_AFTER), the watch moves to the next endpoint and resumes just
     after the last revision it delivered, so no event is lost or repeated; only after
-    ``MAX_RESUMES`` failed attempts in a row is the error delivered.
+    ``MAX_RESUMES`` failed attempts in a row is the error delivered. It also moves, the same
+    way, when the client's calls or keepalive fail over from the member it is on
+    (``Client.on_failover``): a member we cannot reach leaves a watch silent, not broken,
+    until the connection times out.
     """
 
     MAX_RESUMES = 3
@@ -80,6 +83,7 @@ class Watch:
         self._ended = threading.Event()  # cancelled, or the error delivered
         self._heard = time.monotonic()  # when the current stream last answered
         self._stream = self._open()
+        self._unsubscribe = client.on_failover(self._on_failover)
         threading.Thread(
             target=self._probe, args=(probe_after,), name="conch-watch-probe", daemon=True
         ).start()
@@ -109,7 +113,32 @@ class Watch:
         with self._lock:  # no stream is re-opened after this
             self._cancelled = True
             stream = self._stream
+        self._end()
+        stream.close()
+
+    def _end(self) -> None:
         self._ended.set()
+        self._unsubscribe()
+
+    def _on_failover(self, failed: Endpoint) -> None:
+        """Calls moved off ``failed``: if this watch is on it, move it too (in a thread of its
+        own, since the one that failed over may be the keepalive's)."""
+        stream = self._stream
+        if stream.endpoint == failed and not self._ended.is_set():
+            threading.Thread(
+                target=self._move, args=(stream,), name="conch-watch-move", daemon=True
+            ).start()
+
+    def _move(self, stream: BidiStream) -> None:
+        try:
+            with self._lock:
+                if stream is not self._stream or self._cancelled:
+                    return
+                # _open() makes anything the old stream still says stale.
+                self._stream = self._open()
+        except EtcdError as exc:
+            self._end()
+            self._deliver(WatchNotice(self, (), 0, exc))
         stream.close()
 
     def _probe(self, after: float) -> None:
@@ -165,7 +194,7 @@ class Watch:
         assert item.error is not None
         self._failures += 1
         if not isinstance(item.error, Unavailable) or self._failures > self.MAX_RESUMES:
-            self._ended.set()
+            self._end()
             self._deliver(WatchNotice(self, (), 0, item.error))
             return
         self._client.failover(item.stream.endpoint)
@@ -178,5 +207,5 @@ class Watch:
                     return
                 self._stream = self._open()
         except EtcdError as exc:
-            self._ended.set()
+            self._end()
             self._deliver(WatchNotice(self, (), 0, exc))

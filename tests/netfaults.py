@@ -52,6 +52,7 @@ class Fault:
 class NetConfig(Config):
     clients: int = 4
     fault_time: float = 5.0  # seconds each fault lasts
+    child_time: tuple[float, float] = (1.0, 3.0)  # long enough for a fault to hit
     kinds: tuple[str, ...] = KINDS
     timings: list[Fault] = field(default_factory=list)
 
@@ -140,9 +141,7 @@ class NetHarness(Harness):
         time.sleep(max(0.0, until - time.monotonic()))
 
     def _explained(self, begun: float, ended: float) -> bool:
-        return any(
-            f.start <= begun and ended <= f.end + self._window() for f in self.timeline
-        )
+        return any(f.start <= begun and ended <= f.end + self._window() for f in self.timeline)
 
     def _check(self) -> None:
         super()._check()
@@ -199,7 +198,9 @@ def timings(faults: list[Fault]) -> str:
     return "\n".join(lines)
 
 
-def run(seed: int, max_holders: int, workdir: Path, duration: float, workers: int = 4) -> Harness:
+def run(
+    seed: int, max_holders: int, workdir: Path, duration: float, workers: int = 4
+) -> NetHarness:
     """One seeded run on a fresh network and cluster; returns the harness (its report and
     its timeline of faults)."""
     config = NetConfig(seed=seed, max_holders=max_holders, workers=workers, duration=duration)

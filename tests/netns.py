@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from conchpb.etcdserverpb import rpc_pb2
+
 from conch.etcd import Client, Endpoint
-from conch.etcd.client import rpc_pb2
-from tests.etcd_server import EtcdCluster, Member, free_port
+from tests.etcd_server import EtcdCluster, Member
 
 SUBNET = "10.77.0"
 HUB_ADDRESS = f"{SUBNET}.254"
@@ -107,7 +108,20 @@ class Net:
         node = Node(name, f"{self.prefix}-{name}", f"{SUBNET}.{len(self.nodes) + 1}")
         self._add_namespace(node.ns)
         port = f"p{len(self.nodes)}"
-        _sh("ip", "-n", self.hub, "link", "add", port, "type", "veth", "peer", "eth0", "netns", node.ns)
+        _sh(
+            "ip",
+            "-n",
+            self.hub,
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "eth0",
+            "netns",
+            node.ns,
+        )
         _sh("ip", "-n", self.hub, "link", "set", port, "master", "br0", "up")
         _sh("ip", "-n", node.ns, "addr", "add", f"{node.address}/24", "dev", "eth0")
         _sh("ip", "-n", node.ns, "link", "set", "eth0", "up")
@@ -285,9 +299,7 @@ class NetCluster(EtcdCluster):
         for tunnel in self.tunnels:
             try:
                 with Client([Endpoint("127.0.0.1", tunnel.port, False)]) as client:
-                    out.append(
-                        client.call("maintenance", "Status", rpc_pb2.StatusRequest(), 1.0)
-                    )
+                    out.append(client.call("maintenance", "Status", rpc_pb2.StatusRequest(), 1.0))
             except Exception:
                 out.append(None)
         return out

@@ -1,0 +1,147 @@
+"""conch under real network faults, with etcd members and wrappers in network namespaces
+(tests/netns.py): the invariant harness on a seeded schedule of faults, and the liveness cases
+it found. Skipped, saying why, where network namespaces cannot be made (not root, no iptables).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEADLINE, Conch, poll, sema_keys
+from tests.netfaults import KINDS, run, timings
+from tests.netns import Net, NetCluster, Node, skip_reason
+
+SEED = 20261201
+
+UNAVAILABLE = skip_reason() if sys.platform == "linux" else "not Linux"
+pytestmark = pytest.mark.skipif(
+    UNAVAILABLE is not None, reason=f"network namespaces unavailable: {UNAVAILABLE}"
+)
+
+
+class Lab:
+    """A 3-member cluster and two client nodes, healed and settled between tests."""
+
+    def __init__(self, net: Net, cluster: NetCluster, clients: list[Node]) -> None:
+        self.net = net
+        self.cluster = cluster
+        self.clients = clients
+
+    def conch(self, tmp_path: Path, node: Node, *args: str, endpoints: str = "") -> Conch:
+        env = dict(os.environ)
+        env.update(
+            CONCH_ENDPOINTS=endpoints or self.cluster.endpoints,
+            CONCH_TTL="3s",
+            PYTHONUNBUFFERED="1",
+        )
+        log = tmp_path / f"conch-{node.name}-{len(list(tmp_path.glob('conch-*')))}.log"
+        return Conch(list(args), env, log, node.exec)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    with Net() as net:
+        cluster = NetCluster(net, tmp_path_factory.mktemp("netetcd"))
+        clients = [net.add(f"c{i}") for i in range(2)]
+        cluster.start()
+        try:
+            yield Lab(net, cluster, clients)
+        finally:
+            cluster.stop()
+
+
+@pytest.fixture
+def settled(lab: Lab) -> Iterator[Lab]:
+    lab.cluster.settle()
+    yield lab
+    lab.net.heal()
+
+
+def test_network_faults_keep_the_promise(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every fault kind once, N = 1, 4 wrappers on 4 client nodes (about 90 s)."""
+    harness = run(SEED, 1, tmp_path, duration=70.0)
+    report = harness.report
+    with capsys.disabled():
+        print(f"\n[netfaults] {report.summary()}\n{timings(harness.timeline)}")
+    assert {f.kind for f in harness.timeline} == set(KINDS)
+    assert report.spans, "no child ever ran"
+    assert report.problems == []
+
+
+def test_a_slow_lossy_link_does_not_cost_the_holds(settled: Lab, tmp_path: Path, name: str) -> None:
+    """RTT +200 ms and 5% loss each way between the holders and every member, TTL 3 s, three
+    endpoints: the keepalive waits for a late answer while it asks another member, so no hold
+    is lost. (Giving one stream half the time left and then dropping it lost 3 of 3 holds.)"""
+    node = settled.clients[0]
+    settled.net.delay(node, settled.cluster.nodes, 0.1)
+    settled.net.lose(node, settled.cluster.nodes, 0.05)
+    holders = [
+        settled.conch(tmp_path, node, "sema", name, "--max", "3", "--", "sleep", "12")
+        for _ in range(3)
+    ]
+    codes = [h.wait(DEADLINE + 12) for h in holders]
+    logs = "\n".join(h.log() for h in holders)
+    assert codes == [0, 0, 0], logs
+    assert "event=lost" not in logs
+
+
+def test_a_handoff_moves_off_a_leader_the_clients_cannot_reach(
+    settled: Lab, tmp_path: Path, name: str
+) -> None:
+    """Holder and waiter, each on its own node, both talking to the leader, which they are
+    then cut off from (the followers stay reachable) just as the holder's child ends: the
+    holder's LeaseRevoke and the waiter's watch move to a follower within about a second."""
+    leader = settled.cluster.settle()
+    members = settled.cluster.members
+    ordered = [members[leader], *(m for i, m in enumerate(members) if i != leader)]
+    endpoints = ",".join(m.endpoint for m in ordered)
+    go, marks = tmp_path / "go", tmp_path / "marks"
+    child = f'while [ ! -e {go} ]; do sleep 0.01; done; echo "end $(date +%s.%N)" >> {marks}'
+    holder_node, waiter_node = settled.clients
+    holder = settled.conch(
+        tmp_path,
+        holder_node,
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        child,
+        endpoints=endpoints,
+    )
+    with settled.cluster.client() as client:
+        poll(lambda: len(sema_keys(client, name)) == 1, what="the holder's key")
+        waiter = settled.conch(
+            tmp_path,
+            waiter_node,
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            f'echo "start $(date +%s.%N)" >> {marks}',
+            endpoints=endpoints,
+        )
+        poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
+        time.sleep(0.5)  # the waiter's watch is set up on the leader
+        for node in settled.clients:
+            settled.net.cut_both(node, settled.cluster.nodes[leader])
+        go.touch()
+        assert holder.wait() == 0, holder.log()
+        assert waiter.wait() == 0, waiter.log()
+    stamps = dict(line.split() for line in marks.read_text().splitlines())
+    handoff = float(stamps["start"]) - float(stamps["end"])
+    print(f"[measure] leader cut off from the clients -> handoff {handoff:.2f}s")
+    assert handoff < 2.0, f"{handoff:.2f}s\n{holder.log()}\n{waiter.log()}"

@@ -1,7 +1,8 @@
 """The invariant harness: K conch wrappers contend for one semaphore while a seeded schedule
 injects faults; then the records the children left are checked against the contract.
 
-Each child appends ``start|end <holder> <CONCH_REV> <unix time>`` lines to one file opened
+Each child appends ``start|end|stop <holder> <CONCH_REV> <unix time>`` lines (``stop``: it
+ended by SIGTERM) to one file opened
 with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
 SIGKILL, SIGSTOP for longer than the TTL then SIGCONT, revocation of its lease from outside,
 SIGTERM. Checked afterwards:
@@ -74,7 +75,7 @@ class Report:
 
 
 CHILD = (
-    'trap \'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
+    'trap \'echo "stop $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
     'echo "start $H $CONCH_REV $(date +%s.%N)" >> "$REC"; '
     'sleep "$D" & wait $!; '
     'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"'

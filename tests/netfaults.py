@@ -44,8 +44,11 @@ class Fault:
     start: float  # unix time
     end: float = 0.0
     holder: str | None = None  # the child running when it began (``w<i>.<run>``)
-    detection: float | None = None
-    handoff: float | None = None
+    lost: bool = False  # the holder's child was stopped (SIGTERM) rather than finishing
+    detection: float | None = None  # seconds from the fault to the holder's child's end
+    handoff: float | None = None  # seconds from that end to the next child's start
+    # gaps between one child's end and the next one's start, for ends during the fault
+    gaps: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -150,17 +153,29 @@ class NetHarness(Harness):
             self._check_handoffs()
 
     def _measure(self) -> None:
-        """Detection and handoff time of each fault that hit a running child."""
+        """Detection and handoff time of each fault that hit a running child (N = 1)."""
+        if self.config.max_holders != 1:
+            return
         spans = sorted(self.report.spans, key=lambda s: s[2])
+        stopped = {
+            line.split()[1]
+            for line in self.records.read_text().splitlines()
+            if line.startswith("stop ")
+        }
         for fault in self.timeline:
             ends = [s for s in spans if s[0] == fault.holder and s[3] >= fault.start]
             if not ends:
                 continue
             ended = ends[0][3]
+            fault.lost = fault.holder in stopped
             fault.detection = ended - fault.start
             later = [s[2] for s in spans if s[2] >= ended]
             if later:
                 fault.handoff = later[0] - ended
+        for before, after in itertools.pairwise(spans):
+            for fault in self.timeline:
+                if fault.start <= before[3] <= fault.end:
+                    fault.gaps.append(max(0.0, after[2] - before[3]))
 
     def _check_handoffs(self) -> None:
         """With N = 1, the gaps between one child's end and the next one's start."""
@@ -180,15 +195,20 @@ class NetHarness(Harness):
 
 
 def timings(faults: list[Fault]) -> str:
-    """Per fault kind: how many hit a holder, median and max of detection and handoff."""
+    """Per fault kind: how many holds it cost, and over those, median and max of the
+    detection and handoff times; and of the gaps between children while it lasted."""
     lines = []
     for kind in KINDS:
         hits = [f for f in faults if f.kind == kind]
         if not hits:
             continue
-        line = f"{kind:9} faults={len(hits)}"
-        for what in ("detection", "handoff"):
-            values = [v for f in hits if (v := getattr(f, what)) is not None]
+        lost = [f for f in hits if f.lost]
+        line = f"{kind:9} faults={len(hits)} holds_lost={len(lost)}"
+        for what, values in (
+            ("detection", [f.detection for f in lost if f.detection is not None]),
+            ("handoff", [f.handoff for f in lost if f.handoff is not None]),
+            ("gap", [gap for f in hits for gap in f.gaps]),
+        ):
             if values:
                 line += (
                     f" {what} n={len(values)} median={statistics.median(values):.2f}s"
@@ -199,11 +219,18 @@ def timings(faults: list[Fault]) -> str:
 
 
 def run(
-    seed: int, max_holders: int, workdir: Path, duration: float, workers: int = 4
+    seed: int,
+    max_holders: int,
+    workdir: Path,
+    duration: float,
+    workers: int = 4,
+    kinds: tuple[str, ...] = KINDS,
 ) -> NetHarness:
     """One seeded run on a fresh network and cluster; returns the harness (its report and
     its timeline of faults)."""
-    config = NetConfig(seed=seed, max_holders=max_holders, workers=workers, duration=duration)
+    config = NetConfig(
+        seed=seed, max_holders=max_holders, workers=workers, duration=duration, kinds=kinds
+    )
     with Net() as net:
         cluster = NetCluster(net, workdir / "etcd")
         clients = [net.add(f"c{i}") for i in range(config.clients)]

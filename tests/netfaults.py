@@ -55,7 +55,7 @@ class Fault:
 class NetConfig(Config):
     clients: int = 4
     fault_time: float = 5.0  # seconds each fault lasts
-    child_time: tuple[float, float] = (1.0, 3.0)  # long enough for a fault to hit
+    child_time: tuple[float, float] = (2.0, 5.0)  # long enough for a fault to cost the hold
     kinds: tuple[str, ...] = KINDS
     timings: list[Fault] = field(default_factory=list)
 

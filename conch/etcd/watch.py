@@ -82,8 +82,11 @@ class Watch:
         self._lock = threading.Lock()
         self._ended = threading.Event()  # cancelled, or the error delivered
         self._heard = time.monotonic()  # when the current stream last answered
+        self._unsubscribe: Callable[[], None] = lambda: None
         self._stream = self._open()
         self._unsubscribe = client.on_failover(self._on_failover)
+        if self._ended.is_set():  # ended before we subscribed
+            self._unsubscribe()
         threading.Thread(
             target=self._probe, args=(probe_after,), name="conch-watch-probe", daemon=True
         ).start()
@@ -203,7 +206,8 @@ class Watch:
             return
         try:
             with self._lock:
-                if self._cancelled:
+                # Our own failover above may have moved the watch already (_on_failover).
+                if self._cancelled or self._stream is not item.stream:
                     return
                 self._stream = self._open()
         except EtcdError as exc:

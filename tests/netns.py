@@ -230,13 +230,12 @@ class Tunnel:
 
     def _connect(self, local: socket.socket) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        with open(f"/var/run/netns/{self._ns}") as ns:
-            if libc.setns(ns.fileno(), CLONE_NEWNET) != 0:
-                local.close()
-                return
         try:
+            with open(f"/var/run/netns/{self._ns}") as ns:
+                if libc.setns(ns.fileno(), CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns {self._ns}")
             remote = socket.create_connection(self._target, timeout=5)
-        except OSError:
+        except OSError:  # the namespace is gone, or the member does not answer
             local.close()
             return
         remote.settimeout(None)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEADLINE, Conch, poll, sema_keys
+from tests.conftest import DEADLINE, Conch, poll
 from tests.netfaults import KINDS, run, timings
 from tests.netns import Net, NetCluster, Node, skip_reason
 
@@ -104,43 +103,25 @@ def test_a_handoff_moves_off_a_leader_the_clients_cannot_reach(
     ordered = [members[leader], *(m for i, m in enumerate(members) if i != leader)]
     endpoints = ",".join(m.endpoint for m in ordered)
     go, marks = tmp_path / "go", tmp_path / "marks"
-    child = f'while [ ! -e {go} ]; do sleep 0.01; done; echo "end $(date +%s.%N)" >> {marks}'
     holder_node, waiter_node = settled.clients
-    holder = settled.conch(
-        tmp_path,
+
+    def sema(node: Node, script: str) -> Conch:
+        args = ("sema", name, "--max", "1", "--", "sh", "-c", script)
+        return settled.conch(tmp_path, node, *args, endpoints=endpoints)
+
+    holder = sema(
         holder_node,
-        "sema",
-        name,
-        "--max",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        child,
-        endpoints=endpoints,
+        f'while [ ! -e {go} ]; do sleep 0.01; done; echo "end $(date +%s.%N)" >> {marks}',
     )
-    with settled.cluster.client() as client:
-        poll(lambda: len(sema_keys(client, name)) == 1, what="the holder's key")
-        waiter = settled.conch(
-            tmp_path,
-            waiter_node,
-            "sema",
-            name,
-            "--max",
-            "1",
-            "--",
-            "sh",
-            "-c",
-            f'echo "start $(date +%s.%N)" >> {marks}',
-            endpoints=endpoints,
-        )
-        poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
-        time.sleep(0.5)  # the waiter's watch is set up on the leader
-        for node in settled.clients:
-            settled.net.cut_both(node, settled.cluster.nodes[leader])
-        go.touch()
-        assert holder.wait() == 0, holder.log()
-        assert waiter.wait() == 0, waiter.log()
+    poll(lambda: "child-start" in holder.events(), what="the holder's child")
+    waiter = sema(waiter_node, f'echo "start $(date +%s.%N)" >> {marks}')
+    # Its watch is on the leader next, or is being set up there: silent either way.
+    poll(lambda: "queued" in waiter.events(), what="the waiter queued")
+    for node in settled.clients:
+        settled.net.cut_both(node, settled.cluster.nodes[leader])
+    go.touch()
+    assert holder.wait() == 0, holder.log()
+    assert waiter.wait() == 0, waiter.log()
     stamps = dict(line.split() for line in marks.read_text().splitlines())
     handoff = float(stamps["start"]) - float(stamps["end"])
     print(f"[measure] leader cut off from the clients -> handoff {handoff:.2f}s")

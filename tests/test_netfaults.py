@@ -125,4 +125,5 @@ def test_a_handoff_moves_off_a_leader_the_clients_cannot_reach(
     stamps = dict(line.split() for line in marks.read_text().splitlines())
     handoff = float(stamps["start"]) - float(stamps["end"])
     print(f"[measure] leader cut off from the clients -> handoff {handoff:.2f}s")
-    assert handoff < 2.0, f"{handoff:.2f}s\n{holder.log()}\n{waiter.log()}"
+    # 1.4-1.5 s here; 2.5 s at least with a first LeaseRevoke attempt of 2.5 s on the leader
+    assert handoff < 2.3, f"{handoff:.2f}s\n{holder.log()}\n{waiter.log()}"

@@ -176,9 +176,7 @@ class Net:
         for node in self.nodes.values():
             node.iptables("-F", "FAULT")
             node.iptables("-F", "FAULTOUT")
-        if self._delayers:
-            time.sleep(1.0)  # what the delayers hold: far more than their delay
-        for delayer in self._delayers.values():
+        for delayer in self._delayers.values():  # each lets go of what it holds first
             _stop(delayer)
         self._delayers.clear()
 

@@ -2,7 +2,8 @@
 
 Run inside a network namespace whose iptables send packets to ``--queue``:
 ``python tests/nfdelay.py --queue 7 --delay 0.1``. Each packet queued is accepted ``--delay``
-seconds after it arrived, in arrival order. Prints ``ready`` once bound to the queue. It speaks
+seconds after it arrived, in arrival order. Prints ``ready`` once bound to the queue; on
+SIGTERM lets go of the packets it holds, then exits. It speaks
 nfnetlink_queue directly on a netlink socket (only the packet id is copied to user space), so
 it needs nothing but the standard library and root in the namespace.
 """
@@ -82,7 +83,8 @@ def _configure(sock: socket.socket, queue: int) -> None:
                     raise OSError(-code, f"nfqueue {queue}: {errno.errorcode.get(-code, code)}")
 
 
-def run(queue: int, delay: float) -> None:
+def run(queue: int, delay: float, stopping: list[bool]) -> None:
+    """Serve ``queue`` until ``stopping[0]`` is true and every packet read has been let go."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     sock.bind((0, 0))
@@ -91,7 +93,11 @@ def run(queue: int, delay: float) -> None:
     due: collections.deque[tuple[float, int]] = collections.deque()
     while True:
         timeout = max(0.0, due[0][0] - time.monotonic()) if due else None
-        readable, _, _ = select.select([sock], [], [], timeout)
+        if stopping[0]:
+            timeout = 0.0 if not due else timeout
+        readable, _, _ = select.select([sock], [], [], 0.2 if timeout is None else timeout)
+        if stopping[0] and not due and not readable:
+            return
         if readable:
             try:
                 data = sock.recv(65536)
@@ -115,8 +121,13 @@ def main() -> int:
     parser.add_argument("--queue", type=int, required=True)
     parser.add_argument("--delay", type=float, required=True, help="seconds")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run(args.queue, args.delay)
+    stopping = [False]  # SIGTERM: let go of what is held, then exit
+
+    def stop(*_: object) -> None:
+        stopping[0] = True
+
+    signal.signal(signal.SIGTERM, stop)
+    run(args.queue, args.delay, stopping)
     return 0
 
 

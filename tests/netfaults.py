@@ -234,8 +234,8 @@ def run(
     with Net() as net:
         cluster = NetCluster(net, workdir / "etcd")
         clients = [net.add(f"c{i}") for i in range(config.clients)]
-        cluster.start()
         try:
+            cluster.start()
             cluster.settle()
             harness = NetHarness(config, cluster, clients, workdir)
             harness.run()

@@ -5,14 +5,13 @@ it found. Skipped, saying why, where network namespaces cannot be made (not root
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEADLINE, Conch, poll
+from tests.conftest import DEADLINE, Conch, Runner, poll
 from tests.netfaults import KINDS, run, timings
 from tests.netns import Net, NetCluster, Node, skip_reason
 
@@ -25,22 +24,20 @@ pytestmark = pytest.mark.skipif(
 
 
 class Lab:
-    """A 3-member cluster and two client nodes, healed and settled between tests."""
+    """A 3-member cluster and two client nodes, healed and settled between tests; ``runner``
+    starts conch (TTL 3 s) in a node and kills what is left at the end of the test."""
 
     def __init__(self, net: Net, cluster: NetCluster, clients: list[Node]) -> None:
         self.net = net
         self.cluster = cluster
         self.clients = clients
+        self.runner: Runner
 
-    def conch(self, tmp_path: Path, node: Node, *args: str, endpoints: str = "") -> Conch:
-        env = dict(os.environ)
-        env.update(
-            CONCH_ENDPOINTS=endpoints or self.cluster.endpoints,
-            CONCH_TTL="3s",
-            PYTHONUNBUFFERED="1",
+    def conch(self, node: Node, *args: str, endpoints: str = "") -> Conch:
+        endpoints = endpoints or self.cluster.endpoints
+        return self.runner.start(
+            *args, launcher=node.exec, CONCH_ENDPOINTS=endpoints, CONCH_TTL="3s"
         )
-        log = tmp_path / f"conch-{node.name}-{len(list(tmp_path.glob('conch-*')))}.log"
-        return Conch(list(args), env, log, node.exec)
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +45,22 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     with Net() as net:
         cluster = NetCluster(net, tmp_path_factory.mktemp("netetcd"))
         clients = [net.add(f"c{i}") for i in range(2)]
-        cluster.start()
         try:
+            cluster.start()
             yield Lab(net, cluster, clients)
         finally:
             cluster.stop()
 
 
 @pytest.fixture
-def settled(lab: Lab) -> Iterator[Lab]:
+def settled(lab: Lab, tmp_path: Path) -> Iterator[Lab]:
     lab.cluster.settle()
-    yield lab
-    lab.net.heal()
+    lab.runner = Runner(lab.cluster, tmp_path)
+    try:
+        yield lab
+    finally:
+        lab.runner.cleanup()
+        lab.net.heal()
 
 
 def test_network_faults_keep_the_promise(
@@ -83,8 +84,7 @@ def test_a_slow_lossy_link_does_not_cost_the_holds(settled: Lab, tmp_path: Path,
     settled.net.delay(node, settled.cluster.nodes, 0.1)
     settled.net.lose(node, settled.cluster.nodes, 0.05)
     holders = [
-        settled.conch(tmp_path, node, "sema", name, "--max", "3", "--", "sleep", "12")
-        for _ in range(3)
+        settled.conch(node, "sema", name, "--max", "3", "--", "sleep", "12") for _ in range(3)
     ]
     codes = [h.wait(DEADLINE + 12) for h in holders]
     logs = "\n".join(h.log() for h in holders)
@@ -107,7 +107,7 @@ def test_a_handoff_moves_off_a_leader_the_clients_cannot_reach(
 
     def sema(node: Node, script: str) -> Conch:
         args = ("sema", name, "--max", "1", "--", "sh", "-c", script)
-        return settled.conch(tmp_path, node, *args, endpoints=endpoints)
+        return settled.conch(node, *args, endpoints=endpoints)
 
     holder = sema(
         holder_node,

@@ -34,6 +34,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch.etcd import Client, Endpoint
 from tests.etcd_server import EtcdCluster, Member
 
+PREFIX = "cnf"  # namespaces are named cnf<pid of the test process>-<random>-<node>
 SUBNET = "10.77.0"
 HUB_ADDRESS = f"{SUBNET}.254"
 CLIENT_PORT, PEER_PORT = 2379, 2380
@@ -88,16 +89,21 @@ class Net:
     them (by PID) and deletes every namespace, also after a failure half-way."""
 
     def __init__(self) -> None:
-        self.prefix = f"cnf{os.getpid()}{secrets.token_hex(2)}"
+        _sweep()
+        self.prefix = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}"
         self.hub = f"{self.prefix}-hub"
         self.nodes: dict[str, Node] = {}
         self._namespaces: list[str] = []
         self._processes: list[subprocess.Popen[bytes]] = []
         self._delayers: dict[str, subprocess.Popen[bytes]] = {}
-        self._add_namespace(self.hub)
-        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDRESS}/24", "dev", "br0")
-        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        try:
+            self._add_namespace(self.hub)
+            _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _sh("ip", "-n", self.hub, "addr", "add", f"{HUB_ADDRESS}/24", "dev", "br0")
+            _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        except BaseException:
+            self.close()
+            raise
 
     def _add_namespace(self, ns: str) -> None:
         _sh("ip", "netns", "add", ns)
@@ -192,6 +198,21 @@ class Net:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _sweep() -> None:
+    """Remove what a killed run left: namespaces of ours whose creating process is gone, after
+    killing what still runs in them (an etcd outlives its namespace's deletion)."""
+    for line in _sh("ip", "netns", "list").splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        owner = ns[len(PREFIX) :].split("-")[0]
+        if not ns.startswith(PREFIX) or not owner.isdigit() or Path(f"/proc/{owner}").exists():
+            continue
+        for pid in _sh("ip", "netns", "pids", ns).split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        with contextlib.suppress(subprocess.CalledProcessError):
+            _sh("ip", "netns", "del", ns)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

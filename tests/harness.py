@@ -2,8 +2,7 @@
 injects faults; then the records the children left are checked against the contract.
 
 Each child appends ``start|end|stop <holder> <CONCH_REV> <unix time>`` lines (``stop``: it
-ended by SIGTERM) to one file opened
-with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
+ended by SIGTERM) to one file opened with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
 SIGKILL, SIGSTOP for longer than the TTL then SIGCONT, revocation of its lease from outside,
 SIGTERM. Checked afterwards:
 

@@ -2,9 +2,9 @@
 injects faults; then the records the children left are checked against the contract.
 
 Each child appends ``start|end|stop <holder> <CONCH_REV> <unix time>`` lines (``stop``: it
-ended by SIGTERM) to one file opened with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
-SIGKILL, SIGSTOP for longer than the TTL then SIGCONT, revocation of its lease from outside,
-SIGTERM. Checked afterwards:
+ended by SIGTERM) to one file opened with O_APPEND (the shell's ``>>``). Faults, one at a
+time, on a random running wrapper: SIGKILL, SIGSTOP for longer than the TTL then SIGCONT,
+revocation of its lease from outside, SIGTERM. Checked afterwards:
 
 * at every instant at most N children run, except within TTL + kill-after of an induced
   loss; and every child ends (every window closes);

@@ -52,17 +52,20 @@ class Member:
     extra: list[str] = field(default_factory=list)
     scheme: str = "http"
     process: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"
+    launcher: list[str] = field(default_factory=list)  # e.g. ip netns exec NS
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.host}:{self.peer_port}"
 
     def start(self, initial_cluster: str, state: str = "new") -> None:
         args = [
+            *self.launcher,
             etcd_binary(),
             "--name",
             self.name,

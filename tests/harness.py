@@ -1,10 +1,10 @@
 """The invariant harness: K conch wrappers contend for one semaphore while a seeded schedule
 injects faults; then the records the children left are checked against the contract.
 
-Each child appends ``start|end <holder> <CONCH_REV> <unix time>`` lines to one file opened
-with O_APPEND (the shell's ``>>``). Faults, one at a time, on a random running wrapper:
-SIGKILL, SIGSTOP for longer than the TTL then SIGCONT, revocation of its lease from outside,
-SIGTERM. Checked afterwards:
+Each child appends ``start|end|stop <holder> <CONCH_REV> <unix time>`` lines (``stop``: it
+ended by SIGTERM) to one file opened with O_APPEND (the shell's ``>>``). Faults, one at a
+time, on a random running wrapper: SIGKILL, SIGSTOP for longer than the TTL then SIGCONT,
+revocation of its lease from outside, SIGTERM. Checked afterwards:
 
 * at every instant at most N children run, except within TTL + kill-after of an induced
   loss; and every child ends (every window closes);
@@ -17,6 +17,7 @@ Run longer, with other seeds: ``scripts/harness.py --help``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -49,6 +50,7 @@ class Config:
     ttl: int = 3
     kill_after: float = 1.0
     name: str = ""
+    child_time: tuple[float, float] = (0.2, 0.8)  # seconds a child runs, drawn uniformly
 
 
 @dataclass
@@ -61,7 +63,7 @@ class Report:
     problems: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        kinds = {k: sum(1 for _, f in self.faults if f == k) for k in FAULTS}
+        kinds = dict(sorted(collections.Counter(f for _, f in self.faults).items()))
         widest = max((e - s for s, e, _ in self.excess), default=0.0)
         return (
             f"seed={self.config.seed} N={self.config.max_holders} K={self.config.workers} "
@@ -72,7 +74,7 @@ class Report:
 
 
 CHILD = (
-    'trap \'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
+    'trap \'echo "stop $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
     'echo "start $H $CONCH_REV $(date +%s.%N)" >> "$REC"; '
     'sleep "$D" & wait $!; '
     'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"'
@@ -80,6 +82,8 @@ CHILD = (
 
 
 class Harness:
+    ok_exits = OK_EXITS
+
     def __init__(self, config: Config, etcd: EtcdCluster, workdir: Path) -> None:
         self.config = config
         self.etcd = etcd
@@ -102,9 +106,10 @@ class Harness:
                 CONCH_ENDPOINTS=self.etcd.endpoints,
                 REC=str(self.records),
                 H=f"w{index}.{run}",
-                D=f"{rng.uniform(0.2, 0.8):.3f}",
+                D=f"{rng.uniform(*self.config.child_time):.3f}",
             )
             args = [
+                *self.launcher(index),
                 sys.executable,
                 "-m",
                 "conch",
@@ -132,6 +137,10 @@ class Harness:
             with self.lock:
                 self.running.pop(index, None)
                 self.report.exits.append(code)
+
+    def launcher(self, index: int) -> list[str]:
+        """The argv prefix that starts wrapper ``index`` (e.g. in a namespace of its own)."""
+        return []
 
     def _lease_of(self, pid: int) -> int | None:
         prefix = keys.sema_prefix(self.config.name, self.config.max_holders)
@@ -208,7 +217,7 @@ class Harness:
 
     def _check(self) -> None:
         report, cfg = self.report, self.config
-        bad_exits = sorted({c for c in report.exits if c not in OK_EXITS})
+        bad_exits = sorted({c for c in report.exits if c not in self.ok_exits})
         if bad_exits:
             report.problems.append(f"unexpected wrapper exit codes {bad_exits}")
         starts: dict[tuple[str, int], float] = {}
@@ -235,13 +244,11 @@ class Harness:
             elif opened is not None:
                 report.excess.append((opened, at, peak))
                 opened, peak = None, 0
-        window = cfg.ttl + cfg.kill_after + 1.0  # + 1 s for process start-up on a busy host
-        losses = [t for t, f in report.faults if f in ("sigkill", "sigstop", "revoke")]
         for begun, ended, peak in report.excess:
-            if not any(t <= begun and ended <= t + window for t in losses):
+            if not self._explained(begun, ended):
                 report.problems.append(
                     f"{peak} children ran at once from {begun:.3f} to {ended:.3f} with no "
-                    f"induced loss in the {window:.1f}s before"
+                    f"induced loss in the {self._window():.1f}s before"
                 )
         if cfg.max_holders == 1:
             ordered = sorted(report.spans, key=lambda s: s[2])
@@ -251,6 +258,16 @@ class Harness:
                         f"fencing token went from {before[1]} to {after[1]} ({after[0]})"
                     )
         self._check_converged()
+
+    def _window(self) -> float:
+        """How long after an induced loss the contract lets more than N children run."""
+        return self.config.ttl + self.config.kill_after + 1.0  # + 1 s: start-up on a busy host
+
+    def _explained(self, begun: float, ended: float) -> bool:
+        """Whether more than N children running from ``begun`` to ``ended`` (unix times) lies
+        within the window after an induced loss."""
+        losses = [t for t, f in self.report.faults if f in ("sigkill", "sigstop", "revoke")]
+        return any(t <= begun and ended <= t + self._window() for t in losses)
 
     def _check_converged(self) -> None:
         prefix = keys.name_prefix(self.config.name)

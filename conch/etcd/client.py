@@ -55,6 +55,7 @@ _CHANNEL_OPTIONS = [
 ]
 BACKOFF_FIRST = 0.05  # seconds
 BACKOFF_CAP = 1.0  # seconds
+ATTEMPT_FIRST = 1.0  # seconds; see _attempt_time
 
 
 @dataclass(frozen=True)
@@ -431,12 +432,11 @@ class Client:
         total = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + total
         backoff = Backoff()
-        tried_in_round = stale_tokens = 0
+        tried_in_round = stale_tokens = rounds = 0
         while True:
             endpoint = self.endpoint
             left = deadline - time.monotonic()
-            # A hung member must not eat the whole deadline when others could answer.
-            attempt = left if len(self.endpoints) == 1 else max(min(left, 2.0), left / 2)
+            attempt = left if len(self.endpoints) == 1 else min(left, _attempt_time(rounds))
             error: EtcdError
             token = None
             try:
@@ -475,6 +475,7 @@ class Client:
                 if tried_in_round < len(self.endpoints):
                     continue
                 tried_in_round = 0
+                rounds += 1
             pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
             if interrupt is None:
                 time.sleep(pause)
@@ -488,15 +489,16 @@ class Client:
         requests: Iterator[Any],
         timeout: float | None = None,
         token: str | None = None,
+        endpoint: Endpoint | None = None,
     ) -> tuple[Endpoint, Any]:
-        """Open a bidirectional stream on the current endpoint with ``token`` (by default
-        ``token(timeout)``); the caller owns failover and, when the stream ends with
-        TokenInvalid, ``invalidate_token(token)``. Streams ask for ``hasleader``: etcd then
-        ends them when the member loses its leader (partitioned from the quorum), instead of
-        leaving them silent."""
+        """Open a bidirectional stream on ``endpoint`` (default: the current one) with
+        ``token`` (by default ``token(timeout)``); the caller owns failover and, when the
+        stream ends with TokenInvalid, ``invalidate_token(token)``. Streams ask for
+        ``hasleader``: etcd then ends them when the member loses its leader (partitioned from
+        the quorum), instead of leaving them silent."""
         token = token or self.token(timeout)
         metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
-        endpoint = self.endpoint
+        endpoint = self.endpoint if endpoint is None else endpoint
         stub = getattr(self._stubs_for(endpoint), service)
         try:
             # The call is both the handle to cancel and the iterator of responses.
@@ -505,6 +507,16 @@ class Client:
             if self._closed:
                 raise _closed_error() from None
             raise
+
+
+def _attempt_time(rounds: int) -> float:
+    """Seconds one attempt of a unary call may take on one member, with other endpoints to
+    try, after ``rounds`` full rounds over the endpoints failed. A silent member (cut off, or
+    a leader cut from us) holds each call this long before another member is asked, so it
+    starts short; it doubles each round, so a link that is only slow still gets calls
+    through. (An attempt of half the time left held a LeaseRevoke 2.5 s on an unreachable
+    leader, and the next holder waited as long.)"""
+    return ATTEMPT_FIRST * 2.0 ** min(rounds, 6)
 
 
 def _closed_error() -> EtcdError:
@@ -543,7 +555,8 @@ class BidiStream:
     response, then one with ``error`` set when the stream ends for any reason; when that is
     TokenInvalid, the token it was opened with is invalidated, so that the owner's next
     stream carries a fresh one. ``timeout`` (seconds) bounds the Auth.Authenticate that
-    opening may need. ``close()`` cancels the call; nothing is delivered after it.
+    opening may need. ``close()`` cancels the call; nothing is delivered after it. It runs on
+    ``endpoint``, by default the client's current one.
     """
 
     def __init__(
@@ -553,6 +566,7 @@ class BidiStream:
         method: str,
         deliver: Callable[[StreamItem], None],
         timeout: float | None = None,
+        endpoint: Endpoint | None = None,
     ) -> None:
         import queue
 
@@ -562,7 +576,11 @@ class BidiStream:
         self._closed = False
         self.token = client.token(timeout)
         self.endpoint, self._call = client.open_stream(
-            service, method, iter(self._requests.get, None), token=self.token
+            service,
+            method,
+            iter(self._requests.get, None),
+            token=self.token,
+            endpoint=endpoint,
         )
         self._reader = threading.Thread(
             target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True

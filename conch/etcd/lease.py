@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -50,18 +51,33 @@ def time_to_live(client: Client, lease_id: int, timeout: float | None = None) ->
     return int(response.TTL)
 
 
+# With several endpoints, a keepalive unanswered for this long (or half the time left, if
+# less) is also sent to the next member, while the first stream keeps listening: the first
+# answer counts. A slow link then costs nothing, a silent member costs this much.
+ASK_ANOTHER_AFTER = 0.5  # seconds
+
+
 class KeepAlive:
     """The LeaseKeepAlive stream of one lease.
 
     ``refresh(deadline)`` sends one keepalive and waits for etcd's answer until ``deadline``
-    (a ``time.monotonic()`` value), re-opening the stream on the next endpoint if it breaks.
+    (a ``time.monotonic()`` value). A stream that breaks is dropped and the client fails over.
+    A stream that is only silent is kept: after ASK_ANOTHER_AFTER the keepalive also goes to
+    the next member, on a stream of its own, and whichever answers first counts, so a late
+    answer on a slow link is never thrown away for a new connection over that same link.
+    When another member answered and the first stream stayed silent, the client fails over
+    from it (``Client.on_failover`` listeners, e.g. watches, follow).
     """
 
     def __init__(self, client: Client, lease_id: int) -> None:
         self._client = client
         self._lease_id = lease_id
         self._answers: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
-        self._stream: BidiStream | None = None
+        # Open streams, first the one in use, with how many answers each has delivered: a
+        # stream answers its keepalives in order, so an answer that comes after a refresh
+        # gave up on it belongs to that refresh and must not confirm a later one.
+        self._streams: dict[BidiStream, _Counts] = {}
+        self._lock = threading.Lock()
         self._closed = False
 
     def refresh(self, deadline: float) -> int:
@@ -71,62 +87,124 @@ class KeepAlive:
         no answer comes by ``deadline``."""
         backoff = Backoff()
         last_error: EtcdError = Unavailable("keepalive: no answer in time")
-        while time.monotonic() < deadline and not self._closed:
-            if self._stream is None:
+        asked: dict[BidiStream, int] = {}  # stream -> index of its answer to this keepalive
+        ask_at = time.monotonic()
+        while not self._closed:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if now >= ask_at:
                 try:
-                    self._stream = BidiStream(
-                        self._client,
-                        "lease",
-                        "LeaseKeepAlive",
-                        self._answers.put,
-                        timeout=max(0.001, deadline - time.monotonic()),
-                    )
+                    stream = self._stream_to_ask(asked, deadline)
                 except EtcdError as exc:
                     last_error = exc
-                    time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+                    ask_at = now + backoff.next()
                     continue
-            stream = self._stream
-            stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id))
-            item = self._next_answer(stream, self._attempt_deadline(deadline))
+                if stream is None:
+                    ask_at = deadline  # every endpoint has it: wait for any answer
+                else:
+                    asked[stream] = self._send(stream)
+                    ask_at = now + min(ASK_ANOTHER_AFTER, (deadline - now) / 2)
+            item = self._next_answer(min(deadline, ask_at))
             if item is None:
-                # A hung member (stopped, partitioned) never answers nor errors: move on.
-                last_error = Unavailable(f"no keepalive answer from {stream.endpoint}")
-                self._drop(stream)
                 continue
-            if item.error is None:
-                if item.response.TTL <= 0:
-                    raise LeaseNotFound(f"lease {self._lease_id:x} expired or was revoked")
-                return int(item.response.TTL)
-            last_error = item.error
-            self._drop(stream)
-            time.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
+            if item.error is not None:
+                last_error = item.error
+                self._drop(item.stream)
+                self._client.failover(item.stream.endpoint)
+                asked.pop(item.stream, None)
+                if not asked:
+                    ask_at = min(ask_at, time.monotonic() + backoff.next())
+                continue
+            counts = self._streams.get(item.stream)
+            if counts is None:
+                continue  # closed meanwhile
+            index = counts.received
+            counts.received += 1
+            if index < asked.get(item.stream, counts.sent):
+                continue  # the late answer to an earlier keepalive
+            self._settle_on(item.stream, asked)
+            if item.response.TTL <= 0:
+                raise LeaseNotFound(f"lease {self._lease_id:x} expired or was revoked")
+            return int(item.response.TTL)
         raise Unavailable(f"keepalive: no answer in time ({last_error})")
 
-    def _attempt_deadline(self, deadline: float) -> float:
-        """With several endpoints, give one stream at most half the time left (>= 0.5 s)."""
-        now = time.monotonic()
-        left = deadline - now
-        if len(self._client.endpoints) == 1:
-            return deadline
-        return now + max(min(left, 0.5), left / 2)
+    def _stream_to_ask(self, asked: dict[BidiStream, int], deadline: float) -> BidiStream | None:
+        """The stream to send this keepalive on next: the one in use, else one to the member
+        after the last one asked (None when every endpoint has been asked). Opening one may
+        need an Auth.Authenticate, bounded by ``deadline``."""
+        with self._lock:
+            current = next(iter(self._streams), None)
+        if not asked and current is not None:
+            return current
+        endpoints = self._client.endpoints
+        busy = {s.endpoint for s in self._streams}
+        if asked:
+            start = endpoints.index(list(asked)[-1].endpoint) + 1
+        else:
+            start = endpoints.index(self._client.endpoint)
+        for step in range(len(endpoints)):
+            endpoint = endpoints[(start + step) % len(endpoints)]
+            if endpoint not in busy:
+                stream = BidiStream(
+                    self._client,
+                    "lease",
+                    "LeaseKeepAlive",
+                    self._answers.put,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                    endpoint=endpoint,
+                )
+                with self._lock:  # close() from another thread must not miss it
+                    if not self._closed:
+                        self._streams[stream] = _Counts()
+                        return stream
+                stream.close()
+                raise Unavailable("keepalive closed")
+        return None
 
-    def _next_answer(self, stream: BidiStream, deadline: float) -> StreamItem | None:
-        """The next item of this stream (stale items of dropped streams are skipped)."""
+    def _send(self, stream: BidiStream) -> int:
+        """Send one keepalive on ``stream``; return the index its answer will have."""
+        counts = self._streams.get(stream, _Counts())
+        counts.sent += 1
+        stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id))
+        return counts.sent - 1
+
+    def _settle_on(self, answered: BidiStream, asked: dict[BidiStream, int]) -> None:
+        """Keep only the stream that answered. If the first one asked stayed silent, its
+        member is at best slower than this one: calls and streams move away from it."""
+        silent = next(iter(asked))
+        for stream in list(self._streams):
+            if stream is not answered:
+                self._drop(stream)
+        if silent is not answered:
+            self._client.failover(silent.endpoint)
+
+    def _next_answer(self, deadline: float) -> StreamItem | None:
+        """The next item of an open stream (stale items of dropped streams are skipped)."""
         while True:
             try:
                 item = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return None
-            if item.stream is stream:
+            if item.stream in self._streams:
                 return item
 
     def _drop(self, stream: BidiStream) -> None:
+        with self._lock:
+            self._streams.pop(stream, None)
         stream.close()
-        self._client.failover(stream.endpoint)
-        self._stream = None
 
     def close(self) -> None:
-        self._closed = True
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        with self._lock:
+            self._closed = True
+            streams, self._streams = list(self._streams), {}
+        for stream in streams:
+            stream.close()
+
+
+@dataclass
+class _Counts:
+    """Keepalives sent on one stream, and answers received on it."""
+
+    sent: int = 0
+    received: int = 0

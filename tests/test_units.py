@@ -174,3 +174,21 @@ def test_connect_refuses_timeouts_that_are_not_above_zero(timeouts: tuple[float,
 
     with pytest.raises(UsageError, match="want seconds above 0, at most 10 years"):
         connect("127.0.0.1:1", *timeouts)
+
+
+def test_a_stream_removed_by_the_server_is_retried_like_an_unavailable_member() -> None:
+    """etcd 3.4 under a burst of auth changes reset a LeaseRevoke's stream ("Stream removed",
+    status UNKNOWN): the release gave up (revoke-failed) instead of retrying."""
+    import grpc
+
+    from conch.errors import Unavailable
+    from conch.etcd.client import map_rpc_error
+
+    class Removed(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNKNOWN
+
+        def details(self) -> str:
+            return "Stream removed"
+
+    assert isinstance(map_rpc_error(Removed()), Unavailable)

@@ -209,6 +209,10 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     # etcd passes a request that ran out of time inside the server back as UNKNOWN
     # "context deadline exceeded": as retryable as a timeout on our side.
     timed_out = "context deadline exceeded" in details or "request timed out" in details
+    # gRPC's "Stream removed" (an RST_STREAM from a busy server, seen from etcd 3.4 under a
+    # burst of auth changes on a LeaseRevoke) says nothing about the request: retry it
+    # like a broken connection (every call conch makes is safe to repeat).
+    timed_out = timed_out or "Stream removed" in details
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or timed_out:
         return Unavailable(message, code.name)
     if code == grpc.StatusCode.UNAUTHENTICATED or "invalid auth token" in details:

@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from conch import log
+from conch import etcd, log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, Interrupted
-from conch.etcd import FORK_SUPPORT_OFF
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
 from conch.semaphore import Semaphore
@@ -92,7 +91,7 @@ def child_env(hold: Hold) -> dict[str, str]:
     """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX,
     less our GRPC_ENABLE_FORK_SUPPORT."""
     env = dict(os.environ)
-    if FORK_SUPPORT_OFF:
+    if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
     env.update(
         CONCH_NAME=hold.name,

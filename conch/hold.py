@@ -75,6 +75,10 @@ class Hold:
         # to the watch, or refuse it as compacted).
         self._held_at = held_at or revision
         self._guard = threading.Thread(target=self._guard_key, name="conch-hold", daemon=True)
+        # A loss is a WARNING in library mode too; the supervisor, which reports it as an
+        # error with what it did to the child, turns this off.
+        self._warn_on_loss = True
+        self.lost.add_callback(self._warn_lost)
         # Straight from the keepalive thread: the guard may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
         session.lost.add_callback(self._session_lost)
@@ -91,21 +95,65 @@ class Hold:
         if self._guard.ident is None and not self._releasing:
             self._guard.start()
 
+    def _warn_lost(self, lost: Flag) -> None:
+        if self._warn_on_loss:
+            log.warning("lost", name=self.name, rev=self.revision, reason=str(lost.reason))
+
     def check(self) -> None:
-        """Raise HoldLost unless the hold is certainly ours at this moment: the lease is
-        certainly alive (a keepalive confirmed within the TTL, on the monotonic clock, so a
-        process frozen past its TTL fails at once) and our key has not been seen deleted.
-        Makes no etcd call."""
+        """Raise HoldLost unless the hold is certainly ours at this moment: not released,
+        the lease certainly alive (a keepalive confirmed within the TTL, on the monotonic
+        clock, so a process frozen past its TTL fails the moment it resumes, before the
+        keepalive thread has noticed anything) and our key not seen deleted. Makes no etcd
+        call: call it right before acting as the holder; for state kept in etcd, the
+        guarded ``put``/``delete`` check in etcd itself."""
         if self.lost.is_set():
             raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self.lost.reason}")
+        if self._releasing:
+            raise HoldLost(f"hold of {self.name}[{self.max}] released")
         if not self.session.certainly_alive():
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
             )
 
-    def on_lost(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(reason)`` once the hold is lost (at once if it already is)."""
-        self.lost.add_callback(lambda flag: callback(str(flag.reason)))
+    def on_lost(self, callback: Callable[[str], object]) -> None:
+        """Call ``callback(reason)`` once the hold is lost (at once if it already is), from
+        a conch thread (the keepalive's or the guard's): it must not block. Its result is
+        ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
+
+        def call(flag: Flag) -> None:
+            callback(str(flag.reason))
+
+        self.lost.add_callback(call)
+
+    def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
+        """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that compares
+        our key's create_revision with ``revision`` and puts if it still matches, so the
+        write lands at a revision where we held the slot, or not at all. The key is not
+        bound to our lease (it outlives the hold). ``timeout`` in seconds (default: the
+        client's request timeout). Returns the revision of the write. Raises HoldLost when
+        the compare fails (our key is gone: released, lease expired or revoked; ``lost`` is
+        set then, unless released), Unavailable
+        or another EtcdError when etcd does not answer (the write may then have happened:
+        read it back)."""
+        return self._guarded(kv.op_put(_bytes(key), _bytes(value)), timeout)
+
+    def delete(self, key: bytes | str, timeout: float | None = None) -> int:
+        """Delete ``key`` only while this hold is ours (KV.Txn as in ``put``). Returns the
+        revision of the deletion (also when the key was absent). Raises as ``put``."""
+        return self._guarded(kv.op_delete(_bytes(key)), timeout)
+
+    def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
+        response = kv.txn(
+            self._client, [kv.create_revision_is(self.key, self.revision)], [op], [], timeout
+        )
+        if not response.succeeded:
+            if not self._releasing:
+                self.lost.set("our key was deleted (found by a guarded write)")
+            raise HoldLost(
+                f"hold of {self.name}[{self.max}] lost: our key (create_revision "
+                f"{self.revision}) is gone; the guarded write was not made"
+            )
+        return int(response.header.revision)
 
     def _guard_key(self) -> None:
         """Touch our key if due (max 1: from a thread of its own, TOUCH_DELAY into the
@@ -261,8 +309,23 @@ class Hold:
     def __enter__(self) -> Hold:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Release; then raise HoldLost if the hold was lost before the block ended (as
+        ``check()`` judges it then), unless the block is already raising."""
+        try:
+            was_released = self._releasing
+            self.check()
+        except HoldLost as lost:
+            loss = None if was_released and not self._revoked_after_loss else lost
+        else:
+            loss = None
         self.release()
+        if loss is not None and exc_type is None:
+            raise loss
+
+
+def _bytes(text: bytes | str) -> bytes:
+    return text.encode("utf-8") if isinstance(text, str) else text
 
 
 def _cancel_all(watches: list[Watch]) -> None:

@@ -125,6 +125,7 @@ def supervise(
         return EX_SOFTWARE
     try:
         hold = sema._acquire(wait, stop)
+        hold._warn_on_loss = False  # reported below as an error, with what became of the child
         try:
             if stop.is_set():
                 raise Interrupted(stop.reason)

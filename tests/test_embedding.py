@@ -3,12 +3,16 @@ leaving the block, the WARNING, and the guarded write."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,3 +158,63 @@ def test_the_guarded_write_is_refused_after_the_release(client: Client, name: st
     with pytest.raises(conch.HoldLost):
         hold.put(resource, b"late")
     assert kv.get(client, resource) is None
+
+
+def test_the_typed_caller_runs(etcd: EtcdCluster, client: Client, name: str) -> None:
+    from tests.typed_caller import guarded_job
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert guarded_job(etcd.endpoints, name, loop) > 0
+    finally:
+        loop.close()
+    assert sema_keys(client, name) == []
+
+
+def test_the_security_types_and_errors_are_exported() -> None:
+    from conch import errors
+    from conch.etcd import client as client_module
+
+    assert conch.TLS is client_module.TLS and conch.Credentials is client_module.Credentials
+    assert conch.AuthenticationFailed is errors.AuthenticationFailed
+    assert conch.TokenInvalid is errors.TokenInvalid and conch.HoldLost is errors.HoldLost
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda c, n: conch.Semaphore(c, n, max=0), "bad max 0"),
+        (lambda c, n: conch.Semaphore(c, n, max=1, ttl=0), "bad ttl 0"),
+        (lambda c, n: conch.Semaphore(c, n, max=1).acquire(timeout=-1), "bad timeout -1"),
+        (lambda c, n: conch.Semaphore(c, n, max=1).acquire(timeout=math.nan), "bad timeout nan"),
+        (lambda c, n: conch.Semaphore(c, n, max=1).acquire(timeout=math.inf), "bad timeout inf"),
+        (lambda c, n: conch.connect("127.0.0.1:1", dial_timeout=-1), "bad dial_timeout -1"),
+        (
+            lambda c, n: conch.connect("127.0.0.1:1", request_timeout=math.nan),
+            "bad request_timeout",
+        ),
+    ],
+)
+def test_bad_parameters_are_usage_errors_that_name_them(
+    client: Client, name: str, make: Callable[[Client, str], object], message: str
+) -> None:
+    with pytest.raises(conch.UsageError) as raised:
+        make(client, name)
+    assert str(raised.value).startswith(message)
+    assert "--" not in str(raised.value)  # the library's words, not the command's flags
+    assert sema_keys(client, name) == []
+
+
+def test_a_semaphore_is_immutable(client: Client, name: str) -> None:
+    sema = conch.Semaphore(client, name, max=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sema.max = 3  # type: ignore[misc]
+    assert sema.prefix.endswith(b"/2/")
+
+
+def test_unavailable_keeps_the_grpc_status_code() -> None:
+    from tests.etcd_server import free_port
+
+    with pytest.raises(conch.Unavailable) as raised:
+        conch.connect(f"127.0.0.1:{free_port()}", dial_timeout=0.5)
+    assert raised.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")

@@ -500,13 +500,15 @@ def _closed_error() -> EtcdError:
     return EtcdError("client is closed", "CANCELLED")
 
 
-def check_timeout(parameter: str, seconds: float) -> None:
-    """Raise UsageError naming ``parameter`` unless ``seconds`` is a number above 0 and at
-    most 10 years (gRPC would wait forever past that)."""
+def check_timeout(parameter: str, seconds: float, zero: bool = False) -> None:
+    """Raise UsageError naming ``parameter`` unless ``seconds`` is a number above 0 (or 0
+    itself, with ``zero``) and at most 10 years (gRPC would wait forever past that)."""
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise UsageError(f"bad {parameter} {seconds!r}: want seconds, a number")
-    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT):
-        raise UsageError(f"bad {parameter} {seconds!r}: want seconds above 0, at most 10 years")
+    lowest_ok = seconds >= 0 if zero else seconds > 0
+    if not (math.isfinite(seconds) and lowest_ok and seconds <= MAX_TIMEOUT):
+        above = "0 or more" if zero else "above 0"
+        raise UsageError(f"bad {parameter} {seconds!r}: want seconds {above}, at most 10 years")
 
 
 def connect(

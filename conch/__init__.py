@@ -16,9 +16,12 @@ The library under the command (timeouts in seconds, revisions as etcd numbers th
             hold.lease_id      # the session's lease
             hold.lost          # a Flag: .is_set(), .wait(timeout); set when the hold is lost
             hold.on_lost(lambda reason: ...)
-            ...                # the critical section
+            hold.check()       # raises conch.HoldLost unless the hold is certainly ours now
+            hold.put(key, value)   # a write that lands only while the slot is ours
+            ...                # the critical section; leaving it after a loss raises HoldLost
         conch.who(client, "reports")   # [conch.Record, ...]
 
+Embedding it in a service (threads, pre-fork servers, loss, fencing): docs/embedding.md.
 Everything here is imported lazily, so ``import conch`` costs nothing until used.
 """
 
@@ -33,6 +36,8 @@ _EXPORTS = {
     "Client": "conch.etcd",
     "Endpoint": "conch.etcd",
     "connect": "conch.etcd.client",
+    "TLS": "conch.etcd.client",
+    "Credentials": "conch.etcd.client",
     "Semaphore": "conch.semaphore",
     "Hold": "conch.hold",
     "Identity": "conch.identity",
@@ -46,6 +51,8 @@ _EXPORTS = {
     "EtcdError": "conch.errors",
     "Unavailable": "conch.errors",
     "PermissionDenied": "conch.errors",
+    "AuthenticationFailed": "conch.errors",
+    "TokenInvalid": "conch.errors",
     "LeaseNotFound": "conch.errors",
     "Compacted": "conch.errors",
     "SessionLost": "conch.errors",
@@ -56,9 +63,12 @@ _EXPORTS = {
 
 __all__ = [
     "ETCD_API_VERSION",
+    "TLS",
+    "AuthenticationFailed",
     "Client",
     "Compacted",
     "ConchError",
+    "Credentials",
     "Endpoint",
     "EtcdError",
     "Flag",
@@ -73,6 +83,7 @@ __all__ = [
     "Semaphore",
     "Session",
     "SessionLost",
+    "TokenInvalid",
     "Unavailable",
     "UsageError",
     "__version__",
@@ -83,6 +94,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from conch.errors import (
+        AuthenticationFailed,
         Compacted,
         ConchError,
         EtcdError,
@@ -92,11 +104,12 @@ if TYPE_CHECKING:
         NoSlot,
         PermissionDenied,
         SessionLost,
+        TokenInvalid,
         Unavailable,
         UsageError,
     )
     from conch.etcd import ETCD_API_VERSION, Client, Endpoint
-    from conch.etcd.client import connect
+    from conch.etcd.client import TLS, Credentials, connect
     from conch.flag import Flag
     from conch.hold import Hold
     from conch.identity import Identity

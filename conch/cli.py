@@ -318,7 +318,7 @@ def _parse_max(text: str | None) -> int | None:
     if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
         raise UsageError(f"bad --max {text!r}: want a whole number, 1 to 1000000")
     value = int(text)
-    check_max(value)
+    check_max(value, "--max")
     return value
 
 

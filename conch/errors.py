@@ -33,7 +33,13 @@ class EtcdError(ConchError):
 
 
 class Unavailable(EtcdError):
-    """No endpoint answered within the deadline (connection refused, timed out, no leader)."""
+    """No endpoint answered within the deadline (connection refused, timed out, no leader).
+    ``code`` is the gRPC status of the last failure (UNAVAILABLE, DEADLINE_EXCEEDED, or
+    UNKNOWN for etcd's "context deadline exceeded"); UNAVAILABLE when conch gave up itself
+    (a stream without an answer in time)."""
+
+    def __init__(self, message: str, code: str = "UNAVAILABLE") -> None:
+        super().__init__(message, code)
 
 
 class PermissionDenied(EtcdError):

@@ -106,6 +106,10 @@ class Hold:
         self._guard_started = False
         self._backoff = Backoff()
         self._timer = timer_for(self._client)
+        # A loss is a WARNING in library mode too; the supervisor, which reports it as an
+        # error with what it did to the child, turns this off.
+        self._warn_on_loss = True
+        self.lost.add_callback(weakly(self._warn_lost))
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
         self._forget_session = session.lost.add_callback(weakly(self._session_lost))
@@ -154,23 +158,66 @@ class Hold:
         else:
             self._later(GUARD_WATCH_DELAY, self._watch_own_key)
 
+    def _warn_lost(self, lost: Flag) -> None:
+        if self._warn_on_loss:
+            log.warning("lost", name=self.name, rev=self.revision, reason=str(lost.reason))
+
     def check(self) -> None:
-        """Raise HoldLost unless the hold is certainly ours at this moment: the lease is
-        certainly alive (a keepalive confirmed within the TTL, on the monotonic clock, so a
-        process frozen past its TTL fails at once) and our key has not been seen deleted.
-        Makes no etcd call."""
+        """Raise HoldLost unless the hold is certainly ours at this moment: not released,
+        the lease certainly alive (a keepalive confirmed within the TTL, on the monotonic
+        clock, so a process frozen past its TTL fails the moment it resumes, before the
+        keepalive thread has noticed anything) and our key not seen deleted. Makes no etcd
+        call: call it right before acting as the holder; for state kept in etcd, the
+        guarded ``put``/``delete`` check in etcd itself."""
         if self.lost.is_set():
             raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self.lost.reason}")
+        if self._releasing:
+            raise HoldLost(f"hold of {self.name}[{self.max}] released")
         if not self.session.certainly_alive():
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
             )
 
-    def on_lost(self, callback: Callable[[str], None]) -> None:
+    def on_lost(self, callback: Callable[[str], object]) -> None:
         """Call ``callback(reason)`` once the hold is lost (at once if it already is), from
         the conch thread that saw the loss (the session's keepalive thread, or the client's
-        watch reader, which every watch of the client shares): it must not block."""
-        self.lost.add_callback(lambda flag: callback(str(flag.reason)))
+        watch reader, which every watch of the client shares): it must not block. Its result
+        is ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
+
+        def call(flag: Flag) -> None:
+            callback(str(flag.reason))
+
+        self.lost.add_callback(call)
+
+    def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
+        """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that compares
+        our key's create_revision with ``revision`` and puts if it still matches, so the
+        write lands at a revision where we held the slot, or not at all. The key is not
+        bound to our lease (it outlives the hold). ``timeout`` in seconds (default: the
+        client's request timeout). Returns the revision of the write. Raises HoldLost when
+        the compare fails (our key is gone: released, lease expired or revoked; ``lost`` is
+        set then, unless released), Unavailable
+        or another EtcdError when etcd does not answer (the write may then have happened:
+        read it back)."""
+        return self._guarded(kv.op_put(_bytes(key), _bytes(value)), timeout)
+
+    def delete(self, key: bytes | str, timeout: float | None = None) -> int:
+        """Delete ``key`` only while this hold is ours (KV.Txn as in ``put``). Returns the
+        revision of the deletion (also when the key was absent). Raises as ``put``."""
+        return self._guarded(kv.op_delete(_bytes(key)), timeout)
+
+    def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
+        response = kv.txn(
+            self._client, [kv.create_revision_is(self.key, self.revision)], [op], [], timeout
+        )
+        if not response.succeeded:
+            if not self._releasing:
+                self.lost.set("our key was deleted (found by a guarded write)")
+            raise HoldLost(
+                f"hold of {self.name}[{self.max}] lost: our key (create_revision "
+                f"{self.revision}) is gone; the guarded write was not made"
+            )
+        return int(response.header.revision)
 
     # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
 
@@ -292,8 +339,23 @@ class Hold:
     def __enter__(self) -> Hold:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Release; then raise HoldLost if the hold was lost before the block ended (as
+        ``check()`` judges it then), unless the block is already raising."""
+        try:
+            was_released = self._releasing
+            self.check()
+        except HoldLost as lost:
+            loss = None if was_released and not self._revoked_after_loss else lost
+        else:
+            loss = None
         self.release()
+        if loss is not None and exc_type is None:
+            raise loss
+
+
+def _bytes(text: bytes | str) -> bytes:
+    return text.encode("utf-8") if isinstance(text, str) else text
 
 
 def _give_back(

@@ -90,6 +90,10 @@ def parse_under_name(name: str, key: bytes) -> ParsedKey | None:
     return ParsedKey(capacity, decode_segment(tail))
 
 
-def check_max(max_holders: int) -> None:
+def check_max(max_holders: int, parameter: str = "max") -> None:
+    """Raise UsageError naming ``parameter`` (the CLI: ``--max``) unless ``max_holders`` is
+    a whole number, 1 to MAX_CAPACITY."""
     if type(max_holders) is not int or not 1 <= max_holders <= MAX_CAPACITY:
-        raise UsageError(f"bad --max {max_holders!r}: want a whole number, 1 to {MAX_CAPACITY}")
+        raise UsageError(
+            f"bad {parameter} {max_holders!r}: want a whole number, 1 to {MAX_CAPACITY}"
+        )

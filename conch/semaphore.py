@@ -46,7 +46,7 @@ from conch.errors import (
     UsageError,
 )
 from conch.etcd import kv
-from conch.etcd.client import Backoff, Client
+from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key
@@ -81,12 +81,15 @@ class _Standing:
         return False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Semaphore:
     """The semaphore (``name``, ``max``) on ``client``.
 
     ``ttl`` is the session lease TTL in whole seconds; ``spread`` keys slots by host (one
-    per node); ``identity`` is what our key says about us.
+    per node); ``identity`` is what our key says about us. Immutable (``max`` is part of
+    the semaphore's identity: its keys live under ``<name>/<max>/``); for another capacity
+    make another Semaphore. Raises UsageError naming the bad parameter (name, max, ttl,
+    the identity's host).
     """
 
     client: Client
@@ -95,14 +98,15 @@ class Semaphore:
     ttl: int = 10
     spread: bool = False
     identity: Identity = field(default_factory=Identity.current)
+    prefix: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         keys.check_name(self.name)
         keys.check_host(self.identity.host)
         keys.check_max(self.max)
         if type(self.ttl) is not int or not 1 <= self.ttl <= MAX_LEASE_TTL:
-            raise UsageError(f"bad --ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
-        self.prefix = keys.sema_prefix(self.name, self.max)
+            raise UsageError(f"bad ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
+        object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
 
     def acquire(
         self,
@@ -119,7 +123,8 @@ class Semaphore:
         ``interrupt``, when set (e.g. by a signal handler), withdraws and raises Interrupted.
         Raises NoSlot when time runs out, Unavailable when no session can be established.
         Whatever ends the wait, our key is deleted unless we hold the slot. A lost session
-        while queued re-enters at the back of the queue if time allows.
+        while queued re-enters at the back of the queue if time allows. A ``timeout`` that
+        is negative, not finite or over 10 years raises UsageError before any etcd call.
 
         ``session``: a ``conch.Session`` of this client to hold the slot on, shared with
         other holds (``ttl`` is then the session's). Without it the hold gets a lease of
@@ -135,6 +140,8 @@ class Semaphore:
         self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
     ) -> Hold:
         """``acquire`` without starting the Hold's guard (the caller must, at once)."""
+        if timeout is not None:
+            check_timeout("timeout", timeout, zero=True)
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         interrupt = interrupt or Flag("interrupt")

@@ -14,9 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from conch import log
+from conch import etcd, log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, HoldLost, Interrupted
-from conch.etcd import FORK_SUPPORT_OFF
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
@@ -132,7 +131,7 @@ def child_env(hold: Hold) -> dict[str, str]:
     """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX,
     less our GRPC_ENABLE_FORK_SUPPORT."""
     env = dict(os.environ)
-    if FORK_SUPPORT_OFF:
+    if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
     env.update(
         CONCH_NAME=hold.name,
@@ -182,6 +181,7 @@ def _hold_and_run(
         return EX_SOFTWARE
     try:
         hold = sema._acquire(wait, stop)
+        hold._warn_on_loss = False  # reported below as an error, with what became of the child
         try:
             if stop.is_set():
                 raise Interrupted(stop.reason)

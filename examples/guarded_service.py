@@ -58,6 +58,8 @@ def main() -> int:
                     print(f"round token={hold.revision} done={done}", flush=True)
             except conch.NoSlot:
                 print("no slot in time; trying again next round", flush=True)
+            except conch.HoldLost as exc:  # leaving the block after a loss says so
+                print(f"round abandoned: {exc}", flush=True)
     return 0
 
 

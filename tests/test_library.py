@@ -60,7 +60,7 @@ def test_example_service_instances_never_overlap_and_tokens_rise(
 def test_library_hold_reports_loss_by_flag_and_callback(client: Client, name: str) -> None:
     sema = conch.Semaphore(client, name, max=1, ttl=3)
     reasons: list[str] = []
-    with sema.acquire(timeout=10) as hold:
+    with pytest.raises(conch.HoldLost), sema.acquire(timeout=10) as hold:  # on leaving
         hold.on_lost(reasons.append)
         assert not hold.lost.is_set()
         lease.revoke(client, hold.lease_id)

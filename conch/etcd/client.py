@@ -16,6 +16,8 @@ token within its own deadline.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -185,6 +187,8 @@ class _Stubs:
 
     @classmethod
     def dial(cls, endpoint: Endpoint, tls: TLS | None) -> _Stubs:
+        global _dialled_in
+        _dialled_in = os.getpid()
         if endpoint.tls or tls is not None:
             channel = (tls or TLS()).channel(endpoint)
         else:
@@ -234,6 +238,24 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     return EtcdError(message, code.name)
 
 
+# The process that last dialled a channel: a child forked from it inherits gRPC's state.
+_dialled_in: int | None = None
+_FALSE = ("0", "false", "no", "n", "f", "off")
+
+
+def _check_fork_support() -> None:
+    """Raise UsageError in a process forked from one that used gRPC when gRPC's fork support
+    is off (GRPC_ENABLE_FORK_SUPPORT=false): its first call would hang in gRPC for good,
+    past every deadline (found with multiprocessing's fork start method)."""
+    setting = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").strip().lower()
+    if _dialled_in not in (None, os.getpid()) and setting in _FALSE:
+        raise UsageError(
+            f"gRPC was used in process {_dialled_in} before it forked this one, and "
+            f"GRPC_ENABLE_FORK_SUPPORT={setting}: a forked process cannot use gRPC then; "
+            "leave GRPC_ENABLE_FORK_SUPPORT unset (or true) in the parent"
+        )
+
+
 class Backoff:
     """Capped exponential backoff: ``next()`` gives the next pause in seconds."""
 
@@ -278,6 +300,8 @@ class Client:
         self._lock = threading.Lock()
         self._failover_listeners: list[Callable[[Endpoint], None]] = []
         self._closed = False
+        # gRPC channels do not survive fork(): a forked child must connect its own Client.
+        self.pid = os.getpid()
 
     @classmethod
     def connect(
@@ -290,7 +314,12 @@ class Client:
     ) -> Client:
         """Dial until some endpoint answers (Auth.Authenticate with credentials, else
         Maintenance.Status); raise Unavailable after ``dial_timeout`` seconds, or
-        AuthenticationFailed. Writes nothing to etcd."""
+        AuthenticationFailed. Writes nothing to etcd. Raises UsageError for a timeout that is
+        not above 0 or is over 10 years, and in a process forked from one that used gRPC with
+        its fork support off (its calls would hang)."""
+        check_timeout("dial_timeout", dial_timeout)
+        check_timeout("request_timeout", request_timeout)
+        _check_fork_support()
         client = cls(endpoints, request_timeout, tls, credentials)
         try:
             if credentials is not None:
@@ -305,9 +334,9 @@ class Client:
             eps = ",".join(str(e) for e in endpoints)
             if isinstance(exc, Unavailable):
                 raise Unavailable(
-                    f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
+                    f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}", exc.code
                 ) from None
-            raise Unavailable(f"etcd at {eps} answered with an error: {exc}") from None
+            raise Unavailable(f"etcd at {eps} answered with an error: {exc}", exc.code) from None
         return client
 
     def __enter__(self) -> Client:
@@ -317,9 +346,13 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        """Drop the channels. In a process forked from the one that connected, only forget
+        them: they belong to the parent."""
         with self._lock:
             self._closed = True
             stubs, self._stubs = list(self._stubs.values()), {}
+        if os.getpid() != self.pid:
+            return
         for s in stubs:
             s.channel.close()
 
@@ -329,6 +362,11 @@ class Client:
         return self.endpoints[self._current]
 
     def _stubs_for(self, endpoint: Endpoint) -> _Stubs:
+        if os.getpid() != self.pid:
+            raise UsageError(
+                f"this Client was connected in process {self.pid}, not in this one "
+                f"({os.getpid()}): a forked process must connect a Client of its own"
+            )
         with self._lock:
             if self._closed:
                 raise _closed_error()
@@ -528,6 +566,17 @@ def _closed_error() -> EtcdError:
     return EtcdError("client is closed", "CANCELLED")
 
 
+def check_timeout(parameter: str, seconds: float, zero: bool = False) -> None:
+    """Raise UsageError naming ``parameter`` unless ``seconds`` is a number above 0 (or 0
+    itself, with ``zero``) and at most 10 years (gRPC would wait forever past that)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise UsageError(f"bad {parameter} {seconds!r}: want seconds, a number")
+    lowest_ok = seconds >= 0 if zero else seconds > 0
+    if not (math.isfinite(seconds) and lowest_ok and seconds <= MAX_TIMEOUT):
+        above = "0 or more" if zero else "above 0"
+        raise UsageError(f"bad {parameter} {seconds!r}: want seconds {above}, at most 10 years")
+
+
 def connect(
     endpoints: str | Sequence[str],
     dial_timeout: float = 5.0,
@@ -540,11 +589,8 @@ def connect(
     a bad endpoint, Unavailable when none answers in time, AuthenticationFailed for wrong
     credentials, and for a timeout that is not above 0 or is over 10 years (gRPC would wait
     forever)."""
-    if not all(0 < t <= MAX_TIMEOUT for t in (dial_timeout, request_timeout)):
-        raise UsageError(
-            f"bad timeouts (dial {dial_timeout!r}, request {request_timeout!r}): "
-            "want seconds above 0, at most 10 years"
-        )
+    check_timeout("dial_timeout", dial_timeout)
+    check_timeout("request_timeout", request_timeout)
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]
     if not parsed:

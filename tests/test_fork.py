@@ -1,0 +1,178 @@
+"""Pre-fork servers: a process that used conch and then forks gives children that connect and
+acquire with their own Client; the parent's Client in a child raises at once.
+
+Each case runs in a fresh interpreter, so that gRPC's fork settings and import order are the
+case's own and not those of the pytest process."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conch.etcd import Client
+from tests.conftest import DEADLINE, sema_keys
+from tests.etcd_server import EtcdCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = 4
+# What docs/embedding.md tells a pre-fork server to set (gRPC's doc/fork_support.md): gRPC
+# Python's own fork handlers, on the poll poller. Without them, 1 run in about 25 of the
+# os.fork case hung in a child's first grpc.insecure_channel() on a loaded machine.
+FORK_SETTINGS = {"GRPC_ENABLE_FORK_SUPPORT": "true", "GRPC_POLL_STRATEGY": "poll"}
+
+# The parent connects, holds a slot and releases it, and closes its Client (what gRPC needs
+# for fork without exec: no call or stream in flight at fork time, see docs/embedding.md),
+# then forks WORKERS children: the gunicorn --preload case. Each child first tries the
+# parent's Client (it must raise UsageError at once), then connects its own and acquires a
+# slot. Prints one line per child: "child I parent-client=<seconds to raise> rev=<revision>",
+# then "parent <children's exit codes> <keys left>".
+_PREFORK = textwrap.dedent(
+    """
+    import os, sys, time
+    if sys.argv[3] == "grpc-first":
+        import grpc  # noqa: F401
+    import multiprocessing
+    import conch
+
+    endpoints, name, how = sys.argv[1], sys.argv[2], sys.argv[4]
+
+    def work(parent_client, i):
+        started = time.monotonic()
+        try:
+            conch.who(parent_client, name)
+            raise SystemExit(f"child {i}: the parent's client answered")
+        except conch.UsageError:
+            raised = time.monotonic() - started
+        with conch.connect(endpoints) as client:
+            sema = conch.Semaphore(client, name, max=16, ttl=5)
+            with sema.acquire(timeout=10) as hold:
+                line = f"child {i} parent-client={raised:.3f} rev={hold.revision}\\n"
+                os.write(1, line.encode())  # one write: the children share the pipe
+
+    def forked(parent_client, i):
+        code = 1
+        try:
+            work(parent_client, i)
+            code = 0
+        except BaseException as exc:
+            print(f"child {i} failed: {exc}", file=sys.stderr, flush=True)
+        finally:
+            os._exit(code)
+
+    client = conch.connect(endpoints)
+    with client, conch.Semaphore(client, name, max=16, ttl=5).acquire(timeout=10):
+        pass
+    if how == "multiprocessing":
+        ctx = multiprocessing.get_context("fork")
+        procs = [ctx.Process(target=work, args=(client, i)) for i in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        codes = [p.exitcode for p in procs]
+    else:  # gunicorn-style: plain os.fork() of workers from the master
+        pids = []
+        for i in range(4):
+            pid = os.fork()
+            if pid == 0:
+                forked(client, i)
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+    with conch.connect(endpoints) as again:  # the parent goes on using conch
+        print("parent", codes, len(conch.who(again, name)), flush=True)
+    """
+)
+
+
+def _run_prefork(
+    etcd: EtcdCluster, tmp_path: Path, name: str, order: str, how: str, **env: str
+) -> tuple[int | None, str, str]:
+    """(exit code or None if it ran past DEADLINE, stdout, stderr) of _PREFORK. Output goes
+    to files: a hung child would keep a pipe open after its parent is gone."""
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **FORK_SETTINGS)
+    environ.update(env)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PREFORK, etcd.endpoints, name, order, how],
+            env=environ,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        code: int | None = proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        code = None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the children too, should any be left
+    proc.wait()
+    return code, out.read_text(), err.read_text()
+
+
+@pytest.mark.parametrize("how", ["multiprocessing", "os.fork"])
+@pytest.mark.parametrize("order", ["conch-first", "grpc-first"])
+def test_forked_workers_of_a_parent_that_used_conch_connect_and_acquire(
+    etcd: EtcdCluster, client: Client, tmp_path: Path, name: str, order: str, how: str
+) -> None:
+    """Before the fix, importing conch set GRPC_ENABLE_FORK_SUPPORT=false and every child
+    hung in gRPC on its first call (the run times out); with grpc imported first it did not."""
+    code, stdout, stderr = _run_prefork(etcd, tmp_path, name, order, how)
+    assert code == 0, stderr
+    lines = stdout.splitlines()
+    children = sorted(line for line in lines if line.startswith("child "))
+    assert [line.split()[1] for line in children] == [str(i) for i in range(WORKERS)], stdout
+    # The parent's client raised at once in every child, never waited on gRPC.
+    assert all(float(line.split()[2].split("=")[1]) < 1.0 for line in children), children
+    revisions = {line.split()[3] for line in children}
+    assert len(revisions) == WORKERS  # each child held a slot of its own
+    assert lines[-1] == f"parent {[0] * WORKERS} 0"
+    assert sema_keys(client, name) == []
+
+
+def test_fork_support_turned_off_makes_a_forked_child_fail_fast(
+    etcd: EtcdCluster, client: Client, tmp_path: Path, name: str
+) -> None:
+    """With GRPC_ENABLE_FORK_SUPPORT=false in the parent, a forked child's calls would hang
+    in gRPC for good: its connect() says so at once instead."""
+    code, stdout, stderr = _run_prefork(
+        etcd, tmp_path, name, "conch-first", "os.fork", GRPC_ENABLE_FORK_SUPPORT="false"
+    )
+    assert code == 0, stderr
+    assert stdout.splitlines()[-1] == f"parent {[1] * WORKERS} 0"
+    assert "GRPC_ENABLE_FORK_SUPPORT=false: a forked process cannot use gRPC" in stderr
+    assert sema_keys(client, name) == []
+
+
+def test_the_library_leaves_the_environment_alone(etcd: EtcdCluster, name: str) -> None:
+    """Importing conch and holding a slot changes no environment variable (it used to set
+    GRPC_ENABLE_FORK_SUPPORT, which every forked worker and subprocess inherited)."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        before = dict(os.environ)
+        import conch, conch.etcd, conch.semaphore, conch.supervisor
+        with conch.connect(sys.argv[1]) as client:
+            with conch.Semaphore(client, sys.argv[2], max=1).acquire(timeout=10):
+                pass
+        print(sorted(set(os.environ.items()) ^ set(before.items())))
+        """
+    )
+    environ = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    environ["PYTHONPATH"] = str(ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", script, etcd.endpoints, name],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -61,8 +61,12 @@ def test_sigkilled_wrapper_takes_child_and_grandchild_with_it(
     child, grandchild = read_pids(pids)
     proc.process.kill()  # the wrapper alone, not its group
     proc.process.wait()
-    for pid in (child, grandchild):
-        wait_gone(pid, timeout=10)
+    try:
+        for pid in (child, grandchild):
+            wait_gone(pid, timeout=10)
+    finally:  # a child left running by a failure does not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)
 
 
 # Runs conch SIGKILLed the moment its child exists, before it can arm the watchdog with the

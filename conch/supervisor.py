@@ -68,6 +68,9 @@ KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
 PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+# What only this child, and what it starts, carries in its environment: how the watchdog finds
+# them while it does not know the child's process group yet.
+_MARKS = ("CONCH_LEASE", "CONCH_REV")
 GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zombies may stay)
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
@@ -319,9 +322,17 @@ def run_child(
         reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
         raise HoldLost(f"hold lost before the child started: {reason}")
     box: Mailbox = queue.SimpleQueue()
+    env = child_env(hold)
+    try:
+        # Before the child exists: a conch killed before the arm line below leaves it found.
+        watchdog.expect({mark: env[mark] for mark in _MARKS}, hold.session.silence_limit)
+    except OSError as exc:
+        watchdog.dismiss()
+        log.error("watchdog-failed", error=str(exc))
+        return EX_SOFTWARE
     with _reap_lock:  # the adopting reaper takes no status until the child is claimed
         try:
-            pid = spawn(argv, child_env(hold))
+            pid = spawn(argv, env)
         except (FileNotFoundError, ValueError):  # ValueError: an empty command name
             watchdog.dismiss()
             log.error("child-not-found", cmd=argv[0])
@@ -331,9 +342,8 @@ def run_child(
             log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
             return EX_CANNOT_EXECUTE
         try:
-            # Armed first thing: a conch killed before this line leaves the child unwatched.
             try:
-                watchdog.arm(pid, hold.session.silence_limit)
+                watchdog.arm(pid)
                 unarmed = None
             except OSError as exc:
                 unarmed = exc

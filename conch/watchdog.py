@@ -6,12 +6,17 @@ or a swap storm) cannot act, while its lease runs out and a waiter takes the slo
 starts a watchdog (``python -I -S``, no imports beyond the standard library) before it
 queues, so that its start-up is long over when the slot comes; it says ``R`` on its stdout
 once it runs, and conch starts no child before it has (a watchdog whose script is gone
-exits at once), then arms it with the child's process group the moment the child exists.
-It reads a pipe from conch:
+exits at once). Just before the child starts, conch tells it what to expect; the moment the
+child exists, it arms it with the child's process group. It reads a pipe from conch:
 
-* end of file or the goodbye byte before it is armed: exit quietly (conch gave up, or died,
-  before there was a child);
-* the arm line gives the process group and the timeout;
+* end of file or the goodbye byte before the expect line: exit quietly (conch gave up, or
+  died, before there was a child);
+* the expect line gives the timeout and environment entries only this child (and what it
+  starts) carries, ``CONCH_LEASE`` and ``CONCH_REV``: from here on a child may exist. A
+  conch SIGKILLed between the child's start and the arm line (it happened, under load: the
+  child ran on unwatched) is handled as below, the processes found by those entries in
+  /proc/PID/environ standing in for the group;
+* the arm line gives the process group;
 * a heartbeat byte after every confirmed keepalive pushes its deadline out;
 * the goodbye byte means conch itself is done with the child: exit quietly;
 * the stand-by byte means conch is terminating the group itself (after a loss, a signal,
@@ -37,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from conch.flag import Flag
@@ -53,9 +59,10 @@ FIRED = b"F"  # ... and when it terminates the group
 
 
 class Watchdog:
-    """A watchdog process, started at once and idle until ``arm(pgid, timeout)`` names the
-    process group to guard and the seconds of silence after which to terminate it (then
-    SIGKILL ``kill_after`` seconds later). ``heartbeat()`` after each confirmed keepalive,
+    """A watchdog process, started at once and idle until ``expect(marks, timeout)`` says a
+    child is about to start and the seconds of silence after which to terminate it (then
+    SIGKILL ``kill_after`` seconds later), and ``arm(pgid)`` names its process group.
+    ``heartbeat()`` after each confirmed keepalive,
     ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once conch is
     done with the child (or never had one). Raises OSError when the watchdog process
     cannot be started."""
@@ -105,12 +112,24 @@ class Watchdog:
         poller.register(self._stdout(), select.POLLIN)
         return bool(poller.poll(timeout * 1000))
 
-    def arm(self, pgid: int, timeout: float) -> None:
-        """Guard process group ``pgid`` from now on. Raises OSError when the watchdog is
-        gone (the pipe is broken)."""
+    def expect(self, marks: Mapping[str, str], timeout: float) -> None:
+        """A child is about to start with the environment entries ``marks`` (names and
+        values without blanks or the goodbye byte, unique to it: its ``CONCH_LEASE`` and
+        ``CONCH_REV``); should conch die or fall silent for ``timeout`` seconds before
+        ``arm()``, the process groups of the processes carrying them are terminated. Raises
+        OSError when the watchdog is gone (the pipe is broken): start no child then."""
+        entries = " ".join(f"{name}={value}" for name, value in marks.items())
+        self._write(f"e {timeout:.3f} {entries}\n".encode())
+
+    def arm(self, pgid: int) -> None:
+        """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError
+        when the watchdog is gone (the pipe is broken)."""
+        self._write(f"a {pgid}\n".encode())
+
+    def _write(self, line: bytes) -> None:
         assert self._process.stdin is not None
         with self._lock:
-            os.write(self._process.stdin.fileno(), f"a {pgid} {timeout:.3f}\n".encode())
+            os.write(self._process.stdin.fileno(), line)
 
     def heartbeat(self) -> None:
         """Push the deadline out (called from the keepalive thread; never raises)."""

@@ -61,8 +61,59 @@ def test_sigkilled_wrapper_takes_child_and_grandchild_with_it(
     child, grandchild = read_pids(pids)
     proc.process.kill()  # the wrapper alone, not its group
     proc.process.wait()
-    for pid in (child, grandchild):
-        wait_gone(pid, timeout=10)
+    try:
+        for pid in (child, grandchild):
+            wait_gone(pid, timeout=10)
+    finally:  # a child left running by a failure does not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child, signal.SIGKILL)
+
+
+# Runs conch SIGKILLed the moment its child exists, before it can arm the watchdog with the
+# child's process group: the instant a SIGKILL under load happened to hit.
+KILLED_BEFORE_ARMING = (
+    sys.executable,
+    "-c",
+    "import os, runpy, signal, sys; from conch.watchdog import Watchdog; "
+    "Watchdog.arm = lambda *args: os.kill(os.getpid(), signal.SIGKILL); "
+    "sys.argv = sys.argv[3:]; runpy.run_module('conch', run_name='__main__', alter_sys=True)",
+)
+
+
+def command_lines_with(text: str) -> list[int]:
+    """The pids of the processes whose command line holds ``text``."""
+    found = []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if name.isdigit() and text in Path(f"/proc/{name}/cmdline").read_text(errors="replace"):
+                found.append(int(name))
+    return found
+
+
+def test_wrapper_sigkilled_before_it_armed_the_watchdog_takes_its_child_with_it(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """conch dies between starting the child and telling the watchdog the child's process
+    group: the watchdog still terminates the child and what it started (it used to leave,
+    as if there were no child, and both ran on unwatched)."""
+    cmd, pids = child_and_grandchild(tmp_path)
+    proc = conch.start("sema", name, "--max", "1", "--", *cmd, launcher=KILLED_BEFORE_ARMING)
+    try:
+        # Killed by its own SIGKILL, after posix_spawn returned: the child exists.
+        assert proc.wait() == -signal.SIGKILL
+        poll(
+            lambda: not [pid for pid in command_lines_with(str(pids)) if alive(pid)],
+            timeout=10,
+            what="the child to be terminated",
+        )
+        if pids.exists() and len(pids.read_text().split()) == 2:
+            wait_gone(read_pids(pids)[1], timeout=10)
+    finally:  # a child left running by a failure does not outlive the test
+        with contextlib.suppress(ProcessLookupError):
+            for pid in command_lines_with(str(pids)):
+                os.killpg(pid, signal.SIGKILL)
+            if pids.exists() and len(pids.read_text().split()) == 2:
+                os.kill(read_pids(pids)[1], signal.SIGKILL)
 
 
 def deaf_to_sigterm(pidfile: Path) -> str:

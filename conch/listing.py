@@ -8,11 +8,12 @@ machines' clocks agree (floored at 0: a writer's clock ahead of ours reads as "j
 and up to a second long (``started`` is cut to the second).
 
 A key's age is its waiting time while it waits. A holder that held from its key's creation
-has held for all of it. A holder that waited first got its slot at the deletion of a key ahead
-of it, a revision etcd keeps no time for; its key was re-put then (the touch, see hold.py:
-``version`` > 1), so such a holder is told apart, and its age bounds its hold from above only.
-At max 1 the touch comes half a second into the hold: until then a holder that waited reads
-as one that held from the start.
+has held for all of it. Which holders those are is etcd's own view: a read of the semaphore
+at the holder's create_revision (KV.Range with ``revision``) shows how many keys were ahead
+of it then; fewer than ``max``, and it held from the start. A holder that waited first got
+its slot at the deletion of a key ahead of it, a revision etcd keeps no time for: its hold
+time is unknown (shown ``held=?``), bounded by its age. So is any holder whose
+create_revision was compacted away, or past the first HISTORY_READS holders of a listing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,14 @@ from datetime import datetime
 from typing import Any
 
 from conch import keys
+from conch.errors import Compacted
 from conch.etcd import kv
 from conch.etcd.client import Client
 from conch.keys import MAX_CAPACITY
+
+# At most this many historical reads (one per holder) in one listing: a semaphore of a
+# million slots lists its holders without a million reads; past it, hold times are unknown.
+HISTORY_READS = 100
 
 
 @dataclass(frozen=True)
@@ -125,17 +131,33 @@ def _age(started: str, now: float) -> int | None:
 
 
 def _times(
-    state: str, started: str, version: int, now: float
+    state: str, started: str, held_from_creation: bool | None, now: float
 ) -> tuple[int | None, int | None, int | None]:
-    """(queued_s, waited_s, held_s) of a key; ``version`` > 1: re-put, the holder waited."""
+    """(queued_s, waited_s, held_s) of a key; ``held_from_creation`` of a holder (None:
+    unknown)."""
     queued = _age(started, now)
     if queued is None:
         return None, None, None
     if state == "WAIT":
         return queued, queued, None
-    if version > 1:
+    if not held_from_creation:
         return queued, None, None
     return queued, 0, queued
+
+
+def _held_from_creation(client: Client, prefix: bytes, capacity: int, item: Any) -> bool | None:
+    """Whether fewer than ``capacity`` keys of the semaphore were ahead of ``item`` when it
+    was created: one KV.Range of the prefix at its create_revision (keys only, at most
+    ``capacity`` of them). None when that revision was compacted away."""
+    revision = int(item.create_revision)
+    request = kv.prefix_request(
+        prefix, revision=revision, limit=capacity, keys_only=True, max_create_revision=revision - 1
+    )
+    try:
+        response = kv.range_(client, request)
+    except Compacted:
+        return None
+    return len(response.kvs) < capacity
 
 
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
@@ -184,6 +206,7 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
         return (1, capacity if capacity is not None else 1 << 62)
 
     records = []
+    reads_left = HISTORY_READS
     for capacity in sorted(groups, key=order):
         items = groups[capacity]
         held = min(len(items), capacity) if capacity is not None else 0
@@ -195,7 +218,12 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
             if not item.lease:
                 notes.append("no-lease")
             state = "HELD" if capacity is not None and rank < capacity else "WAIT"
-            times = _times(state, started, int(item.version), now)
+            from_creation = None
+            if state == "HELD" and capacity is not None and reads_left > 0:
+                reads_left -= 1
+                semaphore = keys.sema_prefix(name, capacity)
+                from_creation = _held_from_creation(client, semaphore, capacity, item)
+            times = _times(state, started, from_creation, now)
             records.append(
                 Record(
                     name,

@@ -41,6 +41,11 @@ from conch.etcd.client import connect  # noqa: E402
 from conch.semaphore import Semaphore  # noqa: E402
 from tests.etcd_server import EtcdCluster, etcd_binary, etcdctl_binary  # noqa: E402
 
+# Every conch started here runs the code of this checkout (not whatever the venv's editable
+# install points to), so that a copy of another commit benchmarks that commit.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), str(ROOT / "generated"), os.environ.get("PYTHONPATH")) if p
+)
 PYTHON = sys.executable
 CONCH = str(Path(sys.executable).parent / "conch")
 ETCDCTL = etcdctl_binary()

@@ -14,7 +14,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
-from conch.etcd.client import Backoff
+from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag, Mailbox
 from conch.session import Session
@@ -204,11 +204,8 @@ class Hold:
         backoff = Backoff()
         while not (self._releasing or self.lost.is_set()):
             try:
-                response = kv.txn(
-                    self._client,
-                    [kv.create_revision_is(self.key, self.revision)],
-                    [kv.op_put(self.key, self._touch_value, self.lease_id)],
-                    [],
+                response = touch(
+                    self._client, self.key, self.revision, self._touch_value, self.lease_id
                 )
             except EtcdError as exc:
                 log.warning("touch-failed", name=self.name, error=str(exc))
@@ -263,6 +260,26 @@ class Hold:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def touch(
+    client: Client,
+    key: bytes,
+    revision: int,
+    value: bytes,
+    lease_id: int,
+    interrupt: Flag | None = None,
+) -> rpc_pb2.TxnResponse:
+    """Re-put ``key`` (``value``, bound to ``lease_id``) if its create_revision is still
+    ``revision``: one KV.Txn whose ``succeeded`` is false when the key is gone. The change
+    wakes the waiter behind, which watches the key. Raises EtcdError as ``kv.txn``."""
+    return kv.txn(
+        client,
+        [kv.create_revision_is(key, revision)],
+        [kv.op_put(key, value, lease_id)],
+        [],
+        interrupt=interrupt,
+    )
 
 
 def _cancel_all(watches: list[Watch]) -> None:

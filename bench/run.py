@@ -617,7 +617,12 @@ class Bench:
             used = sum(tree_cpu(p.pid) for p in procs) - cpu
             idle_cpu = 100 * used / (time.monotonic() - t1)
         before = scrape(self.endpoint)
-        for fifo in fifos:  # each holder's child reads its own, stamps, exits
+        # Each holder's child reads its own FIFO, stamps, exits. With several slots the
+        # holders go job/slots apart, so that the slots' handoffs fall apart as in a queue
+        # that has run a while, instead of all at once on two cores.
+        for i, fifo in enumerate(fifos):
+            if i:
+                time.sleep(job / slots)
             with open(fifo, "w") as f:
                 f.write("go\n")
         deadline = time.monotonic() + 60 + waiters * (1 + job)
@@ -1082,7 +1087,7 @@ def main() -> int:
         "sweep_jobs_ms": [int(j) for j in args.jobs.split(",")]
         if args.jobs
         else [0, 20, 50, 100, 200, 500, 1000, 2000],
-        "sweep_waiters": 6 if args.quick else 8,
+        "sweep_waiters": 6 if args.quick else 10,
         "sweep_reps": args.reps or (1 if args.quick else 3),
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,

@@ -202,6 +202,7 @@ class Semaphore:
         session.lost.subscribe(box)
         interrupt.subscribe(box)
         woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
+        watching: Watch | None = None  # the window's watch, kept open while we move up
         try:
             key = self._key(session)
             revision, held_at_creation, value = self._enqueue(
@@ -220,14 +221,14 @@ class Semaphore:
                     rev=revision,
                 )
             touched = False  # our key re-put while waiting: the waiter behind has joined
-            watching: Watch | None = None  # the window's watch, kept while we move up
             while not standing.held:
                 _cancel_all(woke_by)
                 if standing.window and not touched and standing.ahead < self._touch_below:
                     self._touch(session, key, revision, value, interrupt)
                     touched = True
-                woke = self._wait_for_change(standing, box, deadline, interrupt, session, watching)
-                watching = None
+                # Passed on: _wait_for_change closes it unless it returns a notice.
+                reuse, watching = watching, None
+                woke = self._wait_for_change(standing, box, deadline, interrupt, session, reuse)
                 if woke is not None and standing.window and key not in _deleted(woke):
                     # Keys ahead of ours went, ours still there (events come in revision
                     # order): we moved up, or hold at the revision of that deletion.
@@ -265,6 +266,8 @@ class Semaphore:
             woke_by = []
             return hold
         finally:
+            if watching is not None:  # the touch failed
+                watching.cancel()
             _cancel_all(woke_by)
             session.lost.unsubscribe(box)
             interrupt.unsubscribe(box)

@@ -5,7 +5,7 @@
 Starts a throwaway etcd (tests/etcd_server.py) on free loopback ports, runs every benchmark
 against it, prints a table and writes the results as JSON (default bench/results/latest.json).
 Every figure is the median over repeated runs with its spread [min-max]; every comparison is
-a ratio conch / etcdctl measured in the same run on the same etcd. See bench/README.md.
+a ratio conch / etcdctl measured in the same run on the same etcd. See docs/performance.md.
 """
 
 from __future__ import annotations
@@ -582,13 +582,19 @@ class Bench:
     # -- 3./5. handoff chain (and the memory of waiting processes) ---------------------------
 
     def chain(
-        self, tool: str, waiters: int, rep: int, job: float = 0.0, slots: int = 1
+        self,
+        tool: str,
+        waiters: int,
+        rep: int,
+        job: float = 0.0,
+        slots: int = 1,
+        tag: str = "chain",
     ) -> dict[str, Any]:
         """``slots`` holders and then ``waiters`` queued processes of ``tool`` on a lock (a
         semaphore of ``slots`` for conch); release the holders at once, let the queue drain.
         Handoff = a child's first stamp - the last stamp of the child whose slot it took.
         Each waiter's child exits at once, or after ``job`` seconds."""
-        name = f"chain-{tool}-{slots}-{waiters}-{rep}-{job * 1000:.0f}"
+        name = f"{tag}-{tool}-{slots}-{waiters}-{rep}-{job * 1000:.0f}"
         log = self.tmp / f"{name}.log"
         fifos = [self.tmp / f"{name}-{i}.fifo" for i in range(slots)]
         prefix = (f"/conch/v1/sema/{name}/{slots}/" if tool == "conch" else f"{name}/").encode()
@@ -718,7 +724,7 @@ class Bench:
             for rep in range(reps):
                 turn = variants[rep % len(variants) :] + variants[: rep % len(variants)]
                 for tool, slots in turn:
-                    r = self.chain(tool, waiters, rep, ms / 1000, slots)
+                    r = self.chain(tool, waiters, rep, ms / 1000, slots, tag="sweep")
                     pooled[f"{tool}/{slots}"] += r["handoffs_ms"]
                     per_run[f"{tool}/{slots}"].append(r["handoff_p50_ms"])
                 print(
@@ -1127,14 +1133,23 @@ def main() -> int:
             results["uncontended"] = bench.uncontended(cfg["uncontended_reps"])
             print("importtime ...", flush=True)
             results["importtime"] = bench.importtime(cfg["import_reps"])
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+
+        def save() -> None:  # after each section: a failure later keeps what was measured
+            out.write_text(json.dumps(results, indent=1) + "\n")
+
+        save()
         if "sweep" in only:
             print("handoff by job length, queue full ...", flush=True)
             results["sweep"] = bench.sweep(
                 cfg["sweep_jobs_ms"], cfg["sweep_waiters"], cfg["sweep_reps"]
             )
+            save()
         if "chains" in only:
             print("handoff chains, instant jobs ...", flush=True)
             results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
+            save()
         if "scaling" in only:
             print("queue scaling (library waiters) ...", flush=True)
             results["scaling"] = bench.scaling(
@@ -1144,9 +1159,7 @@ def main() -> int:
             diag = bench.scaling_run(100, 99, args.workers, hold=0.05)
             results["scaling_hold"] = {"waiters": 100, "hold_ms": 50.0, **diag}
         results["runtime_s"] = time.monotonic() - started
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        save()
         print()
         print(table(results))
         print(

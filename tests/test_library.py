@@ -203,11 +203,10 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
 def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_with_no_request(
     client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A holder that waited touches its key GUARD_WATCH_DELAY into its hold, also at max 1.
-    The waiter behind it wakes on that change while the job runs, finds itself first in
-    line and watches the deletions under the prefix; the holder's release then hands it the
-    slot straight from the deletion event, with no request on the way (before, it woke on
-    the deletion and read the queue first)."""
+    """The waiter behind a new holder has moved up while the job runs (it is in the window:
+    it watches the deletions under the prefix, the new holder's key was touched while it
+    waited); the holder's release then hands it the slot straight from the deletion event,
+    with no request on the way."""
     requests: Counter[str] = Counter()
     moved_up = threading.Event()
     real_range, real_txn, real_watch = kv.range_, kv.txn, Watch

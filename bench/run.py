@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -238,8 +239,15 @@ _METHOD = re.compile(r'grpc_method="([^"]+)"')
 
 def scrape(endpoint: str) -> dict[str, float]:
     """etcd's /metrics on its client URL, reduced to the counters we use."""
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    for attempt in range(3):  # a loaded etcd now and then cuts the answer short
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            break
+        except http.client.IncompleteRead:
+            if attempt == 2:
+                raise
+            time.sleep(0.5)
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = _LINE.match(line)

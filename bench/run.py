@@ -5,13 +5,14 @@
 Starts a throwaway etcd (tests/etcd_server.py) on free loopback ports, runs every benchmark
 against it, prints a table and writes the results as JSON (default bench/results/latest.json).
 Every figure is the median over repeated runs with its spread [min-max]; every comparison is
-a ratio conch / etcdctl measured in the same run on the same etcd. See bench/README.md.
+a ratio conch / etcdctl measured in the same run on the same etcd. See docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -41,6 +42,11 @@ from conch.etcd.client import connect  # noqa: E402
 from conch.semaphore import Semaphore  # noqa: E402
 from tests.etcd_server import EtcdCluster, etcd_binary, etcdctl_binary  # noqa: E402
 
+# Every conch started here runs the code of this checkout (not whatever the venv's editable
+# install points to), so that a copy of another commit benchmarks that commit.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), str(ROOT / "generated"), os.environ.get("PYTHONPATH")) if p
+)
 PYTHON = sys.executable
 CONCH = str(Path(sys.executable).parent / "conch")
 ETCDCTL = etcdctl_binary()
@@ -55,6 +61,8 @@ WAITER_CHILD = ["bash", "-c", f"{STAMP_START}; {STAMP_END}", "child"]
 JOB_CHILD = ["bash", "-c", f'{STAMP_START}; sleep "$2"; {STAMP_END}', "child"]
 # The first holder blocks on a FIFO until the benchmark releases it.
 HOLDER_CHILD = ["bash", "-c", f'{STAMP_START}; read -r _ < "$2"; {STAMP_END}', "child"]
+
+IMPORT_FLOOR = [PYTHON, "-c", "import grpc, google.protobuf"]
 
 LAUNCHER = r"""
 import json, os, shutil, sys, time
@@ -74,6 +82,7 @@ HANG_AFTER = 20.0  # seconds a wrapper may take to exit once its child is done
 IDLE_WINDOW = 3.0  # seconds over which the CPU use of W queued waiters is measured
 IDLE_FROM_W = 100  # ... in the chains with this many waiters or more
 
+SECTIONS = ("uncontended", "sweep", "chains", "scaling")
 PROCS: list[subprocess.Popen[bytes]] = []  # everything we started, killed on the way out
 
 
@@ -173,6 +182,18 @@ def tree_mem(pid: int) -> dict[str, int]:
     return total
 
 
+def tree_threads(pid: int) -> int:
+    """Threads of a process plus its direct children (a conch waiter and its watchdog)."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    count = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            count += len(os.listdir(f"/proc/{p}/task"))
+    return count
+
+
 def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) used so far by a process and its direct
     children."""
@@ -187,18 +208,27 @@ def tree_cpu(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def read_stamps(path: Path) -> tuple[list[float], list[float]]:
-    """(starts, ends) from a child log; checks that the children never overlapped."""
-    starts: list[float] = []
-    ends: list[float] = []
-    last = "E"
-    for line in path.read_text().splitlines():
-        kind, value = line.split()
-        if kind == last:
-            raise RuntimeError(f"{path}: two children overlapped (mutual exclusion broken)")
-        last = kind
-        (starts if kind == "S" else ends).append(float(value))
+def read_stamps(path: Path, slots: int = 1) -> tuple[list[float], list[float]]:
+    """(starts, ends), each in time order, from a child log; checks that no more than
+    ``slots`` children ever ran at once."""
+    events = sorted(
+        (float(value), kind)
+        for kind, value in (line.split() for line in path.read_text().splitlines())
+    )
+    running = 0
+    for _, kind in events:
+        running += 1 if kind == "S" else -1
+        if running > slots:
+            raise RuntimeError(f"{path}: {running} children ran at once (max {slots})")
+    starts = [t for t, kind in events if kind == "S"]
+    ends = [t for t, kind in events if kind == "E"]
     return starts, ends
+
+
+def handoffs_ms(starts: list[float], ends: list[float], slots: int) -> list[float]:
+    """With the queue full, each child after the first ``slots`` starts on the slot that
+    the (k - slots)-th end freed (FIFO): handoff k = starts[k] - ends[k - slots], in ms."""
+    return [(starts[k] - ends[k - slots]) * 1000 for k in range(slots, len(starts))]
 
 
 # ---------------------------------------------------------------------------------- metrics
@@ -209,8 +239,15 @@ _METHOD = re.compile(r'grpc_method="([^"]+)"')
 
 def scrape(endpoint: str) -> dict[str, float]:
     """etcd's /metrics on its client URL, reduced to the counters we use."""
-    with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
-        text = response.read().decode()
+    for attempt in range(3):  # a loaded etcd now and then cuts the answer short
+        try:
+            with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            break
+        except http.client.IncompleteRead:
+            if attempt == 2:
+                raise
+            time.sleep(0.5)
     out: dict[str, float] = {}
     for line in text.splitlines():
         match = _LINE.match(line)
@@ -312,14 +349,16 @@ class Bench:
                 raise RuntimeError(f"only {now}/{watchers} watchers after {timeout}s")
             time.sleep(0.1)
 
-    def argv(self, tool: str, name: str, cmd: list[str], quiet: bool = True) -> list[str]:
+    def argv(
+        self, tool: str, name: str, cmd: list[str], quiet: bool = True, slots: int = 1
+    ) -> list[str]:
         if tool == "conch":
             return [
                 CONCH,
                 "sema",
                 name,
                 "--max",
-                "1",
+                str(slots),
                 "--endpoints",
                 self.endpoint,
                 *(["-q"] if quiet else []),
@@ -350,7 +389,7 @@ class Bench:
         tree, here the wrapper itself), etcd requests per run. Then the same with a child
         that stamps its start, for launch -> child start, and conch's phases from its log."""
         out: dict[str, Any] = {}
-        wall: dict[str, list[float]] = {t: [] for t in TOOLS}
+        wall: dict[str, list[float]] = {t: [] for t in (*TOOLS, "floor")}
         rss: dict[str, list[float]] = {t: [] for t in TOOLS}
         metrics: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
         for tool in TOOLS:  # warm the page cache once, unmeasured
@@ -375,8 +414,10 @@ class Bench:
                 wall[tool].append(seconds)
                 rss[tool].append(maxrss_mib)
                 metrics[tool].append(delta(before, scrape(self.endpoint), 1))
+            # the floor any Python gRPC client starts from, timed the same way
+            wall["floor"].append(self.launch(IMPORT_FLOOR)[0])
         out["launcher_floor_rss_mib"] = floor
-        out["wall_s"] = {t: summary(wall[t]) for t in TOOLS}
+        out["wall_s"] = {t: summary(wall[t]) for t in wall}
         out["peak_rss_mib"] = {t: summary(rss[t]) for t in TOOLS}
         out["etcd_per_run"] = {t: metrics[t][0] for t in TOOLS}
         out["wall_ratio_runs"] = [
@@ -548,29 +589,41 @@ class Bench:
 
     # -- 3./5. handoff chain (and the memory of waiting processes) ---------------------------
 
-    def chain(self, tool: str, waiters: int, rep: int, job: float = 0.0) -> dict[str, Any]:
-        """One holder and ``waiters`` queued processes of ``tool`` on a lock; release the
-        holder, let the queue drain. Handoff = next child's first stamp - previous child's
-        last stamp. Each waiter's child exits at once, or after ``job`` seconds."""
-        name = f"chain-{tool}-{waiters}-{rep}-{job * 1000:.0f}"
+    def chain(
+        self,
+        tool: str,
+        waiters: int,
+        rep: int,
+        job: float = 0.0,
+        slots: int = 1,
+        tag: str = "chain",
+    ) -> dict[str, Any]:
+        """``slots`` holders and then ``waiters`` queued processes of ``tool`` on a lock (a
+        semaphore of ``slots`` for conch); release the holders at once, let the queue drain.
+        Handoff = a child's first stamp - the last stamp of the child whose slot it took.
+        Each waiter's child exits at once, or after ``job`` seconds."""
+        name = f"{tag}-{tool}-{slots}-{waiters}-{rep}-{job * 1000:.0f}"
         log = self.tmp / f"{name}.log"
-        fifo = self.tmp / f"{name}.fifo"
-        os.mkfifo(fifo)
-        prefix = (f"/conch/v1/sema/{name}/1/" if tool == "conch" else f"{name}/").encode()
-        holder = spawn(self.argv(tool, name, [*HOLDER_CHILD, str(log), str(fifo)]))
+        fifos = [self.tmp / f"{name}-{i}.fifo" for i in range(slots)]
+        prefix = (f"/conch/v1/sema/{name}/{slots}/" if tool == "conch" else f"{name}/").encode()
+        holders = []
+        for fifo in fifos:
+            os.mkfifo(fifo)
+            cmd = [*HOLDER_CHILD, str(log), str(fifo)]
+            holders.append(spawn(self.argv(tool, name, cmd, slots=slots)))
         deadline = time.monotonic() + 30
-        while not log.exists() or not log.read_text():
-            if holder.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{tool} holder did not start its child")
+        while not log.exists() or log.read_text().count("\n") < slots:
+            if any(h.poll() is not None for h in holders) or time.monotonic() > deadline:
+                raise RuntimeError(f"{tool} holders did not start their children")
             time.sleep(0.02)
         t0 = time.monotonic()
         child = [*JOB_CHILD, str(log), f"{job:.3f}"] if job else [*WAITER_CHILD, str(log)]
-        procs = [spawn(self.argv(tool, name, child)) for _ in range(waiters)]
-        # etcdctl waiters watch their predecessor, conch's too; conch's holder also watches
-        # its own key.
-        queued_s = self.wait_queued(prefix, waiters + 1, waiters, 60 + 2 * waiters, procs)
+        procs = [spawn(self.argv(tool, name, child, slots=slots)) for _ in range(waiters)]
+        # etcdctl waiters watch their predecessor; each conch waiter one key or the prefix.
+        queued_s = self.wait_queued(prefix, waiters + slots, waiters, 60 + 2 * waiters, procs)
         startup_all = time.monotonic() - t0
         mem = [tree_mem(p.pid) for p in procs]
+        threads = [tree_threads(p.pid) for p in procs]
         idle_cpu = None
         if waiters >= IDLE_FROM_W:  # what the queue costs the machine while it only waits
             t1, cpu = time.monotonic(), sum(tree_cpu(p.pid) for p in procs)
@@ -578,14 +631,20 @@ class Bench:
             used = sum(tree_cpu(p.pid) for p in procs) - cpu
             idle_cpu = 100 * used / (time.monotonic() - t1)
         before = scrape(self.endpoint)
-        with open(fifo, "w") as f:  # the holder's child reads it, stamps, exits
-            f.write("go\n")
+        # Each holder's child reads its own FIFO, stamps, exits. With several slots the
+        # holders go job/slots apart, so that the slots' handoffs fall apart as in a queue
+        # that has run a while, instead of all at once on two cores.
+        for i, fifo in enumerate(fifos):
+            if i:
+                time.sleep(job / slots)
+            with open(fifo, "w") as f:
+                f.write("go\n")
         deadline = time.monotonic() + 60 + waiters * (1 + job)
-        while log.read_text().count("\n") < 2 * (waiters + 1):
+        while log.read_text().count("\n") < 2 * (waiters + slots):
             if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
                 break
             time.sleep(0.05)
-        everyone = [holder, *procs]
+        everyone = [*holders, *procs]
         codes = wait_all(everyone, HANG_AFTER)
         hung = [p for p, c in zip(everyone, codes, strict=True) if c is None]
         for p in hung:  # its child ran and exited, the wrapper did not: a hang at exit
@@ -594,11 +653,12 @@ class Bench:
         after = scrape(self.endpoint)
         if any(c not in (0, None) for c in codes):
             raise RuntimeError(f"{tool} chain W={waiters}: exit codes {codes}")
-        starts, ends = read_stamps(log)
-        if len(starts) != waiters + 1 or len(ends) != waiters + 1:
+        starts, ends = read_stamps(log, slots)
+        if len(starts) != waiters + slots or len(ends) != waiters + slots:
             raise RuntimeError(f"{tool} chain W={waiters}: {len(starts)} children ran")
-        handoffs = [(s - e) * 1000 for s, e in zip(starts[1:], ends[:-1], strict=False)]
+        handoffs = handoffs_ms(starts, ends, slots)
         return {
+            "handoffs_ms": handoffs,
             "handoff_p50_ms": pct(handoffs, 50),
             "handoff_p99_ms": pct(handoffs, 99),
             "drain_s": ends[-1] - ends[0],
@@ -608,8 +668,9 @@ class Bench:
             "queued_wait_s": queued_s,
             "waiter_rss_mib": [m["rss_kb"] / 1024 for m in mem],
             "waiter_pss_mib": [m["pss_kb"] / 1024 for m in mem],
+            "waiter_threads": threads,
             "waiters_idle_cpu_pct": idle_cpu,
-            "etcd_per_release": delta(before, after, waiters + 1),
+            "etcd_per_release": delta(before, after, waiters + slots),
         }
 
     def handoff(self, sizes: list[int], reps: int, job: float = 0.0) -> dict[str, Any]:
@@ -641,6 +702,8 @@ class Bench:
                     "hung_at_exit": sum(r["hung_at_exit"] for r in rs),
                     "processes": sum(w + 1 for _ in rs),
                     "waiter_rss_mib_one": summary([median(r["waiter_rss_mib"]) for r in rs]),
+                    "waiter_pss_mib_one": summary([median(r["waiter_pss_mib"]) for r in rs]),
+                    "waiter_threads": summary([median(r["waiter_threads"]) for r in rs]),
                     "waiter_rss_mib_all": summary([sum(r["waiter_rss_mib"]) for r in rs]),
                     "waiter_pss_mib_all": summary([sum(r["waiter_pss_mib"]) for r in rs]),
                     "waiters_idle_cpu_pct": None
@@ -652,6 +715,40 @@ class Bench:
                     "requests_by_method": per[len(per) // 2]["requests_by_method"],
                 }
             out[str(w)] = entry
+        return out
+
+    # -- 3b. the job-length sweep ------------------------------------------------------------
+
+    def sweep(self, jobs_ms: list[int], waiters: int, reps: int) -> dict[str, Any]:
+        """For each job length: ``waiters`` queued jobs of `etcdctl lock` and of conch at
+        --max 1, 2 and 4, the queue full before the first release; the variants interleave
+        (order rotated each repetition) so that machine noise hits them alike. Handoffs are
+        pooled over the repetitions for p50/p99; the spread is of the per-run medians."""
+        variants = [("etcdctl", 1), ("conch", 1), ("conch", 2), ("conch", 4)]
+        out: dict[str, Any] = {}
+        for ms in jobs_ms:
+            pooled: dict[str, list[float]] = {f"{t}/{n}": [] for t, n in variants}
+            per_run: dict[str, list[float]] = {k: [] for k in pooled}
+            for rep in range(reps):
+                turn = variants[rep % len(variants) :] + variants[: rep % len(variants)]
+                for tool, slots in turn:
+                    r = self.chain(tool, waiters, rep, ms / 1000, slots, tag="sweep")
+                    pooled[f"{tool}/{slots}"] += r["handoffs_ms"]
+                    per_run[f"{tool}/{slots}"].append(r["handoff_p50_ms"])
+                print(
+                    f"  sweep {ms} ms jobs rep {rep + 1}/{reps}: "
+                    + ", ".join(f"{k} p50 {v[-1]:.1f} ms" for k, v in per_run.items()),
+                    flush=True,
+                )
+            out[str(ms)] = {
+                k: {
+                    "p50_ms": pct(pooled[k], 50),
+                    "p99_ms": pct(pooled[k], 99),
+                    "run_p50_ms": summary(per_run[k]),
+                    "handoffs": len(pooled[k]),
+                }
+                for k in pooled
+            }
         return out
 
     # -- 4. queue scaling with library waiters ------------------------------------------------
@@ -773,9 +870,41 @@ def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
+def sweep_table(sweep: dict[str, Any]) -> str:
+    """Handoff by job length: conch --max 1 / etcdctl lock, and --max 2, 4 / conch --max 1."""
+    rows = []
+    for ms, e in sweep.items():
+        c1, et, c2, c4 = e["conch/1"], e["etcdctl/1"], e["conch/2"], e["conch/4"]
+        rows.append(
+            (
+                ms,
+                f"{et['p50_ms']:.1f}/{et['p99_ms']:.1f}",
+                f"{c1['p50_ms']:.1f}/{c1['p99_ms']:.1f}",
+                f"{ratio(c1['p50_ms'], et['p50_ms'])}/{ratio(c1['p99_ms'], et['p99_ms'])}",
+                f"{c2['p50_ms']:.1f}/{c2['p99_ms']:.1f}",
+                ratio(c2["p50_ms"], c1["p50_ms"]),
+                f"{c4['p50_ms']:.1f}/{c4['p99_ms']:.1f}",
+                ratio(c4["p50_ms"], c1["p50_ms"]),
+                str(c1["handoffs"]),
+            )
+        )
+    header = (
+        "job ms",
+        "etcdctl p50/p99",
+        "conch max1",
+        "max1/etcdctl",
+        "conch max2",
+        "max2/max1",
+        "conch max4",
+        "max4/max1",
+        "handoffs",
+    )
+    return render(header, rows)
+
+
 def table(results: dict[str, Any]) -> str:
-    """The comparison table (median [min-max] over runs; ratio of medians) and the
-    per-release scaling table."""
+    """The tables of the sections that ran: the comparison (median [min-max] over runs;
+    ratio of medians), the job-length sweep, and etcd's work per release."""
     rows: list[tuple[str, ...]] = []
 
     def compare(
@@ -785,81 +914,99 @@ def table(results: dict[str, Any]) -> str:
             (label, fmt(c, digits, scale), fmt(e, digits, scale), ratio(c["median"], e["median"]))
         )
 
-    u = results["uncontended"]
-    compare("uncontended: wall time, ms", u["wall_s"]["conch"], u["wall_s"]["etcdctl"], 0, 1000)
-    compare(
-        "uncontended: launch -> child running, ms",
-        u["launch_to_child_s"]["conch"],
-        u["launch_to_child_s"]["etcdctl"],
-        0,
-        1000,
-    )
-    compare("uncontended: peak RSS, MiB", u["peak_rss_mib"]["conch"], u["peak_rss_mib"]["etcdctl"])
-    ec, ee = u["etcd_per_run"]["conch"], u["etcd_per_run"]["etcdctl"]
-    rows.append(
-        (
-            "uncontended: etcd requests per run",
-            f"{ec['requests']:.0f}",
-            f"{ee['requests']:.0f}",
-            ratio(ec["requests"], ee["requests"]),
+    hung = dict.fromkeys(TOOLS, 0)
+    runs = dict.fromkeys(TOOLS, 0)
+    u = results.get("uncontended")
+    if u:
+        wall = u["wall_s"]
+        compare("uncontended: wall time, ms", wall["conch"], wall["etcdctl"], 0, 1000)
+        floor = wall["floor"]["median"]
+        rows.append(
+            (
+                "uncontended: over the import floor, ms",
+                f"{(wall['conch']['median'] - floor) * 1000:.0f}",
+                f"floor {floor * 1000:.0f}",
+                "",
+            )
         )
-    )
-    for w, entry in results["handoff"].items():
-        c, e = entry["conch"], entry["etcdctl"]
-        compare(f"handoff W={w}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
-        compare(f"handoff W={w}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
-        compare(f"handoff W={w}: drain, s", c["drain_s"], e["drain_s"], 2)
-    for job_ms, by_w in results.get("handoff_jobs", {}).items():
-        for w, entry in by_w.items():
-            c, e = entry["conch"], entry["etcdctl"]
-            label = f"handoff W={w}, {job_ms} ms jobs"
-            compare(f"{label}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
-            compare(f"{label}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
-    sizes = sorted(results["handoff"], key=int)
-    one, many = results["handoff"][sizes[0]], results["handoff"][sizes[-1]]
-    compare(
-        "memory: RSS of one waiter (+ watchdog), MiB",
-        one["conch"]["waiter_rss_mib_one"],
-        one["etcdctl"]["waiter_rss_mib_one"],
-    )
-    compare(
-        f"memory: RSS of {sizes[-1]} waiters (+ watchdogs), MiB",
-        many["conch"]["waiter_rss_mib_all"],
-        many["etcdctl"]["waiter_rss_mib_all"],
-        0,
-    )
-    compare(
-        f"memory: PSS of {sizes[-1]} waiters (+ watchdogs), MiB",
-        many["conch"]["waiter_pss_mib_all"],
-        many["etcdctl"]["waiter_pss_mib_all"],
-        0,
-    )
-    if many["conch"]["waiters_idle_cpu_pct"] is not None:
         compare(
-            f"CPU of {sizes[-1]} waiters while queued, % of a core",
-            many["conch"]["waiters_idle_cpu_pct"],
-            many["etcdctl"]["waiters_idle_cpu_pct"],
-            2,
+            "uncontended: launch -> child running, ms",
+            u["launch_to_child_s"]["conch"],
+            u["launch_to_child_s"]["etcdctl"],
+            0,
+            1000,
         )
-    hung = {t: u["hung_at_exit"][t] for t in TOOLS}
-    runs = dict.fromkeys(TOOLS, u["runs_per_tool"])
-    for entry in results["handoff"].values():
+        compare(
+            "uncontended: peak RSS, MiB", u["peak_rss_mib"]["conch"], u["peak_rss_mib"]["etcdctl"]
+        )
+        ec, ee = u["etcd_per_run"]["conch"], u["etcd_per_run"]["etcdctl"]
+        rows.append(
+            (
+                "uncontended: etcd requests per run",
+                f"{ec['requests']:.0f}",
+                f"{ee['requests']:.0f}",
+                ratio(ec["requests"], ee["requests"]),
+            )
+        )
+        for t in TOOLS:
+            hung[t] += u["hung_at_exit"][t]
+            runs[t] += u["runs_per_tool"]
+        imp = results["importtime"]
+        rows.append(
+            ("start-up: import conch.cli (-X importtime), ms", f"{imp['total_ms']:.0f}", "", "")
+        )
+    chains = results.get("handoff", {})
+    for w, entry in chains.items():
+        c, e = entry["conch"], entry["etcdctl"]
+        compare(f"instant jobs W={w}: p50, ms", c["handoff_p50_ms"], e["handoff_p50_ms"])
+        compare(f"instant jobs W={w}: p99, ms", c["handoff_p99_ms"], e["handoff_p99_ms"])
+        compare(f"instant jobs W={w}: drain, s", c["drain_s"], e["drain_s"], 2)
         for t in TOOLS:
             hung[t] += entry[t]["hung_at_exit"]
             runs[t] += entry[t]["processes"]
-    rows.append(
-        (
-            "wrappers hung at exit (killed) / runs",
-            f"{hung['conch']}/{runs['conch']}",
-            f"{hung['etcdctl']}/{runs['etcdctl']}",
-            "",
+    if chains:
+        sizes = sorted(chains, key=int)
+        one, many = chains[sizes[0]], chains[sizes[-1]]
+        for what in ("rss", "pss"):
+            compare(
+                f"memory: {what.upper()} of one waiter (+ watchdog), MiB",
+                one["conch"][f"waiter_{what}_mib_one"],
+                one["etcdctl"][f"waiter_{what}_mib_one"],
+            )
+        compare(
+            f"memory: PSS of {sizes[-1]} waiters (+ watchdogs), MiB",
+            many["conch"]["waiter_pss_mib_all"],
+            many["etcdctl"]["waiter_pss_mib_all"],
+            0,
         )
-    )
-    imp = results["importtime"]
-    rows.append(
-        ("start-up: import conch.cli (-X importtime), ms", f"{imp['total_ms']:.0f}", "", "")
-    )
-    out = render(("metric", "conch", "etcdctl lock", "conch/etcdctl"), rows)
+        compare(
+            "threads of one waiter (+ watchdog)",
+            one["conch"]["waiter_threads"],
+            one["etcdctl"]["waiter_threads"],
+            0,
+        )
+        if many["conch"]["waiters_idle_cpu_pct"] is not None:
+            compare(
+                f"CPU of {sizes[-1]} waiters while queued, % of a core",
+                many["conch"]["waiters_idle_cpu_pct"],
+                many["etcdctl"]["waiters_idle_cpu_pct"],
+                2,
+            )
+    if rows:
+        rows.append(
+            (
+                "wrappers hung at exit (killed) / runs",
+                f"{hung['conch']}/{runs['conch']}",
+                f"{hung['etcdctl']}/{runs['etcdctl']}",
+                "",
+            )
+        )
+    parts = [render(("metric", "conch", "etcdctl lock", "conch/etcdctl"), rows)] if rows else []
+    if "sweep" in results:
+        parts.append(
+            "Handoff by job length, queue full (ms, p50/p99 of all handoffs of all runs):\n"
+            + sweep_table(results["sweep"])
+        )
 
     srows: list[tuple[str, ...]] = []
 
@@ -879,12 +1026,12 @@ def table(results: dict[str, Any]) -> str:
             )
         )
 
-    for w, entry in results["handoff"].items():
+    for w, entry in chains.items():
         for tool in TOOLS:
             e = entry[tool]
             p50, p99 = e["handoff_p50_ms"]["median"], e["handoff_p99_ms"]["median"]
             row(f"{tool} processes", w, e["etcd_per_release"], fmt(e["drain_s"], 2), p50, p99)
-    for w, entry in results["scaling"].items():
+    for w, entry in results.get("scaling", {}).items():
         p = {k: v["median"] for k, v in entry["etcd_per_release"].items()}
         p50, p99 = entry["handoff_p50_ms"]["median"], entry["handoff_p99_ms"]["median"]
         row("conch library", w, p, fmt(entry["drain_s"], 2), p50, p99)
@@ -898,23 +1045,26 @@ def table(results: dict[str, Any]) -> str:
             diag["handoff_p50_ms"],
             diag["handoff_p99_ms"],
         )
-    out += "\n\nPer release (etcd /metrics delta / (W+1) releases; keepalives apart):\n"
-    out += render(
-        (
-            "waiters",
-            "W",
-            "requests",
-            "msgs in/out",
-            "keepalives",
-            "watch events",
-            "bytes read",
-            "bytes written",
-            "drain s",
-            "handoff p50/p99 ms",
-        ),
-        srows,
-    )
-    return out
+    if srows:
+        parts.append(
+            "Per release (etcd /metrics delta / (W+1) releases; keepalives apart):\n"
+            + render(
+                (
+                    "waiters",
+                    "W",
+                    "requests",
+                    "msgs in/out",
+                    "keepalives",
+                    "watch events",
+                    "bytes read",
+                    "bytes written",
+                    "drain s",
+                    "handoff p50/p99 ms",
+                ),
+                srows,
+            )
+        )
+    return "\n\n".join(parts)
 
 
 # ------------------------------------------------------------------------------------ main
@@ -930,14 +1080,29 @@ def main() -> int:
         default=4,
         help="processes carrying the library waiters of the scaling run",
     )
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
+    )
+    parser.add_argument(
+        "--jobs", help="job lengths of the sweep, ms, comma-separated (default 0,20,...,2000)"
+    )
+    parser.add_argument("--reps", type=int, help="repetitions of the sweep")
     args = parser.parse_args()
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(only - set(SECTIONS))}")
     cfg: dict[str, Any] = {
         "uncontended_reps": 5 if args.quick else 15,
         "import_reps": 3 if args.quick else 7,
         "handoff_sizes": [1, 10, 100],
         "handoff_reps": 1 if args.quick else 3,
-        # the second handoff measure: job length in ms -> chain lengths (W)
-        "jobs_ms": {50: [10], 500: [10], 1000: [10]},
+        "sweep_jobs_ms": [int(j) for j in args.jobs.split(",")]
+        if args.jobs
+        else [0, 20, 50, 100, 200, 500, 1000, 2000],
+        "sweep_waiters": 6 if args.quick else 10,
+        "sweep_reps": args.reps or (1 if args.quick else 3),
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,
     }
@@ -971,26 +1136,38 @@ def main() -> int:
             },
         }
         print(f"etcd on {endpoint}; scratch {tmp}", flush=True)
-        print("uncontended ...", flush=True)
-        results["uncontended"] = bench.uncontended(cfg["uncontended_reps"])
-        print("importtime ...", flush=True)
-        results["importtime"] = bench.importtime(cfg["import_reps"])
-        print("handoff chains ...", flush=True)
-        results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
-        print("handoff chains, jobs that take a while ...", flush=True)
-        results["handoff_jobs"] = {
-            str(ms): bench.handoff(sizes, cfg["handoff_reps"], job=ms / 1000)
-            for ms, sizes in cfg["jobs_ms"].items()
-        }
-        print("queue scaling (library waiters) ...", flush=True)
-        results["scaling"] = bench.scaling(cfg["scaling_sizes"], cfg["scaling_reps"], args.workers)
-        # diagnostic: the same queue when each holder keeps its slot a little while
-        diag = bench.scaling_run(100, 99, args.workers, hold=0.05)
-        results["scaling_hold"] = {"waiters": 100, "hold_ms": 50.0, **diag}
-        results["runtime_s"] = time.monotonic() - started
+        if "uncontended" in only:
+            print("uncontended ...", flush=True)
+            results["uncontended"] = bench.uncontended(cfg["uncontended_reps"])
+            print("importtime ...", flush=True)
+            results["importtime"] = bench.importtime(cfg["import_reps"])
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
+
+        def save() -> None:  # after each section: a failure later keeps what was measured
+            out.write_text(json.dumps(results, indent=1) + "\n")
+
+        save()
+        if "sweep" in only:
+            print("handoff by job length, queue full ...", flush=True)
+            results["sweep"] = bench.sweep(
+                cfg["sweep_jobs_ms"], cfg["sweep_waiters"], cfg["sweep_reps"]
+            )
+            save()
+        if "chains" in only:
+            print("handoff chains, instant jobs ...", flush=True)
+            results["handoff"] = bench.handoff(cfg["handoff_sizes"], cfg["handoff_reps"])
+            save()
+        if "scaling" in only:
+            print("queue scaling (library waiters) ...", flush=True)
+            results["scaling"] = bench.scaling(
+                cfg["scaling_sizes"], cfg["scaling_reps"], args.workers
+            )
+            # diagnostic: the same queue when each holder keeps its slot a little while
+            diag = bench.scaling_run(100, 99, args.workers, hold=0.05)
+            results["scaling_hold"] = {"waiters": 100, "hold_ms": 50.0, **diag}
+        results["runtime_s"] = time.monotonic() - started
+        save()
         print()
         print(table(results))
         print(

@@ -281,11 +281,8 @@ class Hold:
         ``retry`` is scheduled)."""
         assert self._touch_value is not None
         try:
-            response = kv.txn(
-                self._client,
-                [kv.create_revision_is(self.key, self.revision)],
-                [kv.op_put(self.key, self._touch_value, self.lease_id)],
-                [],
+            response = touch(
+                self._client, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
             log.warning("touch-failed", name=self.name, error=str(exc))
@@ -402,6 +399,26 @@ def _dropped(
         _give_back(session, client, key, revision, shared, None)
 
     timer_for(client).call_later(0, give_back)
+
+
+def touch(
+    client: Client,
+    key: bytes,
+    revision: int,
+    value: bytes,
+    lease_id: int,
+    interrupt: Flag | None = None,
+) -> rpc_pb2.TxnResponse:
+    """Re-put ``key`` (``value``, bound to ``lease_id``) if its create_revision is still
+    ``revision``: one KV.Txn whose ``succeeded`` is false when the key is gone. The change
+    wakes the waiter behind, which watches the key. Raises EtcdError as ``kv.txn``."""
+    return kv.txn(
+        client,
+        [kv.create_revision_is(key, revision)],
+        [kv.op_put(key, value, lease_id)],
+        [],
+        interrupt=interrupt,
+    )
 
 
 def _cancel_all(watches: list[Watch]) -> None:

@@ -3,26 +3,29 @@
 Every holder or waiter owns one key under ``/conch/v1/sema/<name>/<max>/``, bound to its
 session's lease. Keys rank by create_revision; the first ``max`` hold a slot.
 
-How a waiter waits (no polling, no herd). The design page says "watch the key at rank r-N";
-that alone misses a release when N > 1 and holders leave out of order (N=2, holders A B,
-waiter C watching A: B leaves, C stays asleep with a slot free). So:
+How a waiter waits (no polling, no herd; docs/design.md, "Waiting", has the reasoning). The
+design page says "watch the key at rank r-N"; that alone misses a release when N > 1 and
+holders leave out of order (N=2, holders A B, waiter C watching A: B leaves, C stays asleep
+with a slot free). So the queue has a *window*: its first ``window_size(N)`` keys, the N
+holders and the ``window_size(N) - N`` waiters first in line (N + 1, at most 8).
 
-* the *first* waiter (exactly N keys ahead) watches the deletions under the semaphore's
-  prefix (one etcd watcher, so in revision order): the deletion of one of those N keys,
-  with no deletion of its own key before it, means it holds a slot at that revision;
-  nothing else needs to be read or written before its child starts;
-* every later waiter watches its immediate predecessor for deletion or change;
-* a waiter that takes a slot, unless it held one from the revision its key was created,
-  re-puts its own key under a compare on its create_revision (a *touch*) once it holds: the
-  change that tells the next waiter it is now first in line. It happens after the hold is
-  confirmed (the child may already run); a failed compare means the hold is lost. With
-  max > 1 at once: another holder may leave any moment, and the waiter behind must be
-  watching for it. With max 1 only TOUCH_DELAY into the hold: the waiter behind moves up
-  while our job runs, so that our release hands it the slot with no read; a shorter job is
-  over first and spares etcd and the handoff the touch (the waiter behind then wakes on
-  our deletion and reads the queue once).
+* a waiter in the window watches the deletions under the semaphore's prefix (one etcd
+  watcher, so in revision order) and knows, from one read, every key ahead of it: each
+  deletion of one of them moves it up with no read, and once fewer than N are left, with no
+  deletion of its own key before, it holds a slot at that revision. So the waiter that gets
+  a slot gets it from the release's own event, whatever the job's length and the max, and
+  nothing is read or written before its child starts;
+* a waiter behind the window watches its immediate predecessor for deletion or change;
+* a waiter in the window re-puts its own key under a compare on its create_revision (a
+  *touch*), once, as soon as the waiter just behind it belongs in the window (fewer than
+  ``window_size(N) - 1`` keys ahead of it): the change that tells that waiter to read the
+  queue and join the window. The waiter that moves up makes this write, not the new holder:
+  a release wakes the holder-to-be and the ``window_size(N) - N - 1`` others in the window,
+  and only the last one writes, while the new holder starts its child. A waiter that got its
+  slot without passing through that state (a read found it holding, or one event took
+  several keys ahead of it) leaves the touch to its Hold (hold.py).
 
-A release therefore wakes one waiter to take the slot and one to move up: constant work per
+A release therefore wakes the waiters of the window and one behind it: constant work per
 release, whatever the length of the queue.
 """
 
@@ -49,36 +52,63 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
-from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key
+from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key, touch
 from conch.identity import Identity
 from conch.session import Session
 
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
+# Waiters in the window beyond the N holders, at most: each release wakes them all (one
+# watch event each), so their number stays small whatever the max.
+WINDOW_WAITERS_CAP = 8
+
+
+def window_size(max_holders: int) -> int:
+    """How many keys, from the first by create_revision, the window holds: the holders and
+    up to N + 1 waiters (capped), so that N releases in a row still find a waiter in the
+    window for each slot before the one behind has joined it."""
+    return max_holders + min(max_holders + 1, WINDOW_WAITERS_CAP)
 
 
 @dataclass(frozen=True)
 class _Standing:
     """Where our key stands at one revision. If waiting, the keys that matter as they were
-    then (keys only: create_revision and mod_revision): when ``first`` in line, the ``max``
-    keys ahead and then our own (their deletion matters); else the one key just ahead (any
-    change matters)."""
+    then (keys only: create_revision and mod_revision): in the ``window``, every key ahead
+    and then our own (their deletion matters); else the one key just ahead (any change
+    matters)."""
 
     revision: int
     held: bool
     watched: Sequence[kv.KeyValue] = ()
-    first: bool = False
+    window: bool = False
+
+    @property
+    def ahead(self) -> int:
+        """In the window: how many keys are ahead of ours."""
+        return len(self.watched) - 1
 
     def changed(self, now: Sequence[kv.RangeResponse]) -> bool:
         """Whether a watched key changed since ``revision``, given one Range of each, in order
-        (a deletion; unless ``first``, any change)."""
+        (a deletion; unless in the ``window``, any change)."""
         for then, response in zip(self.watched, now, strict=True):
             current = response.kvs[0] if response.kvs else None
             if current is None or current.create_revision != then.create_revision:
                 return True
-            if not self.first and current.mod_revision != then.mod_revision:
+            if not self.window and current.mod_revision != then.mod_revision:
                 return True
         return False
+
+    def after(self, notice: WatchNotice, slots: int) -> _Standing:
+        """In the window, where we stand after the deletions ``notice`` reports (our own
+        key not among them): holding at the revision of the deletion that left fewer than
+        ``slots`` keys ahead, else further up, still waiting."""
+        *ahead, mine = self.watched
+        for event in notice.events:
+            if event.type == DELETE:
+                ahead = [k for k in ahead if k.key != event.kv.key]
+                if len(ahead) < slots:
+                    return _Standing(int(event.kv.mod_revision), True)
+        return _Standing(notice.revision, False, [*ahead, mine], window=True)
 
 
 @dataclass(frozen=True)
@@ -227,6 +257,7 @@ class Semaphore:
         interrupt.subscribe(box)
         woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
         revision = 0
+        watching: Watch | None = None  # the window's watch, kept open while we move up
         try:
             key = self._key(session)
             revision, held_at_creation, value = self._enqueue(
@@ -244,16 +275,25 @@ class Semaphore:
                     ahead=ahead,
                     rev=revision,
                 )
+            touched = False  # our key re-put while waiting: the waiter behind has joined
             while not standing.held:
                 _cancel_all(woke_by)
-                woke = self._wait_for_change(standing, box, deadline, interrupt, session)
+                if standing.window and not touched and standing.ahead < self._touch_below:
+                    self._touch(session, key, revision, value, interrupt)
+                    touched = True
+                # Passed on: _wait_for_change closes it unless it returns a notice.
+                reuse, watching = watching, None
+                woke = self._wait_for_change(standing, box, deadline, interrupt, session, reuse)
+                if woke is not None and standing.window and key not in _deleted(woke):
+                    # Keys ahead of ours went, ours still there (events come in revision
+                    # order): we moved up, or hold at the revision of that deletion.
+                    standing = standing.after(woke, self.max)
+                    if not standing.held:
+                        watching = woke.watch
+                        continue
                 if woke is not None:
                     woke_by.append(woke.watch)
-                if standing.first and woke is not None and key not in _deleted(woke):
-                    # First in line, and one of the max keys ahead went with ours still
-                    # there (events come in revision order): we hold at that revision.
-                    standing = _Standing(woke.revision, True)
-                else:
+                if not standing.held:
                     standing = self._standing(key, revision, interrupt)
             log.info(
                 "acquired",
@@ -263,10 +303,11 @@ class Semaphore:
                 lease=f"{session.lease_id:x}",
                 waited=f"{time.monotonic() - started:.3f}s",
             )
-            # The waiter behind us may be watching us for the change that says we hold (the
-            # Hold's touch). Not if we held from the revision our key was created: nobody
-            # saw us wait, a waiter behind us knew where it stood from the start.
-            touch = not held_at_creation
+            # The waiter behind us may be watching us for the change that says it belongs in
+            # the window (the Hold's touch), unless we made it while waiting, or held from
+            # the revision our key was created: nobody saw us wait, a waiter behind us knew
+            # where it stood from the start.
+            touch = not held_at_creation and not touched
             hold = Hold(
                 self,
                 session,
@@ -285,6 +326,8 @@ class Semaphore:
                 _withdraw(self.client, key, revision, session.lease_id)
             raise
         finally:
+            if watching is not None:  # the touch failed
+                watching.cancel()
             _cancel_all(woke_by)
             session.lost.unsubscribe(box)
             interrupt.unsubscribe(box)
@@ -325,8 +368,16 @@ class Semaphore:
 
     def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
         """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
-        to watch. One read-only KV.Txn of two ranges, so both see one revision: the first
-        ``max`` keys, and our key with the one just ahead of it (keys only)."""
+        to watch. One read-only KV.Txn of two ranges, so both see one revision (keys only):
+        the window up to our key, and our key with the one just ahead of it."""
+        window = kv.prefix_request(
+            self.prefix,
+            limit=window_size(self.max),
+            keys_only=True,
+            max_create_revision=revision,
+            sort_target=kv.CREATE,
+            sort_order=kv.ASCEND,
+        )
         mine_and_prev = kv.prefix_request(
             self.prefix,
             limit=2,
@@ -335,21 +386,21 @@ class Semaphore:
             sort_target=kv.CREATE,
             sort_order=kv.DESCEND,
         )
-        reads = [kv.op_range(self._heads_request()), kv.op_range(mine_and_prev)]
+        reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
         response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
         at = int(response.header.revision)
-        heads = response.responses[0].response_range.kvs
-        if any(h.key == key and h.create_revision == revision for h in heads):
-            return _Standing(at, True)
+        first = list(response.responses[0].response_range.kvs)
         mine, *ahead = response.responses[1].response_range.kvs or [None]
-        if mine is None or mine.key != key:
+        if mine is None or mine.key != key or mine.create_revision != revision:
             raise SessionLost("our key is gone (lease expired or key deleted)")
+        if first[-1].key == key:
+            if len(first) <= self.max:
+                return _Standing(at, True)
+            return _Standing(at, False, first, window=True)
         if not ahead:
-            # Nobody ahead, yet not among the first max: cannot be. Fail closed, re-enter.
+            # Nobody ahead, yet not in the window: cannot be. Fail closed, re-enter.
             raise SessionLost("inconsistent queue read; re-entering")
-        if ahead[0].create_revision <= heads[-1].create_revision:
-            return _Standing(at, False, [*heads, mine], first=True)
-        return _Standing(at, False, [ahead[0]], False)
+        return _Standing(at, False, [ahead[0]])
 
     def _heads_request(self) -> rpc_pb2.RangeRequest:
         """The first ``max`` keys by create_revision (the holders), keys only."""
@@ -380,13 +431,15 @@ class Semaphore:
         deadline: float | None,
         interrupt: Flag,
         session: Session,
+        watch: Watch | None = None,
     ) -> WatchNotice | None:
         """Step 4: sleep until a watched key changes after ``standing.revision``; return the
-        notice with its events (its watch still open: the caller cancels it), or None when a
-        re-read is due (the watch broke, or a key changed before the watch started). First
-        in line, the watch covers the deletions under the whole prefix, and only those of
-        watched keys wake us. Raises NoSlot at the deadline, Interrupted on ``interrupt``,
-        SessionLost on session loss.
+        notice with its events (its watch still open: the caller cancels it, or passes it
+        back as ``watch`` to go on from there), or None when a re-read is due (the watch
+        broke, or a key changed before the watch started). In the window, the watch covers
+        the deletions under the whole prefix, and only those of watched keys wake us.
+        Raises NoSlot at the deadline, Interrupted on ``interrupt``, SessionLost on session
+        loss.
 
         The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
         watch that starts in the past from a catch-up loop that runs every 100 ms, which
@@ -394,10 +447,9 @@ class Semaphore:
         the gap (standing.revision, C] is closed by reading the watched keys again."""
         if deadline is not None and time.monotonic() >= deadline:
             raise NoSlot(f"no free slot of {self.name}[{self.max}]")
-        watch = None
-        if standing.watched:
+        if watch is None and standing.watched:
             key, end = standing.watched[0].key, b""
-            if standing.first:
+            if standing.window:
                 key, end = self.prefix, kv.prefix_end(self.prefix)
             watch = Watch(
                 self.client,
@@ -405,7 +457,7 @@ class Semaphore:
                 0,
                 box.put,
                 range_end=end,
-                only_deletes=standing.first,
+                only_deletes=standing.window,
                 confirm=True,
             )
         relevant = {item.key for item in standing.watched}
@@ -434,6 +486,20 @@ class Semaphore:
         finally:
             if watch is not None and not woke:
                 watch.cancel()
+
+    @property
+    def _touch_below(self) -> int:
+        """With fewer keys than this ahead of ours, the waiter just behind us (if any)
+        belongs in the window."""
+        return window_size(self.max) - 1
+
+    def _touch(
+        self, session: Session, key: bytes, revision: int, value: bytes, interrupt: Flag
+    ) -> None:
+        """Re-put our key while waiting: the waiter behind us, watching it, joins the window.
+        Raises SessionLost when our key is gone."""
+        if not touch(self.client, key, revision, value, session.lease_id, interrupt).succeeded:
+            raise SessionLost("our key is gone (lease expired or key deleted)")
 
     def _changed_since(self, standing: _Standing, confirmed: int, interrupt: Flag) -> bool:
         """Whether a watched key changed between our read and the watch's start (one KV.Txn

@@ -23,6 +23,8 @@ from conch import hold as hold_module
 from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
+from conch.flag import Flag
+from conch.semaphore import _Standing
 from tests.conftest import DEADLINE, alive, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -201,11 +203,10 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
 def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_with_no_request(
     client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A holder that waited touches its key GUARD_WATCH_DELAY into its hold, also at max 1.
-    The waiter behind it wakes on that change while the job runs, finds itself first in
-    line and watches the deletions under the prefix; the holder's release then hands it the
-    slot straight from the deletion event, with no request on the way (before, it woke on
-    the deletion and read the queue first)."""
+    """The waiter behind a new holder has moved up while the job runs (it is in the window:
+    it watches the deletions under the prefix, the new holder's key was touched while it
+    waited); the holder's release then hands it the slot straight from the deletion event,
+    with no request on the way."""
     requests: Counter[str] = Counter()
     moved_up = threading.Event()
     real_range, real_txn, real_watch = kv.range_, kv.txn, Watch
@@ -255,6 +256,106 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
         hold.release()
     finally:
         new_holder.release()
+    assert sema_keys(client, name) == []
+
+
+class _Looks:
+    """Per thread name: the queue reads (``_standing``) and watches opened by waiters, and
+    the KV.Txn calls made (a touch from a hold's guard is one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reads: Counter[str] = Counter()
+        self.txns: Counter[str] = Counter()
+        self.watching: dict[str, threading.Event] = {}
+        real_standing, real_txn, real_watch = semaphore.Semaphore._standing, kv.txn, Watch
+
+        def standing(sema: semaphore.Semaphore, *args: Any, **kwargs: Any) -> Any:
+            self.reads[threading.current_thread().name] += 1
+            return real_standing(sema, *args, **kwargs)
+
+        def txn(*args: Any, **kwargs: Any) -> Any:
+            self.txns[threading.current_thread().name] += 1
+            return real_txn(*args, **kwargs)
+
+        def watch(client: Client, key: bytes, start: int, deliver: Any, **kwargs: Any) -> Watch:
+            me = threading.current_thread().name
+            self.reads[me] += 1  # a new watch on the way is a request too
+            created = self.watching.setdefault(me, threading.Event())
+
+            def tell(notice: WatchNotice) -> None:
+                deliver(notice)
+                if notice.created:
+                    created.set()
+
+            return real_watch(client, key, start, tell, **kwargs)
+
+        monkeypatch.setattr(semaphore.Semaphore, "_standing", standing)
+        monkeypatch.setattr(kv, "txn", txn)
+        monkeypatch.setattr(semaphore, "Watch", watch)
+
+    def settled(self, client: Client, name: str, max_holders: int, *threads: str) -> int:
+        """Wait until every key under the semaphore was touched (re-put) while waiting and
+        each thread's watch is confirmed; return the reads made so far by ``threads``."""
+        poll(
+            lambda: all(
+                k.mod_revision > k.create_revision for k in sema_keys(client, name)[max_holders:]
+            ),
+            what="every waiter's touch",
+        )
+        for thread in threads:
+            poll(lambda t=thread: t in self.watching, what=f"{thread} watching")  # type: ignore[misc]
+            assert self.watching[thread].wait(DEADLINE)
+        return sum(self.reads[t] for t in threads)
+
+
+def test_a_short_job_hands_over_from_the_release_event_to_the_waiter_behind_it(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At max 1, H holds and W1, W2 wait. W1 gets the slot and releases it as soon as W2 has
+    moved up (W2's own touch: far shorter than the new holder's old touch delay): W2 holds
+    straight from W1's deletion event, with no read or new watch on the way. Before, W2
+    watched W1 alone and moved up only on W1's touch, half a second into W1's hold: after a
+    shorter job it woke on the deletion and read the queue first."""
+    looks = _Looks(monkeypatch)
+    sema = conch.Semaphore(client, name, max=1, ttl=5)
+    holder = sema.acquire(timeout=10)
+    first, first_result = _acquire_in_thread(sema, 30, "first")
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
+    second, second_result = _acquire_in_thread(sema, 30, "second")
+    poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
+    new_holder = _handed_over(holder, first, first_result)
+    try:
+        before = looks.settled(client, name, 1, "second")
+        hold = _handed_over(new_holder, second, second_result)
+        assert looks.reads["second"] == before, "the waiter read etcd between release and hold"
+        hold.release()
+    finally:
+        new_holder.release()
+    assert sema_keys(client, name) == []
+
+
+def test_at_max_2_out_of_order_releases_hand_over_with_no_read_and_no_write_by_the_new_holder(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At max 2, A and B hold, C and D wait; B leaves, then A. C and D each hold straight
+    from a deletion event, with no read or new watch on the way, and no new holder writes
+    anything (its guard makes no touch: the waiters touched while they waited). Before, a
+    new holder at max > 1 touched its key at once, competing with the next handoff, and D
+    woke on C's touch to read the queue."""
+    looks = _Looks(monkeypatch)
+    sema = conch.Semaphore(client, name, max=2, ttl=5)
+    a, b = sema.acquire(timeout=10), sema.acquire(timeout=10)
+    c, c_result = _acquire_in_thread(sema, 30, "c")
+    poll(lambda: len(sema_keys(client, name)) == 3, what="C queued")
+    d, d_result = _acquire_in_thread(sema, 30, "d")
+    poll(lambda: len(sema_keys(client, name)) == 4, what="D queued")
+    before = looks.settled(client, name, 2, "c", "d")
+    c_hold = _handed_over(b, c, c_result)
+    d_hold = _handed_over(a, d, d_result)
+    assert looks.reads["c"] + looks.reads["d"] == before, "a waiter read etcd on the way"
+    for hold in (c_hold, d_hold):
+        hold.release()
+    assert looks.txns["conch-hold"] + looks.txns["conch-touch"] == 0, "a new holder wrote"
     assert sema_keys(client, name) == []
 
 
@@ -417,17 +518,28 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
             let_go.wait(DEADLINE)
         return real_txn(*args, **kwargs)  # type: ignore[arg-type]
 
+    released = threading.Event()
+
+    class LateLook(conch.Semaphore):
+        """Looks at the queue only after a slot went: it holds on that read, and leaves the
+        touch (it never made one while waiting) to its hold's guard."""
+
+        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
+            assert released.wait(DEADLINE)
+            return super()._standing(key, revision, interrupt)
+
     monkeypatch.setattr(kv, "txn", txn)
     first = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
     second = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
     holds: list[conch.Hold] = []
     waiter = threading.Thread(
-        target=lambda: holds.append(conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=30))
+        target=lambda: holds.append(LateLook(client, name, 2, ttl=3).acquire(timeout=30))
     )
     waiter.start()
     try:
         poll(lambda: len(sema_keys(client, name, 2)) == 3, what="third queued")
         first.release()
+        released.set()
         waiter.join(DEADLINE)
         (third,) = holds  # promoted, not first from creation: its guard touches its key
         assert in_touch.wait(DEADLINE)

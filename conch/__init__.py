@@ -21,7 +21,12 @@ The library under the command (timeouts in seconds, revisions as etcd numbers th
             ...                # the critical section; leaving it after a loss raises HoldLost
         conch.who(client, "reports")   # [conch.Record, ...]
 
-Embedding it in a service (threads, pre-fork servers, loss, fencing): docs/embedding.md.
+        with conch.Session(client, ttl=10) as session:   # one lease shared by several holds
+            hold = sema.acquire(timeout=30, session=session)
+
+asyncio has the same shape in ``conch.aio`` (``async with conch.aio.connect(...)``,
+``async with sema.acquire(...)``). Embedding it in a service (threads, asyncio, pre-fork
+servers, loss, fencing, shared sessions): docs/embedding.md.
 Everything here is imported lazily, so ``import conch`` costs nothing until used.
 """
 

@@ -92,5 +92,7 @@ class Interrupted(ConchError):
 
     def __init__(self, signum: object) -> None:
         self.signum = signum if isinstance(signum, int) else 0
-        super().__init__(f"interrupted by signal {self.signum}")
+        # A library's interrupt Flag may carry a reason of its own ("shutdown"): say it.
+        said = f"signal {signum}" if isinstance(signum, int) else str(signum or "interrupt")
+        super().__init__(f"interrupted by {said}")
         self.exit_code = 128 + self.signum

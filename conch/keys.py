@@ -28,6 +28,8 @@ def check_host(host: str) -> None:
 
 
 def _check_segment(what: str, text: str) -> None:
+    if not isinstance(text, str):
+        raise UsageError(f"bad {what} {text!r}: want a str")
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:

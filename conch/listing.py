@@ -189,6 +189,8 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
     """Every key under ``name`` (all capacities), in create_revision order per capacity; the
     capacity ``max_holders`` first when given. One KV.Range; reads only (no lease). The
     Records' ages are this host's clock against each key's ``started`` (see the module)."""
+    if max_holders is not None:
+        keys.check_max(max_holders, "max_holders")
     now = time.time()
     prefix = keys.name_prefix(name)
     response = kv.range_prefix(client, prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)

@@ -48,16 +48,15 @@ from conch.errors import (
     Unavailable,
     UsageError,
 )
-from conch.etcd import kv
+from conch.etcd import kv, lease
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key, touch
 from conch.identity import Identity
-from conch.session import Session
+from conch.session import Session, check_client, check_ttl
 
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
-MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 # Waiters in the window beyond the N holders, at most: each release wakes them all (one
 # watch event each), so their number stays small whatever the max.
 WINDOW_WAITERS_CAP = 8
@@ -134,8 +133,8 @@ class Semaphore:
         keys.check_name(self.name)
         keys.check_host(self.identity.host)
         keys.check_max(self.max)
-        if type(self.ttl) is not int or not 1 <= self.ttl <= MAX_LEASE_TTL:
-            raise UsageError(f"bad ttl {self.ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
+        check_client(self.client)
+        check_ttl(self.ttl)
         object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
 
     def acquire(
@@ -220,7 +219,7 @@ class Semaphore:
                 try:
                     return self._acquire_with(session, deadline, interrupt, started, shared=True)
                 except (SessionLost, LeaseNotFound, Unavailable) as exc:
-                    if session.lost.is_set() or isinstance(exc, LeaseNotFound):
+                    if not _session_lives(session, exc):
                         raise SessionLost(f"session lost while queued: {exc}") from None
                     self._before_reentry(exc, deadline, interrupt, backoff)
         except BaseException:
@@ -525,6 +524,21 @@ def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
         kv.txn(client, [on_our_lease], [kv.op_delete(key)], [], timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
+
+
+def _session_lives(session: Session, cause: Exception) -> bool:
+    """After ``cause`` cost a waiter on a shared session its place: whether the session
+    can still carry it (not lost or closed, and, when our key went, its lease still
+    granted: Lease.LeaseTimeToLive, since a lease revoked from outside reaches the
+    keepalive only at its next refresh)."""
+    if isinstance(cause, LeaseNotFound) or not session.certainly_alive():
+        return False
+    if not isinstance(cause, SessionLost):
+        return True
+    try:
+        return lease.time_to_live(session.client, session.lease_id, WITHDRAW_TIMEOUT) > 0
+    except EtcdError:
+        return True  # etcd away: the keepalive decides
 
 
 def _deleted(notice: WatchNotice) -> set[bytes]:

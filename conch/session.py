@@ -29,6 +29,21 @@ def keepalive_margin(ttl: float) -> float:
     return min(1.0, ttl / 6)
 
 
+MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
+
+
+def check_ttl(ttl: int) -> None:
+    """Raise UsageError unless ``ttl`` is whole seconds, 1 to MAX_LEASE_TTL."""
+    if type(ttl) is not int or not 1 <= ttl <= MAX_LEASE_TTL:
+        raise UsageError(f"bad ttl {ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
+
+
+def check_client(client: object) -> None:
+    """Raise UsageError unless ``client`` is a conch Client."""
+    if not isinstance(client, Client):
+        raise UsageError(f"bad client {client!r}: want a conch.Client (conch.connect(...))")
+
+
 class _Keeper:
     """The lease, its keepalive loop and its loss: everything the keepalive thread needs,
     and nothing that keeps the Session alive."""
@@ -44,6 +59,13 @@ class _Keeper:
         self.stop = threading.Event()
         self.keepalive = lease.KeepAlive(client, lease_id)
         self.thread = threading.Thread(target=self.run, name="conch-keepalive", daemon=True)
+        # The client's close() revokes a lease still open on it: a waiter's key or a hold
+        # left behind goes at once instead of after the TTL.
+        self.forget_client = client.on_close(self.client_closing)
+
+    def client_closing(self, seconds: float) -> None:
+        if not self.stop.is_set():
+            self.close(seconds)
 
     def run(self) -> None:
         margin = keepalive_margin(self.ttl)
@@ -71,6 +93,7 @@ class _Keeper:
 
     def close(self, timeout: float | None) -> bool:
         self.stop.set()
+        self.forget_client()
         try:
             lease.revoke(self.client, self.lease_id, timeout)
         except EtcdError as exc:
@@ -124,6 +147,8 @@ class Session:
     """
 
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
+        check_client(client)
+        check_ttl(ttl)
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)

@@ -218,3 +218,89 @@ def test_unavailable_keeps_the_grpc_status_code() -> None:
     with pytest.raises(conch.Unavailable) as raised:
         conch.connect(f"127.0.0.1:{free_port()}", dial_timeout=0.5)
     assert raised.value.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+def test_closing_a_client_under_its_waiter_and_holder_leaves_no_key(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """close() while a thread waits (or a hold is left open) on that client: the waiter
+    ended at once with an error, but its key stayed until its lease expired, keeping its
+    place ahead of every later waiter."""
+    other = conch.connect(etcd.endpoints)
+    holder = conch.Semaphore(client, name, max=1, ttl=30).acquire(timeout=10)
+    left_open = conch.Semaphore(other, name + "-b", max=1, ttl=30).acquire(timeout=10)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            conch.Semaphore(other, name, max=1, ttl=30).acquire(timeout=DEADLINE)
+        except conch.ConchError as exc:
+            errors.append(exc)
+
+    import threading
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    try:
+        poll(lambda: len(sema_keys(client, name)) == 2, what="the waiter queued")
+        other.close()
+        waiter.join(DEADLINE)
+        assert not waiter.is_alive() and len(errors) == 1, errors
+        # At once, not after the 30 s TTL.
+        assert [k.lease for k in sema_keys(client, name)] == [holder.lease_id]
+        assert sema_keys(client, name + "-b") == []
+        with pytest.raises(conch.HoldLost):
+            left_open.check()
+    finally:
+        holder.release()
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e12])
+def test_bad_timeouts_of_guarded_writes_and_session_close_are_usage_errors(
+    client: Client, name: str, bad: float
+) -> None:
+    """nan, inf or 1e12 reached gRPC unchecked and the call waited forever; -1 ran with 1 ms."""
+    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+    session = conch.Session(client, ttl=5)
+    try:
+        with pytest.raises(conch.UsageError, match="bad timeout"):
+            hold.put(f"/{name}/x", "v", timeout=bad)
+        with pytest.raises(conch.UsageError, match="bad timeout"):
+            hold.delete(f"/{name}/x", timeout=bad)
+        with pytest.raises(conch.UsageError, match="bad timeout"):
+            session.close(timeout=bad)
+    finally:
+        hold.release()
+        session.close()
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda c: conch.Session(c, ttl=0), "bad ttl 0"),
+        (lambda c: conch.Session(c, ttl=1.5), "bad ttl 1.5"),  # type: ignore[arg-type]
+        (lambda c: conch.Session(c, ttl=10**10), "bad ttl"),
+        (lambda c: conch.Session(None), "bad client None"),  # type: ignore[arg-type]
+        (lambda c: conch.Semaphore(None, "n", max=1), "bad client None"),  # type: ignore[arg-type]
+        (lambda c: conch.Semaphore(c, None, max=1), "bad name None"),  # type: ignore[arg-type]
+        (lambda c: conch.who(c, "n", max_holders=0), "bad max_holders 0"),
+    ],
+)
+def test_bad_session_and_semaphore_parameters_are_usage_errors(
+    client: Client, make: Callable[[Client], object], says: str
+) -> None:
+    """A ttl of 0 became a 2 s lease, 1.5 a TypeError, 10**10 an etcd error; a None client
+    was accepted, a None name an AttributeError, who(max_holders=0) an empty list."""
+    with pytest.raises(conch.UsageError, match=says):
+        make(client)
+
+
+def test_an_interrupt_says_its_reason(client: Client, name: str) -> None:
+    """An interrupt Flag set with a reason gave 'interrupted by signal 0'."""
+    from conch.flag import Flag
+
+    stop = Flag("stop")
+    stop.set("shutdown requested")
+    with pytest.raises(conch.Interrupted, match="shutdown requested"):
+        conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10, interrupt=stop)
+    assert sema_keys(client, name) == []

@@ -56,6 +56,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 BACKOFF_FIRST = 0.05  # seconds
+# Seconds close() spends, in all, revoking the leases of sessions still open on the client.
+CLOSE_REVOKE_TIMEOUT = 1.0
 BACKOFF_CAP = 1.0  # seconds
 ATTEMPT_FIRST = 1.0  # seconds; see _attempt_time
 
@@ -298,6 +300,7 @@ class Client:
         self._stubs: dict[Endpoint, _Stubs] = {}
         self._current = 0
         self._lock = threading.Lock()
+        self._close_hooks: list[Callable[[float], None]] = []
         self._failover_listeners: list[Callable[[Endpoint], None]] = []
         self._closed = False
         # gRPC channels do not survive fork(): a forked child must connect its own Client.
@@ -346,8 +349,16 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Drop the channels. In a process forked from the one that connected, only forget
-        them: they belong to the parent."""
+        """Revoke the leases of the sessions still open on this client (at most
+        CLOSE_REVOKE_TIMEOUT seconds in all: a waiter's key or a hold left open goes at once,
+        not after its TTL), then drop the channels. In a process forked from the one that
+        connected, only forget them: they belong to the parent."""
+        if os.getpid() == self.pid:
+            with self._lock:
+                hooks, self._close_hooks = list(self._close_hooks), []
+            deadline = time.monotonic() + CLOSE_REVOKE_TIMEOUT
+            for hook in hooks:
+                hook(max(0.05, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
             stubs, self._stubs = list(self._stubs.values()), {}
@@ -395,6 +406,18 @@ class Client:
             listeners = tuple(self._failover_listeners) if moved else ()
         for listener in listeners:
             listener(failed)
+
+    def on_close(self, hook: Callable[[float], None]) -> Callable[[], None]:
+        """Call ``hook(seconds)`` from ``close()`` before the channels go, with the time it
+        may take (a session revokes its lease). Returns a function that removes it."""
+        with self._lock:
+            self._close_hooks.append(hook)
+
+        def remove() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._close_hooks.remove(hook)
+
+        return remove
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
         """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time
@@ -471,6 +494,8 @@ class Client:
         Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
         Interrupted or EtcdError.
         """
+        if timeout is not None:
+            check_timeout("timeout", timeout)  # nan or inf would make gRPC wait forever
         total = self.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + total
         backoff = Backoff()

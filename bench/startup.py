@@ -71,8 +71,9 @@ def main() -> None:
     floor = statistics.median(times["floor"])
     for side, values in times.items():
         median = statistics.median(values)
+        over = (median - floor) * 1000
         print(
-            f"{side:5}  median {median * 1000:6.1f} ms  over floor {(median - floor) * 1000:+6.1f} ms"
+            f"{side:5}  median {median * 1000:6.1f} ms  over floor {over:+6.1f} ms"
             f"  [{min(values) * 1000:.0f}-{max(values) * 1000:.0f}]"
         )
 

@@ -22,7 +22,7 @@ from conch.identity import Identity
 from conch.keys import check_host, check_max, check_name
 from conch.listing import who
 from conch.semaphore import Semaphore
-from conch.supervisor import adopt_orphans, stop_on_signals, supervise
+from conch.supervisor import adopt_orphans, start_watchdog, stop_on_signals, supervise
 
 _UNITS = {
     "ns": 1e-9,
@@ -409,19 +409,32 @@ def _run(
     check_host(identity.host)
     if exiting:
         adopt_orphans()  # the process is ours: reap whatever the child leaves behind
-    # Dialling writes nothing, so a signal then may simply end us; from the first write on,
-    # signals are caught and withdraw or forward. When the process exits right after
-    # (``exiting``), they stay caught: a late one must not replace the child's status.
-    with _connect(args) as client, stop_on_signals(Flag("stop"), restore=not exiting) as stop:
-        sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
-        try:
-            return supervise(sema, cmd, wait, kill_after, stop)
-        except NoSlot as exc:
-            log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
-            return exc.exit_code
-        except Interrupted as exc:
-            log.info("interrupted", name=args.name, signum=exc.signum)
-            return exc.exit_code
+    # Its interpreter starts while we connect, instead of after (~20 ms of the run). When it
+    # cannot be started, supervise() tries again and reports it.
+    watchdog = None
+    with contextlib.suppress(OSError):
+        watchdog = start_watchdog(kill_after)
+    # Dialling writes nothing, so a signal then may simply end us (the watchdog, with no
+    # child announced, exits at the end of its pipe); from the first write on, signals are
+    # caught and withdraw or forward. When the process exits right after (``exiting``),
+    # they stay caught: a late one must not replace the child's status.
+    try:
+        with (
+            _connect(args) as client,
+            stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+        ):
+            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+            try:
+                return supervise(sema, cmd, wait, kill_after, stop, watchdog)
+            except NoSlot as exc:
+                log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
+                return exc.exit_code
+            except Interrupted as exc:
+                log.info("interrupted", name=args.name, signum=exc.signum)
+                return exc.exit_code
+    finally:
+        if watchdog is not None:  # unused: the connection failed
+            watchdog.dismiss()
 
 
 def run() -> NoReturn:

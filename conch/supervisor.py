@@ -151,6 +151,7 @@ def supervise(
     wait: float | None,
     kill_after: float,
     stop: Flag,
+    watchdog: Watchdog | None = None,
 ) -> int:
     """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8).
 
@@ -162,23 +163,33 @@ def supervise(
     warning; NoSlot once it does not). What the child leaves in its group is reaped as it
     dies only after ``adopt_orphans()`` (the command calls it); else a zombie among them
     holds the slot until PID 1 reaps it or ``kill_after`` runs out.
+    ``watchdog`` (from ``start_watchdog(kill_after)``, started before connecting so that its
+    interpreter starts while the connection is made) serves the first round; it is
+    dismissed like one started here.
     """
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:
         try:
-            return _hold_and_run(sema, argv, remaining(deadline), kill_after, stop)
+            return _hold_and_run(sema, argv, remaining(deadline), kill_after, stop, watchdog)
         except HoldLost as exc:
+            watchdog = None  # dismissed with its round
             sema._before_reentry(exc, deadline, stop, backoff)
 
 
 def _hold_and_run(
-    sema: Semaphore, argv: Sequence[str], wait: float | None, kill_after: float, stop: Flag
+    sema: Semaphore,
+    argv: Sequence[str],
+    wait: float | None,
+    kill_after: float,
+    stop: Flag,
+    watchdog: Watchdog | None,
 ) -> int:
-    """One round of ``supervise``: a watchdog, a hold, the child. Raises HoldLost when the
-    hold was lost before the child started."""
+    """One round of ``supervise``: a watchdog (``watchdog`` or a new one), a hold, the child.
+    Raises HoldLost when the hold was lost before the child started."""
     try:
-        watchdog = _start_watchdog(kill_after)  # before queueing: its start-up is over by the slot
+        # before queueing: its start-up is over by the slot
+        watchdog = watchdog or start_watchdog(kill_after)
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE
@@ -277,7 +288,7 @@ def _candidates(name: str) -> list[str]:
     return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
 
 
-def _start_watchdog(kill_after: float) -> Watchdog:
+def start_watchdog(kill_after: float) -> Watchdog:
     """A Watchdog, known to the adopting reaper as no part of any job (its process is our
     child too). Raises OSError as Watchdog does."""
     with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
@@ -303,7 +314,7 @@ def run_child(
     ``watchdog`` (started in advance) is armed with the child's group; without one, one is
     started here, before the child."""
     try:
-        watchdog = watchdog or _start_watchdog(kill_after)
+        watchdog = watchdog or start_watchdog(kill_after)
     except OSError as exc:
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE

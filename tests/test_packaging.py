@@ -95,3 +95,12 @@ def test_bash_completes_the_flags_of_conch_sema(typed: str) -> None:
         assert {"--max", "--who", "--wait", "--kill-after", "--endpoints"} <= set(offered)
     else:
         assert sorted(offered) == ["--wait", "--who"]
+
+
+def test_the_command_imports_the_listing_only_for_who() -> None:
+    """Every start pays for what conch.cli imports; only --who lists the holders."""
+    probe = "import sys, conch.cli; print(sorted(m for m in sys.modules if m == 'conch.listing'))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert out.strip() == "[]"

@@ -26,6 +26,9 @@ _adopting = False  # adopt_orphans() worked: every child of this process is ours
 # Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
 # it has just spawned (holding it) also looks for what escaped.
 _reap_lock = threading.RLock()
+# Set when we start a process: the adopting reaper, idle for want of children, looks again at
+# once instead of after GROUP_POLL (a child that exits within it was noticed up to 50 ms late).
+_spawned = threading.Event()
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
 # Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
 # reaped by Popen stays: its start time tells it from a later process with its pid).
@@ -295,6 +298,7 @@ def start_watchdog(kill_after: float) -> Watchdog:
         watchdog = Watchdog(kill_after)
         if _adopting and (stat := _stat(watchdog.pid)) is not None:
             _beside_jobs[watchdog.pid] = stat.started
+    _spawned.set()
     return watchdog
 
 
@@ -471,6 +475,7 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
     the child existed), else a thread of its own blocked in waitpid on that pid alone."""
     if _adopting:
         _claimed[pid] = callback
+        _spawned.set()
         return
 
     def wait() -> None:
@@ -490,12 +495,14 @@ def _reap_all() -> None:
     """The adopting reaper: reap each child as it exits, and every other one that has exited
     by then too (what died with a supervised child is no member of its group any more when
     its callback looks), then call the callbacks of the claimed ones. With no child at all,
-    look again every GROUP_POLL seconds: an orphan may yet come."""
+    look again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
     while True:
         try:
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
         except ChildProcessError:
-            time.sleep(GROUP_POLL)
+            # A start after the waitid above sets it; one before is seen by the next waitid.
+            _spawned.wait(GROUP_POLL)
+            _spawned.clear()
             continue
         done: list[tuple[Callable[[int], None], int]] = []
         with _reap_lock:

@@ -299,3 +299,32 @@ def test_both_ways_of_listing_our_children_agree() -> None:
         [sys.executable, "-c", LIST_CHILDREN], capture_output=True, text=True, timeout=DEADLINE
     )
     assert out.stdout.split() == ["True", "2"], out.stderr
+
+
+# A subreaper whose reaper has found no child yet starts one that exits at once, and prints
+# how long its exit took to reach the callback, GROUP_POLL set far above any scheduling delay.
+FIRST_CHILD = """
+import queue, time
+from conch import supervisor
+supervisor.GROUP_POLL = 15.0
+assert supervisor.adopt_orphans()
+time.sleep(0.2)  # the reaper has looked and found no child
+box = queue.SimpleQueue()
+with supervisor._reap_lock:
+    pid = supervisor.spawn(["true"], {})
+    started = time.monotonic()
+    supervisor._on_exit(pid, box.put)
+box.get(timeout=60)
+print(time.monotonic() - started, flush=True)
+"""
+
+
+def test_the_reaper_notices_a_first_child_at_once() -> None:
+    """The adopting reaper, started before this process had any child, looks again as soon
+    as one is started instead of after GROUP_POLL (the command's child waited for the end of
+    that 50 ms poll to be noticed)."""
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_CHILD], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout) < 7.5, "the child's exit waited for the reaper's poll"

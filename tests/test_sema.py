@@ -433,6 +433,30 @@ def test_sigterm_while_queued_withdraws_and_exits_128_plus_signal(
     assert holder.wait() == 0
 
 
+def _watchdogs_with(argument: str) -> list[int]:
+    """Pids of running watchdogs started with ``argument`` (their kill-after seconds)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+            if any(w.endswith(b"_watchdog_main.py") for w in words) and argument.encode() in words:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_failed_connection_leaves_no_watchdog(conch: Runner, name: str) -> None:
+    """The command starts its watchdog before connecting; when the connection fails (69) or
+    a TLS file is missing (64), the watchdog exits with it."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    for extra, expected in (((), 69), (("--cacert", "/nonexistent"), 64)):
+        code, _, err = conch.run(
+            "sema", name, "--max", "1", "--dial-timeout", "1s", "--endpoints", endpoint,
+            "--kill-after", "7.321s", *extra, "--", "true",
+        )  # fmt: skip
+        assert code == expected, err
+        poll(lambda: not _watchdogs_with("7.321"), what="the watchdog's exit")
+
+
 def test_unreachable_endpoint_exits_69_within_the_dial_timeout(conch: Runner, name: str) -> None:
     began = time.monotonic()
     code, _, err = conch.run(

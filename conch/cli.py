@@ -10,8 +10,7 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from conch import __version__, log
 from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
@@ -67,7 +66,32 @@ def parse_ttl(flag: str, text: str) -> int:
     return int(seconds)
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, sized to the terminal as argparse does but without
+    importing shutil: argparse makes one for every add_argument(), and shutil's import
+    (bz2, lzma) was about 2.5 ms of every run's start-up (bench/startup.py)."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=_columns() - 2)
+
+
+def _columns() -> int:
+    """shutil.get_terminal_size().columns: $COLUMNS, else stdout's terminal, else 80."""
+    with contextlib.suppress(ValueError):
+        columns = int(os.environ.get("COLUMNS", "0"))
+        if columns > 0:
+            return columns
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
+    except (AttributeError, ValueError, OSError):
+        return 80
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments"):
             message += " (the command goes after --: conch sema NAME --max N -- CMD...)"
@@ -344,8 +368,7 @@ def _who(args: argparse.Namespace, max_holders: int | None) -> int:
     return 0 if held else 1
 
 
-@dataclass(frozen=True)
-class _RunSettings:
+class _RunSettings(NamedTuple):
     ttl: int  # seconds
     kill_after: float  # seconds
     wait: float | None  # seconds; None: forever

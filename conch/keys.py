@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from conch.errors import UsageError
 
@@ -72,8 +72,7 @@ def spread_key(name: str, max_holders: int, host: str) -> bytes:
     return sema_prefix(name, max_holders) + encode_segment(host)
 
 
-@dataclass(frozen=True)
-class ParsedKey:
+class ParsedKey(NamedTuple):
     """A key under a name's prefix, split: ``max`` is None when the segment is not a number."""
 
     max: int | None

@@ -35,6 +35,7 @@ import queue
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -69,8 +70,7 @@ def window_size(max_holders: int) -> int:
     return max_holders + min(max_holders + 1, WINDOW_WAITERS_CAP)
 
 
-@dataclass(frozen=True)
-class _Standing:
+class _Standing(NamedTuple):
     """Where our key stands at one revision. If waiting, the keys that matter as they were
     then (keys only: create_revision and mod_revision): in the ``window``, every key ahead
     and then our own (their deletion matters); else the one key just ahead (any change

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
@@ -177,8 +177,7 @@ class Credentials:
     password: str = field(repr=False)
 
 
-@dataclass
-class _Stubs:
+class _Stubs(NamedTuple):
     endpoint: Endpoint
     channel: grpc.Channel
     kv: rpc_pb2_grpc.KVStub
@@ -686,8 +685,7 @@ class BidiStream:
             self._deliver(StreamItem(self, None, error))
 
 
-@dataclass(frozen=True)
-class StreamItem:
+class StreamItem(NamedTuple):
     """One thing a BidiStream delivers: a response, or (last) the error that ended it."""
 
     stream: BidiStream

@@ -6,7 +6,7 @@ import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -15,8 +15,7 @@ from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
 from conch.flag import Flag
 
 
-@dataclass(frozen=True)
-class Grant:
+class Grant(NamedTuple):
     """A granted lease: ``id`` as etcd numbers it, ``ttl`` in whole seconds as etcd granted it."""
 
     id: int
@@ -202,9 +201,11 @@ class KeepAlive:
             stream.close()
 
 
-@dataclass
 class _Counts:
     """Keepalives sent on one stream, and answers received on it."""
 
-    sent: int = 0
-    received: int = 0
+    __slots__ = ("received", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.received = 0

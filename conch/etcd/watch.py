@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -37,8 +37,7 @@ PROBE_TIMEOUT = 5.0
 IDLE_CLOSE = 2.0
 
 
-@dataclass(frozen=True)
-class WatchNotice:
+class WatchNotice(NamedTuple):
     """What a Watch delivers: ``events`` (etcd mvccpb.Event list) and the response's header
     ``revision``; with ``confirm``, ``created`` once etcd has confirmed the watch
     (``revision`` is then the revision the watch covers from, exclusive); or, last,

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from conchpb.etcdserverpb import rpc_pb2  # noqa: E402
 
-from conch import log  # noqa: E402
+from conch import keys, log  # noqa: E402
 from conch.etcd import kv  # noqa: E402
 from conch.etcd.client import connect  # noqa: E402
 from conch.semaphore import Semaphore  # noqa: E402
@@ -66,6 +66,10 @@ JOB_CHILD = ["bash", "-c", f'{STAMP_START}; sleep "$2"; {STAMP_END}', "child"]
 HOLDER_CHILD = ["bash", "-c", f'{STAMP_START}; read -r _ < "$2"; {STAMP_END}', "child"]
 
 IMPORT_FLOOR = [PYTHON, "-c", "import grpc, google.protobuf"]
+# What any Python etcd client pays (bench/floor.py): start, dial, one call; and a waiter
+# reduced to the channel and the two streams a waiting conch keeps open.
+FLOOR = [PYTHON, str(ROOT / "bench" / "floor.py")]
+BARE_PYTHON = [PYTHON, "-I", "-S", "-c", "import sys; sys.stdin.read()"]
 
 LAUNCHER = r"""
 import json, os, shutil, sys, time
@@ -84,8 +88,9 @@ HUNG = -1000  # exit code we report for a process that had to be killed
 HANG_AFTER = 20.0  # seconds a wrapper may take to exit once its child is done
 IDLE_WINDOW = 3.0  # seconds over which the CPU use of W queued waiters is measured
 IDLE_FROM_W = 100  # ... in the chains with this many waiters or more
+FLOOR_WINDOW = 10.0  # seconds over which the floors section reads CPU and wake-ups
 
-SECTIONS = ("uncontended", "sweep", "chains", "scaling")
+SECTIONS = ("uncontended", "floors", "sweep", "chains", "scaling")
 PROCS: list[subprocess.Popen[bytes]] = []  # everything we started, killed on the way out
 
 
@@ -209,6 +214,26 @@ def tree_cpu(pid: int) -> float:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def tree_tasks(pid: int) -> tuple[float, int]:
+    """(CPU seconds, context switches) so far of every thread of a process and its direct
+    children, from /proc/PID/task/*/schedstat (nanoseconds on the CPU) and the voluntary
+    and involuntary switches of each thread's status: finer than clock ticks, and a
+    switch is a wake-up for a thread that only waits."""
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    ns = switches = 0
+    for p in pids:
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with contextlib.suppress(OSError):
+                    ns += int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
+                    for line in Path(f"/proc/{p}/task/{task}/status").read_text().splitlines():
+                        if "ctxt_switches:" in line:
+                            switches += int(line.split()[1])
+    return ns / 1e9, switches
 
 
 def read_stamps(path: Path, slots: int = 1) -> tuple[list[float], list[float]]:
@@ -392,7 +417,7 @@ class Bench:
         tree, here the wrapper itself), etcd requests per run. Then the same with a child
         that stamps its start, for launch -> child start, and conch's phases from its log."""
         out: dict[str, Any] = {}
-        wall: dict[str, list[float]] = {t: [] for t in (*TOOLS, "floor")}
+        wall: dict[str, list[float]] = {t: [] for t in (*TOOLS, "floor", "client")}
         rss: dict[str, list[float]] = {t: [] for t in TOOLS}
         metrics: dict[str, list[dict[str, Any]]] = {t: [] for t in TOOLS}
         for tool in TOOLS:  # warm the page cache once, unmeasured
@@ -419,6 +444,8 @@ class Bench:
                 metrics[tool].append(delta(before, scrape(self.endpoint), 1))
             # the floor any Python gRPC client starts from, timed the same way
             wall["floor"].append(self.launch(IMPORT_FLOOR)[0])
+            # ... and a gRPC etcd client's whole start: the stubs, a channel, one call
+            wall["client"].append(self.launch([*FLOOR, "once", self.endpoint])[0])
         out["launcher_floor_rss_mib"] = floor
         out["wall_s"] = {t: summary(wall[t]) for t in wall}
         out["peak_rss_mib"] = {t: summary(rss[t]) for t in TOOLS}
@@ -590,6 +617,54 @@ class Bench:
             },
         }
 
+    # -- 2b. the floors: a Python gRPC waiter beside conch and etcdctl ----------------------
+
+    def floors(self, n: int) -> dict[str, Any]:
+        """``n`` waiting processes of each kind side by side, conch's and etcdctl's queued
+        behind a key of no lease: conch (with its watchdog), `etcdctl lock`, the floor
+        waiter (bench/floor.py wait: grpcio's channel and the two streams a waiting conch
+        keeps open, nothing of conch) and a bare interpreter (`python -I -S` reading its
+        stdin: what conch's watchdog is before its own code). Over FLOOR_WINDOW seconds,
+        all in the same window so that the machine's load falls on every kind alike: CPU
+        and wake-ups of each process (all threads, its children included); then PSS, RSS
+        and threads. Medians per process."""
+        sema_prefix = keys.sema_prefix("floor", 1)
+        kv.put(self.client, sema_prefix + b"0", b"{}")
+        kv.put(self.client, b"floor/0", b"")
+        kinds: dict[str, list[subprocess.Popen[bytes]]] = {
+            "conch": [spawn(self.argv("conch", "floor", ["true"])) for _ in range(n)],
+            "etcdctl": [spawn(self.argv("etcdctl", "floor", ["true"])) for _ in range(n)],
+            "floor": [spawn([*FLOOR, "wait", self.endpoint, "floor-key"]) for _ in range(n)],
+            "bare": [spawn(BARE_PYTHON, stdin=subprocess.PIPE) for _ in range(n)],
+        }
+        everyone = [p for procs in kinds.values() for p in procs]
+        self.wait_queued(sema_prefix, n + 1, 0, 60, kinds["conch"])
+        self.wait_queued(b"floor/", n + 1, 3 * n, 60, everyone)
+        time.sleep(1.0)  # past every start-up's last allocations and the first keepalive
+        before = {k: [tree_tasks(p.pid) for p in procs] for k, procs in kinds.items()}
+        t0 = time.monotonic()
+        time.sleep(FLOOR_WINDOW)
+        seconds = time.monotonic() - t0
+        after = {k: [tree_tasks(p.pid) for p in procs] for k, procs in kinds.items()}
+        out: dict[str, Any] = {"processes": n, "window_s": seconds}
+        for kind, procs in kinds.items():
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a {kind} process exited while it should wait")
+            mem = [tree_mem(p.pid) for p in procs]
+            used = list(zip(after[kind], before[kind], strict=True))
+            out[kind] = {
+                "cpu_ms_per_s": median([(a[0] - b[0]) * 1000 / seconds for a, b in used]),
+                "wakeups_per_s": median([(a[1] - b[1]) / seconds for a, b in used]),
+                "pss_mib": median([m["pss_kb"] / 1024 for m in mem]),
+                "rss_mib": median([m["rss_kb"] / 1024 for m in mem]),
+                "threads": median([tree_threads(p.pid) for p in procs]),
+            }
+        for p in everyone:
+            kill_group(p)
+        kv.delete(self.client, sema_prefix + b"0")
+        kv.delete(self.client, b"floor/0")
+        return out
+
     # -- 3./5. handoff chain (and the memory of waiting processes) ---------------------------
 
     def chain(
@@ -604,26 +679,49 @@ class Bench:
         """``slots`` holders and then ``waiters`` queued processes of ``tool`` on a lock (a
         semaphore of ``slots`` for conch); release the holders at once, let the queue drain.
         Handoff = a child's first stamp - the last stamp of the child whose slot it took.
-        Each waiter's child exits at once, or after ``job`` seconds."""
+        Each waiter's child exits at once, or after ``job`` seconds.
+
+        `etcdctl lock` has no slots: for ``slots`` > 1 it runs that many locks side by side,
+        the waiters dealt among them, so that as many jobs and wrappers turn over at once
+        as with conch's ``--max`` (what the machine's churn costs a handoff, with no
+        semaphore in it)."""
         name = f"{tag}-{tool}-{slots}-{waiters}-{rep}-{job * 1000:.0f}"
-        log = self.tmp / f"{name}.log"
-        fifos = [self.tmp / f"{name}-{i}.fifo" for i in range(slots)]
-        prefix = (f"/conch/v1/sema/{name}/{slots}/" if tool == "conch" else f"{name}/").encode()
+        locks = slots if tool == "etcdctl" else 1
+        # (lock name, child log, holders) of each queue
+        queues = [(name, self.tmp / f"{name}.log", slots)]
+        if locks > 1:
+            queues = [(f"{name}-{i}", self.tmp / f"{name}-{i}.log", 1) for i in range(locks)]
+        prefix = f"/conch/v1/sema/{name}/{slots}/" if tool == "conch" else f"{name}/"
+        if locks > 1:
+            prefix = f"{name}-"  # every lock's keys
+        fifos: list[Path] = []
         holders = []
-        for fifo in fifos:
-            os.mkfifo(fifo)
-            cmd = [*HOLDER_CHILD, str(log), str(fifo)]
-            holders.append(spawn(self.argv(tool, name, cmd, slots=slots)))
+        for lock, child_log, n in queues:
+            for _ in range(n):
+                fifo = self.tmp / f"{name}-{len(fifos)}.fifo"
+                os.mkfifo(fifo)
+                fifos.append(fifo)
+                cmd = [*HOLDER_CHILD, str(child_log), str(fifo)]
+                holders.append(spawn(self.argv(tool, lock, cmd, slots=n)))
+
+        def lines() -> int:
+            return sum(q[1].read_text().count("\n") for q in queues if q[1].exists())
+
         deadline = time.monotonic() + 30
-        while not log.exists() or log.read_text().count("\n") < slots:
+        while lines() < slots:
             if any(h.poll() is not None for h in holders) or time.monotonic() > deadline:
                 raise RuntimeError(f"{tool} holders did not start their children")
             time.sleep(0.02)
         t0 = time.monotonic()
-        child = [*JOB_CHILD, str(log), f"{job:.3f}"] if job else [*WAITER_CHILD, str(log)]
-        procs = [spawn(self.argv(tool, name, child, slots=slots)) for _ in range(waiters)]
+        procs = []
+        for i in range(waiters):
+            lock, child_log, n = queues[i % locks]
+            child = [*(JOB_CHILD if job else WAITER_CHILD), str(child_log)]
+            child += [f"{job:.3f}"] if job else []
+            procs.append(spawn(self.argv(tool, lock, child, slots=n)))
         # etcdctl waiters watch their predecessor; each conch waiter one key or the prefix.
-        queued_s = self.wait_queued(prefix, waiters + slots, waiters, 60 + 2 * waiters, procs)
+        timeout = 60 + 2 * waiters
+        queued_s = self.wait_queued(prefix.encode(), waiters + slots, waiters, timeout, procs)
         startup_all = time.monotonic() - t0
         mem = [tree_mem(p.pid) for p in procs]
         threads = [tree_threads(p.pid) for p in procs]
@@ -643,7 +741,7 @@ class Bench:
             with open(fifo, "w") as f:
                 f.write("go\n")
         deadline = time.monotonic() + 60 + waiters * (1 + job)
-        while log.read_text().count("\n") < 2 * (waiters + slots):
+        while lines() < 2 * (waiters + slots):
             if time.monotonic() > deadline or all(p.poll() is not None for p in procs):
                 break
             time.sleep(0.05)
@@ -656,16 +754,22 @@ class Bench:
         after = scrape(self.endpoint)
         if any(c not in (0, None) for c in codes):
             raise RuntimeError(f"{tool} chain W={waiters}: exit codes {codes}")
-        starts, ends = read_stamps(log, slots)
+        handoffs: list[float] = []
+        starts: list[float] = []
+        ends: list[float] = []
+        for _, child_log, n in queues:
+            s, e = read_stamps(child_log, n)
+            handoffs += handoffs_ms(s, e, n)
+            starts += s
+            ends += e
         if len(starts) != waiters + slots or len(ends) != waiters + slots:
             raise RuntimeError(f"{tool} chain W={waiters}: {len(starts)} children ran")
-        handoffs = handoffs_ms(starts, ends, slots)
         return {
             "handoffs_ms": handoffs,
             "handoff_p50_ms": pct(handoffs, 50),
             "handoff_p99_ms": pct(handoffs, 99),
-            "drain_s": ends[-1] - ends[0],
-            "drain_to_exit_s": t_all_exited - ends[0],
+            "drain_s": max(ends) - min(ends),
+            "drain_to_exit_s": t_all_exited - min(ends),
             "hung_at_exit": len(hung),
             "queue_fill_s": startup_all,
             "queued_wait_s": queued_s,
@@ -724,10 +828,12 @@ class Bench:
 
     def sweep(self, jobs_ms: list[int], waiters: int, reps: int) -> dict[str, Any]:
         """For each job length: ``waiters`` queued jobs of `etcdctl lock` and of conch at
-        --max 1, 2 and 4, the queue full before the first release; the variants interleave
+        --max 1, 2 and 4, and of etcdctl on 2 and 4 locks side by side (the same churn as
+        --max 2 and 4), the queue full before the first release; the variants interleave
         (order rotated each repetition) so that machine noise hits them alike. Handoffs are
         pooled over the repetitions for p50/p99; the spread is of the per-run medians."""
         variants = [("etcdctl", 1), ("conch", 1), ("conch", 2), ("conch", 4)]
+        variants += [("etcdctl", 2), ("etcdctl", 4)]  # 2 and 4 locks side by side
         out: dict[str, Any] = {}
         for ms in jobs_ms:
             pooled: dict[str, list[float]] = {f"{t}/{n}": [] for t, n in variants}
@@ -863,7 +969,7 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
 
 
-def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def render(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=False)).rstrip(),
@@ -874,10 +980,12 @@ def render(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
-    """Handoff by job length: conch --max 1 / etcdctl lock, and --max 2, 4 / conch --max 1."""
+    """Handoff by job length: conch --max 1 / etcdctl lock; --max 2, 4 / conch --max 1; and
+    --max 2, 4 / etcdctl on as many locks side by side (as many jobs turning over at once)."""
     rows = []
     for ms, e in sweep.items():
         c1, et, c2, c4 = e["conch/1"], e["etcdctl/1"], e["conch/2"], e["conch/4"]
+        e2, e4 = e.get("etcdctl/2"), e.get("etcdctl/4")
         rows.append(
             (
                 ms,
@@ -886,8 +994,11 @@ def sweep_table(sweep: dict[str, Any]) -> str:
                 f"{ratio(c1['p50_ms'], et['p50_ms'])}/{ratio(c1['p99_ms'], et['p99_ms'])}",
                 f"{c2['p50_ms']:.1f}/{c2['p99_ms']:.1f}",
                 ratio(c2["p50_ms"], c1["p50_ms"]),
+                ratio(c2["p50_ms"], e2["p50_ms"]) if e2 else "",
                 f"{c4['p50_ms']:.1f}/{c4['p99_ms']:.1f}",
                 ratio(c4["p50_ms"], c1["p50_ms"]),
+                ratio(c4["p50_ms"], e4["p50_ms"]) if e4 else "",
+                f"{e4['p50_ms']:.1f}/{ratio(e4['p50_ms'], et['p50_ms'])}" if e4 else "",
                 str(c1["handoffs"]),
             )
         )
@@ -898,10 +1009,52 @@ def sweep_table(sweep: dict[str, Any]) -> str:
         "max1/etcdctl",
         "conch max2",
         "max2/max1",
+        "max2/etcdctl x2",
         "conch max4",
         "max4/max1",
+        "max4/etcdctl x4",
+        "etcdctl x4 p50/vs x1",
         "handoffs",
     )
+    return render(header, rows)
+
+
+def floors_table(f: dict[str, Any]) -> str:
+    """conch, etcdctl, the floor waiter and the floor with a bare interpreter beside it (as
+    conch's watchdog is), each against etcdctl; conch against its floor."""
+    et, conch, floor, bare = f["etcdctl"], f["conch"], f["floor"], f["bare"]
+    floor_bare = {k: floor[k] + bare[k] for k in floor}
+    rows = []
+    for label, v in (
+        ("etcdctl lock", et),
+        ("conch (+ watchdog)", conch),
+        ("floor: grpcio waiter (bench/floor.py)", floor),
+        ("floor + bare interpreter (python -I -S)", floor_bare),
+    ):
+        rows.append(
+            (
+                label,
+                f"{v['pss_mib']:.1f}",
+                f"{v['threads']:.0f}",
+                f"{v['cpu_ms_per_s']:.2f}",
+                f"{v['wakeups_per_s']:.1f}",
+                ratio(v["pss_mib"], et["pss_mib"]),
+                ratio(v["cpu_ms_per_s"], et["cpu_ms_per_s"]),
+            )
+        )
+    rows.append(
+        (
+            "conch / (floor + bare interpreter)",
+            ratio(conch["pss_mib"], floor_bare["pss_mib"]),
+            ratio(conch["threads"], floor_bare["threads"]),
+            ratio(conch["cpu_ms_per_s"], floor_bare["cpu_ms_per_s"]),
+            ratio(conch["wakeups_per_s"], floor_bare["wakeups_per_s"]),
+            "",
+            "",
+        )
+    )
+    header: tuple[str, ...] = ("process", "PSS MiB", "threads", "CPU ms/s", "wake-ups/s")
+    header += ("PSS/etcdctl", "CPU/etcdctl")
     return render(header, rows)
 
 
@@ -929,6 +1082,15 @@ def table(results: dict[str, Any]) -> str:
                 "uncontended: over the import floor, ms",
                 f"{(wall['conch']['median'] - floor) * 1000:.0f}",
                 f"floor {floor * 1000:.0f}",
+                "",
+            )
+        )
+        client = wall["client"]["median"]
+        rows.append(
+            (
+                "uncontended: over a gRPC client's start, ms",
+                f"{(wall['conch']['median'] - client) * 1000:.0f}",
+                f"bench/floor.py once {client * 1000:.0f}",
                 "",
             )
         )
@@ -1005,6 +1167,11 @@ def table(results: dict[str, Any]) -> str:
             )
         )
     parts = [render(("metric", "conch", "etcdctl lock", "conch/etcdctl"), rows)] if rows else []
+    if "floors" in results:
+        parts.append(
+            "Waiting processes side by side, and the floor any Python gRPC waiter pays "
+            "(medians per process):\n" + floors_table(results["floors"])
+        )
     if "sweep" in results:
         parts.append(
             "Handoff by job length, queue full (ms, p50/p99 of all handoffs of all runs):\n"
@@ -1105,6 +1272,7 @@ def main() -> int:
         if args.jobs
         else [0, 20, 50, 100, 200, 500, 1000, 2000],
         "sweep_waiters": 6 if args.quick else 10,
+        "floor_processes": 5 if args.quick else 10,
         "sweep_reps": args.reps or (1 if args.quick else 3),
         "scaling_sizes": [10, 100, 1000],
         "scaling_reps": 1 if args.quick else 3,
@@ -1151,6 +1319,10 @@ def main() -> int:
             out.write_text(json.dumps(results, indent=1) + "\n")
 
         save()
+        if "floors" in only:
+            print("floors: waiting processes side by side ...", flush=True)
+            results["floors"] = bench.floors(cfg["floor_processes"])
+            save()
         if "sweep" in only:
             print("handoff by job length, queue full ...", flush=True)
             results["sweep"] = bench.sweep(

@@ -236,6 +236,14 @@ def tree_tasks(pid: int) -> tuple[float, int]:
     return ns / 1e9, switches
 
 
+def machine_cpu() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, /proc/stat's first line:
+    everything but idle and iowait), in clock ticks' resolution."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def read_stamps(path: Path, slots: int = 1) -> tuple[list[float], list[float]]:
     """(starts, ends), each in time order, from a child log; checks that no more than
     ``slots`` children ever ran at once."""
@@ -732,6 +740,7 @@ class Bench:
             used = sum(tree_cpu(p.pid) for p in procs) - cpu
             idle_cpu = 100 * used / (time.monotonic() - t1)
         before = scrape(self.endpoint)
+        cpu_before = machine_cpu()
         # Each holder's child reads its own FIFO, stamps, exits. With several slots the
         # holders go job/slots apart, so that the slots' handoffs fall apart as in a queue
         # that has run a while, instead of all at once on two cores.
@@ -751,6 +760,7 @@ class Bench:
         for p in hung:  # its child ran and exited, the wrapper did not: a hang at exit
             kill_group(p)
         t_all_exited = time.time()
+        cpu_used = machine_cpu() - cpu_before
         after = scrape(self.endpoint)
         if any(c not in (0, None) for c in codes):
             raise RuntimeError(f"{tool} chain W={waiters}: exit codes {codes}")
@@ -778,6 +788,10 @@ class Bench:
             "waiter_threads": threads,
             "waiters_idle_cpu_pct": idle_cpu,
             "etcd_per_release": delta(before, after, waiters + slots),
+            # the machine's CPU (etcd, wrappers, children, exits) from the first release to
+            # the last exit, per release; meaningful with the queue long enough to drain a
+            # while (W = 100)
+            "machine_cpu_ms_per_release": cpu_used * 1000 / (waiters + slots),
         }
 
     def handoff(self, sizes: list[int], reps: int, job: float = 0.0) -> dict[str, Any]:
@@ -820,6 +834,9 @@ class Bench:
                         k: median([p[k] for p in per]) for k in per[0] if k != "requests_by_method"
                     },
                     "requests_by_method": per[len(per) // 2]["requests_by_method"],
+                    "machine_cpu_ms_per_release": summary(
+                        [r["machine_cpu_ms_per_release"] for r in rs]
+                    ),
                 }
             out[str(w)] = entry
         return out
@@ -1149,6 +1166,11 @@ def table(results: dict[str, Any]) -> str:
             one["conch"]["waiter_threads"],
             one["etcdctl"]["waiter_threads"],
             0,
+        )
+        compare(
+            f"machine CPU per release, W={sizes[-1]} instant jobs, ms",
+            many["conch"]["machine_cpu_ms_per_release"],
+            many["etcdctl"]["machine_cpu_ms_per_release"],
         )
         if many["conch"]["waiters_idle_cpu_pct"] is not None:
             compare(

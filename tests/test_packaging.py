@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -104,3 +105,30 @@ def test_the_command_imports_the_listing_only_for_who() -> None:
         [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_building_the_parser_imports_no_shutil() -> None:
+    """argparse sizes each formatter it makes (one per add_argument) with shutil, whose
+    import (bz2, lzma) cost every start 2-3 ms; conch's formatter asks os instead."""
+    probe = "import sys, conch.cli; conch.cli.build_parser(); print('shutil' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("columns", [50, 120])
+def test_help_is_wrapped_to_the_terminal_width(columns: int) -> None:
+    """As argparse's own formatter: $COLUMNS (else the terminal's width) less 2."""
+    result = subprocess.run(
+        [sys.executable, "-m", "conch", "sema", "--help"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": str(columns)},
+    )
+    description = result.stdout.split("\n\n")[1].splitlines()  # the paragraph after usage
+    assert len(description) > 1
+    assert max(len(line) for line in description) <= columns - 2
+    assert max(len(line) for line in description) > columns - 20

@@ -22,7 +22,9 @@ Prints each step's median over every handoff of every run, and both tools' hando
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def traced_conch() -> None:
     out = open(os.environ["HANDOFF_STEPS"], "a", buffering=1)  # noqa: SIM115
 
     def stamp(step: str) -> None:
-        out.write(f"{step} {time.time():.6f}\n")
+        out.write(f"{step} {os.getpid()} {time.time():.6f}\n")
 
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")  # as conch.__main__
     import conch.etcd
@@ -104,32 +106,53 @@ def one_run(tool: str, endpoint: str, tmp: Path, waiters: int, job: float) -> li
             return [*conch, "--endpoints", endpoint, "-q", "--", *cmd]
         return [etcdctl_binary(), "--endpoints", endpoint, "lock", "steps", "--", *cmd]
 
-    procs = [subprocess.Popen(argv(holder_child), env=env, stdout=subprocess.DEVNULL)]
-    deadline = time.monotonic() + 30
-    while not log.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{tool}: the holder did not start")
-        time.sleep(0.01)
-    procs += [
-        subprocess.Popen(argv(child), env=env, stdout=subprocess.DEVNULL) for _ in range(waiters)
-    ]
-    _wait_queued(endpoint, waiters)
-    with open(gate, "w") as f:
-        f.write("go\n")
-    for proc in procs:
-        if proc.wait(timeout=60 + waiters * (2 + job)) != 0:
-            raise RuntimeError(f"{tool}: a wrapper exited {proc.returncode}")
-    os.unlink(gate)
+    def start(cmd: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            argv(cmd), env=env, stdout=subprocess.DEVNULL, start_new_session=True
+        )
+
+    procs = [start(holder_child)]
+    try:
+        deadline = time.monotonic() + 30
+        while not log.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{tool}: the holder did not start")
+            time.sleep(0.01)
+        procs += [start(child) for _ in range(waiters)]
+        prefix = b"/conch/v1/sema/steps/1/" if tool == "conch" else b"steps/"
+        _wait_queued(endpoint, prefix, waiters)
+        with open(gate, "w") as f:
+            f.write("go\n")
+        for proc in procs:
+            if proc.wait(timeout=60 + waiters * (2 + job)) != 0:
+                raise RuntimeError(f"{tool}: a wrapper exited {proc.returncode}")
+    finally:
+        for proc in procs:  # by process group: the wrappers and what they started
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        os.unlink(gate)
     lines = [line.split() for line in log.read_text().splitlines()]
     log.unlink()
     return [float(t) for _, t in sorted(lines, key=lambda line: float(line[1]))]
 
 
-def _wait_queued(endpoint: str, waiters: int) -> None:
-    """Until etcd has a watcher for each waiter (each conch and etcdctl waiter watches)."""
+def _wait_queued(endpoint: str, prefix: bytes, waiters: int) -> None:
+    """Until the holder's and every waiter's key is under ``prefix`` and etcd has a watcher
+    for each waiter (each conch and etcdctl waiter watches; a conch holder's guard, 50 ms
+    into its hold, is one more)."""
     import urllib.request
 
+    from conch.etcd import kv
+    from conch.etcd.client import connect
+
     deadline = time.monotonic() + 60 + waiters
+    with connect(endpoint) as client:
+        while len(kv.range_prefix(client, prefix, keys_only=True).kvs) < waiters + 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the waiters did not queue")
+            time.sleep(0.1)
     while time.monotonic() < deadline:
         with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as response:
             for line in response.read().decode().splitlines():
@@ -184,14 +207,33 @@ def main() -> None:
 def _steps_of(
     end: float, start: float, marks: list[list[str]], steps: dict[str, list[float]]
 ) -> None:
-    """Each step's first stamp after the previous one, within this handoff."""
+    """The steps of one handoff: the first exit seen and revoke after the child's end, the
+    first process to hold after that revoke (the next holder), its last event before it
+    held and its spawn (the window's other waiter gets the event too)."""
+    stamps = [(name, int(pid), float(t)) for name, pid, t in marks]
+
+    def first(step: str, after: float, pid: int | None = None) -> tuple[float, int] | None:
+        found = [
+            (t, p)
+            for name, p, t in stamps
+            if name == step and after <= t <= start and pid in (None, p)
+        ]
+        return min(found) if found else None
+
+    seen = first("exit-seen", end)
+    revoke = seen and first("revoke", seen[0])
+    held = revoke and first("acquired", revoke[0])
+    if not (seen and revoke and held):
+        return
+    events = [t for name, p, t in stamps if name == "event" and p == held[1]]
+    event = max((t for t in events if revoke[0] <= t <= held[0]), default=None)
+    spawn = first("spawn", held[0], held[1])
+    if event is None or spawn is None:
+        return
     at = end
-    for step in STEPS:
-        found = [float(t) for name, t in marks if name == step and at <= float(t) <= start]
-        if not found:
-            return
-        steps[step].append((min(found) - at) * 1000)
-        at = min(found)
+    for step, t in zip(STEPS, (seen[0], revoke[0], event, held[0], spawn[0]), strict=True):
+        steps[step].append((t - at) * 1000)
+        at = t
     steps["child start"].append((start - at) * 1000)
 
 

@@ -217,10 +217,10 @@ def tree_cpu(pid: int) -> float:
 
 
 def tree_tasks(pid: int) -> tuple[float, int]:
-    """(CPU seconds, context switches) so far of every thread of a process and its direct
-    children, from /proc/PID/task/*/schedstat (nanoseconds on the CPU) and the voluntary
-    and involuntary switches of each thread's status: finer than clock ticks, and a
-    switch is a wake-up for a thread that only waits."""
+    """(CPU seconds, wake-ups) so far of every thread of a process and its direct children,
+    from /proc/PID/task/*/schedstat (nanoseconds on the CPU: finer than clock ticks) and
+    each thread's voluntary context switches (a thread that only waits switches out once
+    per wake-up). A thread that ends within the window takes its share with it."""
     pids = [pid]
     with contextlib.suppress(OSError):
         pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -231,16 +231,17 @@ def tree_tasks(pid: int) -> tuple[float, int]:
                 with contextlib.suppress(OSError):
                     ns += int(Path(f"/proc/{p}/task/{task}/schedstat").read_text().split()[0])
                     for line in Path(f"/proc/{p}/task/{task}/status").read_text().splitlines():
-                        if "ctxt_switches:" in line:
+                        if line.startswith("voluntary_ctxt_switches:"):
                             switches += int(line.split()[1])
     return ns / 1e9, switches
 
 
 def machine_cpu() -> float:
     """CPU seconds the whole machine has spent busy (all cores, /proc/stat's first line:
-    everything but idle and iowait), in clock ticks' resolution."""
+    user, nice, system, irq, softirq; not idle, iowait, nor a VM's steal), in clock ticks'
+    resolution."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]
+    busy = sum(fields[0:3]) + sum(fields[5:7])
     return busy / os.sysconf("SC_CLK_TCK")
 
 
@@ -401,6 +402,8 @@ class Bench:
                 "--",
                 *cmd,
             ]
+        if tool == "floor":  # etcdctl lock's recipe on grpcio, nothing of conch
+            return [*FLOOR, "lock", self.endpoint, name, "--", *cmd]
         return [ETCDCTL, "--endpoints", self.endpoint, "lock", name, "--", *cmd]
 
     def launch(self, argv: list[str]) -> tuple[float, float, int]:
@@ -669,6 +672,8 @@ class Bench:
             }
         for p in everyone:
             kill_group(p)
+            if p.stdin is not None:
+                p.stdin.close()
         kv.delete(self.client, sema_prefix + b"0")
         kv.delete(self.client, b"floor/0")
         return out
@@ -846,11 +851,13 @@ class Bench:
     def sweep(self, jobs_ms: list[int], waiters: int, reps: int) -> dict[str, Any]:
         """For each job length: ``waiters`` queued jobs of `etcdctl lock` and of conch at
         --max 1, 2 and 4, and of etcdctl on 2 and 4 locks side by side (the same churn as
-        --max 2 and 4), the queue full before the first release; the variants interleave
+        --max 2 and 4) and of the floor (bench/floor.py lock: etcdctl's recipe on grpcio),
+        the queue full before the first release; the variants interleave
         (order rotated each repetition) so that machine noise hits them alike. Handoffs are
         pooled over the repetitions for p50/p99; the spread is of the per-run medians."""
         variants = [("etcdctl", 1), ("conch", 1), ("conch", 2), ("conch", 4)]
         variants += [("etcdctl", 2), ("etcdctl", 4)]  # 2 and 4 locks side by side
+        variants += [("floor", 1)]  # etcdctl's recipe on grpcio (bench/floor.py lock)
         out: dict[str, Any] = {}
         for ms in jobs_ms:
             pooled: dict[str, list[float]] = {f"{t}/{n}": [] for t, n in variants}
@@ -1036,6 +1043,27 @@ def sweep_table(sweep: dict[str, Any]) -> str:
     return render(header, rows)
 
 
+def floor_handoff_table(sweep: dict[str, Any]) -> str:
+    """At one slot: etcdctl, the same recipe on grpcio (the floor), conch."""
+    rows = []
+    for ms, e in sweep.items():
+        et, fl, c1 = e["etcdctl/1"], e.get("floor/1"), e["conch/1"]
+        if fl is None:
+            return ""
+        rows.append(
+            (
+                ms,
+                f"{et['p50_ms']:.1f}/{et['p99_ms']:.1f}",
+                f"{fl['p50_ms']:.1f}/{fl['p99_ms']:.1f}",
+                f"{c1['p50_ms']:.1f}/{c1['p99_ms']:.1f}",
+                f"{ratio(fl['p50_ms'], et['p50_ms'])}/{ratio(fl['p99_ms'], et['p99_ms'])}",
+                f"{ratio(c1['p50_ms'], fl['p50_ms'])}/{ratio(c1['p99_ms'], fl['p99_ms'])}",
+            )
+        )
+    header = ("job ms", "etcdctl p50/p99", "floor", "conch max1", "floor/etcdctl", "conch/floor")
+    return render(header, rows)
+
+
 def floors_table(f: dict[str, Any]) -> str:
     """conch, etcdctl, the floor waiter and the floor with a bare interpreter beside it (as
     conch's watchdog is), each against etcdctl; conch against its floor."""
@@ -1199,6 +1227,12 @@ def table(results: dict[str, Any]) -> str:
             "Handoff by job length, queue full (ms, p50/p99 of all handoffs of all runs):\n"
             + sweep_table(results["sweep"])
         )
+        floor = floor_handoff_table(results["sweep"])
+        if floor:
+            parts.append(
+                "At one slot against the floor, etcdctl's recipe on grpcio (bench/floor.py "
+                "lock; ms):\n" + floor
+            )
 
     srows: list[tuple[str, ...]] = []
 

@@ -71,8 +71,9 @@ class _Formatter(argparse.HelpFormatter):
     importing shutil: argparse makes one for every add_argument(), and shutil's import
     (bz2, lzma) was about 2.5 ms of every run's start-up (bench/startup.py)."""
 
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, width=_columns() - 2)
+    def __init__(self, prog: str, **kwargs: Any) -> None:
+        kwargs.setdefault("width", _columns() - 2)
+        super().__init__(prog, **kwargs)
 
 
 def _columns() -> int:

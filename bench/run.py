@@ -179,24 +179,25 @@ def proc_mem(pid: int) -> dict[str, int]:
 def tree_mem(pid: int) -> dict[str, int]:
     """RSS and PSS of a process plus its direct children, in kB: a waiting conch counts with
     the watchdog it starts before queueing (etcdctl has no children while it waits)."""
-    total = proc_mem(pid)
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    for child in children:
-        for key, value in proc_mem(int(child)).items():
+    total = {"rss_kb": 0, "pss_kb": 0}
+    for p in tree(pid):
+        for key, value in proc_mem(p).items():
             total[key] += value
     return total
 
 
+def tree(pid: int) -> list[int]:
+    """A process and its direct children (a conch waiter and its watchdog)."""
+    with contextlib.suppress(OSError):
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [pid, *(int(c) for c in children)]
+    return [pid]
+
+
 def tree_threads(pid: int) -> int:
     """Threads of a process plus its direct children (a conch waiter and its watchdog)."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     count = 0
-    for p in pids:
+    for p in tree(pid):
         with contextlib.suppress(OSError):
             count += len(os.listdir(f"/proc/{p}/task"))
     return count
@@ -205,11 +206,8 @@ def tree_threads(pid: int) -> int:
 def tree_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) used so far by a process and its direct
     children."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     ticks = 0
-    for p in pids:
+    for p in tree(pid):
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])  # utime, stime
@@ -221,11 +219,8 @@ def tree_tasks(pid: int) -> tuple[float, int]:
     from /proc/PID/task/*/schedstat (nanoseconds on the CPU: finer than clock ticks) and
     each thread's voluntary context switches (a thread that only waits switches out once
     per wake-up). A thread that ends within the window takes its share with it."""
-    pids = [pid]
-    with contextlib.suppress(OSError):
-        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     ns = switches = 0
-    for p in pids:
+    for p in tree(pid):
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{p}/task"):
                 with contextlib.suppress(OSError):

@@ -409,25 +409,22 @@ class Client:
     def on_close(self, hook: Callable[[float], None]) -> Callable[[], None]:
         """Call ``hook(seconds)`` from ``close()`` before the channels go, with the time it
         may take (a session revokes its lease). Returns a function that removes it."""
-        with self._lock:
-            self._close_hooks.append(hook)
-
-        def remove() -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                self._close_hooks.remove(hook)
-
-        return remove
+        return self._add(self._close_hooks, hook)
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
         """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time
         calls move away from an endpoint, so that streams still on it can move too. Returns
         a function that removes it."""
+        return self._add(self._failover_listeners, listener)
+
+    def _add(self, callbacks: list[Any], callback: Any) -> Callable[[], None]:
+        """Append ``callback`` to one of our lists, under our lock; return its remover."""
         with self._lock:
-            self._failover_listeners.append(listener)
+            callbacks.append(callback)
 
         def remove() -> None:
             with self._lock, contextlib.suppress(ValueError):
-                self._failover_listeners.remove(listener)
+                callbacks.remove(callback)
 
         return remove
 

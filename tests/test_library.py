@@ -151,6 +151,18 @@ def _acquire_in_thread(
     return thread, result
 
 
+def _two_waiters(
+    client: Client, name: str, sema: conch.Semaphore
+) -> tuple[threading.Thread, dict[str, object], threading.Thread, dict[str, object]]:
+    """A first and then a second waiter queued behind the holder of ``sema``, each seen in
+    etcd before the next starts: (first thread, its result, second thread, its result)."""
+    first, first_result = _acquire_in_thread(sema, 30, "first")
+    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
+    second, second_result = _acquire_in_thread(sema, 30, "second")
+    poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
+    return first, first_result, second, second_result
+
+
 def _handed_over(
     holder: conch.Hold, thread: threading.Thread, result: dict[str, object]
 ) -> conch.Hold:
@@ -235,10 +247,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     monkeypatch.setattr(semaphore, "Watch", watch)
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     holder = sema.acquire(timeout=10)
-    first, first_result = _acquire_in_thread(sema, 30, "first")
-    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
-    second, second_result = _acquire_in_thread(sema, 30, "second")
-    poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
+    first, first_result, second, second_result = _two_waiters(client, name, sema)
     new_holder = _handed_over(holder, first, first_result)
     try:
         key = poll(
@@ -319,10 +328,7 @@ def test_a_short_job_hands_over_from_the_release_event_to_the_waiter_behind_it(
     looks = _Looks(monkeypatch)
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     holder = sema.acquire(timeout=10)
-    first, first_result = _acquire_in_thread(sema, 30, "first")
-    poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
-    second, second_result = _acquire_in_thread(sema, 30, "second")
-    poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
+    first, first_result, second, second_result = _two_waiters(client, name, sema)
     new_holder = _handed_over(holder, first, first_result)
     try:
         before = looks.settled(client, name, 1, "second")

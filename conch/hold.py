@@ -143,9 +143,10 @@ class Hold:
 
         self._timer.call_later(delay, run)
 
-    def _start_guard(self) -> None:
-        """Start guarding the key. ``Semaphore.acquire`` does it before returning; the
-        supervisor does it just after starting the child. Until then, a loss is noticed
+    def start_guard(self) -> None:
+        """Start guarding the key (idempotent). ``Semaphore.acquire`` does it before
+        returning unless asked not to (``guard=False``); the supervisor does it just after
+        starting the child. Until then, a loss is noticed
         late, never missed: the hold subscribes to the session's loss first."""
         with self._release_lock:
             if self._guard_started or self._releasing:
@@ -296,15 +297,19 @@ class Hold:
 
     # -- release ---------------------------------------------------------------------------
 
-    def release(self) -> None:
+    def release(self, log_it: bool = True) -> None:
         """Give the slot back: on a session of its own, revoke the lease
         (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
         session, delete our key (KV.Txn comparing its create_revision). The waiter first in
         line holds at that revision. Best effort: on failure the lease expires after its
         TTL. After a loss it is tried for at most WITHDRAW_TIMEOUT seconds: etcd is likely
         unreachable, and the exit must not wait on it. Thread-safe; returns once the revoke
-        is over, whichever thread sent it. Logs ``released`` once."""
+        is over, whichever thread sent it. Logs ``released`` once: with ``log_it=False`` the
+        log line is left to a later ``release()`` (the supervisor releases the moment the
+        child's group is gone, and logs once it has logged the child's exit)."""
         self._revoke()
+        if not log_it:
+            return
         with self._release_lock:
             logged, self._logged = self._logged, True
         if not logged:

@@ -142,6 +142,8 @@ class Semaphore:
         timeout: float | None = None,
         interrupt: Flag | None = None,
         session: Session | None = None,
+        *,
+        guard: bool = True,
     ) -> Hold:
         """Wait for a slot and return the Hold.
 
@@ -160,9 +162,15 @@ class Semaphore:
         its own. On a shared session a loss while queued raises SessionLost (a new lease
         is the caller's call, not ours); a second wait for this semaphore on the same
         session raises UsageError while the first waits or holds.
+
+        ``guard=False`` returns the Hold with its guard (the watch on our key, the touch that
+        moves the next waiter up) not yet started: the caller must call
+        ``hold.start_guard()`` at once (the supervisor does, just after the child's spawn).
+        Until then a loss of the session is noticed, a deletion of our key only later.
         """
         hold = self._acquire(timeout, interrupt, session=session)
-        hold._start_guard()
+        if guard:
+            hold.start_guard()
         return hold
 
     def _acquire(
@@ -186,7 +194,7 @@ class Semaphore:
             except Unavailable as exc:
                 if not entered:
                     raise  # no session at all: etcd unreachable (exit 69)
-                self._before_reentry(exc, deadline, interrupt, backoff)
+                self.pause_before_reentry(exc, deadline, interrupt, backoff)
                 continue
             entered = True
             try:
@@ -195,7 +203,7 @@ class Semaphore:
                 # LeaseNotFound: the lease expired before our first write (a process stopped
                 # in between); like any lost session, re-enter.
                 session.close(timeout=WITHDRAW_TIMEOUT)
-                self._before_reentry(exc, deadline, interrupt, backoff)
+                self.pause_before_reentry(exc, deadline, interrupt, backoff)
             except BaseException:
                 session.close(timeout=WITHDRAW_TIMEOUT)
                 raise
@@ -221,15 +229,16 @@ class Semaphore:
                 except (SessionLost, LeaseNotFound, Unavailable) as exc:
                     if not _session_lives(session, exc):
                         raise SessionLost(f"session lost while queued: {exc}") from None
-                    self._before_reentry(exc, deadline, interrupt, backoff)
+                    self.pause_before_reentry(exc, deadline, interrupt, backoff)
         except BaseException:
             session._unclaim(key)
             raise
 
-    def _before_reentry(
+    def pause_before_reentry(
         self, cause: Exception, deadline: float | None, interrupt: Flag, backoff: Backoff
     ) -> None:
-        """After losing our place: raise NoSlot if time is up, else pause (capped backoff,
+        """After losing our place (a hold lost before its use, too): raise NoSlot if time is
+        up, else pause (capped backoff,
         cut short by ``interrupt``) before re-entering at the back of the queue."""
         if deadline is not None and time.monotonic() >= deadline:
             raise NoSlot(f"no slot of {self.name}[{self.max}]: {cause}")

@@ -177,7 +177,7 @@ def supervise(
             return _hold_and_run(sema, argv, remaining(deadline), kill_after, stop, watchdog)
         except HoldLost as exc:
             watchdog = None  # dismissed with its round
-            sema._before_reentry(exc, deadline, stop, backoff)
+            sema.pause_before_reentry(exc, deadline, stop, backoff)
 
 
 def _hold_and_run(
@@ -197,7 +197,7 @@ def _hold_and_run(
         log.error("watchdog-failed", error=str(exc))
         return EX_SOFTWARE
     try:
-        hold = sema._acquire(wait, stop)
+        hold = sema.acquire(wait, stop, guard=False)
         hold._warn_on_loss = False  # reported below as an error, with what became of the child
         try:
             if stop.is_set():
@@ -372,7 +372,7 @@ def run_child(
             log.error("watchdog-failed", error=str(unarmed))
             _stop_group(_Job(pid), box, True, kill_after)
             return EX_SOFTWARE
-        hold._start_guard()
+        hold.start_guard()
         started = time.monotonic()
         log.info("child-start", pid=pid, rev=hold.revision)
         stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
@@ -529,7 +529,7 @@ def _child_exited(pid: int, status: int, box: Mailbox, hold: Hold) -> None:
     for this revoke and logs it."""
     box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
     if not _group_alive(pid) and not _orphans():
-        hold._revoke()
+        hold.release(log_it=False)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -164,14 +164,14 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
     cancelled: the hold must be released before the CancelledError leaves the task."""
     holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
     granted, go = threading.Event(), threading.Event()
-    start_guard = hold_module.Hold._start_guard
+    start_guard = hold_module.Hold.start_guard
 
     def held_back(hold: hold_module.Hold) -> None:  # runs on the acquiring thread
         granted.set()
         go.wait(DEADLINE)
         start_guard(hold)
 
-    monkeypatch.setattr(hold_module.Hold, "_start_guard", held_back)
+    monkeypatch.setattr(hold_module.Hold, "start_guard", held_back)
     entered: list[conch.aio.Hold] = []
 
     async def body(aclient: conch.aio.Client) -> None:

@@ -8,13 +8,14 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import conch
 from conch.etcd import Client
+from conch.flag import Flag
 from conch.session import Session, keepalive_margin
 from conch.timer import timer_for
 from tests.conftest import DEADLINE, poll, sema_keys
@@ -153,6 +154,13 @@ def _acquire_and_release(sema: conch.Semaphore) -> None:
     sema.acquire(timeout=DEADLINE).release()
 
 
+def _note_time(times: dict[int, float], key: int) -> Callable[[Flag], None]:
+    def note(_: Flag) -> None:
+        times.setdefault(key, time.monotonic())
+
+    return note
+
+
 def test_loss_is_declared_within_an_interval_and_margin_with_100_sessions_on_the_stream(
     tmp_path: Path,
 ) -> None:
@@ -174,9 +182,7 @@ def test_loss_is_declared_within_an_interval_and_margin_with_100_sessions_on_the
             )
             lost_at: dict[int, float] = {}
             for session in sessions:
-                session.lost.add_callback(
-                    lambda _, key=session.lease_id: lost_at.setdefault(key, time.monotonic())
-                )
+                session.lost.add_callback(_note_time(lost_at, session.lease_id))
             timer_for(client).call_later(0, lambda: stuck.wait(DEADLINE))
             cluster.members[0].pause()
             stopped = time.monotonic()

@@ -73,6 +73,11 @@ class Timer:
         while True:
             with self._wake:
                 while True:
+                    # Cancelled calls at the head are dropped before the wait is set: a
+                    # keepalive answered in time cancels its own deadline and its ask to
+                    # another member, and the thread need not wake for either.
+                    while self._queue and self._queue[0][2].cancelled:
+                        heapq.heappop(self._queue)
                     now = time.monotonic()
                     if self._queue and self._queue[0][0] <= now:
                         _, _, handle, function = heapq.heappop(self._queue)

@@ -186,7 +186,10 @@ class KeepAlives:
             return
         self._opening[endpoint] = [ask]
         timeout = max(0.001, ask.deadline - time.monotonic())
-        self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
+        try:
+            self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
+        except RuntimeError as exc:  # no thread to open it on: retried after a backoff
+            self._opened(endpoint, Unavailable(f"cannot open a keepalive stream: {exc}"))
 
     def _opened(self, endpoint: Endpoint, opened: BidiStream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -103,6 +104,10 @@ class KeepAlives:
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
+        # Answers from the streams' readers, not yet handled on the timer thread.
+        self._inbox: collections.deque[StreamItem] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._draining = False
 
     # -- from any thread ------------------------------------------------------------------
 
@@ -312,8 +317,23 @@ class KeepAlives:
         self.timer.call_later(0, lambda: self._opened(endpoint, opened))
 
     def _deliver(self, item: StreamItem) -> None:
-        """From a stream's reader thread: hand the answer to the timer thread."""
-        self.timer.call_later(0, lambda: self._on_item(item))
+        """From a stream's reader thread: hand the answer to the timer thread. Answers that
+        come in a burst (keepalives sent together) are handled in one step."""
+        with self._inbox_lock:
+            self._inbox.append(item)
+            if self._draining:
+                return
+            self._draining = True
+        self.timer.call_later(0, self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    self._draining = False
+                    return
+                item = self._inbox.popleft()
+            self._on_item(item)
 
 
 class _Ask:

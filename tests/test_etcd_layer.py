@@ -18,6 +18,7 @@ from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
 from conch.session import Session
 from conch.timer import Timer
 from tests.conftest import DEADLINE, poll
+from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -276,3 +277,37 @@ def test_a_failover_does_not_wait_for_the_watch_stream_being_opened(
     assert took < 1.0, f"the failover waited {took:.2f}s for the watch stream's open"
     assert isinstance(opened.get(timeout=DEADLINE), AuthenticationFailed)
     client.close()
+
+
+def test_a_late_keepalive_answer_does_not_confirm_a_later_keepalive_of_its_lease(
+    etcd: EtcdCluster, client: Client
+) -> None:
+    """What etcd answers reaches the client 1.5 s late (a proxy holds it back). Lease A's
+    keepalive gives up before its answer (TTL > 0) comes, A is revoked, and A's next
+    keepalive goes out on the same stream, with lease B's, before that late answer arrives:
+    A's keepalive ends with LeaseNotFound (etcd's answer to it), B's with its TTL."""
+    delay = 1.5
+    proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay)
+    slow = Client.connect([Endpoint("127.0.0.1", proxy.port, False)], 10.0, 10.0)
+    a, b = lease.grant(client, 30), lease.grant(client, 30)
+    keepalive = lease.KeepAlive(slow, a.id)
+    try:
+        assert keepalive.refresh(time.monotonic() + DEADLINE) == a.ttl  # the stream is open
+        began = time.monotonic()
+        with pytest.raises(Unavailable):
+            keepalive.refresh(began + 0.3)
+        lease.revoke(client, a.id)
+        b_answer: queue.SimpleQueue[lease.Outcome] = queue.SimpleQueue()
+        sent = time.monotonic()
+        lease.keepalives_for(slow).refresh(b.id, sent + DEADLINE, b_answer.put)
+        # Otherwise the late answer may have come in first, and this would prove nothing.
+        assert sent < began + delay - 0.3, f"sent {sent - began:.2f}s after the first"
+        with pytest.raises(LeaseNotFound):
+            keepalive.refresh(time.monotonic() + DEADLINE)
+        assert b_answer.get(timeout=DEADLINE) == b.ttl
+    finally:
+        keepalive.close()
+        lease.keepalives_for(slow).forget(b.id)
+        lease.revoke(client, b.id)
+        slow.close()
+        proxy.close()

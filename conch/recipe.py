@@ -427,12 +427,17 @@ class Reason(enum.Enum):
 @dataclass(frozen=True)
 class GaveUp:
     """We do not hold, and our key is withdrawn: ``reason`` and a line for people.
-    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input's ``cause`` for
-    UNAVAILABLE and REFUSED."""
+    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input for UNAVAILABLE and
+    REFUSED (its own ``cause`` is the driver's exception)."""
 
     reason: Reason
     detail: str = ""
     cause: object = None
+
+    @property
+    def interrupt(self) -> object:
+        """``cause`` under its first name."""
+        return self.cause
 
 
 Outcome: TypeAlias = Held | GaveUp
@@ -768,17 +773,17 @@ class Waiter:
             return [note, Pause(self._touch, seconds)]
         if answer.failure == Failure.LEASE_NOT_FOUND:
             return self._place_lost("our lease is gone")
-        return self._give_up(Reason.REFUSED, answer.detail, answer.cause)
+        return self._give_up(Reason.REFUSED, answer.detail, answer)
 
     # -- failures, pauses, loss ----------------------------------------------------------
 
     def _failed(self, failure: Failed) -> list[Action]:
         asked = self._asked
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
+            return self._give_up(Reason.REFUSED, failure.detail, failure)
         if asked is OpenSession:
             if not self._entered:
-                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure.cause)
+                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure)
             return self._pause_then(self._open_session, failure.detail, requeue=True)
         if failure.failure == Failure.LEASE_NOT_FOUND:
             # The lease expired (a process stopped between its grant and our write, or the
@@ -801,7 +806,7 @@ class Waiter:
         """The watch could not be opened (the client's stream cannot be opened)."""
         self._watch = None
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
+            return self._give_up(Reason.REFUSED, failure.detail, failure)
         after = self._enqueue if self.state == State.SPREAD_BUSY else self._read_standing
         return [*self._cancel_watches(), *self._pause_then(after, failure.detail)]
 

@@ -549,8 +549,9 @@ def _gave_up(sema: Semaphore, outcome: recipe.GaveUp, interrupt: Flag) -> BaseEx
         return Interrupted(interrupt.reason)
     if reason == recipe.Reason.SESSION_LOST:
         return SessionLost(outcome.detail)
-    if isinstance(outcome.cause, BaseException):
-        return outcome.cause  # etcd unreachable at the first session (69), or refused
+    failed = outcome.cause
+    if isinstance(failed, recipe.Failed) and isinstance(failed.cause, BaseException):
+        return failed.cause  # etcd unreachable at the first session (69), or refused
     return EtcdError(outcome.detail)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import TypeVar
 
 import pytest
 
@@ -43,9 +44,16 @@ def deleted(key: r.KeyRev, at: int) -> r.Event:
     return r.Event(r.EventType.DELETE, r.KeyRev(key.key, key.create_revision, at))
 
 
-def only(actions: Sequence[r.Action], kind: type[r.Action]) -> r.Action:
+A = TypeVar("A")
+
+
+def only(actions: Sequence[r.Action], kind: type[A]) -> A:
     (found,) = [a for a in actions if isinstance(a, kind)]
     return found
+
+
+def state_of(waiter: r.Waiter) -> r.State:
+    return waiter.state
 
 
 def kinds(actions: Sequence[r.Action]) -> list[type[r.Action]]:
@@ -129,7 +137,7 @@ def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() 
     waiter, enqueue = private(1)
     ahead = [kr("h", 3), kr("w1", 4), kr("w2", 5), kr("w3", 6)]
     actions = queued(waiter, enqueue, ahead)
-    assert waiter.state == r.State.BEHIND
+    assert state_of(waiter) == r.State.BEHIND
     watch = only(actions, r.OpenWatch)
     assert isinstance(watch, r.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
     assert not any(isinstance(a, r.Touch) for a in actions)
@@ -150,7 +158,7 @@ def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: r.To
     waiter, enqueue = private(max_holders)
     ahead = [kr(f"k{i}", 3 + i) for i in range(r.window_size(max_holders))]
     watch = only(queued(waiter, enqueue, ahead), r.OpenWatch)
-    (read,) = waiter.feed(r.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40))
+    read = only(waiter.feed(r.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40)), r.ReadStanding)
     # Everyone ahead went at once: the read finds us holding.
     assert waiter.feed(r.StandingAnswer(read.id, 40, [mine(10)], [mine(10)])) == []
     held = waiter.outcome
@@ -172,7 +180,7 @@ def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    (check,) = waiter.feed(r.WatchCreated(watch.id, 15))
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
     assert waiter.feed(r.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW
 
@@ -201,7 +209,7 @@ def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
 def test_etcd_unreachable_for_a_moment_keeps_our_key_and_reads_again() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    (read,) = waiter.feed(r.WatchBroken(watch.id, detail="stream gave up"))[1:]
+    read = only(waiter.feed(r.WatchBroken(watch.id, detail="stream gave up")), r.ReadStanding)
     actions = waiter.feed(r.Failed(read.id, r.Failure.UNREACHABLE, "connection refused"))
     assert kinds(actions) == [r.Pause]  # no withdraw, no new session
     assert waiter.state == r.State.PAUSED
@@ -290,10 +298,9 @@ def test_nonblock_tries_once_then_withdraws() -> None:
     """The deadline reached before the first request: the enqueue and the read are made,
     the wait is not."""
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    (opening,) = waiter.start()
+    opening = only(waiter.start(), r.OpenSession)
     assert waiter.feed(r.DeadlineReached()) == []
-    (enqueue,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
-    assert isinstance(enqueue, r.SendEnqueue)
+    enqueue = only(waiter.feed(r.SessionOpened(opening.id, LEASE, ME)), r.SendEnqueue)
     actions = queued(waiter, enqueue, [kr("h", 3)])
     assert kinds(actions) == [r.Withdraw]
     waiter.feed(r.Withdrawn(only(actions, r.Withdraw).id))
@@ -312,7 +319,7 @@ def test_an_interrupt_while_waiting_cancels_the_watch_and_withdraws() -> None:
 
 def test_no_session_at_all_gives_up_as_unavailable_with_nothing_to_withdraw() -> None:
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    (opening,) = waiter.start()
+    opening = only(waiter.start(), r.OpenSession)
     failed = r.Failed(opening.id, r.Failure.UNREACHABLE, "refused")
     assert waiter.feed(failed) == []
     assert waiter.outcome == r.GaveUp(r.Reason.UNAVAILABLE, "refused", failed)
@@ -321,7 +328,7 @@ def test_no_session_at_all_gives_up_as_unavailable_with_nothing_to_withdraw() ->
 def test_a_lease_granted_after_the_wait_was_given_up_is_revoked() -> None:
     """An async driver: the grant was in flight when the interrupt came."""
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    (opening,) = waiter.start()
+    opening = only(waiter.start(), r.OpenSession)
     assert waiter.feed(r.Interrupt("shutdown")) == []
     assert isinstance(waiter.outcome, r.GaveUp)
     (revoke,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
@@ -351,7 +358,7 @@ def test_spread_busy_waits_for_the_host_key_to_change_then_enqueues_again() -> N
 def test_a_watch_confirmed_resets_the_backoff() -> None:
     pauses = FixedPauses()
     waiter = r.Waiter(PREFIX, 1, pauses, key=ME, lease_id=LEASE)
-    (enqueue,) = waiter.start()
+    enqueue = only(waiter.start(), r.SendEnqueue)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
     waiter.feed(r.WatchCreated(watch.id, 10))
     assert pauses.resets == 1

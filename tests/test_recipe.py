@@ -381,3 +381,29 @@ def test_backoff_is_jittered_capped_and_reproducible() -> None:
         backoff.next()
     backoff.reset()
     assert backoff.next() <= 0.3
+
+
+# -- the hold's guard ----------------------------------------------------------------------
+
+
+def test_the_guard_plan_follows_what_the_hold_owes() -> None:
+    assert r.guard_plan(r.TouchOwed.NONE) == r.GuardPlan(False, None, r.GUARD_WATCH_DELAY)
+    assert r.guard_plan(r.TouchOwed.AT_ONCE) == r.GuardPlan(True, None, r.GUARD_WATCH_DELAY)
+    later = r.guard_plan(r.TouchOwed.LATER)
+    assert later == r.GuardPlan(False, r.TOUCH_DELAY, r.GUARD_WATCH_DELAY)
+    assert later.touch_after is not None and later.touch_after > later.watch_after
+
+
+def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
+    v = r.GuardVerdict
+    assert r.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
+    assert r.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
+    assert r.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
+    assert r.guard_on_look(False, mine(10), 10) == v.WATCH
+    assert r.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
+    assert r.guard_on_look(False, None, 10) == v.LOST
+    assert r.guard_on_look(True, None, 10) == v.NOTHING
+    assert r.guard_on_touch(False, True) == v.WATCH
+    assert r.guard_on_touch(False, False) == v.LOST
+    assert r.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
+    assert r.guard_on_touch(True, False) == v.NOTHING

@@ -511,6 +511,7 @@ class Waiter:
         self._standing_at = 0  # the revision of the read our watch's keys come from
         self._ahead: list[KeyRev] = []  # in the window: every key ahead of ours
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
+        self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
         self._late = False  # the deadline passed: give up before the next wait
         self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
@@ -693,7 +694,8 @@ class Waiter:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
-            return self._send(ReadKeys(self._new_id(), [k.key for k in self._watched_keys()]))
+            self._gap_asked = self._watched_keys()
+            return self._send(ReadKeys(self._new_id(), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
             return self._window_events(event)
         assert self._watched is not None
@@ -733,11 +735,16 @@ class Waiter:
         if self.state not in _WAITING:
             return []
         any_put = self.state != State.IN_WINDOW
+        # Only the keys still watched: an event may have moved us past one meanwhile.
+        still = {k.key for k in self._watched_keys()}
         if not any(
-            now is None
-            or now.create_revision != then.create_revision
-            or (any_put and now.mod_revision != then.mod_revision)
-            for then, now in zip(self._watched_keys(), answer.kvs, strict=True)
+            then.key in still
+            and (
+                now is None
+                or now.create_revision != then.create_revision
+                or (any_put and now.mod_revision != then.mod_revision)
+            )
+            for then, now in zip(self._gap_asked, answer.kvs, strict=True)
         ):
             return []
         stale, self._watch = self._watch, None

@@ -407,3 +407,15 @@ def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
     assert r.guard_on_touch(False, False) == v.LOST
     assert r.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
     assert r.guard_on_touch(True, False) == v.NOTHING
+
+
+def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_watched() -> None:
+    """An async driver: the deletion of the first key ahead arrives while the gap check is
+    in flight. The check's answer (that key absent) is no change any more."""
+    waiter, enqueue = private(2)
+    a, b, c = kr("a", 3), kr("b", 4), kr("c", 5)
+    watch = only(queued(waiter, enqueue, [a, b, c]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
+    assert waiter.feed(r.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
+    assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None

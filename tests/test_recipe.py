@@ -419,3 +419,20 @@ def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_w
     assert waiter.feed(r.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
     assert waiter.feed(r.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
+
+
+def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
+    """The space alarm may last hours: one warning per run of refusals, not one a pause."""
+    waiter, enqueue = private(1)
+    notes: list[str] = []
+    for _ in range(3):
+        actions = waiter.feed(r.Failed(enqueue.id, r.Failure.NO_SPACE, "space"))
+        notes += [a.event for a in actions if isinstance(a, r.Note)]
+        enqueue = only(waiter.feed(r.PauseOver(only(actions, r.Pause).id)), r.SendEnqueue)
+    assert notes == ["etcd-away"]
+    touch = only(queued(waiter, enqueue, [kr("h", 3)]), r.Touch)
+    for _ in range(3):
+        actions = waiter.feed(r.Failed(touch.id, r.Failure.NO_SPACE, "space"))
+        notes += [a.event for a in actions if isinstance(a, r.Note)]
+        touch = only(waiter.feed(r.PauseOver(only(actions, r.Pause).id)), r.Touch)
+    assert notes == ["etcd-away", "touch-failed"]

@@ -610,6 +610,7 @@ class Waiter:
     def _enqueued(self, answer: EnqueueAnswer) -> list[Action]:
         if answer.created:
             self.revision, self.value = answer.revision, answer.value
+            self._queued_noted = False  # a new key: say where it queues
             if self.key in answer.heads:
                 return self._held(answer.revision, TouchOwed.NONE, ())
             return self._read_standing()

@@ -24,6 +24,17 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
+from conch.recipe import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
+from conch.recipe import TOUCH_DELAY as TOUCH_DELAY  # seconds
+from conch.recipe import (
+    GuardVerdict,
+    KeyRev,
+    TouchOwed,
+    guard_on_look,
+    guard_on_notice,
+    guard_on_touch,
+    guard_plan,
+)
 from conch.session import Session
 from conch.timer import timer_for, weakly
 
@@ -33,16 +44,6 @@ if TYPE_CHECKING:
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
-# Seconds a new hold waits before it opens the watch on its own key: a short job is over
-# by then and never pays for that watch, whose set-up would compete with its release.
-# A deletion in between is not missed (the watch starts from our create_revision), only
-# noticed later; a lost session is noticed at once.
-GUARD_WATCH_DELAY = 0.05
-# Seconds into a hold at max 1 before its touch (a hold that waited: the waiter behind
-# moves up). A job that ends just as it is made pays the most: the touch and the next
-# waiter's move-up compete with its release (about 3 ms more at that handoff, measured),
-# small next to half a second; a shorter job never pays for that write.
-TOUCH_DELAY = 0.5
 
 
 def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
@@ -75,7 +76,7 @@ class Hold:
         key: bytes,
         revision: int,
         value: bytes,
-        touch: bool = False,
+        touch: TouchOwed | bool = False,
         retire: Sequence[Watch] = (),
         held_at: int = 0,
         shared: bool = False,
@@ -95,7 +96,12 @@ class Hold:
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._revoked_after_loss = False
         self._logged = False
-        self._touch_value = value if touch else None  # what our key says, written again
+        if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
+            later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
+            touch = later if touch else TouchOwed.NONE
+        self._plan = guard_plan(touch)
+        # What our key says, written again by the touch.
+        self._touch_value = value if touch != TouchOwed.NONE else None
         # The guard's watches (the waiting watch it retires, then its own): a list the
         # finalizer can cancel without reaching the Hold.
         self._watches: list[Watch] = list(retire)
@@ -104,6 +110,8 @@ class Hold:
         # to the watch, or refuse it as compacted).
         self._held_at = held_at or revision
         self._guard_started = False
+        self._watches_own_key = False  # the guard's own watch opened (or tried)
+        self._touch_failing = False  # "touch-failed" said for the failures in a row now
         self._backoff = Backoff()
         self._timer = timer_for(self._client)
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
@@ -121,6 +129,11 @@ class Hold:
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
+        if self._plan.touch_at_once:
+            # Another holder may leave any moment: the waiter behind us must be watching
+            # for it, so it must learn now, not once the guard starts (after the
+            # supervisor's spawn), that it is in the window.
+            self._later(0, self._touch_at_once)
 
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
@@ -152,12 +165,7 @@ class Hold:
             if self._guard_started or self._releasing:
                 return
             self._guard_started = True
-        if self._touch_value is not None and self.max > 1:
-            # With max > 1 another holder may leave any moment: the waiter behind us must
-            # be watching for it, so it must learn it is first in line now.
-            self._later(0, self._touch_then_watch)
-        else:
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+        self._later(self._plan.watch_after, self._watch_own_key)
 
     def _warn_lost(self, lost: Flag) -> None:
         if self._warn_on_loss:
@@ -222,12 +230,11 @@ class Hold:
 
     # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
 
-    def _touch_then_watch(self) -> None:
-        touched = self._touch(retry=self._touch_then_watch)
-        if touched is not None:
+    def _touch_at_once(self) -> None:
+        touched = self._touch(retry=self._touch_at_once)
+        if touched is not None and not self._watches_own_key:
             # Ours at the touch: nothing before it to replay.
-            self._held_at = touched
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+            self._held_at = max(self._held_at, touched)
 
     def _touch_due(self) -> None:
         self._touch(retry=self._touch_due)
@@ -235,8 +242,10 @@ class Hold:
     def _watch_own_key(self) -> None:
         """Retire the waiting watch and watch our key for deletion; a max-1 hold that
         waited touches its key TOUCH_DELAY into the hold."""
-        if self._touch_value is not None and self.max == 1:
-            self._later(TOUCH_DELAY - GUARD_WATCH_DELAY, self._touch_due)
+        touch_after = self._plan.touch_after
+        if touch_after is not None:
+            self._later(touch_after - self._plan.watch_after, self._touch_due)
+        self._watches_own_key = True
         self._open_watch(self._held_at + 1)
 
     def _open_watch(self, start: int) -> None:
@@ -252,14 +261,11 @@ class Hold:
 
     def _on_notice(self, notice: WatchNotice) -> None:
         """From the watch stream's reader: our key deleted, or the watch ended."""
-        if self._done():
-            return
-        if notice.error is None:
+        verdict = guard_on_notice(self._done(), ended=notice.error is not None)
+        if verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
-            return
-        # Compacted, or the stream gave up: look at the key itself after a pause; whether
-        # the session is lost is the keepalive's call.
-        self._later(self._backoff.next(), self._look_at_key)
+        elif verdict == GuardVerdict.LOOK:
+            self._later(self._backoff.next(), self._look_at_key)
 
     def _look_at_key(self) -> None:
         try:
@@ -267,12 +273,14 @@ class Hold:
         except EtcdError:
             self._later(self._backoff.next(), self._look_at_key)
             return
-        if self._releasing:
-            return  # the release deleted it
-        if not response.kvs or response.kvs[0].create_revision != self.revision:
+        found = response.kvs[0] if response.kvs else None
+        seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
+        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
+        verdict = guard_on_look(self._releasing, seen, self.revision)
+        if verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted")
-            return
-        self._open_watch(response.header.revision + 1)
+        elif verdict == GuardVerdict.WATCH:
+            self._open_watch(response.header.revision + 1)
 
     def _touch(self, retry: Callable[[], None]) -> int | None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
@@ -286,13 +294,22 @@ class Hold:
                 self._client, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
-            log.warning("touch-failed", name=self.name, error=str(exc))
+            # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
+            # Said once per run of failures: the alarm may last hours.
+            if not self._touch_failing:
+                log.warning("touch-failed", name=self.name, error=str(exc))
+            self._touch_failing = True
+            succeeded = None
+        else:
+            self._touch_failing = False
+            succeeded = bool(response.succeeded)
+        verdict = guard_on_touch(self._releasing, succeeded)
+        if verdict == GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
-            return None
-        if response.succeeded:
-            return int(response.header.revision)
-        if not self._releasing:
+        elif verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+        elif verdict == GuardVerdict.WATCH:
+            return int(response.header.revision)
         return None
 
     # -- release ---------------------------------------------------------------------------

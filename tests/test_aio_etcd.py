@@ -18,6 +18,7 @@ from conch.errors import LeaseNotFound, Unavailable
 from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd import aio as etcd_aio
 from conch.etcd.client import Credentials
+from conch.etcd.watch import WatchNotice
 from tests.conftest import DEADLINE
 from tests.etcd_server import EtcdCluster
 from tests.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
@@ -97,24 +98,32 @@ def test_a_hundred_concurrent_calls_start_no_thread_each(etcd: EtcdCluster, clie
     assert during - before <= 2, (before, during)
 
 
-def test_a_watch_queue_delivers_on_the_loop_and_nothing_after_cancel(
+def test_a_loop_watch_delivers_on_the_loop_and_nothing_after_cancel(
     client: Client, name: str
 ) -> None:
     key = f"/t/{name}".encode()
 
     async def main() -> None:
-        watch = await etcd_aio.WatchQueue.open(client, key, confirm=True)
-        created = await asyncio.wait_for(watch.notices.get(), DEADLINE)
+        notices: asyncio.Queue[WatchNotice] = asyncio.Queue()
+        on_loop: list[bool] = []
+
+        def on_notice(notice: WatchNotice) -> None:
+            on_loop.append(threading.current_thread() is threading.main_thread())
+            notices.put_nowait(notice)
+
+        watch = await etcd_aio.LoopWatch.open(client, on_notice, key, confirm=True)
+        created = await asyncio.wait_for(notices.get(), DEADLINE)
         assert created.created
         kv.put(client, key, b"1")
-        notice = await asyncio.wait_for(watch.notices.get(), DEADLINE)
+        notice = await asyncio.wait_for(notices.get(), DEADLINE)
         assert [e.kv.value for e in notice.events] == [b"1"]
         # Handed to the loop by the reader thread, not yet run: cancel must still drop it.
         kv.put(client, key, b"2")
         time.sleep(0.5)  # the loop is blocked on purpose: the notice waits in its queue
         watch.cancel()
         await asyncio.sleep(0.1)
-        assert watch.notices.empty()
+        assert notices.empty()
+        assert on_loop == [True, True]
 
     asyncio.run(main())
 

@@ -3,7 +3,7 @@
 Unary calls are ``Client.call_async``: one gRPC ``.future()`` per attempt, under the
 client's own deadlines, failover and token renewal. The streams are the client's own: its
 one Watch.Watch stream (``conch.etcd.watch``), whose reader thread hands each notice to the
-loop with ``call_soon_threadsafe`` (``WatchQueue``), and one LeaseKeepAlive stream for the
+loop with ``call_soon_threadsafe`` (``LoopWatch``), and one LeaseKeepAlive stream for the
 leases of every coroutine session on the client (``KeepAlives``). So a process pays a
 constant number of threads for any number of waiters, holds and sessions: no thread per
 call, none per waiter, and nothing on the loop's default executor.
@@ -98,28 +98,30 @@ async def time_to_live(client: Client, lease_id: int, timeout: float | None = No
 # -- the Watch stream ------------------------------------------------------------------------
 
 
-class WatchQueue:
-    """A ``Watch`` on the client's shared stream whose notices arrive, in order, in the
-    asyncio queue ``notices`` on the loop that opened it. Arguments as ``Watch``. Once
-    ``cancel()`` returns, nothing more is queued, not even a notice the reader thread had
-    already handed to the loop. Open it with ``await WatchQueue.open(...)``: the stream's
-    auth token is fetched first without blocking the loop. Raises EtcdError as ``Watch``."""
+class LoopWatch:
+    """A ``Watch`` on the client's shared stream whose notices reach ``on_notice`` on the
+    loop that opened it, in order (the stream's reader thread hands each one over with
+    ``call_soon_threadsafe``). Arguments as ``Watch``; ``on_notice`` must not block. Once
+    ``cancel()`` returns, ``on_notice`` is not called again, not even for a notice already
+    handed to the loop. Open it with ``await LoopWatch.open(...)``: the stream's auth token
+    is fetched first, without blocking the loop. Raises EtcdError as ``Watch``."""
 
     def __init__(
         self,
         client: Client,
+        on_notice: Callable[[WatchNotice], None],
         key: bytes,
         start_revision: int = 0,
         range_end: bytes = b"",
         only_deletes: bool = False,
         confirm: bool = False,
     ) -> None:
-        self.notices: asyncio.Queue[WatchNotice] = asyncio.Queue()
+        self._on_notice = on_notice
         self._cancelled = False
         loop = asyncio.get_running_loop()
 
         def deliver(notice: WatchNotice) -> None:  # the stream's reader thread
-            call_soon(loop, self._put, notice)
+            call_soon(loop, self._deliver, notice)
 
         self.watch = Watch(client, key, start_revision, deliver, range_end, only_deletes, confirm)
 
@@ -127,21 +129,22 @@ class WatchQueue:
     async def open(
         cls,
         client: Client,
+        on_notice: Callable[[WatchNotice], None],
         key: bytes,
         start_revision: int = 0,
         range_end: bytes = b"",
         only_deletes: bool = False,
         confirm: bool = False,
-    ) -> WatchQueue:
-        """A WatchQueue, once the stream's auth token is at hand: opening the stream (if it
+    ) -> LoopWatch:
+        """A LoopWatch, once the stream's auth token is at hand: opening the stream (if it
         is not open) then makes no call that waits, since gRPC starts a stream without
         waiting for its answer."""
         await client.token_async()
-        return cls(client, key, start_revision, range_end, only_deletes, confirm)
+        return cls(client, on_notice, key, start_revision, range_end, only_deletes, confirm)
 
-    def _put(self, notice: WatchNotice) -> None:  # on the loop
+    def _deliver(self, notice: WatchNotice) -> None:  # on the loop
         if not self._cancelled:
-            self.notices.put_nowait(notice)
+            self._on_notice(notice)
 
     def cancel(self) -> None:
         """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""

@@ -340,6 +340,39 @@ class Client:
             raise dial_failed(exc, endpoints, dial_timeout) from None
         return client
 
+    @classmethod
+    async def connect_async(
+        cls,
+        endpoints: Sequence[Endpoint],
+        dial_timeout: float = 5.0,
+        request_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> Client:
+        """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
+        else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
+        the client before it propagates."""
+        check_timeout("dial_timeout", dial_timeout)
+        check_timeout("request_timeout", request_timeout)
+        _check_fork_support()
+        client = cls(endpoints, request_timeout, tls, credentials)
+        try:
+            if credentials is not None:
+                await client._authenticate_async(credentials, dial_timeout)
+            else:
+                request = rpc_pb2.StatusRequest()
+                await client.call_async("maintenance", "Status", request, dial_timeout)
+        except AuthenticationFailed:
+            client.close()
+            raise
+        except EtcdError as exc:
+            client.close()
+            raise dial_failed(exc, endpoints, dial_timeout) from None
+        except BaseException:
+            client.close()
+            raise
+        return client
+
     def __enter__(self) -> Client:
         return self
 

@@ -1,0 +1,492 @@
+"""One suite, both faces: every scenario here runs through the threaded API (``conch``) and
+the asyncio one (``conch.aio``), against a real etcd, so that the two cannot drift apart.
+
+A scenario is a coroutine written once against a small adapter (``Face``). The asyncio
+face's adapter awaits ``conch.aio`` directly; the threaded face's runs each blocking call
+of ``conch`` on a thread (``asyncio.to_thread``) and the ones that do not block (``check``,
+``expires_at``) directly. Each scenario runs under ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+import pytest
+
+import conch
+import conch.aio
+from conch.etcd import Client, kv, lease
+from tests.conftest import DEADLINE, sema_keys
+from tests.etcd_server import EtcdCluster
+
+
+class Face(Protocol):
+    """What a scenario may do, the same through either face. Handles (clients, semaphores,
+    holds, sessions) are the face's own objects."""
+
+    name: str
+    interrupted: type[BaseException]  # what an interrupted wait raises
+
+    def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
+    def session(self, client: Any, ttl: int = 5) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    async def acquire(
+        self, sema: Any, timeout: float | None = None, session: Any = None
+    ) -> Any: ...
+    def holding(
+        self, sema: Any, timeout: float | None = None, session: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    async def release(self, hold: Any) -> None: ...
+    async def check(self, hold: Any) -> None: ...
+    async def put(self, hold: Any, key: bytes, value: bytes) -> int: ...
+    async def delete(self, hold: Any, key: bytes) -> int: ...
+    async def who(self, client: Any, name: str) -> list[conch.Record]: ...
+    async def wait_lost(self, hold: Any) -> None: ...
+    def expires_at(self, hold: Any) -> float: ...
+    async def interrupt_waiting(
+        self, sema: Any, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None: ...
+
+
+async def _poll(check: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {DEADLINE}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Threaded:
+    """The threaded face: blocking calls on a thread each, so the scenario's loop runs."""
+
+    name = "threaded"
+    interrupted: type[BaseException] = conch.Interrupted
+
+    def __init__(self, etcd: EtcdCluster) -> None:
+        self.endpoints = etcd.endpoints
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[conch.Client]:
+        client = await asyncio.to_thread(conch.connect, self.endpoints)
+        try:
+            yield client
+        finally:
+            await asyncio.to_thread(client.close)
+
+    def semaphore(self, client: conch.Client, name: str, max: int, ttl: int = 5) -> Any:
+        return conch.Semaphore(client, name, max=max, ttl=ttl)
+
+    @contextlib.asynccontextmanager
+    async def session(self, client: conch.Client, ttl: int = 5) -> AsyncIterator[conch.Session]:
+        session = await asyncio.to_thread(conch.Session, client, ttl)
+        try:
+            yield session
+        finally:
+            await asyncio.to_thread(session.close)
+
+    async def acquire(
+        self, sema: conch.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> conch.Hold:
+        return await asyncio.to_thread(sema.acquire, timeout, None, session)
+
+    @contextlib.asynccontextmanager
+    async def holding(
+        self, sema: conch.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> AsyncIterator[conch.Hold]:
+        hold = await self.acquire(sema, timeout, session)
+        try:
+            yield hold
+        except BaseException:
+            # ``with hold:`` leaving with the block's exception (it never suppresses one).
+            await asyncio.to_thread(hold.__exit__, *sys.exc_info())
+            raise
+        else:
+            await asyncio.to_thread(hold.__exit__, None, None, None)
+
+    async def release(self, hold: conch.Hold) -> None:
+        await asyncio.to_thread(hold.release)
+
+    async def check(self, hold: conch.Hold) -> None:
+        hold.check()
+
+    async def put(self, hold: conch.Hold, key: bytes, value: bytes) -> int:
+        return await asyncio.to_thread(hold.put, key, value)
+
+    async def delete(self, hold: conch.Hold, key: bytes) -> int:
+        return await asyncio.to_thread(hold.delete, key)
+
+    async def who(self, client: conch.Client, name: str) -> list[conch.Record]:
+        return await asyncio.to_thread(conch.who, client, name)
+
+    async def wait_lost(self, hold: conch.Hold) -> None:
+        assert await asyncio.to_thread(hold.lost.wait, DEADLINE)
+
+    def expires_at(self, hold: conch.Hold) -> float:
+        if not hasattr(hold, "expires_at"):
+            pytest.skip("conch.Hold.expires_at() is not in this tree yet")
+        result: float = hold.expires_at()
+        return result
+
+    async def interrupt_waiting(
+        self, sema: conch.Semaphore, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None:
+        interrupt = conch.Flag("interrupt")
+        waiting = asyncio.ensure_future(asyncio.to_thread(sema.acquire, None, interrupt, session))
+        await _poll(queued, "the waiter queued")
+        interrupt.set("test")
+        try:
+            hold = await waiting
+        except BaseException as exc:
+            return exc
+        await asyncio.to_thread(hold.release)
+        return None
+
+
+class Asyncio:
+    """The asyncio face, awaited as it is."""
+
+    name = "asyncio"
+    interrupted: type[BaseException] = asyncio.CancelledError
+
+    def __init__(self, etcd: EtcdCluster) -> None:
+        self.endpoints = etcd.endpoints
+
+    def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
+        return conch.aio.connect(self.endpoints)
+
+    def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
+        return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
+
+    def session(
+        self, client: conch.aio.Client, ttl: int = 5
+    ) -> contextlib.AbstractAsyncContextManager[conch.aio.Session]:
+        return conch.aio.Session(client, ttl)
+
+    async def acquire(
+        self, sema: conch.aio.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> conch.aio.Hold:
+        hold: conch.aio.Hold = await self.holding(sema, timeout, session)  # type: ignore[misc]
+        return hold
+
+    def holding(
+        self, sema: conch.aio.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[conch.aio.Hold]:
+        if session is None:
+            return sema.acquire(timeout)
+        return sema.acquire(timeout, session=session)
+
+    async def release(self, hold: conch.aio.Hold) -> None:
+        await hold.release()
+
+    async def check(self, hold: conch.aio.Hold) -> None:
+        await hold.check()
+
+    async def put(self, hold: conch.aio.Hold, key: bytes, value: bytes) -> int:
+        return await hold.put(key, value)
+
+    async def delete(self, hold: conch.aio.Hold, key: bytes) -> int:
+        return await hold.delete(key)
+
+    async def who(self, client: conch.aio.Client, name: str) -> list[conch.Record]:
+        return await conch.aio.who(client, name)
+
+    async def wait_lost(self, hold: conch.aio.Hold) -> None:
+        await asyncio.wait_for(hold.lost.wait(), DEADLINE)
+
+    def expires_at(self, hold: conch.aio.Hold) -> float:
+        return hold.expires_at()
+
+    async def interrupt_waiting(
+        self, sema: conch.aio.Semaphore, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None:
+        waiting = asyncio.ensure_future(self.acquire(sema, session=session))
+        await _poll(queued, "the waiter queued")
+        waiting.cancel()
+        try:
+            hold = await waiting
+        except BaseException as exc:
+            return exc
+        await hold.release()
+        return None
+
+
+@pytest.fixture(params=[Threaded, Asyncio], ids=lambda face: face.name)
+def face(request: pytest.FixtureRequest, etcd: EtcdCluster) -> Face:
+    made: Face = request.param(etcd)
+    return made
+
+
+Scenario = Callable[[Any], Coroutine[Any, Any, None]]
+
+
+def run(face: Face, scenario: Callable[[Any], Awaitable[None]]) -> None:
+    """Run ``scenario(client)`` under asyncio.run with a client of ``face``."""
+
+    async def main() -> None:
+        async with face.connect() as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+def revisions(client: Client, name: str) -> list[int]:
+    return [k.create_revision for k in sema_keys(client, name)]
+
+
+# -- the scenarios --------------------------------------------------------------------------
+
+
+def test_acquire_holds_a_slot_at_our_key_s_revision_and_release_frees_it(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=2)
+        hold = await face.acquire(sema, timeout=10)
+        [key] = sema_keys(client, name)
+        assert (hold.revision, hold.lease_id) == (key.create_revision, key.lease)
+        await face.check(hold)
+        await face.release(hold)
+        assert sema_keys(client, name) == []
+        await face.release(hold)  # a second release is a no-op
+
+    run(face, scenario)
+
+
+def test_timeout_raises_no_slot_and_leaves_no_waiter_key(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1)
+        async with face.holding(sema, timeout=10) as hold:
+            started = time.monotonic()
+            with pytest.raises(conch.NoSlot):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=0.5)
+            assert time.monotonic() - started >= 0.5
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_nonblock_raises_no_slot_at_once_and_leaves_no_key(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+            started = time.monotonic()
+            with pytest.raises(conch.NoSlot):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=0)
+            assert time.monotonic() - started < 5
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+
+
+def test_a_bad_timeout_is_a_usage_error_before_any_etcd_call(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        for bad in (-1, float("nan"), float("inf")):
+            with pytest.raises(conch.UsageError):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=bad)
+        assert sema_keys(client, name) == []
+
+    run(face, scenario)
+
+
+def test_an_explicit_release_inside_the_block_ends_it_without_error(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+            await face.release(hold)
+            assert sema_keys(client, name) == []
+            with pytest.raises(conch.HoldLost):
+                await face.check(hold)  # released: no longer ours
+
+    run(face, scenario)
+
+
+def test_check_raises_hold_lost_after_an_outside_revoke(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        lease.revoke(client, hold.lease_id)
+        await face.wait_lost(hold)
+        with pytest.raises(conch.HoldLost):
+            await face.check(hold)
+        await face.release(hold)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_hold_lost_in_the_block_raises_hold_lost_when_it_ends(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        with pytest.raises(conch.HoldLost):
+            async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+                lease.revoke(client, hold.lease_id)
+                await face.wait_lost(hold)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_lost_hold_lets_the_block_s_own_exception_through(
+    face: Face, client: Client, name: str
+) -> None:
+    class Failed(Exception):
+        pass
+
+    async def scenario(fclient: Any) -> None:
+        with pytest.raises(Failed):
+            async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+                lease.revoke(client, hold.lease_id)
+                await face.wait_lost(hold)
+                raise Failed
+
+    run(face, scenario)
+
+
+def test_guarded_put_and_delete_land_only_while_the_hold_is_ours(
+    face: Face, client: Client, name: str
+) -> None:
+    data = f"/parity/{name}".encode()
+
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        written = await face.put(hold, data, b"v1")
+        item = kv.get(client, data)
+        assert item is not None and (item.value, item.mod_revision) == (b"v1", written)
+        assert item.lease == 0  # outlives the hold
+        deleted = await face.delete(hold, data)
+        assert kv.get(client, data) is None and deleted > written
+        lease.revoke(client, hold.lease_id)
+        with pytest.raises(conch.HoldLost):
+            await face.put(hold, data, b"v2")
+        assert kv.get(client, data) is None
+        assert hold.lost.is_set()
+        await face.release(hold)
+
+    run(face, scenario)
+
+
+def test_who_lists_holders_then_waiters_in_revision_order(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1)
+        async with face.holding(sema, timeout=10) as hold:
+            waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+            records = await face.who(fclient, name)
+            assert [(r.state, r.held, r.max) for r in records] == [("HELD", 1, 1), ("WAIT", 1, 1)]
+            assert records[0].rev == hold.revision < records[1].rev
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert [r.state for r in await face.who(fclient, name)] == ["HELD"]
+        await face.release(second)
+        assert await face.who(fclient, name) == []
+
+    run(face, scenario)
+
+
+def test_holds_share_one_session_lease_and_release_only_their_own_key(
+    face: Face, client: Client, name: str
+) -> None:
+    other = f"{name}-b"
+
+    async def scenario(fclient: Any) -> None:
+        async with face.session(fclient) as session:
+            first = await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
+            second = await face.acquire(face.semaphore(fclient, other, max=2), 10, session)
+            assert first.lease_id == second.lease_id == session.lease_id
+            with pytest.raises(conch.UsageError):  # one key per semaphore per session
+                await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
+            await face.release(first)
+            assert sema_keys(client, name) == []
+            assert [k.lease for k in sema_keys(client, other)] == [session.lease_id]
+            await face.check(second)
+        # Closing the session revokes its lease: the hold left on it goes too.
+        assert sema_keys(client, other) == []
+
+    run(face, scenario)
+
+
+def test_a_shared_session_lost_while_queued_raises_session_lost(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        holder = face.semaphore(fclient, name, max=1)
+        async with face.holding(holder, timeout=10), face.session(fclient) as session:
+            waiting = asyncio.ensure_future(
+                face.acquire(face.semaphore(fclient, name, max=1), None, session)
+            )
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+            lease.revoke(client, session.lease_id)
+            with pytest.raises(conch.SessionLost):
+                await asyncio.wait_for(waiting, DEADLINE)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
+def test_an_interrupted_wait_withdraws_its_key(
+    face: Face, client: Client, name: str, shared: bool
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        holder = face.semaphore(fclient, name, max=1)
+        async with contextlib.AsyncExitStack() as stack:
+            hold = await stack.enter_async_context(face.holding(holder, timeout=10))
+            session = await stack.enter_async_context(face.session(fclient)) if shared else None
+            raised = await face.interrupt_waiting(
+                face.semaphore(fclient, name, max=1),
+                lambda: len(sema_keys(client, name)) == 2,
+                session,
+            )
+            assert isinstance(raised, face.interrupted), raised
+            # No poll: the waiter's key is gone by the time the wait has ended.
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_waiter_takes_the_slot_when_the_holder_releases(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        first = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        await face.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert second.revision > first.revision
+        assert revisions(client, name) == [second.revision]
+        await face.release(second)
+
+    run(face, scenario)
+
+
+def test_expires_at_is_the_last_keepalive_plus_the_ttl(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        before = time.monotonic()
+        hold = await face.acquire(face.semaphore(fclient, name, max=1, ttl=3), timeout=10)
+        first = face.expires_at(hold)
+        assert before + 3 <= first + 0.001 and first <= time.monotonic() + 3
+        assert hold.deadline == face.expires_at(hold)
+        # A keepalive every TTL/3 moves it on.
+        await _poll(lambda: face.expires_at(hold) > first, "a keepalive")
+        await face.release(hold)
+
+    run(face, scenario)

@@ -40,7 +40,7 @@ import collections
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
@@ -63,6 +63,18 @@ from conch.timer import weakly
 T = TypeVar("T")
 
 __all__ = ["Client", "Hold", "Semaphore", "Session", "connect", "who"]
+
+
+# Tasks started with nobody to await them (a guard step, a dropped object's release): the
+# loop keeps only weak references to tasks, so they are kept here until done.
+_background: set[asyncio.Task[Any]] = set()
+
+
+def _spawn(loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coroutine`` as a task of its own on ``loop`` (the loop's thread only)."""
+    task = loop.create_task(coroutine)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 async def _outlast_cancel(awaitable: asyncio.Future[T]) -> T:
@@ -254,7 +266,7 @@ def _session_dropped(keeper: _Keeper) -> None:
         stacklevel=2,
     )
     log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
-    etcd_aio.call_soon(keeper.loop, lambda: keeper.loop.create_task(keeper.close(None)))
+    etcd_aio.call_soon(keeper.loop, lambda: _spawn(keeper.loop, keeper.close(None)))
 
 
 class Session:
@@ -528,7 +540,7 @@ class Hold:
                 return
             result = bound()
             if asyncio.iscoroutine(result):
-                loop.create_task(result)
+                _spawn(loop, result)
 
         loop.call_later(delay, run)
 
@@ -721,7 +733,7 @@ def _hold_dropped(
 
     def give_back() -> None:
         _cancel_watches(watches)
-        loop.create_task(_give_back(session, session.client.sync, key, revision, shared, None))
+        _spawn(loop, _give_back(session, session.client.sync, key, revision, shared, None))
 
     etcd_aio.call_soon(loop, give_back)
 

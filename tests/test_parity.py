@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -53,11 +55,11 @@ class Face(Protocol):
     ) -> BaseException | None: ...
 
 
-async def _poll(check: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + DEADLINE
+async def _poll(check: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {DEADLINE}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.02)
 
 
@@ -488,5 +490,31 @@ def test_expires_at_is_the_last_keepalive_plus_the_ttl(
         # A keepalive every TTL/3 moves it on.
         await _poll(lambda: face.expires_at(hold) > first, "a keepalive")
         await face.release(hold)
+
+    run(face, scenario)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
+def test_a_hold_dropped_without_release_is_released_when_collected(
+    face: Face, client: Client, name: str, shared: bool
+) -> None:
+    """``del hold; gc.collect()``: a ResourceWarning, and the key goes at once (the TTL of
+    30 s is not what frees it); a shared session lives on."""
+
+    async def scenario(fclient: Any) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(face.session(fclient, 30)) if shared else None
+            sema = face.semaphore(fclient, name, max=1, ttl=30)
+            hold = await face.acquire(sema, 10, session)
+            lease_id = hold.lease_id
+            await asyncio.sleep(0.2)  # into the hold: its guard is watching (no synchronisation)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                del hold
+                gc.collect()
+            assert any(issubclass(w.category, ResourceWarning) for w in caught), caught
+            await _poll(lambda: sema_keys(client, name) == [], "the hold released", timeout=10)
+            expected_ttl_left = lease.time_to_live(client, lease_id)
+            assert (expected_ttl_left > 0) if shared else (expected_ttl_left == -1)
 
     run(face, scenario)

@@ -180,11 +180,13 @@ class Withdrawn:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request (``id``) failed; ``detail`` says how, for the log."""
+    """A request (``id``) failed; ``detail`` says how, for the log; ``cause`` is the
+    driver's own (an exception), handed back in GaveUp.cause."""
 
     id: int
     failure: Failure
     detail: str = ""
+    cause: object = None
 
 
 @dataclass(frozen=True)
@@ -424,11 +426,18 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class GaveUp:
-    """We do not hold, and our key is withdrawn: ``reason`` and a line for people."""
+    """We do not hold, and our key is withdrawn: ``reason`` and a line for people.
+    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input for UNAVAILABLE and
+    REFUSED (its own ``cause`` is the driver's exception)."""
 
     reason: Reason
     detail: str = ""
-    interrupt: object = None  # Interrupt.reason, for Interrupted
+    cause: object = None
+
+    @property
+    def interrupt(self) -> object:
+        """``cause`` under its first name."""
+        return self.cause
 
 
 Outcome: TypeAlias = Held | GaveUp

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, TypeVar
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import errors, keys, log, recipe
-from conch.errors import EtcdError, HoldLost, LeaseNotFound, Unavailable
+from conch.errors import EtcdError, HoldLost, LeaseNotFound
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import kv
@@ -56,7 +56,9 @@ from conch.etcd.watch import DELETE, WatchNotice
 from conch.hold import GUARD_WATCH_DELAY, TOUCH_DELAY, WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
-from conch.semaphore import REENTRY_BACKOFF_CAP
+
+# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
+from conch.semaphore import _EVENT_TYPES, REENTRY_BACKOFF_CAP, _enqueue_answer, _failure, _key_rev
 from conch.session import check_ttl, keepalive_margin
 from conch.timer import weakly
 
@@ -765,14 +767,13 @@ class _Driver:
         self.watches: dict[int, etcd_aio.LoopWatch] = {}
         self.timers: list[asyncio.TimerHandle] = []
         self.forget: list[Callable[[], None]] = []
-        self.errors: dict[int, EtcdError] = {}  # a failed request's error, by its id
         self.started = time.monotonic()
         self.timeout = timeout
         if session is None:
-            self.waiter = recipe.Waiter(sema.prefix, sema.max, _Pauses())
+            self.waiter = recipe.Waiter(sema.prefix, sema.max, _pauses())
         else:
             key = sema._key(session.lease_id)
-            self.waiter = recipe.Waiter(sema.prefix, sema.max, _Pauses(), key, session.lease_id)
+            self.waiter = recipe.Waiter(sema.prefix, sema.max, _pauses(), key, session.lease_id)
 
     def interrupt(self) -> None:
         """From the awaiting coroutine's cancel: stop waiting (the machine withdraws)."""
@@ -844,7 +845,7 @@ class _Driver:
     async def _execute(self, action: recipe.Action) -> recipe.Input | None:
         """Do ``action``; its answer (None: it has none, or arrives later on the queue)."""
         if isinstance(action, recipe.Note):
-            self._note(action)
+            await self._log(action)
             return None
         if isinstance(action, recipe.CancelWatch):
             watch = self.watches.pop(action.id, None)
@@ -862,8 +863,7 @@ class _Driver:
         try:
             return await self._call(action)
         except EtcdError as exc:
-            self.errors[action.id] = exc
-            return recipe.Failed(action.id, _failure(exc), str(exc))
+            return recipe.Failed(action.id, _failure(exc), str(exc), exc)
 
     async def _call(self, action: recipe.Action) -> recipe.Input:
         sema, client = self.sema, self.client
@@ -874,7 +874,8 @@ class _Driver:
             self._subscribe(session)
             return recipe.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, recipe.SendEnqueue):
-            return await sema._enqueue(action)
+            value, response = await sema._enqueue(action)
+            return _enqueue_answer(action, response, value)
         if isinstance(action, recipe.ReadStanding):
             return await sema._read_standing(action)
         if isinstance(action, recipe.ReadKeys):
@@ -891,6 +892,8 @@ class _Driver:
                 action.id, int(touched.header.revision), bool(touched.succeeded)
             )
         if isinstance(action, recipe.CheckLease):
+            if self.shared is not None and not self.shared.certainly_alive():
+                return recipe.LeaseAnswer(action.id, 0)
             ttl = await etcd_aio.time_to_live(client, action.lease_id, WITHDRAW_TIMEOUT)
             return recipe.LeaseAnswer(action.id, ttl)
         if isinstance(action, recipe.Withdraw):
@@ -911,7 +914,7 @@ class _Driver:
                 self.client, on_notice, action.key, 0, end, only_deletes=action.prefix, confirm=True
             )
         except EtcdError as exc:
-            return recipe.Failed(watch_id, _failure(exc), str(exc))
+            return recipe.Failed(watch_id, _failure(exc), str(exc), exc)
         self.watches[watch_id] = watch
         return None
 
@@ -942,55 +945,52 @@ class _Driver:
         except EtcdError as exc:
             log.warning("withdraw-failed", name=self.sema.name, error=str(exc))
 
-    def _note(self, note: recipe.Note) -> None:
-        fields: dict[str, Any] = {"name": self.sema.name, "max": self.sema.max, **note.fields}
-        if note.warning:
-            log.warning(note.event, **fields)
-        else:
-            log.info(note.event, **fields)
+    async def _log(self, note: recipe.Note) -> None:
+        """A Note as the log line the threaded face writes for it."""
+        sema = self.sema
+        fields = dict(note.fields)
+        if note.event == "queued":
+            fields = {"max": sema.max, **fields}
+            if "ahead" not in fields:
+                ahead = await self._count_ahead(int(str(fields["rev"])))
+                if ahead is not None:
+                    fields.update(position=ahead + 1, ahead=ahead)
+        if note.event == "spread-busy":
+            fields = {"host": sema.identity.host, **fields}
+        emit = log.warning if note.warning else log.info
+        emit(note.event, name=sema.name, **fields)
+
+    async def _count_ahead(self, revision: int) -> int | None:
+        """How many keys are ahead of ours, for the ``queued`` line only (None if etcd does
+        not say): etcd's count ignores the create_revision filter, so this reads them."""
+        request = kv.prefix_request(
+            self.sema.prefix, keys_only=True, max_create_revision=revision - 1
+        )
+        try:
+            return len((await etcd_aio.range_(self.client, request)).kvs)
+        except EtcdError:
+            return None
 
     def raise_for(self, outcome: recipe.GaveUp) -> None:
         """Raise what ``outcome`` means to the caller (as ``conch.Semaphore.acquire``)."""
         sema = self.sema
-        cause = outcome.interrupt
         if outcome.reason == recipe.Reason.NO_SLOT:
-            raise errors.NoSlot(f"no slot of {sema.name}[{sema.max}]: {outcome.detail}")
+            raise errors.NoSlot(
+                f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})"
+            )
         if outcome.reason == recipe.Reason.INTERRUPTED:
             raise errors.Interrupted(outcome.detail)
         if outcome.reason == recipe.Reason.SESSION_LOST:
             raise errors.SessionLost(outcome.detail)
-        if isinstance(cause, recipe.Failed) and cause.id in self.errors:
-            raise self.errors[cause.id]
-        raise Unavailable(outcome.detail)
+        failed = outcome.cause
+        if isinstance(failed, recipe.Failed) and isinstance(failed.cause, BaseException):
+            raise failed.cause  # etcd unreachable at the first session (69), or refused
+        raise EtcdError(outcome.detail)
 
 
-class _Pauses:
-    """The machine's pauses before re-entering or reading again: capped exponential
-    backoff, started over by ``reset()`` once etcd answers again."""
-
-    def __init__(self) -> None:
-        self._backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-
-    def next(self) -> float:
-        return self._backoff.next()
-
-    def reset(self) -> None:
-        self._backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-
-
-def _failure(error: EtcdError) -> recipe.Failure:
-    """How a failed request failed, in the machine's terms."""
-    if isinstance(error, Unavailable):
-        return recipe.Failure.UNREACHABLE
-    if isinstance(error, LeaseNotFound):
-        return recipe.Failure.LEASE_NOT_FOUND
-    if error.code == "RESOURCE_EXHAUSTED" or "space exceeded" in str(error):
-        return recipe.Failure.NO_SPACE
-    return recipe.Failure.OTHER
-
-
-def _key_rev(item: Any) -> recipe.KeyRev:
-    return recipe.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+def _pauses() -> Backoff:
+    """The machine's pauses (before re-entering, reading again): as the threaded face's."""
+    return Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
 
 
 def _watch_input(watch_id: int, notice: WatchNotice) -> recipe.Input:
@@ -1000,12 +1000,7 @@ def _watch_input(watch_id: int, notice: WatchNotice) -> recipe.Input:
         return recipe.WatchBroken(watch_id, compacted, str(notice.error))
     if notice.created:
         return recipe.WatchCreated(watch_id, notice.revision)
-    events = [
-        recipe.Event(
-            recipe.EventType.DELETE if e.type == DELETE else recipe.EventType.PUT, _key_rev(e.kv)
-        )
-        for e in notice.events
-    ]
+    events = [recipe.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
     return recipe.WatchEvents(watch_id, events, notice.revision)
 
 
@@ -1141,9 +1136,10 @@ class Semaphore:
         )
         return Hold(self, session, outcome, retire, shared)
 
-    async def _enqueue(self, action: recipe.SendEnqueue) -> recipe.EnqueueAnswer:
+    async def _enqueue(self, action: recipe.SendEnqueue) -> tuple[bytes, kv.TxnResponse]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
-        ``max`` keys in the same KV.Txn (``conch.Semaphore``'s enqueue)."""
+        ``max`` keys in the same KV.Txn (else read the key found in our place), as
+        ``conch.Semaphore`` does. Returns the value we sent and the response."""
         value = self.identity.entering().to_json()
         key = action.key
         heads = kv.prefix_request(
@@ -1155,25 +1151,7 @@ class Semaphore:
             [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
             [kv.op_get(key)],
         )
-        revision = int(response.header.revision)
-        if response.succeeded:
-            found = response.responses[1].response_range.kvs
-            return recipe.EnqueueAnswer(
-                action.id, revision, True, value, heads=[h.key for h in found]
-            )
-        existing = response.responses[0].response_range.kvs
-        if not existing:
-            return recipe.EnqueueAnswer(action.id, revision, False)
-        item = existing[0]
-        ours = item.lease == action.lease_id
-        return recipe.EnqueueAnswer(
-            action.id,
-            revision,
-            False,
-            item.value if ours else b"",
-            existing=_key_rev(item),
-            existing_ours=ours,
-        )
+        return value, response
 
     async def _read_standing(self, action: recipe.ReadStanding) -> recipe.StandingAnswer:
         """Steps 2-3: one read-only KV.Txn of two Ranges (keys only, up to our key's

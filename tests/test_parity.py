@@ -518,3 +518,45 @@ def test_a_hold_dropped_without_release_is_released_when_collected(
             assert (expected_ttl_left > 0) if shared else (expected_ttl_left == -1)
 
     run(face, scenario)
+
+
+def test_a_hold_whose_key_is_deleted_by_hand_is_lost(face: Face, client: Client, name: str) -> None:
+    """The guard's watch on our key: its deletion (the lease itself lives on) loses the hold."""
+
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+        [key] = sema_keys(client, name)
+        kv.delete(client, key.key)
+        await face.wait_lost(hold)
+        with pytest.raises(conch.HoldLost):
+            await face.check(hold)
+        await face.release(hold)
+
+    run(face, scenario)
+
+
+def test_a_waiter_whose_own_session_is_lost_re_enters_and_still_gets_the_slot(
+    face: Face, client: Client, name: str
+) -> None:
+    """A private session lost while queued: a new lease, a new key at the back of the queue
+    (design page: queue position is not kept), and the wait goes on."""
+
+    async def scenario(fclient: Any) -> None:
+        first = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        [_, queued] = sema_keys(client, name)
+        lease.revoke(client, queued.lease)
+        await _poll(
+            lambda: [k.lease for k in sema_keys(client, name)][1:] not in ([], [queued.lease]),
+            "the waiter re-entered",
+        )
+        [_, again] = sema_keys(client, name)
+        assert again.create_revision > queued.create_revision
+        await face.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert (second.revision, second.lease_id) == (again.create_revision, again.lease)
+        await face.release(second)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []

@@ -48,14 +48,23 @@ class Timer:
 
     def call_later(self, delay: float, function: Callable[[], Any]) -> Handle:
         """Call ``function()`` from the timer thread ``delay`` seconds from now (at once for
-        0). A function that raises is logged; the next ones still run."""
+        0). A function that raises is logged; the next ones still run. Raises RuntimeError
+        when the thread is not running and cannot be started (the call is then dropped;
+        the next call_later tries again)."""
         handle = Handle()
         with self._wake:
             entry = (time.monotonic() + max(0.0, delay), next(self._order), handle, function)
             heapq.heappush(self._queue, entry)
             if not self._running:
+                # Marked running only once the thread is there: a start that fails (no
+                # threads left) must not leave every later call waiting for a thread that
+                # never came. The new thread waits for this lock before it looks.
+                try:
+                    threading.Thread(target=self._run, name=self._name, daemon=True).start()
+                except BaseException:
+                    handle.cancel()  # the caller is told it failed: it must not run later
+                    raise
                 self._running = True
-                threading.Thread(target=self._run, name=self._name, daemon=True).start()
             elif self._queue[0] is entry:
                 self._wake.notify()
         return handle
@@ -64,6 +73,11 @@ class Timer:
         while True:
             with self._wake:
                 while True:
+                    # Cancelled calls at the head are dropped before the wait is set: a
+                    # keepalive answered in time cancels its own deadline and its ask to
+                    # another member, and the thread need not wake for either.
+                    while self._queue and self._queue[0][2].cancelled:
+                        heapq.heappop(self._queue)
                     now = time.monotonic()
                     if self._queue and self._queue[0][0] <= now:
                         _, _, handle, function = heapq.heappop(self._queue)

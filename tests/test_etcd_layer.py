@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import queue
+import sys
+import threading
 import time
+from typing import Any
 
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import Compacted, LeaseNotFound, Unavailable
+from conch.errors import AuthenticationFailed, Compacted, LeaseNotFound, Unavailable
 from conch.etcd import Client, Endpoint, kv, lease
-from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
+from conch.etcd.client import Credentials
+from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
 from conch.session import Session
-from tests.conftest import DEADLINE
+from conch.timer import Timer
+from tests.conftest import DEADLINE, poll
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -142,3 +147,132 @@ def test_calls_fail_over_past_a_dead_endpoint(etcd: EtcdCluster, name: str) -> N
         assert client.endpoint == live
         stored = kv.get(client, key)
         assert stored is not None and stored.value == b"v"
+
+
+# -- the timer, and the watch hub's lock and delivery --------------------------------------
+
+
+def test_a_timer_whose_thread_could_not_start_starts_one_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A thread start that fails (no threads left) raises to the caller and drops that call;
+    the next call_later starts the thread and runs (before: the timer thought itself running
+    and nothing ever ran again)."""
+    timer = Timer("conch-timer-test")
+    dropped = threading.Event()
+    with monkeypatch.context() as patched:
+
+        def refuse(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        patched.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            timer.call_later(0, dropped.set)
+    ran = threading.Event()
+    timer.call_later(0, ran.set)
+    assert ran.wait(DEADLINE)
+    assert not dropped.is_set()
+
+
+class _PausingLock:
+    """The hub's lock, made to pause the watch stream's reader right after it lets go of it
+    (once armed): where the reader has matched a notice to its watch and is about to hand it
+    over."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self.armed = False
+        self.paused = threading.Event()
+        self.go = threading.Event()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        if self.armed and threading.current_thread().name == "conch-Watch":
+            self.armed = False
+            self.paused.set()
+            self.go.wait(DEADLINE)
+
+    def acquire(self, *args: Any) -> bool:
+        return bool(self._lock.acquire(*args))
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_a_watch_gets_no_notice_once_cancel_returned(client: Client, name: str) -> None:
+    """The reader has an event for the watch in hand when cancel() is called and returns:
+    the event is not delivered (before: it was, after cancel() had returned)."""
+    key, other = f"/test/{name}".encode(), f"/test/{name}-other".encode()
+    got: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+    witness: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+    watch = Watch(client, key, 0, got.put, confirm=True)
+    later = Watch(client, other, 0, witness.put, confirm=True)
+    hub = _hub_for(client)
+    pausing = _PausingLock(hub._lock)
+    hub._lock = pausing  # type: ignore[assignment]
+    try:
+        assert got.get(timeout=DEADLINE).created
+        assert witness.get(timeout=DEADLINE).created
+        pausing.armed = True
+        kv.put(client, key, b"x")
+        assert pausing.paused.wait(DEADLINE)
+        watch.cancel()
+        cancelled = True
+        pausing.go.set()
+        # The reader handles the stream's answers in order: once the other watch has its
+        # event, whatever was to happen to ours has happened.
+        kv.put(client, other, b"y")
+        assert witness.get(timeout=DEADLINE).events
+        assert cancelled and got.empty(), "a notice came after cancel() returned"
+    finally:
+        pausing.go.set()
+        hub._lock = pausing._lock
+        watch.cancel()
+        later.cancel()
+
+
+def _waits_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is inside a call of ``function`` now."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_a_failover_does_not_wait_for_the_watch_stream_being_opened(
+    etcd: EtcdCluster, name: str
+) -> None:
+    """A thread opens the client's Watch stream and waits for an auth token (another
+    thread's Auth.Authenticate, held here): a failover meanwhile, as the keepalive makes
+    one, returns at once (before: it waited on the watch hub's lock until the open gave up,
+    up to the request timeout, and the keepalive's loss detection with it)."""
+    member = etcd.members[0]
+    endpoints = [Endpoint.parse(member.endpoint), Endpoint("localhost", member.client_port, False)]
+    client = Client(endpoints, request_timeout=5.0, credentials=Credentials("nobody", "x"))
+    opened: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def open_watch() -> None:
+        try:
+            Watch(client, f"/test/{name}".encode(), 0, lambda _: None).cancel()
+            opened.put(None)
+        except BaseException as exc:  # the open fails here: the cluster has no auth
+            opened.put(exc)
+
+    assert client._auth_lock.acquire(timeout=DEADLINE)
+    try:
+        opener = threading.Thread(target=open_watch, daemon=True)
+        opener.start()
+        poll(lambda: _waits_in(opener, "token"), what="the watch stream's open at the token")
+        began = time.monotonic()
+        client.failover(endpoints[0])
+        took = time.monotonic() - began
+    finally:
+        client._auth_lock.release()
+    assert took < 1.0, f"the failover waited {took:.2f}s for the watch stream's open"
+    assert isinstance(opened.get(timeout=DEADLINE), AuthenticationFailed)
+    client.close()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
+from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
 from conch.flag import Flag
+from conch.timer import Handle, Timer
 
 
 class Grant(NamedTuple):
@@ -55,157 +59,349 @@ def time_to_live(client: Client, lease_id: int, timeout: float | None = None) ->
 # answer counts. A slow link then costs nothing, a silent member costs this much.
 ASK_ANOTHER_AFTER = 0.5  # seconds
 
+# What a keepalive comes to: the lease's TTL in seconds, or the EtcdError that ended it
+# (LeaseNotFound for an answer with TTL <= 0, Unavailable for no answer in time).
+Outcome = int | EtcdError
 
-class KeepAlive:
-    """The LeaseKeepAlive stream of one lease.
 
-    ``refresh(deadline)`` sends one keepalive and waits for etcd's answer until ``deadline``
-    (a ``time.monotonic()`` value). A stream that breaks is dropped and the client fails over.
-    A stream that is only silent is kept: after ASK_ANOTHER_AFTER the keepalive also goes to
-    the next member, on a stream of its own, and whichever answers first counts, so a late
-    answer on a slow link is never thrown away for a new connection over that same link.
-    When another member answered and the first stream stayed silent, the client fails over
-    from it (``Client.on_failover`` listeners, e.g. watches, follow).
+class KeepAlives:
+    """The LeaseKeepAlive stream of one Client, for all of its leases.
+
+    etcd takes keepalives for any number of leases on one stream and answers each with its
+    lease ID, in the order it received them (as the Go client's lessor uses it), so a process
+    with many sessions pays for one stream, its reader and one thread here, not one of each
+    per lease. ``refresh(lease_id, deadline, done)`` sends one keepalive and calls
+    ``done(outcome)`` exactly once (an ``Outcome``): the TTL etcd answered, LeaseNotFound
+    when it answered TTL <= 0, Unavailable when no answer came by ``deadline``.
+
+    Per keepalive, as for a lease on a stream of its own: a stream that breaks is dropped,
+    the client fails over (``Client.on_failover`` listeners, e.g. the watch stream, follow)
+    and the keepalive goes out again on the next stream after a capped backoff. A stream
+    that is only silent is kept: after ASK_ANOTHER_AFTER the keepalive also goes to the next
+    member, on a stream of its own, and whichever answers first counts (a late answer on a
+    slow link is never thrown away for a new connection over that same link); when another
+    member answered, its stream is the one in use from then on and the client fails over
+    from the silent one. Each (stream, lease) counts the keepalives sent and the answers
+    received: etcd answers them in order, so an answer that comes after a keepalive gave up
+    on a stream belongs to that keepalive, and never confirms a later one.
+
+    Threads: everything here runs on one timer thread (``timer``, named conch-keepalive),
+    which makes no call that waits on etcd: it only queues requests and cancels calls.
+    Opening a stream, which may need an Auth.Authenticate or a TLS handshake (seconds
+    against a hung member), runs on a second thread (conch-keepalive-open), so one slow open
+    never holds back another lease's deadline. ``done`` runs on the timer thread and must
+    not block. A stream stays open while it is the one in use or a keepalive waits on it,
+    and none stays open once no lease is kept alive here.
     """
 
-    def __init__(self, client: Client, lease_id: int) -> None:
-        self._client = client
-        self._lease_id = lease_id
-        self._answers: queue.SimpleQueue[StreamItem] = queue.SimpleQueue()
-        # Open streams, first the one in use, with how many answers each has delivered: a
-        # stream answers its keepalives in order, so an answer that comes after a refresh
-        # gave up on it belongs to that refresh and must not confirm a later one.
-        self._streams: dict[BidiStream, _Counts] = {}
-        self._lock = threading.Lock()
-        self._closed = False
+    def __init__(self, client: Client) -> None:
+        self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
+        self.timer = Timer("conch-keepalive")
+        self._opener = Timer("conch-keepalive-open")
+        # Touched only on the timer thread: no lock. First the stream in use, each with its
+        # counts by lease ID.
+        self._streams: dict[BidiStream, dict[int, _Counts]] = {}
+        self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
+        self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
+        self._leases: set[int] = set()  # leases kept alive here
+        # Answers from the streams' readers, not yet handled on the timer thread.
+        self._inbox: collections.deque[StreamItem] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._draining = False
 
-    def refresh(self, deadline: float) -> int:
-        """Return the lease's TTL in seconds after this keepalive.
+    # -- from any thread ------------------------------------------------------------------
 
-        Raises LeaseNotFound when etcd answers TTL <= 0 (expired or revoked), Unavailable when
-        no answer comes by ``deadline``."""
-        backoff = Backoff()
-        last_error: EtcdError = Unavailable("keepalive: no answer in time")
-        asked: dict[BidiStream, int] = {}  # stream -> index of its answer to this keepalive
-        ask_at = time.monotonic()
-        while not self._closed:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            if now >= ask_at:
-                try:
-                    stream = self._stream_to_ask(asked, deadline)
-                except EtcdError as exc:
-                    last_error = exc
-                    ask_at = now + backoff.next()
-                    continue
-                if stream is None:
-                    ask_at = deadline  # every endpoint has it: wait for any answer
-                else:
-                    asked[stream] = self._send(stream)
-                    ask_at = now + min(ASK_ANOTHER_AFTER, (deadline - now) / 2)
-            item = self._next_answer(min(deadline, ask_at))
-            if item is None:
-                continue
-            if item.error is not None:
-                last_error = item.error
-                self._drop(item.stream)
-                self._client.failover(item.stream.endpoint)
-                asked.pop(item.stream, None)
-                if not asked:
-                    ask_at = min(ask_at, time.monotonic() + backoff.next())
-                continue
-            counts = self._streams.get(item.stream)
-            if counts is None:
-                continue  # closed meanwhile
-            index = counts.received
-            counts.received += 1
-            if index < asked.get(item.stream, counts.sent):
-                continue  # the late answer to an earlier keepalive
-            self._settle_on(item.stream, asked)
-            if item.response.TTL <= 0:
-                raise LeaseNotFound(f"lease {self._lease_id:x} expired or was revoked")
-            return int(item.response.TTL)
-        raise Unavailable(f"keepalive: no answer in time ({last_error})")
+    def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
+        """Send one LeaseKeepAliveRequest for ``lease_id`` and call ``done(outcome)`` once,
+        from the timer thread, by ``deadline`` (a ``time.monotonic()`` value) at the latest.
+        A keepalive still under way for the lease is given up (its ``done`` gets
+        Unavailable). Raises RuntimeError when the timer thread cannot be started."""
+        self.timer.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
 
-    def _stream_to_ask(self, asked: dict[BidiStream, int], deadline: float) -> BidiStream | None:
-        """The stream to send this keepalive on next: the one in use, else one to the member
-        after the last one asked (None when every endpoint has been asked). Opening one may
-        need an Auth.Authenticate, bounded by ``deadline``."""
-        with self._lock:
-            current = next(iter(self._streams), None)
-        if not asked and current is not None:
+    def forget(self, lease_id: int) -> None:
+        """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (its ``done``
+        is not called) and its answers are ignored; the last lease closes the streams."""
+        self.timer.call_later(0, lambda: self._forget(lease_id))
+
+    # -- on the timer thread --------------------------------------------------------------
+
+    def _start(self, ask: _Ask) -> None:
+        previous = self._asks.get(ask.lease_id)
+        if previous is not None:
+            self._finish(previous, Unavailable("keepalive: given up for a newer one"))
+        self._leases.add(ask.lease_id)
+        self._asks[ask.lease_id] = ask
+        left = ask.deadline - time.monotonic()
+        ask.expiry = self.timer.call_later(left, lambda: self._expire(ask))
+        self._ask(ask)
+
+    def _ask(self, ask: _Ask) -> None:
+        """Send ``ask``'s keepalive on the stream to ask next: the one in use, else one to
+        the member after the last one asked (opened first if need be)."""
+        if self._asks.get(ask.lease_id) is not ask or time.monotonic() >= ask.deadline:
+            return
+        target = self._next_to_ask(ask)
+        if isinstance(target, BidiStream):
+            self._send(ask, target)
+        elif target is not None:
+            self._open(target, ask)
+        # None: every endpoint has it; any answer, or the deadline, settles it.
+
+    def _next_to_ask(self, ask: _Ask) -> BidiStream | Endpoint | None:
+        current = next(iter(self._streams), None)
+        if not ask.asked and current is not None:
             return current
-        endpoints = self._client.endpoints
-        busy = {s.endpoint for s in self._streams}
-        if asked:
-            start = endpoints.index(list(asked)[-1].endpoint) + 1
+        client = self._client_ref()
+        if client is None:
+            return None
+        endpoints = client.endpoints
+        asked = {stream.endpoint for stream in ask.asked}
+        if ask.asked:
+            start = endpoints.index(list(ask.asked)[-1].endpoint) + 1
         else:
-            start = endpoints.index(self._client.endpoint)
+            start = endpoints.index(client.endpoint)
         for step in range(len(endpoints)):
             endpoint = endpoints[(start + step) % len(endpoints)]
-            if endpoint not in busy:
-                stream = BidiStream(
-                    self._client,
-                    "lease",
-                    "LeaseKeepAlive",
-                    self._answers.put,
-                    timeout=max(0.001, deadline - time.monotonic()),
-                    endpoint=endpoint,
-                )
-                with self._lock:  # close() from another thread must not miss it
-                    if not self._closed:
-                        self._streams[stream] = _Counts()
-                        return stream
-                stream.close()
-                raise Unavailable("keepalive closed")
+            if endpoint in asked:
+                continue
+            for stream in self._streams:
+                if stream.endpoint == endpoint:
+                    return stream
+            return endpoint
         return None
 
-    def _send(self, stream: BidiStream) -> int:
-        """Send one keepalive on ``stream``; return the index its answer will have."""
-        counts = self._streams.get(stream, _Counts())
+    def _send(self, ask: _Ask, stream: BidiStream) -> None:
+        counts = self._streams[stream].setdefault(ask.lease_id, _Counts())
+        ask.asked[stream] = counts.sent  # the index its answer will have
         counts.sent += 1
-        stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=self._lease_id))
-        return counts.sent - 1
+        stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
+        left = ask.deadline - time.monotonic()
+        self._ask_again(ask, min(ASK_ANOTHER_AFTER, left / 2))
 
-    def _settle_on(self, answered: BidiStream, asked: dict[BidiStream, int]) -> None:
-        """Keep only the stream that answered. If the first one asked stayed silent, its
-        member is at best slower than this one: calls and streams move away from it."""
-        silent = next(iter(asked))
-        for stream in list(self._streams):
-            if stream is not answered:
-                self._drop(stream)
+    def _ask_again(self, ask: _Ask, delay: float) -> None:
+        if ask.next is not None:
+            ask.next.cancel()
+        ask.next = self.timer.call_later(delay, lambda: self._ask(ask))
+
+    def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
+        waiting = self._opening.get(endpoint)
+        if waiting is not None:
+            if ask not in waiting:
+                waiting.append(ask)
+            return
+        self._opening[endpoint] = [ask]
+        timeout = max(0.001, ask.deadline - time.monotonic())
+        try:
+            self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
+        except RuntimeError as exc:  # no thread to open it on: retried after a backoff
+            self._opened(endpoint, Unavailable(f"cannot open a keepalive stream: {exc}"))
+
+    def _opened(self, endpoint: Endpoint, opened: BidiStream | EtcdError) -> None:
+        waiting = self._opening.pop(endpoint, [])
+        if isinstance(opened, BidiStream):
+            if not self._leases:
+                opened.close()
+                return
+            self._streams[opened] = {}
+        for ask in waiting:
+            if self._asks.get(ask.lease_id) is not ask:
+                continue
+            if isinstance(opened, BidiStream):
+                self._send(ask, opened)
+            else:
+                ask.last_error = opened
+                self._ask_again(ask, ask.backoff.next())
+
+    def _on_item(self, item: StreamItem) -> None:
+        counts = self._streams.get(item.stream)
+        if counts is None:
+            return  # a stream we already left
+        if item.error is not None:
+            self._broken(item.stream, item.error)
+            return
+        lease_id = int(item.response.ID)
+        lease_counts = counts.get(lease_id)
+        if lease_counts is None:
+            return  # a lease forgotten meanwhile
+        index = lease_counts.received
+        lease_counts.received += 1
+        ask = self._asks.get(lease_id)
+        if ask is None or index < ask.asked.get(item.stream, lease_counts.sent):
+            return  # the late answer to an earlier keepalive
+        self._settle_on(item.stream, ask)
+        if item.response.TTL <= 0:
+            self._finish(ask, LeaseNotFound(f"lease {lease_id:x} expired or was revoked"))
+        else:
+            self._finish(ask, int(item.response.TTL))
+
+    def _broken(self, stream: BidiStream, error: EtcdError) -> None:
+        """``stream`` ended: drop it, fail over, and send what waited on it again."""
+        self._drop(stream)
+        client = self._client_ref()
+        if client is not None:
+            client.failover(stream.endpoint)
+        for ask in list(self._asks.values()):
+            if stream in ask.asked:
+                del ask.asked[stream]
+                ask.last_error = error
+                if not ask.asked:
+                    self._ask_again(ask, ask.backoff.next())
+
+    def _settle_on(self, answered: BidiStream, ask: _Ask) -> None:
+        """The stream that answered is the one in use from now on. If the first one asked
+        stayed silent, its member is at best slower than this one: calls and streams move
+        away from it."""
+        if next(iter(self._streams)) is not answered:
+            self._streams = {answered: self._streams[answered], **self._streams}
+        silent = next(iter(ask.asked))
         if silent is not answered:
-            self._client.failover(silent.endpoint)
+            client = self._client_ref()
+            if client is not None:
+                client.failover(silent.endpoint)
 
-    def _next_answer(self, deadline: float) -> StreamItem | None:
-        """The next item of an open stream (stale items of dropped streams are skipped)."""
-        while True:
-            try:
-                item = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
-            if item.stream in self._streams:
-                return item
+    def _expire(self, ask: _Ask) -> None:
+        if self._asks.get(ask.lease_id) is ask:
+            self._finish(ask, Unavailable(f"keepalive: no answer in time ({ask.last_error})"))
+
+    def _finish(self, ask: _Ask, outcome: Outcome) -> None:
+        self._drop_ask(ask)
+        ask.done(outcome)
+
+    def _drop_ask(self, ask: _Ask) -> None:
+        if self._asks.get(ask.lease_id) is ask:
+            del self._asks[ask.lease_id]
+        for handle in (ask.next, ask.expiry):
+            if handle is not None:
+                handle.cancel()
+        self._close_unused()
+
+    def _forget(self, lease_id: int) -> None:
+        self._leases.discard(lease_id)
+        for counts in self._streams.values():
+            counts.pop(lease_id, None)
+        ask = self._asks.get(lease_id)
+        if ask is not None:
+            self._drop_ask(ask)
+        else:
+            self._close_unused()
+
+    def _close_unused(self) -> None:
+        """Close every stream but the one in use that no keepalive waits on; all of them
+        when no lease is left."""
+        waited_on = {stream for ask in self._asks.values() for stream in ask.asked}
+        for index, stream in enumerate(list(self._streams)):
+            if stream not in waited_on and (index > 0 or not self._leases):
+                self._drop(stream)
 
     def _drop(self, stream: BidiStream) -> None:
-        with self._lock:
-            self._streams.pop(stream, None)
+        self._streams.pop(stream, None)
         stream.close()
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            streams, self._streams = list(self._streams), {}
-        for stream in streams:
-            stream.close()
+    # -- on other threads -----------------------------------------------------------------
+
+    def _dial(self, endpoint: Endpoint, timeout: float) -> None:
+        """On the opener thread: open a stream to ``endpoint`` (Auth.Authenticate first when
+        the token is missing, within ``timeout`` seconds), and hand it to the timer thread."""
+        opened: BidiStream | EtcdError
+        client = self._client_ref()
+        try:
+            if client is None:
+                raise EtcdError("client is closed", "CANCELLED")
+            opened = BidiStream(
+                client, "lease", "LeaseKeepAlive", self._deliver, timeout, endpoint=endpoint
+            )
+        except EtcdError as exc:
+            opened = exc
+        except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
+            opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
+        self.timer.call_later(0, lambda: self._opened(endpoint, opened))
+
+    def _deliver(self, item: StreamItem) -> None:
+        """From a stream's reader thread: hand the answer to the timer thread. Answers that
+        come in a burst (keepalives sent together) are handled in one step."""
+        with self._inbox_lock:
+            self._inbox.append(item)
+            if self._draining:
+                return
+            self._draining = True
+        self.timer.call_later(0, self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    self._draining = False
+                    return
+                item = self._inbox.popleft()
+            self._on_item(item)
+
+
+class _Ask:
+    """One keepalive of one lease under way: the streams it went out on (in order, each
+    with the index its answer will have there), when it gives up, whom it tells."""
+
+    __slots__ = ("asked", "backoff", "deadline", "done", "expiry", "last_error", "lease_id", "next")
+
+    def __init__(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
+        self.lease_id = lease_id
+        self.deadline = deadline
+        self.done = done
+        self.asked: dict[BidiStream, int] = {}
+        self.backoff = Backoff()
+        self.last_error: EtcdError = Unavailable("keepalive: no answer in time")
+        self.next: Handle | None = None  # the next stream asked, or the retry
+        self.expiry: Handle | None = None
 
 
 class _Counts:
-    """Keepalives sent on one stream, and answers received on it."""
+    """Keepalives of one lease sent on one stream, and answers received to them."""
 
     __slots__ = ("received", "sent")
 
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+
+
+_keepalives: weakref.WeakKeyDictionary[Client, KeepAlives] = weakref.WeakKeyDictionary()
+_keepalives_lock = threading.Lock()
+
+
+def keepalives_for(client: Client) -> KeepAlives:
+    """The one KeepAlives of ``client``, made on first use, gone with the client."""
+    with _keepalives_lock:
+        keepalives = _keepalives.get(client)
+        if keepalives is None:
+            keepalives = _keepalives[client] = KeepAlives(client)
+        return keepalives
+
+
+class KeepAlive:
+    """The keepalives of one lease, waited for in the calling thread (on the client's one
+    LeaseKeepAlive stream, as ``KeepAlives`` describes)."""
+
+    # Beyond the keepalive's own deadline, which the timer thread enforces: how late that
+    # thread may be scheduled before this thread stops waiting for it.
+    _SLACK = 1.0  # seconds
+
+    def __init__(self, client: Client, lease_id: int) -> None:
+        self._keepalives = keepalives_for(client)
+        self._lease_id = lease_id
+
+    def refresh(self, deadline: float) -> int:
+        """Return the lease's TTL in seconds after this keepalive (LeaseKeepAlive).
+
+        Raises LeaseNotFound when etcd answers TTL <= 0 (expired or revoked), Unavailable when
+        no answer comes by ``deadline`` (a ``time.monotonic()`` value)."""
+        answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._keepalives.refresh(self._lease_id, deadline, answers.put)
+        try:
+            outcome = answers.get(timeout=max(0.0, deadline - time.monotonic()) + self._SLACK)
+        except queue.Empty:
+            raise Unavailable("keepalive: no answer in time") from None
+        if isinstance(outcome, EtcdError):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        self._keepalives.forget(self._lease_id)

@@ -55,9 +55,10 @@ class Watch:
     """Watch.Watch on one key, or on the range ``[key, range_end)`` when ``range_end`` is
     given, from ``start_revision`` on (0: from now). Notices go to ``deliver`` from the
     client's stream reader thread, events in revision order (one etcd watcher); ``deliver``
-    must not block. ``only_deletes`` asks etcd to filter out PUT events; ``confirm`` asks for
-    a ``created`` notice once etcd has set the watch up. ``cancel()`` stops delivery.
-    Raises EtcdError when the client's stream is not open and cannot be opened.
+    must not block (``cancel()`` waits for a notice being delivered). ``only_deletes`` asks
+    etcd to filter out PUT events; ``confirm`` asks for a ``created`` notice once etcd has
+    set the watch up. ``cancel()`` stops delivery. Raises EtcdError when the client's
+    stream is not open and cannot be opened.
 
     When the shared stream breaks (a member goes away), stays silent through a progress
     request (a hung member, see ``probe_after``), or calls fail over away from its endpoint,
@@ -88,16 +89,28 @@ class Watch:
         self._probe_after = probe_after
         self._id: int | None = None  # etcd's watch_id on the current stream
         self._cancelled = False
+        # Held while a notice is handed to ``deliver``, and by cancel(): once cancel()
+        # returns, no notice is on its way any more. Reentrant: a ``deliver`` may cancel
+        # its own watch.
+        self._delivering = threading.RLock()
         self._ended = threading.Event()  # cancelled, or the error delivered
         self._hub = _hub_for(client)
         self._hub.add(self)
 
     def cancel(self) -> None:
-        """Stop delivery (nothing is delivered once this returns, but from a notice
-        being delivered right now) and tell etcd to drop the watcher."""
-        self._cancelled = True
+        """Stop delivery and tell etcd to drop the watcher (Watch.Watch cancel_request).
+        Nothing is delivered once this returns: a notice being delivered by another thread
+        right now is waited for (``deliver`` must not block)."""
+        with self._delivering:
+            self._cancelled = True
         self._ended.set()
         self._hub.remove(self)
+
+    def _hand_over(self, notice: WatchNotice) -> None:
+        """Deliver ``notice`` unless cancelled (called with no hub lock held)."""
+        with self._delivering:
+            if not self._cancelled:
+                self._deliver(notice)
 
     def _create_request(self) -> rpc_pb2.WatchRequest:
         return rpc_pb2.WatchRequest(
@@ -135,9 +148,10 @@ def _cancel_error(response: rpc_pb2.WatchResponse) -> EtcdError:
 class _Hub:
     """The one Watch.Watch stream of a Client and the watches on it.
 
-    State changes under ``_lock``; notices are delivered outside it, from the reader thread
-    (or, for the errors that end watches, the thread that found the stream broken), so a
-    ``deliver`` may cancel or open watches."""
+    State changes under ``_lock``, which is never held across a call that waits on etcd
+    (opening the stream runs outside it). Notices are delivered outside it, from the reader
+    thread (or, for the errors that end watches, the timer thread), so a ``deliver`` may
+    cancel or open watches."""
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # the hub lives in a map keyed by the client
@@ -154,18 +168,33 @@ class _Hub:
         self._left: Endpoint | None = None  # the endpoint of the stream that broke
         self._probing = False
         self._idle_check = False
+        self._opening = False  # a thread is opening the stream, outside the lock
         client.on_failover(self._endpoint_failed)
 
     # -- watches come and go -----------------------------------------------------------
 
     def add(self, watch: Watch) -> None:
+        """Register ``watch``; open the stream first if there is none (in this thread,
+        outside the lock). Raises EtcdError when that fails: ``watch`` is not registered."""
         with self._lock:
-            if self._stream is None and not self._resuming:
-                self._stream = self._open()  # raises EtcdError: nothing registered then
             self._watches.add(watch)
             if self._stream is not None:
                 self._send_create(self._stream, watch)
-            self._schedule_probe()
+                self._schedule_probe()
+                return
+            if self._resuming or self._opening:
+                return  # created when that stream is up
+            self._opening = True
+        try:
+            stream = self._open()
+        except EtcdError as exc:
+            with self._lock:
+                self._opening = False
+                self._watches.discard(watch)
+                if self._watches:  # others came meanwhile: they wait for a retry
+                    self._retry_open(exc)
+            raise
+        self._install(stream)
 
     def remove(self, watch: Watch) -> None:
         with self._lock:
@@ -181,9 +210,12 @@ class _Hub:
                     )
                 )
             # Not yet created: its ``created`` answer is matched, then cancelled.
-            if not self._watches and not self._idle_check:
-                self._idle_check = True
-                self._timer.call_later(IDLE_CLOSE, self._close_if_idle)
+            self._schedule_idle_check()
+
+    def _schedule_idle_check(self) -> None:
+        if not self._watches and not self._idle_check:
+            self._idle_check = True
+            self._timer.call_later(IDLE_CLOSE, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
         with self._lock:
@@ -199,13 +231,36 @@ class _Hub:
     # -- the stream ----------------------------------------------------------------------
 
     def _open(self) -> BidiStream:
+        """A new Watch.Watch stream. Never called with the lock held: it may need an
+        Auth.Authenticate or a TLS handshake (seconds against a hung member), and the
+        keepalive's failover and a hold's loss callback need the lock meanwhile."""
         client = self._client_ref()
         if client is None:
             raise EtcdError("client is closed", "CANCELLED")
-        self._heard = time.monotonic()
-        self._unanswered.clear()
-        self._by_id.clear()
         return BidiStream(client, "watch", "Watch", self._on_item)
+
+    def _install(self, stream: BidiStream) -> None:
+        """Make the newly opened ``stream`` the hub's and create every watch on it."""
+        with self._lock:
+            self._opening = False
+            self._stream = stream
+            self._heard = time.monotonic()
+            self._unanswered.clear()
+            self._by_id.clear()
+            for watch in list(self._watches):
+                self._send_create(stream, watch)
+            self._schedule_idle_check()  # every watch cancelled while it opened
+            self._schedule_probe()
+
+    def _retry_open(self, error: EtcdError) -> None:
+        """Opening failed with watches waiting (lock held): try again after a pause, or end
+        them all with the error."""
+        self._failures += 1
+        if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
+            self._end_all(error)
+        else:
+            self._resuming = True
+            self._timer.call_later(self._backoff.next(), self._resume)
 
     def _send_create(self, stream: BidiStream, watch: Watch) -> None:
         watch._id = None
@@ -268,7 +323,7 @@ class _Hub:
                     self._failures = 0
                     notices.append(watch._on_events(response))
         for notice in notices:
-            notice.watch._deliver(notice)
+            notice.watch._hand_over(notice)
 
     def _broken(self, stream: BidiStream, error: EtcdError) -> None:
         """The stream failed (called with the lock held, with the stream current): move
@@ -294,8 +349,7 @@ class _Hub:
 
         def deliver() -> None:
             for notice in notices:
-                if not notice.watch._cancelled:
-                    notice.watch._deliver(notice)
+                notice.watch._hand_over(notice)
 
         # Not under the lock, nor from inside a caller that holds it.
         self._timer.call_later(0, deliver)
@@ -308,23 +362,18 @@ class _Hub:
             client.failover(left)  # not under our lock: it calls failover listeners
         with self._lock:
             self._resuming = False
-            if self._stream is not None:
+            if self._stream is not None or self._opening or not self._watches:
                 return
-            if not self._watches:
-                return
-            try:
-                self._stream = self._open()
-            except EtcdError as exc:
-                self._failures += 1
-                if not _resumable(exc) or self._failures > Watch.MAX_RESUMES:
-                    self._end_all(exc)
-                else:
-                    self._resuming = True
-                    self._timer.call_later(self._backoff.next(), self._resume)
-                return
-            for watch in list(self._watches):
-                self._send_create(self._stream, watch)
-            self._schedule_probe()
+            self._opening = True
+        try:
+            stream = self._open()
+        except EtcdError as exc:
+            with self._lock:
+                self._opening = False
+                if self._watches:
+                    self._retry_open(exc)
+            return
+        self._install(stream)
 
     def _endpoint_failed(self, failed: Endpoint) -> None:
         """Calls moved away from ``failed``: a stream on it moves too (a member that no

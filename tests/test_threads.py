@@ -1,0 +1,206 @@
+"""What sessions, holds and waiters cost a client: threads and LeaseKeepAlive streams, and
+the loss that sharing them must not delay. Against real etcd servers."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import conch
+from conch.etcd import Client
+from conch.flag import Flag
+from conch.session import Session, keepalive_margin
+from conch.timer import timer_for
+from tests.conftest import DEADLINE, poll, sema_keys
+from tests.etcd_server import EtcdCluster, free_port
+
+APP = "app"  # the name of the test's own threads, which are not conch's
+
+
+def conch_threads() -> int:
+    """OS threads of this process (gRPC's C threads included) but the test's own."""
+    own = sum(t.name == APP for t in threading.enumerate())
+    return len(os.listdir("/proc/self/task")) - own
+
+
+@pytest.fixture
+def metered(tmp_path: Path) -> Iterator[tuple[EtcdCluster, str]]:
+    """An etcd of its own, with its Prometheus metrics at the returned URL."""
+    url = f"http://127.0.0.1:{free_port()}"
+    cluster = EtcdCluster(tmp_path / "metered", extra=["--listen-metrics-urls", url])
+    cluster.start()
+    yield cluster, url
+    cluster.stop()
+
+
+def keepalive_streams_started(metrics_url: str) -> int:
+    """etcd's count of LeaseKeepAlive streams opened on it so far."""
+    with urllib.request.urlopen(metrics_url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(
+        r'grpc_server_started_total\{[^}]*grpc_method="LeaseKeepAlive"[^}]*\} (\d+)', text
+    )
+    return int(found.group(1)) if found else 0
+
+
+def kept_alive(session: Session, granted_until: float) -> bool:
+    """Whether ``session`` has had a keepalive confirmed since it was granted."""
+    return session.alive_until > granted_until
+
+
+def open_sessions(client: Client, count: int, ttl: int) -> list[tuple[Session, float]]:
+    sessions = []
+    for _ in range(count):
+        session = Session(client, ttl=ttl)
+        sessions.append((session, session.alive_until))
+    return sessions
+
+
+def test_one_keepalive_stream_carries_every_lease_of_a_client(
+    metered: tuple[EtcdCluster, str],
+) -> None:
+    """50 sessions on one client: every keepalive is confirmed, and etcd saw one
+    LeaseKeepAlive stream opened, not one per lease."""
+    cluster, metrics = metered
+    with cluster.client() as client:
+        before = keepalive_streams_started(metrics)
+        sessions = open_sessions(client, 50, ttl=3)
+        try:
+            poll(
+                lambda: all(kept_alive(s, granted) for s, granted in sessions),
+                what="a keepalive confirmed for every session",
+            )
+            assert keepalive_streams_started(metrics) - before == 1
+            assert not any(s.lost.is_set() for s, _ in sessions)
+        finally:
+            for session, _ in sessions:
+                session.close()
+
+
+def test_threads_do_not_grow_with_the_number_of_sessions(client: Client) -> None:
+    """1 session, then 200 on the same client, each kept alive: the process has the same
+    threads (a keepalive thread, a stream reader and gRPC's request thread per session
+    before: 600 more)."""
+    one = open_sessions(client, 1, ttl=3)
+    poll(lambda: all(kept_alive(s, g) for s, g in one), what="the first keepalive")
+    with_one = conch_threads()
+    many = one + open_sessions(client, 199, ttl=3)
+    try:
+        poll(lambda: all(kept_alive(s, g) for s, g in many), what="every session kept alive")
+        with_many = conch_threads()
+        # Equal but for a thread of the pool winding down or starting (the stream opener
+        # ends 5 s after its last open; gRPC's own come and go): a few, never per session.
+        assert with_many <= with_one + 3, (with_one, with_many)
+        assert with_many <= 40, with_many
+    finally:
+        for session, _ in many:
+            session.close()
+
+
+def test_threads_do_not_grow_with_the_number_of_waiters_and_holds(
+    client: Client, name: str
+) -> None:
+    """One hold and one waiter on private sessions, then 200 holds of 200 semaphores and
+    200 waiters behind them, each waiter on a thread of the application's and a private
+    session: conch's threads stay as they were."""
+    semas = [conch.Semaphore(client, f"{name}-{i}", max=1, ttl=3) for i in range(200)]
+
+    def queue_behind(count: int) -> tuple[list[conch.Hold], list[threading.Thread]]:
+        holds = [sema.acquire(timeout=DEADLINE) for sema in semas[:count]]
+        granted = {h.lease_id: h.session.alive_until for h in holds}
+        waiters = [
+            threading.Thread(target=_acquire_and_release, args=(sema,), name=APP, daemon=True)
+            for sema in semas[:count]
+        ]
+        for waiter in waiters:
+            waiter.start()
+        poll(
+            lambda: all(len(sema_keys(client, s.name)) == 2 for s in semas[:count]),
+            what="every waiter queued",
+        )
+        # A keepalive confirmed on every hold's session: their stream is open.
+        poll(
+            lambda: all(kept_alive(h.session, granted[h.lease_id]) for h in holds),
+            what="a keepalive confirmed on every hold",
+        )
+        return holds, waiters
+
+    def drain(holds: list[conch.Hold], waiters: list[threading.Thread]) -> None:
+        for hold in holds:
+            hold.release()
+        for waiter in waiters:
+            waiter.join(DEADLINE)
+            assert not waiter.is_alive()
+
+    holds, waiters = queue_behind(1)
+    with_one = conch_threads()
+    drain(holds, waiters)
+    holds, waiters = queue_behind(200)
+    with_many = conch_threads()
+    drain(holds, waiters)
+    assert with_many <= with_one + 3, (with_one, with_many)
+    assert with_many <= 40, with_many
+    assert all(sema_keys(client, s.name) == [] for s in semas)
+
+
+def _acquire_and_release(sema: conch.Semaphore) -> None:
+    sema.acquire(timeout=DEADLINE).release()
+
+
+def _note_time(times: dict[int, float], key: int) -> Callable[[Flag], None]:
+    def note(_: Flag) -> None:
+        times.setdefault(key, time.monotonic())
+
+    return note
+
+
+def test_loss_is_declared_within_an_interval_and_margin_with_100_sessions_on_the_stream(
+    tmp_path: Path,
+) -> None:
+    """101 sessions (TTL 6 s) share the client's stream, and the client's timer is stuck in
+    a step that waits (as a guard's call to a hung etcd does); etcd is stopped (SIGSTOP).
+    Every session declares its loss no later than one interval plus the margin after its
+    first unanswered keepalive, and so before its lease could expire on the server."""
+    ttl = 6
+    cluster = EtcdCluster(tmp_path / "stopped")
+    cluster.start()
+    stuck = threading.Event()
+    try:
+        with cluster.client() as client:
+            sessions = [s for s, _ in open_sessions(client, 101, ttl=ttl)]
+            first = {id(s): s.alive_until for s in sessions}
+            poll(
+                lambda: all(s.alive_until > first[id(s)] for s in sessions),
+                what="every session kept alive",
+            )
+            lost_at: dict[int, float] = {}
+            for session in sessions:
+                session.lost.add_callback(_note_time(lost_at, session.lease_id))
+            timer_for(client).call_later(0, lambda: stuck.wait(DEADLINE))
+            cluster.members[0].pause()
+            stopped = time.monotonic()
+            poll(lambda: len(lost_at) == len(sessions), what="every session lost")
+            interval, margin = ttl / 3, keepalive_margin(ttl)
+            for session in sessions:
+                # The last confirmed keepalive was sent at alive_until - TTL; the next went
+                # out one interval later and was never answered.
+                last_sent = session.alive_until - session.ttl
+                declared = lost_at[session.lease_id]
+                assert declared < session.alive_until, "lost only after the lease could expire"
+                assert declared - last_sent <= 2 * interval + margin + 0.5
+                assert declared - stopped <= 2 * interval + margin + 0.5
+                assert "no answer" in str(session.lost.reason)
+            cluster.members[0].resume()
+            for session in sessions:
+                session.close()
+    finally:
+        stuck.set()
+        cluster.members[0].resume()
+        cluster.stop()

@@ -189,14 +189,14 @@ class _Keeper:
         client._keepers.add(self)
 
     async def run(self) -> None:
-        keepalives = etcd_aio.keepalives_for(self.client.sync)
+        client = self.client.sync
         margin = keepalive_margin(self.ttl)
         next_send = time.monotonic() + self.interval
         while True:
             await asyncio.sleep(max(0.0, next_send - time.monotonic()))
             sent = time.monotonic()
             try:
-                ttl = await keepalives.refresh(self.lease_id, sent + self.interval + margin)
+                ttl = await etcd_aio.keepalive(client, self.lease_id, sent + self.interval + margin)
             except LeaseNotFound:
                 self.declare_lost("lease expired or was revoked")
                 return
@@ -209,6 +209,7 @@ class _Keeper:
     def declare_lost(self, reason: str) -> None:
         if self.closed or self.lost.is_set():
             return
+        etcd_aio.forget_lease(self.client.sync, self.lease_id)
         self.reason = reason
         self.lost.set()
         for key in list(self.listeners):
@@ -239,6 +240,7 @@ class _Keeper:
         if self.revoked is None:
             self.closed = True
             self.task.cancel()
+            etcd_aio.forget_lease(self.client.sync, self.lease_id)
             self.client._keepers.discard(self)
             self.revoked = self.loop.create_task(self._revoke(timeout))
         return await _outlast_cancel(self.revoked)
@@ -273,10 +275,10 @@ def _session_dropped(keeper: _Keeper) -> None:
 
 class Session:
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 by a task
-    on the loop, on the client's one LeaseKeepAlive stream for coroutine sessions; the
-    coroutine face of ``conch.Session``. Open it with ``async with Session(client, ttl)``
-    or ``session = await Session(client, ttl)``; ``await session.close()`` revokes the
-    lease, so every key on it goes at once.
+    on the loop, on the client's one LeaseKeepAlive stream (shared with the threaded face's
+    sessions); the coroutine face of ``conch.Session``. Open it with ``async with
+    Session(client, ttl)`` or ``session = await Session(client, ttl)``; ``await
+    session.close()`` revokes the lease, so every key on it goes at once.
 
     ``lost`` (an ``asyncio.Event``) is set the moment it is no longer certain the lease is
     alive: etcd answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no

@@ -1,10 +1,11 @@
 """The etcd layer for coroutines: the same calls and streams as the threaded layer, awaited.
 
 Unary calls are ``Client.call_async``: one gRPC ``.future()`` per attempt, under the
-client's own deadlines, failover and token renewal. The streams are the client's own: its
-one Watch.Watch stream (``conch.etcd.watch``), whose reader thread hands each notice to the
-loop with ``call_soon_threadsafe`` (``LoopWatch``), and one LeaseKeepAlive stream for the
-leases of every coroutine session on the client (``KeepAlives``). So a process pays a
+client's own deadlines, failover and token renewal. The streams are the client's own, shared
+with the threaded face: its one Watch.Watch stream (``conch.etcd.watch``), whose reader
+thread hands each notice to the loop with ``call_soon_threadsafe`` (``LoopWatch``), and its
+one LeaseKeepAlive stream for the leases of all its sessions (``lease.KeepAlives``), whose
+timer thread hands each answer to the loop the same way (``keepalive``). So a process pays a
 constant number of threads for any number of waiters, holds and sessions: no thread per
 call, none per waiter, and nothing on the loop's default executor.
 """
@@ -13,18 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
-from conch.etcd import kv
-from conch.etcd.client import Backoff, BidiStream, Client, StreamItem
-from conch.etcd.lease import ASK_ANOTHER_AFTER, Grant
+from conch.etcd import kv, lease
+from conch.etcd.client import Client
+from conch.etcd.lease import Grant
 from conch.etcd.watch import Watch, WatchNotice
 
 
@@ -155,162 +154,39 @@ class LoopWatch:
 # -- the LeaseKeepAlive stream ---------------------------------------------------------------
 
 
-class KeepAlives:
-    """One LeaseKeepAlive stream per client for the leases of its coroutine sessions (etcd
-    takes any number of lease IDs on one stream and answers each request with that ID), and
-    its one reader thread. ``keepalives_for(client)`` gives the client's.
-
-    ``await refresh(lease_id, deadline)`` sends one keepalive and returns the TTL etcd
-    answered. The stream is opened when first needed; when it breaks, or stays silent
-    ASK_ANOTHER_AFTER seconds with other endpoints to ask, calls fail over from its member
-    and every refresh in flight is sent again on a new stream, until its deadline."""
-
-    def __init__(self, client: Client) -> None:
-        self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
-        self._lock = threading.Lock()  # the reader thread and the loops share the maps
-        self._stream: BidiStream | None = None
-        # The refreshes waiting for an answer on the current stream: etcd answers a lease's
-        # keepalives in order, so each answer for an ID settles the oldest refresh of it.
-        self._waiting: dict[int, list[_Pending]] = {}
-
-    async def refresh(self, lease_id: int, deadline: float) -> int:
-        """Return the lease's TTL (seconds) after one keepalive. Raises LeaseNotFound when
-        etcd answers TTL <= 0 (expired or revoked), Unavailable when no answer comes by
-        ``deadline`` (``time.monotonic()``)."""
-        client = self._client()
-        backoff = Backoff()
-        last_error: EtcdError = Unavailable("keepalive: no answer in time")
-        many = len(client.endpoints) > 1
-        while time.monotonic() < deadline:
-            try:
-                await client.token_async(max(0.001, deadline - time.monotonic()))
-                pending, stream = self._send(client, lease_id)
-            except EtcdError as exc:
-                last_error = exc
-                await asyncio.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
-                continue
-            wait = deadline - time.monotonic()
-            if many:
-                wait = min(wait, ASK_ANOTHER_AFTER)
-            try:
-                answer = await asyncio.wait_for(asyncio.shield(pending.future), max(0.0, wait))
-            except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-                self._forget(lease_id, pending)
-                if many and time.monotonic() < deadline:
-                    # A silent member: calls and streams move on; ask the next one.
-                    self._abandon(stream, Unavailable(f"keepalive: {stream.endpoint} silent"))
-                continue
-            except EtcdError as exc:
-                last_error = exc
-                await asyncio.sleep(min(backoff.next(), max(0.0, deadline - time.monotonic())))
-                continue
-            if answer <= 0:
-                raise LeaseNotFound(f"lease {lease_id:x} expired or was revoked")
-            return answer
-        raise Unavailable(f"keepalive: no answer in time ({last_error})")
-
-    def _client(self) -> Client:
-        client = self._client_ref()
-        if client is None:
-            raise Unavailable("keepalive: client is gone")
-        return client
-
-    def _send(self, client: Client, lease_id: int) -> tuple[_Pending, BidiStream]:
-        pending = _Pending(asyncio.get_running_loop())
-        with self._lock:
-            stream = self._stream
-            if stream is None:
-                if not client.token_at_hand():
-                    # Renewed since refresh fetched it: fetch it again, not under the lock.
-                    raise Unavailable("keepalive: auth token being renewed")
-                stream = self._stream = BidiStream(client, "lease", "LeaseKeepAlive", self._on_item)
-            self._waiting.setdefault(lease_id, []).append(pending)
-            stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=lease_id))
-        return pending, stream
-
-    def _forget(self, lease_id: int, pending: _Pending) -> None:
-        with self._lock:
-            waiting = self._waiting.get(lease_id, [])
-            if pending in waiting:
-                # Its answer may still come: it must not settle a later refresh. Kept in
-                # place, settled by nobody (a later answer pops it first).
-                pending.abandoned = True
-
-    def _on_item(self, item: StreamItem) -> None:
-        """From the stream's reader thread: an answer settles the oldest refresh of its
-        lease; the stream's end fails every refresh on it."""
-        with self._lock:
-            if item.stream is not self._stream:
-                return
-            if item.error is None:
-                waiting = self._waiting.get(item.response.ID, [])
-                pending = waiting.pop(0) if waiting else None
-                if not waiting:
-                    self._waiting.pop(item.response.ID, None)
-                if pending is not None:
-                    pending.settle(int(item.response.TTL), None)
-                return
-        self._abandon(item.stream, item.error)
-
-    def _abandon(self, stream: BidiStream, error: EtcdError) -> None:
-        """Leave ``stream`` (broken or silent): its member loses the calls too, and every
-        refresh waiting on it fails with ``error`` (each is sent again on the next)."""
-        with self._lock:
-            if stream is not self._stream:
-                return
-            self._stream = None
-            waiting, self._waiting = self._waiting, {}
-        stream.close()
-        client = self._client_ref()
-        if client is not None:
-            client.failover(stream.endpoint)
-        for refreshes in waiting.values():
-            for pending in refreshes:
-                pending.settle(0, error)
-
-    def close(self) -> None:
-        with self._lock:
-            stream, self._stream = self._stream, None
-            waiting, self._waiting = self._waiting, {}
-        if stream is not None:
-            stream.close()
-        for refreshes in waiting.values():
-            for pending in refreshes:
-                pending.settle(0, Unavailable("keepalive stream closed"))
+# Beyond a keepalive's own deadline, which the keepalives' timer thread enforces: how late
+# that thread may be scheduled before the awaiting coroutine stops waiting for it.
+KEEPALIVE_SLACK = 1.0  # seconds
 
 
-class _Pending:
-    """One keepalive sent, its answer to come: a future on the loop that sent it."""
+async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
+    """One LeaseKeepAlive of ``lease_id`` on the client's one keepalive stream (shared with
+    every session of the client, either face: ``lease.KeepAlives``), awaited: the lease's
+    TTL in seconds. Raises LeaseNotFound when etcd answers TTL <= 0 (expired or revoked),
+    Unavailable when no answer comes by ``deadline`` (``time.monotonic()``). A cancel of
+    the awaiting task leaves the keepalive to run out on its own (its answer is dropped)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[lease.Outcome] = loop.create_future()
 
-    __slots__ = ("abandoned", "future", "loop")
+    def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
+        call_soon(loop, _settle, answer, outcome)
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.future: asyncio.Future[int] = loop.create_future()
-        self.abandoned = False
-
-    def settle(self, ttl: int, error: EtcdError | None) -> None:  # any thread
-        if not self.abandoned:
-            call_soon(self.loop, self._settle, ttl, error)
-
-    def _settle(self, ttl: int, error: EtcdError | None) -> None:  # on the loop
-        if self.future.done():
-            return
-        if error is None:
-            self.future.set_result(ttl)
-        else:
-            self.future.set_exception(error)
-
-
-_keepalives: weakref.WeakKeyDictionary[Client, KeepAlives] = weakref.WeakKeyDictionary()
-_keepalives_lock = threading.Lock()
+    lease.keepalives_for(client).refresh(lease_id, deadline, done)
+    left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
+    try:
+        outcome = await asyncio.wait_for(answer, left)
+    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+        raise Unavailable("keepalive: no answer in time") from None
+    if isinstance(outcome, EtcdError):
+        raise outcome
+    return outcome
 
 
-def keepalives_for(client: Client) -> KeepAlives:
-    """The one KeepAlives of ``client``, made on first use, gone with the client."""
-    with _keepalives_lock:
-        keepalives = _keepalives.get(client)
-        if keepalives is None:
-            keepalives = _keepalives[client] = KeepAlives(client)
-            client.on_close(lambda _seconds: keepalives.close())
-        return keepalives
+def forget_lease(client: Client, lease_id: int) -> None:
+    """Stop keeping ``lease_id`` alive on the client's keepalive stream (no wait)."""
+    lease.keepalives_for(client).forget(lease_id)
+
+
+def _settle(answer: asyncio.Future[lease.Outcome], outcome: lease.Outcome) -> None:
+    if not answer.done():
+        answer.set_result(outcome)

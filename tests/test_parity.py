@@ -15,7 +15,7 @@ import gc
 import sys
 import time
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 import pytest
@@ -34,6 +34,7 @@ class Face(Protocol):
     name: str
     interrupted: type[BaseException]  # what an interrupted wait raises
 
+    def at(self, etcd: EtcdCluster) -> Face: ...
     def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
     def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
     def session(self, client: Any, ttl: int = 5) -> contextlib.AbstractAsyncContextManager[Any]: ...
@@ -71,6 +72,10 @@ class Threaded:
 
     def __init__(self, etcd: EtcdCluster) -> None:
         self.endpoints = etcd.endpoints
+
+    def at(self, etcd: EtcdCluster) -> Face:
+        """This face on another etcd."""
+        return type(self)(etcd)
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[conch.Client]:
@@ -157,6 +162,10 @@ class Asyncio:
 
     def __init__(self, etcd: EtcdCluster) -> None:
         self.endpoints = etcd.endpoints
+
+    def at(self, etcd: EtcdCluster) -> Face:
+        """This face on another etcd."""
+        return type(self)(etcd)
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
         return conch.aio.connect(self.endpoints)
@@ -560,3 +569,53 @@ def test_a_waiter_whose_own_session_is_lost_re_enters_and_still_gets_the_slot(
 
     run(face, scenario)
     assert sema_keys(client, name) == []
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A one-member etcd of this module's own, which a test may kill and start again."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("restartable"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_a_waiter_keeps_its_place_while_etcd_is_away_for_a_moment(
+    face: Face, restartable: EtcdCluster, name: str
+) -> None:
+    """etcd killed and back with its data within the leases' TTL (30 s): the waiter's lease
+    lived through it, so it keeps its key (no re-entry at the back of the queue) and takes
+    the slot with it when the holder leaves."""
+    here = face.at(restartable)
+    member = restartable.members[0]
+
+    async def scenario(fclient: Any) -> None:
+        with restartable.client() as client:
+            first = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+            waiting = asyncio.ensure_future(
+                here.acquire(here.semaphore(fclient, name, max=1, ttl=30))
+            )
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+            await asyncio.sleep(0.5)  # into the wait: its watch is open (no synchronisation)
+            [_, queued] = sema_keys(client, name)
+        member.kill()
+        await asyncio.sleep(2.0)  # the outage
+        member.start(restartable.initial_cluster)
+        await asyncio.to_thread(restartable.wait_healthy)
+        with restartable.client() as client:
+            await asyncio.sleep(1.0)  # the waiter meets etcd again (reads, re-watches)
+            assert [k.create_revision for k in sema_keys(client, name)] == [
+                first.revision,
+                queued.create_revision,
+            ]
+            await here.release(first)
+            second = await asyncio.wait_for(waiting, DEADLINE)
+            assert second.revision == queued.create_revision
+            await here.release(second)
+            assert sema_keys(client, name) == []
+
+    async def main() -> None:
+        async with here.connect() as fclient:
+            await scenario(fclient)
+
+    asyncio.run(main())

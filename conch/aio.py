@@ -306,11 +306,11 @@ class Session:
         self._claims: set[bytes] = set()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    async def _open(self) -> Session:
+    async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
         if self._keeper is not None:
             return self
         asked = time.monotonic()
-        granted = await etcd_aio.grant(self.client.sync, self.ttl)
+        granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives the grant, which is after we sent it:
         # so the lease is certainly alive until send time + TTL (monotonic).
         keeper = _Keeper(self.client, granted.id, granted.ttl, asked + granted.ttl)
@@ -689,12 +689,19 @@ def _cancel_watches(watches: list[etcd_aio.LoopWatch]) -> None:
 
 
 async def _touch(
-    client: etcd_client.Client, key: bytes, revision: int, value: bytes, lease_id: int
+    client: etcd_client.Client,
+    key: bytes,
+    revision: int,
+    value: bytes,
+    lease_id: int,
+    interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.TxnResponse:
     """``hold.touch``, awaited: re-put ``key`` on ``lease_id`` if its create_revision is
     still ``revision`` (one KV.Txn; ``succeeded`` false when the key is gone)."""
     compare = [kv.create_revision_is(key, revision)]
-    return await etcd_aio.txn(client, compare, [kv.op_put(key, value, lease_id)], [])
+    return await etcd_aio.txn(
+        client, compare, [kv.op_put(key, value, lease_id)], [], None, interrupt
+    )
 
 
 async def _give_back(
@@ -763,6 +770,7 @@ class _Driver:
         self.client = sema.client.sync
         self.loop = asyncio.get_running_loop()
         self.inputs: asyncio.Queue[recipe.Input | _Lost] = asyncio.Queue()
+        self.interrupted = asyncio.Event()
         self.shared = session
         self.sessions: dict[int, Session] = {}  # private sessions opened, by lease
         self.current_lease = session.lease_id if session is not None else 0
@@ -779,6 +787,7 @@ class _Driver:
 
     def interrupt(self) -> None:
         """From the awaiting coroutine's cancel: stop waiting (the machine withdraws)."""
+        self.interrupted.set()  # ends the retries of a call under way
         self.inputs.put_nowait(recipe.Interrupt("cancelled"))
 
     async def run(self) -> recipe.Outcome:
@@ -864,31 +873,33 @@ class _Driver:
             return await self._open_watch(action)
         try:
             return await self._call(action)
+        except errors.Interrupted:
+            return None  # the interrupt, already queued, is fed next
         except EtcdError as exc:
             return recipe.Failed(action.id, _failure(exc), str(exc), exc)
 
     async def _call(self, action: recipe.Action) -> recipe.Input:
         sema, client = self.sema, self.client
         if isinstance(action, recipe.OpenSession):
-            session = await Session(sema.client, sema.ttl)
+            session = await Session(sema.client, sema.ttl)._open(self.interrupted)
             self.sessions[session.lease_id] = session
             self.current_lease = session.lease_id
             self._subscribe(session)
             return recipe.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, recipe.SendEnqueue):
-            value, response = await sema._enqueue(action)
+            value, response = await sema._enqueue(action, self.interrupted)
             return _enqueue_answer(action, response, value)
         if isinstance(action, recipe.ReadStanding):
-            return await sema._read_standing(action)
+            return await sema._read_standing(action, self.interrupted)
         if isinstance(action, recipe.ReadKeys):
             reads = [kv.op_get(key) for key in action.keys]
-            response = await etcd_aio.txn(client, [], reads, [])
+            response = await etcd_aio.txn(client, [], reads, [], interrupt=self.interrupted)
             found = [r.response_range.kvs for r in response.responses]
             kvs = [_key_rev(k[0]) if k else None for k in found]
             return recipe.KeysAnswer(action.id, int(response.header.revision), kvs)
         if isinstance(action, recipe.Touch):
             touched = await _touch(
-                client, action.key, action.revision, action.value, action.lease_id
+                client, action.key, action.revision, action.value, action.lease_id, self.interrupted
             )
             return recipe.TouchAnswer(
                 action.id, int(touched.header.revision), bool(touched.succeeded)
@@ -896,7 +907,9 @@ class _Driver:
         if isinstance(action, recipe.CheckLease):
             if self.shared is not None and not self.shared.certainly_alive():
                 return recipe.LeaseAnswer(action.id, 0)
-            ttl = await etcd_aio.time_to_live(client, action.lease_id, WITHDRAW_TIMEOUT)
+            ttl = await etcd_aio.time_to_live(
+                client, action.lease_id, WITHDRAW_TIMEOUT, self.interrupted
+            )
             return recipe.LeaseAnswer(action.id, ttl)
         if isinstance(action, recipe.Withdraw):
             await self._withdraw(action)
@@ -1138,7 +1151,9 @@ class Semaphore:
         )
         return Hold(self, session, outcome, retire, shared)
 
-    async def _enqueue(self, action: recipe.SendEnqueue) -> tuple[bytes, kv.TxnResponse]:
+    async def _enqueue(
+        self, action: recipe.SendEnqueue, interrupt: asyncio.Event
+    ) -> tuple[bytes, kv.TxnResponse]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
         ``max`` keys in the same KV.Txn (else read the key found in our place), as
         ``conch.Semaphore`` does. Returns the value we sent and the response."""
@@ -1152,10 +1167,13 @@ class Semaphore:
             [kv.create_revision_is(key, 0)],
             [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
             [kv.op_get(key)],
+            interrupt=interrupt,
         )
         return value, response
 
-    async def _read_standing(self, action: recipe.ReadStanding) -> recipe.StandingAnswer:
+    async def _read_standing(
+        self, action: recipe.ReadStanding, interrupt: asyncio.Event
+    ) -> recipe.StandingAnswer:
         """Steps 2-3: one read-only KV.Txn of two Ranges (keys only, up to our key's
         create_revision): the window ascending, our key and the one ahead descending."""
         common: dict[str, Any] = {
@@ -1168,7 +1186,7 @@ class Semaphore:
         )
         mine_and_prev = kv.prefix_request(self.prefix, limit=2, sort_order=kv.DESCEND, **common)
         reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
-        response = await etcd_aio.txn(self.client.sync, [], reads, [])
+        response = await etcd_aio.txn(self.client.sync, [], reads, [], interrupt=interrupt)
         first, last = (r.response_range.kvs for r in response.responses)
         return recipe.StandingAnswer(
             action.id,

@@ -19,7 +19,7 @@ import pytest
 
 import conch
 import conch.aio
-from conch.etcd import Client, lease
+from conch.etcd import Client, Endpoint, lease
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -503,3 +503,29 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
 
     run(etcd, body)
     assert sema_keys(client, name) == []
+
+
+def test_cancelling_an_acquire_while_etcd_is_unreachable_ends_it_within_a_second() -> None:
+    """No member answers (connection refused at both endpoints), the request timeout is
+    30 s: the cancel ends the LeaseGrant's retries at once (as the threaded face's
+    interrupt does), not when they run out."""
+    with socket.socket() as one, socket.socket() as two:
+        one.bind(("127.0.0.1", 0))
+        two.bind(("127.0.0.1", 0))
+        dead = [Endpoint("127.0.0.1", s.getsockname()[1], False) for s in (one, two)]
+
+        async def main() -> float:
+            aclient = conch.aio.Client(Client(dead, request_timeout=30))
+            try:
+                sema = conch.aio.Semaphore(aclient, "unreachable", max=1)
+                task = asyncio.ensure_future(sema.acquire())
+                await asyncio.sleep(0.5)  # into the retries (no synchronisation)
+                started = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                return time.monotonic() - started
+            finally:
+                await aclient.close()
+
+        assert asyncio.run(main()) < 1.5

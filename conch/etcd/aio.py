@@ -41,10 +41,15 @@ def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], 
 
 
 async def range_(
-    client: Client, request: rpc_pb2.RangeRequest, timeout: float | None = None
+    client: Client,
+    request: rpc_pb2.RangeRequest,
+    timeout: float | None = None,
+    interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.RangeResponse:
-    """KV.Range (``kv.range_``), awaited."""
-    response: rpc_pb2.RangeResponse = await client.call_async("kv", "Range", request, timeout)
+    """KV.Range (``kv.range_``), awaited; ``interrupt`` as in ``Client.call_async``."""
+    response: rpc_pb2.RangeResponse = await client.call_async(
+        "kv", "Range", request, timeout, interrupt=interrupt
+    )
     return response
 
 
@@ -54,10 +59,13 @@ async def txn(
     success: list[rpc_pb2.RequestOp],
     failure: list[rpc_pb2.RequestOp],
     timeout: float | None = None,
+    interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.TxnResponse:
-    """KV.Txn (``kv.txn``), awaited."""
+    """KV.Txn (``kv.txn``), awaited; ``interrupt`` as in ``Client.call_async``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response: rpc_pb2.TxnResponse = await client.call_async("kv", "Txn", request, timeout)
+    response: rpc_pb2.TxnResponse = await client.call_async(
+        "kv", "Txn", request, timeout, interrupt=interrupt
+    )
     return response
 
 
@@ -71,10 +79,12 @@ async def delete_own_key(
     return bool(response.succeeded)
 
 
-async def grant(client: Client, ttl: int, timeout: float | None = None) -> Grant:
-    """Lease.LeaseGrant (``lease.grant``), awaited."""
+async def grant(
+    client: Client, ttl: int, timeout: float | None = None, interrupt: asyncio.Event | None = None
+) -> Grant:
+    """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    response = await client.call_async("lease", "LeaseGrant", request, timeout)
+    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
     if response.error:
         raise EtcdError(f"lease grant refused: {response.error}")
     return Grant(response.ID, response.TTL)
@@ -87,10 +97,18 @@ async def revoke(client: Client, lease_id: int, timeout: float | None = None) ->
         await client.call_async("lease", "LeaseRevoke", request, timeout)
 
 
-async def time_to_live(client: Client, lease_id: int, timeout: float | None = None) -> int:
-    """Lease.LeaseTimeToLive (``lease.time_to_live``), awaited: seconds left, -1 when gone."""
+async def time_to_live(
+    client: Client,
+    lease_id: int,
+    timeout: float | None = None,
+    interrupt: asyncio.Event | None = None,
+) -> int:
+    """Lease.LeaseTimeToLive (``lease.time_to_live``), awaited: seconds left, -1 when gone;
+    ``interrupt`` as in ``Client.call_async``."""
     request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
-    response = await client.call_async("lease", "LeaseTimeToLive", request, timeout)
+    response = await client.call_async(
+        "lease", "LeaseTimeToLive", request, timeout, interrupt=interrupt
+    )
     return int(response.TTL)
 
 

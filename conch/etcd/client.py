@@ -575,12 +575,17 @@ class Client:
         request: Any,
         timeout: float | None = None,
         _authenticating: bool = False,
+        interrupt: asyncio.Event | None = None,
     ) -> Any:
         """``call`` for coroutines: the same RPC, deadlines, failover, backoff and token
         renewal (``_Attempts`` makes every decision for both), each attempt a gRPC
         ``.future()`` whose end is handed to the running loop, so no thread waits for it.
-        Cancelling the awaiting task cancels the attempt in flight (a write may then have
-        been applied, as after a timeout). Raises as ``call``."""
+        ``interrupt``, when set, ends the retries (not an attempt in flight) with
+        Interrupted, as ``call``'s Flag does. Cancelling the awaiting task cancels the
+        attempt in flight (a write may then have been applied, as after a timeout). Raises
+        as ``call``."""
+        import asyncio
+
         attempts = _Attempts(self, timeout)
         while True:
             endpoint, attempt = attempts.next()
@@ -603,10 +608,14 @@ class Client:
                     raise _closed_error() from None
                 raise
             pause = attempts.failed(error, endpoint, token)
-            if pause > 0:
-                import asyncio
-
-                await asyncio.sleep(pause)
+            if interrupt is None:
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+                await asyncio.wait_for(interrupt.wait(), pause)
+            if interrupt.is_set():
+                raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:
         """``token`` for coroutines: the auth token calls carry now (None without

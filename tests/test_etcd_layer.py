@@ -6,6 +6,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
 from conch.session import Session
 from conch.timer import Timer
 from tests.conftest import DEADLINE, poll
+from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -276,3 +278,101 @@ def test_a_failover_does_not_wait_for_the_watch_stream_being_opened(
     assert took < 1.0, f"the failover waited {took:.2f}s for the watch stream's open"
     assert isinstance(opened.get(timeout=DEADLINE), AuthenticationFailed)
     client.close()
+
+
+def test_a_late_keepalive_answer_does_not_confirm_a_later_keepalive_of_its_lease(
+    etcd: EtcdCluster, client: Client
+) -> None:
+    """What etcd answers reaches the client 1.5 s late (a proxy holds it back). Lease A's
+    keepalive gives up before its answer (TTL > 0) comes, A is revoked, and A's next
+    keepalive goes out on the same stream, with lease B's, before that late answer arrives:
+    A's keepalive ends with LeaseNotFound (etcd's answer to it), B's with its TTL."""
+    delay = 1.5
+    proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay)
+    slow = Client.connect([Endpoint("127.0.0.1", proxy.port, False)], 10.0, 10.0)
+    a, b = lease.grant(client, 30), lease.grant(client, 30)
+    keepalive = lease.KeepAlive(slow, a.id)
+    try:
+        assert keepalive.refresh(time.monotonic() + DEADLINE) == a.ttl  # the stream is open
+        began = time.monotonic()
+        with pytest.raises(Unavailable):
+            keepalive.refresh(began + 0.3)
+        lease.revoke(client, a.id)
+        b_answer: queue.SimpleQueue[lease.Outcome] = queue.SimpleQueue()
+        sent = time.monotonic()
+        lease.keepalives_for(slow).refresh(b.id, sent + DEADLINE, b_answer.put)
+        # Otherwise the late answer may have come in first, and this would prove nothing.
+        assert sent < began + delay - 0.3, f"sent {sent - began:.2f}s after the first"
+        with pytest.raises(LeaseNotFound):
+            keepalive.refresh(time.monotonic() + DEADLINE)
+        assert b_answer.get(timeout=DEADLINE) == b.ttl
+    finally:
+        keepalive.close()
+        lease.keepalives_for(slow).forget(b.id)
+        lease.revoke(client, b.id)
+        slow.close()
+        proxy.close()
+
+
+def test_keepalives_unanswered_on_a_slow_link_are_answered_by_the_next_member(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """Two endpoints to one etcd: the first through a link that holds answers back 1.5 s,
+    the second direct. 20 leases on the client's one keepalive stream, on the slow link at
+    first: each keepalive also goes to the next endpoint after ASK_ANOTHER_AFTER and is
+    confirmed there well before the slow answer could come; calls, later keepalives and the
+    client's watch stream move to the direct endpoint, and no lease is lost."""
+    delay = 1.5
+    proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay)
+    slow_endpoint = Endpoint("127.0.0.1", proxy.port, False)
+    direct = Endpoint.parse(etcd.members[0].endpoint)
+    # Not dialled (a call through the slow link would fail over at once): its streams
+    # open on the slow endpoint; its calls are made on the test's other client.
+    two = Client([slow_endpoint, direct], request_timeout=10.0)
+    try:
+        watch_box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+        watch = Watch(two, f"/test/{name}".encode(), 0, watch_box.put, confirm=True)
+        assert watch_box.get(timeout=DEADLINE).created
+        leases = [lease.grant(client, 30).id for _ in range(20)]
+        answers: queue.SimpleQueue[tuple[int, lease.Outcome, float]] = queue.SimpleQueue()
+        keepalives = lease.keepalives_for(two)
+        assert two.endpoint == slow_endpoint
+        sent = time.monotonic()
+        for lease_id in leases:
+            keepalives.refresh(lease_id, sent + DEADLINE, _answer_to(answers, lease_id))
+        got = [answers.get(timeout=DEADLINE) for _ in leases]
+        assert sorted(lease_id for lease_id, _, _ in got) == sorted(leases)
+        assert all(outcome == 30 for _, outcome, _ in got), got
+        slowest = max(at for _, _, at in got) - sent
+        assert slowest < delay, f"answered after {slowest:.2f}s: the slow link's answer"
+        assert two.endpoint == direct
+        poll(lambda: _watch_endpoint(two) == direct, what="the watch stream on the direct one")
+        # The next keepalives go straight to the direct endpoint's stream.
+        again = time.monotonic()
+        for lease_id in leases:
+            keepalives.refresh(lease_id, again + DEADLINE, _answer_to(answers, lease_id))
+        got = [answers.get(timeout=DEADLINE) for _ in leases]
+        assert all(outcome == 30 for _, outcome, _ in got), got
+        assert max(at for _, _, at in got) - again < delay
+        assert [s.endpoint for s in keepalives._streams] == [direct], "the slow stream left open"
+        watch.cancel()
+        for lease_id in leases:
+            keepalives.forget(lease_id)
+            lease.revoke(client, lease_id)
+    finally:
+        two.close()
+        proxy.close()
+
+
+def _answer_to(
+    answers: queue.SimpleQueue[tuple[int, lease.Outcome, float]], lease_id: int
+) -> Callable[[lease.Outcome], None]:
+    def answered(outcome: lease.Outcome) -> None:
+        answers.put((lease_id, outcome, time.monotonic()))
+
+    return answered
+
+
+def _watch_endpoint(client: Client) -> Endpoint | None:
+    stream = _hub_for(client)._stream
+    return None if stream is None else stream.endpoint

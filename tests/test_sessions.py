@@ -301,9 +301,10 @@ def test_waiters_on_one_shared_session_cost_a_constant_number_of_threads(
                 what="every waiter queued",
             )
             added = _threads() - base
-            # Two sessions (keepalive thread, stream reader, gRPC's request thread each),
-            # the watch stream (reader, request thread), the timer: 9, and slack for
-            # threads of earlier tests' clients winding down; 20 waiters made 60 more.
+            # The client's keepalive thread and stream (reader, gRPC's request thread),
+            # its stream opener, the watch stream (reader, request thread), the timer: 7,
+            # and slack for threads of earlier tests' clients winding down; 20 waiters
+            # made 60 more.
             assert len(added) <= 20, sorted(t.name for t in added)
             for hold in holds:
                 hold.release()

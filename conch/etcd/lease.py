@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
+from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
 from conch.flag import Flag
@@ -324,7 +325,12 @@ class KeepAlives:
             if self._draining:
                 return
             self._draining = True
-        self.timer.call_later(0, self._drain)
+        try:
+            self.timer.call_later(0, self._drain)
+        except RuntimeError:  # no thread for it now: the next answer tries again
+            with self._inbox_lock:
+                self._draining = False
+            raise
 
     def _drain(self) -> None:
         while True:
@@ -333,7 +339,10 @@ class KeepAlives:
                     self._draining = False
                     return
                 item = self._inbox.popleft()
-            self._on_item(item)
+            try:
+                self._on_item(item)
+            except Exception as exc:  # a bug (or a failover listener's) must not stop the rest
+                log.error("keepalive-answer-failed", error=repr(exc))
 
 
 class _Ask:

@@ -52,8 +52,8 @@ from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff, check_timeout
-from conch.etcd.watch import DELETE, WatchNotice
-from conch.hold import GUARD_WATCH_DELAY, TOUCH_DELAY, WITHDRAW_TIMEOUT
+from conch.etcd.watch import WatchNotice
+from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
 
@@ -428,10 +428,11 @@ class Hold:
         self._releasing = False
         self._released: asyncio.Future[bool] | None = None
         self._revoked_after_loss = False
+        self._plan = recipe.guard_plan(held.touch)
         self._touch_value = held.value if held.touch != recipe.TouchOwed.NONE else None
-        self._touch_at_once = held.touch == recipe.TouchOwed.AT_ONCE
         self._watches = retire  # the guard's: the waiting watch it retires, then its own
         self._held_at = held.held_at or held.revision
+        self._watches_own_key = False  # the guard's own watch opened (or tried)
         self._backoff = Backoff()
         self._callbacks: list[Callable[[str], object]] = []
         self._forget_session = session._kept.add_listener(weakly(self._session_lost))
@@ -483,19 +484,30 @@ class Hold:
             )
 
     def expires_at(self) -> float:
-        """``time.monotonic()`` seconds until which the hold's lease is alive for sure: the
-        session's ``alive_until`` (the last answered keepalive's send time + TTL). It moves
-        on with every keepalive. To bound work by it on the loop's clock::
-
-            async with asyncio.timeout_at(hold.deadline - time.monotonic() + loop.time()):
-
-        (the default loop's clock is ``time.monotonic()`` itself, but a loop may have its
-        own). Past it, ``check()`` raises HoldLost."""
+        """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
+        this hold's lease: the session's ``alive_until``, the send time of the last
+        keepalive etcd answered plus the TTL (etcd restarts its countdown when it receives
+        a keepalive, after we sent it). Later with every answered keepalive; 0.0, an instant
+        long past, once the hold is lost or released. Makes no etcd call. As
+        ``conch.Hold.expires_at``: bound each step of work by it with room to spare (a
+        paused process stops its timers with it), and check again right before acting as
+        the holder (``check()``)."""
+        if self.lost.is_set() or self._releasing:
+            return 0.0
         return self.session.alive_until
 
     @property
     def deadline(self) -> float:
-        """``expires_at()``, as a property."""
+        """``expires_at()``, as a property: an instant for ``asyncio.timeout_at``, once on
+        the loop's clock (``loop.time()``; the default loop's is ``time.monotonic()``, but
+        a loop may keep its own)::
+
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(hold.deadline - time.monotonic() + loop.time()):
+                await step()
+
+        Read once, it is the expiry as known then; a keepalive moves it on
+        (``timeout.reschedule`` to follow it)."""
         return self.expires_at()
 
     # -- guarded writes ----------------------------------------------------------------
@@ -549,25 +561,27 @@ class Hold:
         loop.call_later(delay, run)
 
     def _start_guard(self) -> None:
-        if self._touch_value is not None and self._touch_at_once:
-            # With max > 1 another holder may leave any moment: the waiter behind us must
-            # be watching for it, so it must learn it is first in line now.
-            self._later(0, self._touch_then_watch)
-        else:
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+        """The guard's schedule (``recipe.guard_plan``, as the threaded Hold's): the touch
+        owed at once, the watch on our key a moment in, a later touch at max 1."""
+        if self._plan.touch_at_once:
+            # Another holder may leave any moment: the waiter behind us must be watching
+            # for it, so it must learn now that it is in the window.
+            self._later(0, self._touch_at_once)
+        self._later(self._plan.watch_after, self._watch_own_key)
 
-    async def _touch_then_watch(self) -> None:
-        touched = await self._touch(retry=self._touch_then_watch)
-        if touched is not None:
-            self._held_at = touched  # ours at the touch: nothing before it to replay
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+    async def _touch_at_once(self) -> None:
+        touched = await self._touch(retry=self._touch_at_once)
+        if touched is not None and not self._watches_own_key:
+            self._held_at = max(self._held_at, touched)  # ours at the touch: nothing before
 
     async def _touch_due(self) -> None:
         await self._touch(retry=self._touch_due)
 
     async def _watch_own_key(self) -> None:
-        if self._touch_value is not None and not self._touch_at_once:
-            self._later(TOUCH_DELAY - GUARD_WATCH_DELAY, self._touch_due)
+        touch_after = self._plan.touch_after
+        if touch_after is not None:
+            self._later(touch_after - self._plan.watch_after, self._touch_due)
+        self._watches_own_key = True
         await self._open_watch(self._held_at + 1)
 
     async def _open_watch(self, start: int) -> None:
@@ -584,15 +598,12 @@ class Hold:
             _cancel_watches(self._watches)
 
     def _on_notice(self, notice: WatchNotice) -> None:
-        if self._done():
-            return
-        if notice.error is None:
-            if any(event.type == DELETE for event in notice.events):
-                self._set_lost("our key was deleted (lease revoked or expired, or by hand)")
-            return
-        # Compacted, or the stream gave up: look at the key itself after a pause; whether
-        # the session is lost is the keepalive's call.
-        self._later(self._backoff.next(), self._look_at_key)
+        """On the loop: our key deleted, or the watch ended."""
+        verdict = recipe.guard_on_notice(self._done(), ended=notice.error is not None)
+        if verdict == recipe.GuardVerdict.LOST:
+            self._set_lost("our key was deleted (lease revoked or expired, or by hand)")
+        elif verdict == recipe.GuardVerdict.LOOK:
+            self._later(self._backoff.next(), self._look_at_key)
 
     async def _look_at_key(self) -> None:
         try:
@@ -600,30 +611,36 @@ class Hold:
         except EtcdError:
             self._later(self._backoff.next(), self._look_at_key)
             return
-        if self._releasing:
-            return
-        if not response.kvs or response.kvs[0].create_revision != self.revision:
+        found = response.kvs[0] if response.kvs else None
+        seen = None if found is None else recipe.KeyRev(found.key, found.create_revision, 0)
+        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
+        verdict = recipe.guard_on_look(self._releasing, seen, self.revision)
+        if verdict == recipe.GuardVerdict.LOST:
             self._set_lost("our key was deleted")
-            return
-        await self._open_watch(response.header.revision + 1)
+        elif verdict == recipe.GuardVerdict.WATCH:
+            await self._open_watch(response.header.revision + 1)
 
     async def _touch(self, retry: Callable[[], Any]) -> int | None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes
-        the waiter behind us. Retried with backoff while etcd is away; the touch's revision,
-        or None (done, lost, or a retry scheduled)."""
+        the waiter behind us. Retried with backoff while etcd is away or refuses writes;
+        the touch's revision, or None (done, lost, or a retry scheduled)."""
         assert self._touch_value is not None
+        response = None
         try:
             response = await _touch(
                 self._client.sync, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
+            # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
             log.warning("touch-failed", name=self.name, error=str(exc))
+        succeeded = None if response is None else bool(response.succeeded)
+        verdict = recipe.guard_on_touch(self._releasing, succeeded)
+        if verdict == recipe.GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
-            return None
-        if response.succeeded:
-            return int(response.header.revision)
-        if not self._releasing:
+        elif verdict == recipe.GuardVerdict.LOST:
             self._set_lost("our key was deleted (lease revoked or expired, or by hand)")
+        elif verdict == recipe.GuardVerdict.WATCH and response is not None:
+            return int(response.header.revision)
         return None
 
     # -- release -----------------------------------------------------------------------

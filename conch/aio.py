@@ -192,24 +192,29 @@ class _Keeper:
         client = self.client.sync
         margin = keepalive_margin(self.ttl)
         next_send = time.monotonic() + self.interval
-        while True:
-            await asyncio.sleep(max(0.0, next_send - time.monotonic()))
-            sent = time.monotonic()
-            try:
-                ttl = await etcd_aio.keepalive(client, self.lease_id, sent + self.interval + margin)
-            except LeaseNotFound:
-                self.declare_lost("lease expired or was revoked")
-                return
-            except EtcdError as exc:
-                self.declare_lost(f"keepalive failed: {exc}")
-                return
-            self.alive_until = sent + ttl
-            next_send = sent + self.interval
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, next_send - time.monotonic()))
+                sent = time.monotonic()
+                deadline = sent + self.interval + margin
+                try:
+                    ttl = await etcd_aio.keepalive(client, self.lease_id, deadline)
+                except LeaseNotFound:
+                    self.declare_lost("lease expired or was revoked")
+                    return
+                except EtcdError as exc:
+                    self.declare_lost(f"keepalive failed: {exc}")
+                    return
+                self.alive_until = sent + ttl
+                next_send = sent + self.interval
+        finally:
+            # Closed, lost, or the loop ending (asyncio.run cancels what is left): the
+            # client's keepalive stream no longer counts this lease among those it serves.
+            etcd_aio.forget_lease(client, self.lease_id)
 
     def declare_lost(self, reason: str) -> None:
         if self.closed or self.lost.is_set():
             return
-        etcd_aio.forget_lease(self.client.sync, self.lease_id)
         self.reason = reason
         self.lost.set()
         for key in list(self.listeners):

@@ -622,3 +622,26 @@ def test_a_waiter_keeps_its_place_while_etcd_is_away_for_a_moment(
             await scenario(fclient)
 
     asyncio.run(main())
+
+
+def test_closing_the_client_revokes_the_leases_still_open_on_it(
+    face: Face, client: Client, name: str
+) -> None:
+    """A hold and a waiter left open when the client closes: their keys go at once (the
+    leases revoked), not after the TTL of 30 s."""
+
+    left_open: list[Any] = []  # kept referenced: a dropped hold would be released
+
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1, ttl=30)
+        left_open.append(await face.acquire(sema, timeout=10))
+        left_open.append(asyncio.ensure_future(face.acquire(sema)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        # Leaving run()'s block closes the client, the hold and the waiter still open.
+
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the hold is dropped with the loop
+        run(face, scenario)
+    assert sema_keys(client, name) == []
+    assert time.monotonic() - started < 15

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
+import logging
 import sys
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -34,9 +37,12 @@ class Face(Protocol):
     name: str
     interrupted: type[BaseException]  # what an interrupted wait raises
 
-    def at(self, etcd: EtcdCluster) -> Face: ...
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face: ...
     def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
     def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
+    def semaphore_reading_once(
+        self, client: Any, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any: ...
     def session(self, client: Any, ttl: int = 5) -> contextlib.AbstractAsyncContextManager[Any]: ...
     async def acquire(
         self, sema: Any, timeout: float | None = None, session: Any = None
@@ -70,16 +76,18 @@ class Threaded:
     name = "threaded"
     interrupted: type[BaseException] = conch.Interrupted
 
-    def __init__(self, etcd: EtcdCluster) -> None:
+    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
         self.endpoints = etcd.endpoints
+        self.request_timeout = request_timeout
 
-    def at(self, etcd: EtcdCluster) -> Face:
-        """This face on another etcd."""
-        return type(self)(etcd)
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
+        """This face on another etcd, its calls with ``request_timeout``."""
+        return type(self)(etcd, request_timeout)
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[conch.Client]:
-        client = await asyncio.to_thread(conch.connect, self.endpoints)
+        connect = functools.partial(conch.connect, request_timeout=self.request_timeout)
+        client = await asyncio.to_thread(connect, self.endpoints)
         try:
             yield client
         finally:
@@ -87,6 +95,16 @@ class Threaded:
 
     def semaphore(self, client: conch.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.Semaphore(client, name, max=max, ttl=ttl)
+
+    def semaphore_reading_once(
+        self, client: conch.Client, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any:
+        class ReadingOnce(conch.Semaphore):
+            def _standing(self, key: bytes, revision: int, interrupt: conch.Flag) -> Any:
+                assert after.wait(DEADLINE)
+                return super()._standing(key, revision, interrupt)
+
+        return ReadingOnce(client, name, max=max, ttl=ttl)
 
     @contextlib.asynccontextmanager
     async def session(self, client: conch.Client, ttl: int = 5) -> AsyncIterator[conch.Session]:
@@ -160,18 +178,29 @@ class Asyncio:
     name = "asyncio"
     interrupted: type[BaseException] = asyncio.CancelledError
 
-    def __init__(self, etcd: EtcdCluster) -> None:
+    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
         self.endpoints = etcd.endpoints
+        self.request_timeout = request_timeout
 
-    def at(self, etcd: EtcdCluster) -> Face:
-        """This face on another etcd."""
-        return type(self)(etcd)
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
+        """This face on another etcd, its calls with ``request_timeout``."""
+        return type(self)(etcd, request_timeout)
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
-        return conch.aio.connect(self.endpoints)
+        return conch.aio.connect(self.endpoints, request_timeout=self.request_timeout)
 
     def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
+
+    def semaphore_reading_once(
+        self, client: conch.aio.Client, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any:
+        class ReadingOnce(conch.aio.Semaphore):
+            async def _read_standing(self, action: Any, interrupt: asyncio.Event) -> Any:
+                await _poll(after.is_set, "the go-ahead to read")
+                return await super()._read_standing(action, interrupt)
+
+        return ReadingOnce(client, name, max=max, ttl=ttl)
 
     def session(
         self, client: conch.aio.Client, ttl: int = 5
@@ -584,38 +613,36 @@ def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluste
 
 
 def test_a_waiter_keeps_its_place_while_etcd_is_away_for_a_moment(
-    face: Face, restartable: EtcdCluster, name: str
+    face: Face, restartable: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """etcd killed and back with its data within the leases' TTL (30 s): the waiter's lease
-    lived through it, so it keeps its key (no re-entry at the back of the queue) and takes
-    the slot with it when the holder leaves."""
-    here = face.at(restartable)
+    """etcd killed while a waiter queues, and back with its data within the leases' TTL
+    (30 s) once the waiter's read met the refused connection (it reads its standing only
+    once etcd is down: whether a watch rides out an outage is the watch's business): its
+    lease lived through it, so it keeps its key (no re-entry at the back of the queue) and
+    takes the slot with it when the holder leaves."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(restartable, request_timeout=0.5)
     member = restartable.members[0]
+    killed = threading.Event()
 
     async def scenario(fclient: Any) -> None:
         with restartable.client() as client:
             first = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
-            waiting = asyncio.ensure_future(
-                here.acquire(here.semaphore(fclient, name, max=1, ttl=30))
-            )
-            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
-            await asyncio.sleep(0.5)  # into the wait: its watch is open (no synchronisation)
+            sema = here.semaphore_reading_once(fclient, name, max=1, ttl=30, after=killed)
+            waiting = asyncio.ensure_future(here.acquire(sema))
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter's key")
             [_, queued] = sema_keys(client, name)
         member.kill()
-        await asyncio.sleep(2.0)  # the outage
+        killed.set()
+        await _poll(lambda: "event=etcd-away" in caplog.text, "the waiter's read refused")
         member.start(restartable.initial_cluster)
         await asyncio.to_thread(restartable.wait_healthy)
+        await here.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert (second.revision, second.lease_id) == (queued.create_revision, queued.lease)
         with restartable.client() as client:
-            await asyncio.sleep(1.0)  # the waiter meets etcd again (reads, re-watches)
-            assert [k.create_revision for k in sema_keys(client, name)] == [
-                first.revision,
-                queued.create_revision,
-            ]
-            await here.release(first)
-            second = await asyncio.wait_for(waiting, DEADLINE)
-            assert second.revision == queued.create_revision
-            await here.release(second)
-            assert sema_keys(client, name) == []
+            assert [k.create_revision for k in sema_keys(client, name)] == [second.revision]
+        await here.release(second)
 
     async def main() -> None:
         async with here.connect() as fclient:

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
+
+from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys
 from conch.errors import Compacted
@@ -145,19 +148,14 @@ def _times(
     return queued, 0, queued
 
 
-def _held_from_creation(client: Client, prefix: bytes, capacity: int, item: Any) -> bool | None:
-    """Whether fewer than ``capacity`` keys of the semaphore were ahead of ``item`` when it
-    was created: one KV.Range of the prefix at its create_revision (keys only, at most
-    ``capacity`` of them). None when that revision was compacted away."""
+def _history_request(prefix: bytes, capacity: int, item: Any) -> rpc_pb2.RangeRequest:
+    """The read that tells whether fewer than ``capacity`` keys of the semaphore were ahead
+    of ``item`` when it was created: a KV.Range of the prefix at its create_revision (keys
+    only, at most ``capacity`` of them)."""
     revision = int(item.create_revision)
-    request = kv.prefix_request(
+    return kv.prefix_request(
         prefix, revision=revision, limit=capacity, keys_only=True, max_create_revision=revision - 1
     )
-    try:
-        response = kv.range_(client, request)
-    except Compacted:
-        return None
-    return len(response.kvs) < capacity
 
 
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
@@ -185,15 +183,40 @@ def _as_text(value: object, missing: str) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
+# A listing as a dialogue (requests out, responses in; Compacted thrown in), so that the
+# threaded who() and conch.aio's await the same decisions: None was compacted away.
+Listing: TypeAlias = Generator[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse | None, list[Record]]
+
+
 def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
     """Every key under ``name`` (all capacities), in create_revision order per capacity; the
-    capacity ``max_holders`` first when given. One KV.Range; reads only (no lease). The
-    Records' ages are this host's clock against each key's ``started`` (see the module)."""
+    capacity ``max_holders`` first when given. One KV.Range, then one per holder (at most
+    HISTORY_READS) for its hold time; reads only (no lease). The Records' ages are this
+    host's clock against each key's ``started`` (see the module). Raises UsageError for a
+    bad ``max_holders``, EtcdError when etcd does not answer."""
+    steps = listing(name, max_holders)
+    response = None
+    try:
+        while True:
+            request = steps.send(response)
+            try:
+                response = kv.range_(client, request)
+            except Compacted:
+                response = None
+    except StopIteration as done:
+        records: list[Record] = done.value
+        return records
+
+
+def listing(name: str, max_holders: int | None = None) -> Listing:
+    """``who`` without its I/O: yields each KV.Range to make, is sent its response (None
+    when etcd answered Compacted), returns the Records."""
     if max_holders is not None:
         keys.check_max(max_holders, "max_holders")
     now = time.time()
     prefix = keys.name_prefix(name)
-    response = kv.range_prefix(client, prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
+    response = yield kv.prefix_request(prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
+    assert response is not None  # a Range of the present is never compacted
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
         parsed = keys.parse_under_name(name, item.key)
@@ -224,7 +247,8 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
             if state == "HELD" and capacity is not None and reads_left > 0:
                 reads_left -= 1
                 semaphore = keys.sema_prefix(name, capacity)
-                from_creation = _held_from_creation(client, semaphore, capacity, item)
+                history = yield _history_request(semaphore, capacity, item)
+                from_creation = None if history is None else len(history.kvs) < capacity
             times = _times(state, started, from_creation, now)
             records.append(
                 Record(

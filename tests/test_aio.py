@@ -19,9 +19,7 @@ import pytest
 
 import conch
 import conch.aio
-from conch import hold as hold_module
-from conch.etcd import Client, lease
-from conch.session import Session
+from conch.etcd import Client, Endpoint, lease
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -124,13 +122,13 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
     cancel: Callable[[Coroutine[Any, Any, None], asyncio.Event], Awaitable[None]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    close = Session.close
+    close = conch.aio.Session.close
 
-    def slow_close(session: Session, timeout: float | None = None) -> bool:
-        time.sleep(0.3)  # a withdrawal as with etcd slow to answer: one not awaited shows
-        return close(session, timeout)
+    async def slow_close(session: conch.aio.Session, timeout: float | None = None) -> bool:
+        await asyncio.sleep(0.3)  # a withdrawal as with etcd slow to answer: one not awaited shows
+        return await close(session, timeout)
 
-    monkeypatch.setattr(Session, "close", slow_close)
+    monkeypatch.setattr(conch.aio.Session, "close", slow_close)
 
     async def body(aclient: conch.aio.Client) -> None:
         sema = conch.aio.Semaphore(aclient, name, max=1, ttl=5)
@@ -160,18 +158,19 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
 def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
     etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The waiting thread gets the slot, then (before the hold reaches the loop) the task is
-    cancelled: the hold must be released before the CancelledError leaves the task."""
+    """The recipe grants the slot, then (before the hold reaches the awaiting coroutine) the
+    task is cancelled: the hold must be released before the CancelledError leaves it."""
     holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
-    granted, go = threading.Event(), threading.Event()
-    start_guard = hold_module.Hold.start_guard
+    run_driver = conch.aio._Driver.run
+    granted, go = asyncio.Event(), asyncio.Event()
 
-    def held_back(hold: hold_module.Hold) -> None:  # runs on the acquiring thread
+    async def held_back(driver: conch.aio._Driver) -> conch.recipe.Outcome:
+        outcome = await run_driver(driver)
         granted.set()
-        go.wait(DEADLINE)
-        start_guard(hold)
+        await go.wait()
+        return outcome
 
-    monkeypatch.setattr(hold_module.Hold, "start_guard", held_back)
+    monkeypatch.setattr(conch.aio._Driver, "run", held_back)
     entered: list[conch.aio.Hold] = []
 
     async def body(aclient: conch.aio.Client) -> None:
@@ -182,7 +181,8 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
         task = asyncio.create_task(waiting())
         await apoll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
         holder.release()
-        await apoll(granted.is_set, "the slot granted")
+        await asyncio.wait_for(granted.wait(), DEADLINE)
+        assert len(sema_keys(client, name)) == 1  # the waiter's key, holding
         task.cancel()
         go.set()
         with pytest.raises(asyncio.CancelledError):
@@ -190,22 +190,19 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
         assert sema_keys(client, name) == []
         assert entered == []
 
-    try:
-        run(etcd, body)
-    finally:
-        go.set()
+    run(etcd, body)
 
 
 def test_cancelling_a_task_inside_its_hold_releases_before_the_cancel_propagates(
     etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    release = hold_module.Hold.release
+    release = conch.aio.Hold.release
 
-    def slow_release(hold: hold_module.Hold) -> None:  # as with etcd slow to answer
-        time.sleep(0.3)
-        release(hold)
+    async def slow_release(hold: conch.aio.Hold) -> None:  # as with etcd slow to answer
+        await asyncio.sleep(0.3)
+        await release(hold)
 
-    monkeypatch.setattr(hold_module.Hold, "release", slow_release)
+    monkeypatch.setattr(conch.aio.Hold, "release", slow_release)
 
     async def body(aclient: conch.aio.Client) -> None:
         inside = asyncio.Event()
@@ -339,27 +336,23 @@ def test_leaving_after_a_loss_lets_the_body_s_own_exception_through(
     assert sema_keys(client, name) == []
 
 
-def test_a_loss_after_the_loop_closed_is_no_error(
+def test_a_hold_that_outlives_its_loop_leaves_no_key_past_its_ttl(
     etcd: EtcdCluster, client: Client, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A hold that outlives its loop: the loss reaches conch's thread, which cannot call into
-    the closed loop; that must be quiet, not a failed callback."""
+    """A hold lives on its loop: when asyncio.run ends, its keepalive task ends with it, so
+    the lease expires within its TTL (nothing keeps a slot for a loop that is gone), and
+    nothing fails noisily on the way."""
 
-    async def take() -> tuple[conch.aio.Client, conch.aio.Hold]:
+    async def take() -> conch.aio.Hold:
         aclient = await conch.aio.connect(etcd.endpoints)  # outlives the loop, as the hold
-        hold = await conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire(10)
+        hold = await conch.aio.Semaphore(aclient, name, max=1, ttl=2).acquire(10)
         hold.on_lost(print)
-        return aclient, hold
+        return hold
 
-    aclient, hold = asyncio.run(take())
-    try:
-        lease.revoke(client, hold.lease_id)
-        assert hold.sync.lost.wait(DEADLINE)
-        assert "callback-failed" not in caplog.text
-    finally:
-        hold.sync.release()
-        aclient.sync.close()
-    assert sema_keys(client, name) == []
+    hold = asyncio.run(take())
+    assert [k.lease for k in sema_keys(client, name)] == [hold.lease_id]
+    poll(lambda: sema_keys(client, name) == [], what="the lease expired")
+    assert "callback-failed" not in caplog.text
 
 
 def test_cancelling_a_dial_returns_at_once(etcd: EtcdCluster) -> None:
@@ -454,3 +447,85 @@ def test_example_service_stopped_with_requests_waiting_leaves_no_key(
         }
     assert [k.create_revision for k in sema_keys(client, name)] == [holder.revision]
     holder.release()
+
+
+def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays_responsive(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    """Waiters on one client, each on a session of its own, queued behind one holder: the
+    process's threads are the same at 200 waiters as at 10 (the client's streams and their
+    readers, gRPC's own; none per waiter), and while they wait (keepalives, watches) a 10 ms
+    ticker is never late by half a second. On the code before, each waiter had a thread."""
+    lags: list[float] = []
+
+    async def queued(aclient: conch.aio.Client, count: int) -> None:
+        async def all_there() -> bool:
+            return len(await conch.aio.who(aclient, name)) == count + 1
+
+        deadline = time.monotonic() + DEADLINE * 2
+        while not await all_there():
+            assert time.monotonic() < deadline, f"{count} waiters not queued in time"
+            await asyncio.sleep(0.1)
+
+    async def tick_for(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            before = time.monotonic()
+            await asyncio.sleep(0.01)
+            lags.append(time.monotonic() - before - 0.01)
+
+    async def body(aclient: conch.aio.Client) -> None:
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=3)
+        entered: list[conch.aio.Hold] = []
+
+        async def waiting() -> None:
+            async with sema.acquire() as hold:
+                entered.append(hold)
+
+        async with sema.acquire(timeout=10):
+            tasks = [asyncio.create_task(waiting()) for _ in range(10)]
+            await queued(aclient, 10)
+            await tick_for(2.0)  # past a keepalive of each (every TTL/3 = 1 s)
+            at_ten = threading.active_count()
+            tasks += [asyncio.create_task(waiting()) for _ in range(190)]
+            await queued(aclient, 200)
+            lags.clear()
+            await tick_for(3.0)  # the waiting, measured: keepalives of 200 leases, 200 watches
+            at_two_hundred = threading.active_count()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert entered == []
+        print(f"threads: {at_ten} at 10 waiters, {at_two_hundred} at 200")
+        print(f"loop lag over {len(lags)} ticks: max {max(lags) * 1000:.1f} ms")
+        assert at_two_hundred <= at_ten + 2
+        assert max(lags) < 0.5
+
+    run(etcd, body)
+    assert sema_keys(client, name) == []
+
+
+def test_cancelling_an_acquire_while_etcd_is_unreachable_ends_it_within_a_second() -> None:
+    """No member answers (connection refused at both endpoints), the request timeout is
+    30 s: the cancel ends the LeaseGrant's retries at once (as the threaded face's
+    interrupt does), not when they run out."""
+    with socket.socket() as one, socket.socket() as two:
+        one.bind(("127.0.0.1", 0))
+        two.bind(("127.0.0.1", 0))
+        dead = [Endpoint("127.0.0.1", s.getsockname()[1], False) for s in (one, two)]
+
+        async def main() -> float:
+            aclient = conch.aio.Client(Client(dead, request_timeout=30))
+            try:
+                sema = conch.aio.Semaphore(aclient, "unreachable", max=1)
+                task = asyncio.ensure_future(sema.acquire())
+                await asyncio.sleep(0.5)  # into the retries (no synchronisation)
+                started = time.monotonic()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                return time.monotonic() - started
+            finally:
+                await aclient.close()
+
+        assert asyncio.run(main()) < 1.5

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 from conchpb.etcdserverpb import rpc_pb2, rpc_pb2_grpc
@@ -40,6 +40,9 @@ from conch.errors import (
     UsageError,
 )
 from conch.flag import Flag
+
+if TYPE_CHECKING:
+    import asyncio  # imported where used: the command never needs it
 
 MAX_TIMEOUT = 10 * 365 * 86400.0  # seconds; gRPC's deadlines overflow somewhere past 1e9 s
 
@@ -313,6 +316,7 @@ class Client:
         self._credentials = credentials
         self._token: str | None = None
         self._auth_lock = threading.Lock()
+        self._auth_flight: asyncio.Task[str] | None = None  # call_async's Authenticate
         self._stubs: dict[Endpoint, _Stubs] = {}
         self._current = 0
         self._lock = threading.Lock()
@@ -350,12 +354,40 @@ class Client:
             raise
         except EtcdError as exc:
             client.close()
-            eps = ",".join(str(e) for e in endpoints)
-            if isinstance(exc, Unavailable):
-                raise Unavailable(
-                    f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}", exc.code
-                ) from None
-            raise Unavailable(f"etcd at {eps} answered with an error: {exc}", exc.code) from None
+            raise dial_failed(exc, endpoints, dial_timeout) from None
+        return client
+
+    @classmethod
+    async def connect_async(
+        cls,
+        endpoints: Sequence[Endpoint],
+        dial_timeout: float = 5.0,
+        request_timeout: float = 5.0,
+        tls: TLS | None = None,
+        credentials: Credentials | None = None,
+    ) -> Client:
+        """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
+        else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
+        the client before it propagates."""
+        check_timeout("dial_timeout", dial_timeout)
+        check_timeout("request_timeout", request_timeout)
+        _check_fork_support()
+        client = cls(endpoints, request_timeout, tls, credentials)
+        try:
+            if credentials is not None:
+                await client._authenticate_async(credentials, dial_timeout)
+            else:
+                request = rpc_pb2.StatusRequest()
+                await client.call_async("maintenance", "Status", request, dial_timeout)
+        except AuthenticationFailed:
+            client.close()
+            raise
+        except EtcdError as exc:
+            client.close()
+            raise dial_failed(exc, endpoints, dial_timeout) from None
+        except BaseException:
+            client.close()
+            raise
         return client
 
     def __enter__(self) -> Client:
@@ -468,6 +500,10 @@ class Client:
             if stale is None or self._token == stale:
                 self._token = None
 
+    def token_at_hand(self) -> bool:
+        """Whether a call or stream opened now needs no Auth.Authenticate first."""
+        return self._credentials is None or self._token is not None
+
     def token(self, timeout: float | None = None) -> str | None:
         """The auth token calls carry now (None without credentials), from Auth.Authenticate
         within ``timeout`` seconds (default ``request_timeout``) when there is none.
@@ -507,25 +543,15 @@ class Client:
         Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
         Interrupted or EtcdError.
         """
-        if timeout is not None:
-            check_timeout("timeout", timeout)  # nan or inf would make gRPC wait forever
-        total = self.request_timeout if timeout is None else timeout
-        deadline = time.monotonic() + total
-        backoff = Backoff()
-        tried_in_round = stale_tokens = rounds = 0
+        attempts = _Attempts(self, timeout)
         while True:
-            endpoint = self.endpoint
-            left = deadline - time.monotonic()
-            attempt = left if len(self.endpoints) == 1 else min(left, _attempt_time(rounds))
+            endpoint, attempt = attempts.next()
             error: EtcdError
             token = None
             try:
                 stub = getattr(self._stubs_for(endpoint), service)
-                token = None if _authenticating else self.token(max(0.001, left))
-                metadata = () if token is None else (("token", token),)
-                return getattr(stub, method)(
-                    request, timeout=max(attempt, 0.001), metadata=metadata
-                )
+                token = None if _authenticating else self.token(max(0.001, attempts.left()))
+                return getattr(stub, method)(request, timeout=attempt, metadata=_metadata(token))
             except grpc.RpcError as rpc_error:
                 error = map_rpc_error(rpc_error, endpoint)
             except Unavailable as exc:
@@ -534,33 +560,88 @@ class Client:
                 if self._closed:
                     raise _closed_error() from None
                 raise
-            stale = isinstance(error, TokenInvalid) and token is not None
-            if not (stale or isinstance(error, Unavailable)) or time.monotonic() >= deadline:
-                if stale:
-                    # Out of time while renewing a token (a restarted member that forgot
-                    # it, a burst of auth changes): as transient as a member that is away.
-                    raise Unavailable(f"no fresh auth token accepted in time: {error}") from None
-                raise error
-            if stale:
-                # Any auth change makes every JWT token issued before it stale, and a burst
-                # of them can outrun any fixed number of retries: retry while time is left,
-                # at once after the first stale token, then backing off.
-                self.invalidate_token(token)
-                stale_tokens += 1
-                if stale_tokens == 1:
-                    continue
-            else:
-                self.failover(endpoint)
-                tried_in_round += 1
-                if tried_in_round < len(self.endpoints):
-                    continue
-                tried_in_round = 0
-                rounds += 1
-            pause = min(backoff.next(), max(0.0, deadline - time.monotonic()))
+            pause = attempts.failed(error, endpoint, token)
+            if pause <= 0:
+                continue
             if interrupt is None:
                 time.sleep(pause)
             elif interrupt.wait(pause):
                 raise Interrupted(interrupt.reason)
+
+    async def call_async(
+        self,
+        service: str,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        _authenticating: bool = False,
+        interrupt: asyncio.Event | None = None,
+    ) -> Any:
+        """``call`` for coroutines: the same RPC, deadlines, failover, backoff and token
+        renewal (``_Attempts`` makes every decision for both), each attempt a gRPC
+        ``.future()`` whose end is handed to the running loop, so no thread waits for it.
+        ``interrupt``, when set, ends the retries (not an attempt in flight) with
+        Interrupted, as ``call``'s Flag does. Cancelling the awaiting task cancels the
+        attempt in flight (a write may then have been applied, as after a timeout). Raises
+        as ``call``."""
+        import asyncio
+
+        attempts = _Attempts(self, timeout)
+        while True:
+            endpoint, attempt = attempts.next()
+            error: EtcdError
+            token = None
+            try:
+                stub = getattr(self._stubs_for(endpoint), service)
+                if not _authenticating:
+                    token = await self.token_async(max(0.001, attempts.left()))
+                call = getattr(stub, method).future(
+                    request, timeout=attempt, metadata=_metadata(token)
+                )
+                return await _settled(call)
+            except grpc.RpcError as rpc_error:
+                error = map_rpc_error(rpc_error, endpoint)
+            except Unavailable as exc:
+                error = exc
+            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
+                if self._closed:
+                    raise _closed_error() from None
+                raise
+            pause = attempts.failed(error, endpoint, token)
+            if interrupt is None:
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+                await asyncio.wait_for(interrupt.wait(), pause)
+            if interrupt.is_set():
+                raise Interrupted("interrupted")
+
+    async def token_async(self, timeout: float | None = None) -> str | None:
+        """``token`` for coroutines: the auth token calls carry now (None without
+        credentials), from Auth.Authenticate (``call_async``) within ``timeout`` seconds
+        (default ``request_timeout``) when there is none. Single-flight per event loop: the
+        coroutines that find no token await one Authenticate. Raises as ``token``."""
+        import asyncio
+
+        credentials, token = self._credentials, self._token  # read once: others reset it
+        if credentials is None or token is not None:
+            return token
+        loop = asyncio.get_running_loop()
+        flight = self._auth_flight
+        if flight is None or flight.done() or flight.get_loop() is not loop:
+            flight = self._auth_flight = loop.create_task(
+                self._authenticate_async(credentials, timeout)
+            )
+        # Shielded: one caller's cancel must not end the Authenticate the others await.
+        return await asyncio.shield(flight)
+
+    async def _authenticate_async(self, credentials: Credentials, timeout: float | None) -> str:
+        request = rpc_pb2.AuthenticateRequest(name=credentials.user, password=credentials.password)
+        response = await self.call_async("auth", "Authenticate", request, timeout, True)
+        token: str = response.token
+        self._token = token
+        return token
 
     def open_stream(
         self,
@@ -599,9 +680,110 @@ def _attempt_time(rounds: int) -> float:
     return ATTEMPT_FIRST * 2.0 ** min(rounds, 6)
 
 
+class _Attempts:
+    """The decisions of one unary call across its attempts, the same for ``Client.call``
+    and ``Client.call_async``: the endpoint and time of each attempt, which errors fail over
+    (UNAVAILABLE, a timeout) and which mean a stale token, when to give up, and the pause
+    before the next attempt (capped exponential backoff between rounds over the endpoints).
+    ``timeout`` (seconds, default the client's ``request_timeout``) bounds the whole call."""
+
+    def __init__(self, client: Client, timeout: float | None) -> None:
+        if timeout is not None:
+            check_timeout("timeout", timeout)  # nan or inf would make gRPC wait forever
+        self._client = client
+        total = client.request_timeout if timeout is None else timeout
+        self.deadline = time.monotonic() + total
+        self._backoff = Backoff()
+        self._tried_in_round = self._stale_tokens = self._rounds = 0
+
+    def left(self) -> float:
+        """Seconds left until the call's deadline (negative once past)."""
+        return self.deadline - time.monotonic()
+
+    def next(self) -> tuple[Endpoint, float]:
+        """The endpoint of the next attempt, and the seconds it may take there."""
+        endpoint = self._client.endpoint
+        left = self.left()
+        many = len(self._client.endpoints) > 1
+        attempt = min(left, _attempt_time(self._rounds)) if many else left
+        return endpoint, max(attempt, 0.001)
+
+    def failed(self, error: EtcdError, endpoint: Endpoint, token: str | None) -> float:
+        """After an attempt on ``endpoint`` (carrying ``token``) failed with ``error``: the
+        seconds to pause before the next attempt (0: at once). Raises ``error`` when it is
+        not worth retrying or time is up (Unavailable when a fresh token never came)."""
+        stale = isinstance(error, TokenInvalid) and token is not None
+        if not (stale or isinstance(error, Unavailable)) or time.monotonic() >= self.deadline:
+            if stale:
+                # Out of time while renewing a token (a restarted member that forgot
+                # it, a burst of auth changes): as transient as a member that is away.
+                raise Unavailable(f"no fresh auth token accepted in time: {error}") from None
+            raise error
+        if stale:
+            # Any auth change makes every JWT token issued before it stale, and a burst
+            # of them can outrun any fixed number of retries: retry while time is left,
+            # at once after the first stale token, then backing off.
+            self._client.invalidate_token(token)
+            self._stale_tokens += 1
+            if self._stale_tokens == 1:
+                return 0.0
+        else:
+            self._client.failover(endpoint)
+            self._tried_in_round += 1
+            if self._tried_in_round < len(self._client.endpoints):
+                return 0.0
+            self._tried_in_round = 0
+            self._rounds += 1
+        return min(self._backoff.next(), max(0.0, self.left()))
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return () if token is None else (("token", token),)
+
+
+async def _settled(call: grpc.Future[Any]) -> Any:
+    """Await a gRPC ``.future()`` call on the running loop: its done-callback (on gRPC's
+    thread) wakes the loop with ``call_soon_threadsafe``. Returns its response or raises
+    its grpc.RpcError; a cancel of the awaiting task cancels the call."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_call: grpc.Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(_set_done, done)
+
+    call.add_done_callback(wake)
+    try:
+        await done
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    return call.result()
+
+
+def _set_done(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
 def _closed_error() -> EtcdError:
     """What a call or stream on a closed Client raises."""
     return EtcdError("client is closed", "CANCELLED")
+
+
+def dial_failed(
+    error: EtcdError, endpoints: Sequence[Endpoint], dial_timeout: float
+) -> Unavailable:
+    """What a dial that failed with ``error`` (not AuthenticationFailed) raises: Unavailable,
+    naming the endpoints."""
+    eps = ",".join(str(e) for e in endpoints)
+    if isinstance(error, Unavailable):
+        return Unavailable(
+            f"cannot reach etcd at {eps} within {dial_timeout:g}s: {error}", error.code
+        )
+    return Unavailable(f"etcd at {eps} answered with an error: {error}", error.code)
 
 
 def check_timeout(parameter: str, seconds: float, zero: bool = False) -> None:
@@ -629,11 +811,19 @@ def connect(
     forever)."""
     check_timeout("dial_timeout", dial_timeout)
     check_timeout("request_timeout", request_timeout)
+    return Client.connect(
+        parse_endpoints(endpoints), dial_timeout, request_timeout, tls, credentials
+    )
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
+    """``endpoints`` (a comma-separated string or a list) parsed; UsageError naming a bad
+    one, or when none is given."""
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]
     if not parsed:
         raise UsageError(f"bad endpoints {endpoints!r}: no endpoint given")
-    return Client.connect(parsed, dial_timeout, request_timeout, tls, credentials)
+    return parsed
 
 
 class BidiStream:

@@ -1,0 +1,674 @@
+"""One suite, both faces: every scenario here runs through the threaded API (``conch``) and
+the asyncio one (``conch.aio``), against a real etcd, so that the two cannot drift apart.
+
+A scenario is a coroutine written once against a small adapter (``Face``). The asyncio
+face's adapter awaits ``conch.aio`` directly; the threaded face's runs each blocking call
+of ``conch`` on a thread (``asyncio.to_thread``) and the ones that do not block (``check``,
+``expires_at``) directly. Each scenario runs under ``asyncio.run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import gc
+import logging
+import sys
+import threading
+import time
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from typing import Any, Protocol
+
+import pytest
+
+import conch
+import conch.aio
+from conch.etcd import Client, kv, lease
+from tests.conftest import DEADLINE, sema_keys
+from tests.etcd_server import EtcdCluster
+
+
+class Face(Protocol):
+    """What a scenario may do, the same through either face. Handles (clients, semaphores,
+    holds, sessions) are the face's own objects."""
+
+    name: str
+    interrupted: type[BaseException]  # what an interrupted wait raises
+
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face: ...
+    def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
+    def semaphore_reading_once(
+        self, client: Any, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any: ...
+    def session(self, client: Any, ttl: int = 5) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    async def acquire(
+        self, sema: Any, timeout: float | None = None, session: Any = None
+    ) -> Any: ...
+    def holding(
+        self, sema: Any, timeout: float | None = None, session: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[Any]: ...
+    async def release(self, hold: Any) -> None: ...
+    async def check(self, hold: Any) -> None: ...
+    async def put(self, hold: Any, key: bytes, value: bytes) -> int: ...
+    async def delete(self, hold: Any, key: bytes) -> int: ...
+    async def who(self, client: Any, name: str) -> list[conch.Record]: ...
+    async def wait_lost(self, hold: Any) -> None: ...
+    def expires_at(self, hold: Any) -> float: ...
+    async def interrupt_waiting(
+        self, sema: Any, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None: ...
+
+
+async def _poll(check: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class Threaded:
+    """The threaded face: blocking calls on a thread each, so the scenario's loop runs."""
+
+    name = "threaded"
+    interrupted: type[BaseException] = conch.Interrupted
+
+    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+        self.endpoints = etcd.endpoints
+        self.request_timeout = request_timeout
+
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
+        """This face on another etcd, its calls with ``request_timeout``."""
+        return type(self)(etcd, request_timeout)
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[conch.Client]:
+        connect = functools.partial(conch.connect, request_timeout=self.request_timeout)
+        client = await asyncio.to_thread(connect, self.endpoints)
+        try:
+            yield client
+        finally:
+            await asyncio.to_thread(client.close)
+
+    def semaphore(self, client: conch.Client, name: str, max: int, ttl: int = 5) -> Any:
+        return conch.Semaphore(client, name, max=max, ttl=ttl)
+
+    def semaphore_reading_once(
+        self, client: conch.Client, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any:
+        class ReadingOnce(conch.Semaphore):
+            def _standing(self, key: bytes, revision: int, interrupt: conch.Flag) -> Any:
+                assert after.wait(DEADLINE)
+                return super()._standing(key, revision, interrupt)
+
+        return ReadingOnce(client, name, max=max, ttl=ttl)
+
+    @contextlib.asynccontextmanager
+    async def session(self, client: conch.Client, ttl: int = 5) -> AsyncIterator[conch.Session]:
+        session = await asyncio.to_thread(conch.Session, client, ttl)
+        try:
+            yield session
+        finally:
+            await asyncio.to_thread(session.close)
+
+    async def acquire(
+        self, sema: conch.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> conch.Hold:
+        return await asyncio.to_thread(sema.acquire, timeout, None, session)
+
+    @contextlib.asynccontextmanager
+    async def holding(
+        self, sema: conch.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> AsyncIterator[conch.Hold]:
+        hold = await self.acquire(sema, timeout, session)
+        try:
+            yield hold
+        except BaseException:
+            # ``with hold:`` leaving with the block's exception (it never suppresses one).
+            await asyncio.to_thread(hold.__exit__, *sys.exc_info())
+            raise
+        else:
+            await asyncio.to_thread(hold.__exit__, None, None, None)
+
+    async def release(self, hold: conch.Hold) -> None:
+        await asyncio.to_thread(hold.release)
+
+    async def check(self, hold: conch.Hold) -> None:
+        hold.check()
+
+    async def put(self, hold: conch.Hold, key: bytes, value: bytes) -> int:
+        return await asyncio.to_thread(hold.put, key, value)
+
+    async def delete(self, hold: conch.Hold, key: bytes) -> int:
+        return await asyncio.to_thread(hold.delete, key)
+
+    async def who(self, client: conch.Client, name: str) -> list[conch.Record]:
+        return await asyncio.to_thread(conch.who, client, name)
+
+    async def wait_lost(self, hold: conch.Hold) -> None:
+        assert await asyncio.to_thread(hold.lost.wait, DEADLINE)
+
+    def expires_at(self, hold: conch.Hold) -> float:
+        if not hasattr(hold, "expires_at"):
+            pytest.skip("conch.Hold.expires_at() is not in this tree yet")
+        result: float = hold.expires_at()
+        return result
+
+    async def interrupt_waiting(
+        self, sema: conch.Semaphore, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None:
+        interrupt = conch.Flag("interrupt")
+        waiting = asyncio.ensure_future(asyncio.to_thread(sema.acquire, None, interrupt, session))
+        await _poll(queued, "the waiter queued")
+        interrupt.set("test")
+        try:
+            hold = await waiting
+        except BaseException as exc:
+            return exc
+        await asyncio.to_thread(hold.release)
+        return None
+
+
+class Asyncio:
+    """The asyncio face, awaited as it is."""
+
+    name = "asyncio"
+    interrupted: type[BaseException] = asyncio.CancelledError
+
+    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+        self.endpoints = etcd.endpoints
+        self.request_timeout = request_timeout
+
+    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
+        """This face on another etcd, its calls with ``request_timeout``."""
+        return type(self)(etcd, request_timeout)
+
+    def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
+        return conch.aio.connect(self.endpoints, request_timeout=self.request_timeout)
+
+    def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
+        return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
+
+    def semaphore_reading_once(
+        self, client: conch.aio.Client, name: str, max: int, ttl: int, after: threading.Event
+    ) -> Any:
+        class ReadingOnce(conch.aio.Semaphore):
+            async def _read_standing(self, action: Any, interrupt: asyncio.Event) -> Any:
+                await _poll(after.is_set, "the go-ahead to read")
+                return await super()._read_standing(action, interrupt)
+
+        return ReadingOnce(client, name, max=max, ttl=ttl)
+
+    def session(
+        self, client: conch.aio.Client, ttl: int = 5
+    ) -> contextlib.AbstractAsyncContextManager[conch.aio.Session]:
+        return conch.aio.Session(client, ttl)
+
+    async def acquire(
+        self, sema: conch.aio.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> conch.aio.Hold:
+        hold: conch.aio.Hold = await self.holding(sema, timeout, session)  # type: ignore[misc]
+        return hold
+
+    def holding(
+        self, sema: conch.aio.Semaphore, timeout: float | None = None, session: Any = None
+    ) -> contextlib.AbstractAsyncContextManager[conch.aio.Hold]:
+        if session is None:
+            return sema.acquire(timeout)
+        return sema.acquire(timeout, session=session)
+
+    async def release(self, hold: conch.aio.Hold) -> None:
+        await hold.release()
+
+    async def check(self, hold: conch.aio.Hold) -> None:
+        await hold.check()
+
+    async def put(self, hold: conch.aio.Hold, key: bytes, value: bytes) -> int:
+        return await hold.put(key, value)
+
+    async def delete(self, hold: conch.aio.Hold, key: bytes) -> int:
+        return await hold.delete(key)
+
+    async def who(self, client: conch.aio.Client, name: str) -> list[conch.Record]:
+        return await conch.aio.who(client, name)
+
+    async def wait_lost(self, hold: conch.aio.Hold) -> None:
+        await asyncio.wait_for(hold.lost.wait(), DEADLINE)
+
+    def expires_at(self, hold: conch.aio.Hold) -> float:
+        return hold.expires_at()
+
+    async def interrupt_waiting(
+        self, sema: conch.aio.Semaphore, queued: Callable[[], bool], session: Any = None
+    ) -> BaseException | None:
+        waiting = asyncio.ensure_future(self.acquire(sema, session=session))
+        await _poll(queued, "the waiter queued")
+        waiting.cancel()
+        try:
+            hold = await waiting
+        except BaseException as exc:
+            return exc
+        await hold.release()
+        return None
+
+
+@pytest.fixture(params=[Threaded, Asyncio], ids=lambda face: face.name)
+def face(request: pytest.FixtureRequest, etcd: EtcdCluster) -> Face:
+    made: Face = request.param(etcd)
+    return made
+
+
+Scenario = Callable[[Any], Coroutine[Any, Any, None]]
+
+
+def run(face: Face, scenario: Callable[[Any], Awaitable[None]]) -> None:
+    """Run ``scenario(client)`` under asyncio.run with a client of ``face``."""
+
+    async def main() -> None:
+        async with face.connect() as client:
+            await scenario(client)
+
+    asyncio.run(main())
+
+
+def revisions(client: Client, name: str) -> list[int]:
+    return [k.create_revision for k in sema_keys(client, name)]
+
+
+# -- the scenarios --------------------------------------------------------------------------
+
+
+def test_acquire_holds_a_slot_at_our_key_s_revision_and_release_frees_it(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=2)
+        hold = await face.acquire(sema, timeout=10)
+        [key] = sema_keys(client, name)
+        assert (hold.revision, hold.lease_id) == (key.create_revision, key.lease)
+        await face.check(hold)
+        await face.release(hold)
+        assert sema_keys(client, name) == []
+        await face.release(hold)  # a second release is a no-op
+
+    run(face, scenario)
+
+
+def test_timeout_raises_no_slot_and_leaves_no_waiter_key(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1)
+        async with face.holding(sema, timeout=10) as hold:
+            started = time.monotonic()
+            with pytest.raises(conch.NoSlot):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=0.5)
+            assert time.monotonic() - started >= 0.5
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_nonblock_raises_no_slot_at_once_and_leaves_no_key(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+            started = time.monotonic()
+            with pytest.raises(conch.NoSlot):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=0)
+            assert time.monotonic() - started < 5
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+
+
+def test_a_bad_timeout_is_a_usage_error_before_any_etcd_call(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        for bad in (-1, float("nan"), float("inf")):
+            with pytest.raises(conch.UsageError):
+                await face.acquire(face.semaphore(fclient, name, max=1), timeout=bad)
+        assert sema_keys(client, name) == []
+
+    run(face, scenario)
+
+
+def test_an_explicit_release_inside_the_block_ends_it_without_error(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+            await face.release(hold)
+            assert sema_keys(client, name) == []
+            with pytest.raises(conch.HoldLost):
+                await face.check(hold)  # released: no longer ours
+
+    run(face, scenario)
+
+
+def test_check_raises_hold_lost_after_an_outside_revoke(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        lease.revoke(client, hold.lease_id)
+        await face.wait_lost(hold)
+        with pytest.raises(conch.HoldLost):
+            await face.check(hold)
+        await face.release(hold)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_hold_lost_in_the_block_raises_hold_lost_when_it_ends(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        with pytest.raises(conch.HoldLost):
+            async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+                lease.revoke(client, hold.lease_id)
+                await face.wait_lost(hold)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_lost_hold_lets_the_block_s_own_exception_through(
+    face: Face, client: Client, name: str
+) -> None:
+    class Failed(Exception):
+        pass
+
+    async def scenario(fclient: Any) -> None:
+        with pytest.raises(Failed):
+            async with face.holding(face.semaphore(fclient, name, max=1), timeout=10) as hold:
+                lease.revoke(client, hold.lease_id)
+                await face.wait_lost(hold)
+                raise Failed
+
+    run(face, scenario)
+
+
+def test_guarded_put_and_delete_land_only_while_the_hold_is_ours(
+    face: Face, client: Client, name: str
+) -> None:
+    data = f"/parity/{name}".encode()
+
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        written = await face.put(hold, data, b"v1")
+        item = kv.get(client, data)
+        assert item is not None and (item.value, item.mod_revision) == (b"v1", written)
+        assert item.lease == 0  # outlives the hold
+        deleted = await face.delete(hold, data)
+        assert kv.get(client, data) is None and deleted > written
+        lease.revoke(client, hold.lease_id)
+        with pytest.raises(conch.HoldLost):
+            await face.put(hold, data, b"v2")
+        assert kv.get(client, data) is None
+        assert hold.lost.is_set()
+        await face.release(hold)
+
+    run(face, scenario)
+
+
+def test_who_lists_holders_then_waiters_in_revision_order(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1)
+        async with face.holding(sema, timeout=10) as hold:
+            waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+            records = await face.who(fclient, name)
+            assert [(r.state, r.held, r.max) for r in records] == [("HELD", 1, 1), ("WAIT", 1, 1)]
+            assert records[0].rev == hold.revision < records[1].rev
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert [r.state for r in await face.who(fclient, name)] == ["HELD"]
+        await face.release(second)
+        assert await face.who(fclient, name) == []
+
+    run(face, scenario)
+
+
+def test_holds_share_one_session_lease_and_release_only_their_own_key(
+    face: Face, client: Client, name: str
+) -> None:
+    other = f"{name}-b"
+
+    async def scenario(fclient: Any) -> None:
+        async with face.session(fclient) as session:
+            first = await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
+            second = await face.acquire(face.semaphore(fclient, other, max=2), 10, session)
+            assert first.lease_id == second.lease_id == session.lease_id
+            with pytest.raises(conch.UsageError):  # one key per semaphore per session
+                await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
+            await face.release(first)
+            assert sema_keys(client, name) == []
+            assert [k.lease for k in sema_keys(client, other)] == [session.lease_id]
+            await face.check(second)
+        # Closing the session revokes its lease: the hold left on it goes too.
+        assert sema_keys(client, other) == []
+
+    run(face, scenario)
+
+
+def test_a_shared_session_lost_while_queued_raises_session_lost(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        holder = face.semaphore(fclient, name, max=1)
+        async with face.holding(holder, timeout=10), face.session(fclient) as session:
+            waiting = asyncio.ensure_future(
+                face.acquire(face.semaphore(fclient, name, max=1), None, session)
+            )
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+            lease.revoke(client, session.lease_id)
+            with pytest.raises(conch.SessionLost):
+                await asyncio.wait_for(waiting, DEADLINE)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
+def test_an_interrupted_wait_withdraws_its_key(
+    face: Face, client: Client, name: str, shared: bool
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        holder = face.semaphore(fclient, name, max=1)
+        async with contextlib.AsyncExitStack() as stack:
+            hold = await stack.enter_async_context(face.holding(holder, timeout=10))
+            session = await stack.enter_async_context(face.session(fclient)) if shared else None
+            raised = await face.interrupt_waiting(
+                face.semaphore(fclient, name, max=1),
+                lambda: len(sema_keys(client, name)) == 2,
+                session,
+            )
+            assert isinstance(raised, face.interrupted), raised
+            # No poll: the waiter's key is gone by the time the wait has ended.
+            assert revisions(client, name) == [hold.revision]
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+def test_a_waiter_takes_the_slot_when_the_holder_releases(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        first = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        await face.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert second.revision > first.revision
+        assert revisions(client, name) == [second.revision]
+        await face.release(second)
+
+    run(face, scenario)
+
+
+def test_expires_at_is_the_last_keepalive_plus_the_ttl(
+    face: Face, client: Client, name: str
+) -> None:
+    async def scenario(fclient: Any) -> None:
+        before = time.monotonic()
+        hold = await face.acquire(face.semaphore(fclient, name, max=1, ttl=3), timeout=10)
+        first = face.expires_at(hold)
+        assert before + 3 <= first + 0.001 and first <= time.monotonic() + 3
+        # The same instant (a keepalive between two reads may only move it on).
+        before_read, read, after_read = hold.deadline, face.expires_at(hold), hold.deadline
+        assert before_read <= read <= after_read
+        # A keepalive every TTL/3 moves it on.
+        await _poll(lambda: face.expires_at(hold) > first, "a keepalive")
+        await face.release(hold)
+        assert face.expires_at(hold) == 0.0  # released: an instant long past
+
+    run(face, scenario)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-session", "shared-session"])
+def test_a_hold_dropped_without_release_is_released_when_collected(
+    face: Face, client: Client, name: str, shared: bool
+) -> None:
+    """``del hold; gc.collect()``: a ResourceWarning, and the key goes at once (the TTL of
+    30 s is not what frees it); a shared session lives on."""
+
+    async def scenario(fclient: Any) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(face.session(fclient, 30)) if shared else None
+            sema = face.semaphore(fclient, name, max=1, ttl=30)
+            hold = await face.acquire(sema, 10, session)
+            lease_id = hold.lease_id
+            await asyncio.sleep(0.2)  # into the hold: its guard is watching (no synchronisation)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                del hold
+                gc.collect()
+            assert any(issubclass(w.category, ResourceWarning) for w in caught), caught
+            await _poll(lambda: sema_keys(client, name) == [], "the hold released", timeout=10)
+            expected_ttl_left = lease.time_to_live(client, lease_id)
+            assert (expected_ttl_left > 0) if shared else (expected_ttl_left == -1)
+
+    run(face, scenario)
+
+
+def test_a_hold_whose_key_is_deleted_by_hand_is_lost(face: Face, client: Client, name: str) -> None:
+    """The guard's watch on our key: its deletion (the lease itself lives on) loses the hold."""
+
+    async def scenario(fclient: Any) -> None:
+        hold = await face.acquire(face.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+        [key] = sema_keys(client, name)
+        kv.delete(client, key.key)
+        await face.wait_lost(hold)
+        with pytest.raises(conch.HoldLost):
+            await face.check(hold)
+        await face.release(hold)
+
+    run(face, scenario)
+
+
+def test_a_waiter_whose_own_session_is_lost_re_enters_and_still_gets_the_slot(
+    face: Face, client: Client, name: str
+) -> None:
+    """A private session lost while queued: a new lease, a new key at the back of the queue
+    (design page: queue position is not kept), and the wait goes on."""
+
+    async def scenario(fclient: Any) -> None:
+        first = await face.acquire(face.semaphore(fclient, name, max=1), timeout=10)
+        waiting = asyncio.ensure_future(face.acquire(face.semaphore(fclient, name, max=1)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        [_, queued] = sema_keys(client, name)
+        lease.revoke(client, queued.lease)
+        await _poll(
+            lambda: [k.lease for k in sema_keys(client, name)][1:] not in ([], [queued.lease]),
+            "the waiter re-entered",
+        )
+        [_, again] = sema_keys(client, name)
+        assert again.create_revision > queued.create_revision
+        await face.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert (second.revision, second.lease_id) == (again.create_revision, again.lease)
+        await face.release(second)
+
+    run(face, scenario)
+    assert sema_keys(client, name) == []
+
+
+@pytest.fixture(scope="module")
+def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A one-member etcd of this module's own, which a test may kill and start again."""
+    cluster = EtcdCluster(tmp_path_factory.mktemp("restartable"))
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_a_waiter_keeps_its_place_while_etcd_is_away_for_a_moment(
+    face: Face, restartable: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd killed while a waiter queues, and back with its data within the leases' TTL
+    (30 s) once the waiter's read met the refused connection (it reads its standing only
+    once etcd is down: whether a watch rides out an outage is the watch's business): its
+    lease lived through it, so it keeps its key (no re-entry at the back of the queue) and
+    takes the slot with it when the holder leaves."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(restartable, request_timeout=0.5)
+    member = restartable.members[0]
+    killed = threading.Event()
+
+    async def scenario(fclient: Any) -> None:
+        with restartable.client() as client:
+            first = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+            sema = here.semaphore_reading_once(fclient, name, max=1, ttl=30, after=killed)
+            waiting = asyncio.ensure_future(here.acquire(sema))
+            await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter's key")
+            [_, queued] = sema_keys(client, name)
+        member.kill()
+        killed.set()
+        await _poll(lambda: "event=etcd-away" in caplog.text, "the waiter's read refused")
+        member.start(restartable.initial_cluster)
+        await asyncio.to_thread(restartable.wait_healthy)
+        await here.release(first)
+        second = await asyncio.wait_for(waiting, DEADLINE)
+        assert (second.revision, second.lease_id) == (queued.create_revision, queued.lease)
+        with restartable.client() as client:
+            assert [k.create_revision for k in sema_keys(client, name)] == [second.revision]
+        await here.release(second)
+
+    async def main() -> None:
+        async with here.connect() as fclient:
+            await scenario(fclient)
+
+    asyncio.run(main())
+
+
+def test_closing_the_client_revokes_the_leases_still_open_on_it(
+    face: Face, client: Client, name: str
+) -> None:
+    """A hold and a waiter left open when the client closes: their keys go at once (the
+    leases revoked), not after the TTL of 30 s."""
+
+    left_open: list[Any] = []  # kept referenced: a dropped hold would be released
+
+    async def scenario(fclient: Any) -> None:
+        sema = face.semaphore(fclient, name, max=1, ttl=30)
+        left_open.append(await face.acquire(sema, timeout=10))
+        left_open.append(asyncio.ensure_future(face.acquire(sema)))
+        await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
+        # Leaving run()'s block closes the client, the hold and the waiter still open.
+
+    started = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # the hold is dropped with the loop
+        run(face, scenario)
+    assert sema_keys(client, name) == []
+    assert time.monotonic() - started < 15

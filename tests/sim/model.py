@@ -165,6 +165,7 @@ class SimEtcd:
         self.leases: dict[int, Lease] = {}
         self.history: list[tuple[int, list[kv_pb2.Event]]] = []  # (revision, its events)
         self.watches: dict[int, ModelWatch] = {}
+        self.deleted_at: dict[bytes, int] = {}  # each key's last deletion (for the checks)
         self.now = 0.0
         self.reachable = True
         self.nospace = False
@@ -232,6 +233,10 @@ class SimEtcd:
 
     def compact(self, revision: int) -> rpc_pb2.CompactionResponse:
         self._check_reachable()
+        return self.auto_compact(revision)
+
+    def auto_compact(self, revision: int) -> rpc_pb2.CompactionResponse:
+        """Compaction as etcd's own auto-compaction does it: whoever can reach etcd."""
         if revision <= self.compact_revision:
             raise compacted()
         if revision > self.revision:
@@ -472,6 +477,7 @@ class SimEtcd:
         if prev.lease and prev.lease in self.leases:
             self.leases[prev.lease].keys.discard(key)
         tombstone = kv_pb2.KeyValue(key=key, mod_revision=revision)
+        self.deleted_at[key] = revision
         changes.append(kv_pb2.Event(type=DELETE, kv=tombstone))
         return prev
 

@@ -30,6 +30,7 @@ prints.
 
 from __future__ import annotations
 
+import collections
 import functools
 import random
 from collections.abc import Callable, Sequence
@@ -135,8 +136,21 @@ class Timer:
 class World:
     """One semaphore of ``max_holders`` slots on ``etcd``, and the processes acquiring it."""
 
-    def __init__(self, seed: int, max_holders: int, etcd: SimEtcd | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        max_holders: int,
+        etcd: SimEtcd | None = None,
+        waiter: type[r.Waiter] = r.Waiter,
+        auto_release: bool = True,
+    ) -> None:
+        """``waiter``: the machine to drive (a variant, to show a property catches its
+        bug). ``auto_release``: holders' jobs end after a random time (else only when
+        ``release`` is called)."""
         self.seed = seed
+        self.waiter = waiter
+        self.auto_release = auto_release
+        self.counts: collections.Counter[str] = collections.Counter()  # what was explored
         self.rng = random.Random(seed)
         self.max = max_holders
         self.etcd = etcd or SimEtcd()
@@ -181,9 +195,9 @@ class World:
             self.etcd.reachable, self.etcd.nospace = reachable, nospace
             session = self._session(grant.ID, shared=True)
             key = self.prefix + b"%x" % grant.ID
-            waiter = r.Waiter(self.prefix, self.max, backoff, key=key, lease_id=grant.ID)
+            waiter = self.waiter(self.prefix, self.max, backoff, key=key, lease_id=grant.ID)
         else:
-            waiter = r.Waiter(self.prefix, self.max, backoff)
+            waiter = self.waiter(self.prefix, self.max, backoff)
         proc = Proc(name, waiter, timeout, shared=session, session=session)
         self.procs.append(proc)
         self.log(f"{name} arrives ({'shared' if shared else 'private'}, timeout={timeout})")
@@ -205,6 +219,9 @@ class World:
 
     def feed(self, proc: Proc, event: r.Input) -> None:
         self.log(f"{proc.name} <- {_short(event)}")
+        self.counts[type(event).__name__] += 1
+        if isinstance(event, r.Failed):
+            self.counts[f"Failed.{event.failure.name}"] += 1
         self.execute(proc, proc.waiter.feed(event))
         self._after_outcome(proc)
 
@@ -222,7 +239,9 @@ class World:
     # -- executing actions ---------------------------------------------------------------
 
     def execute(self, proc: Proc, actions: Sequence[r.Action]) -> None:
+        self.counts[f"state.{proc.waiter.state.name}"] += 1
         for action in actions:
+            self.counts[type(action).__name__] += 1
             if isinstance(action, r.Note):
                 continue
             self.log(f"{proc.name} -> {_short(action)}")
@@ -509,8 +528,10 @@ class World:
             self._hold_touch(proc)
         elif held.touch == r.TouchOwed.LATER:
             self._timer(TOUCH_DELAY, proc, "hold-touch", lambda: self._hold_touch(proc))
-        hold_for = self.rng.expovariate(1.0)
-        self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
+        self.counts[f"held.{proc.waiter.state.name}.{held.touch.name}"] += 1
+        if self.auto_release:
+            hold_for = self.rng.expovariate(0.7)
+            self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
 
     def _hold_touch(self, proc: Proc, backoff: SimBackoff | None = None) -> None:
         held = proc.held
@@ -838,30 +859,33 @@ class Stats:
     held: int = 0
     gave_up: int = 0
     requests: int = 0
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-def run(seed: int, max_holders: int | None = None) -> Stats:
+def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Waiter) -> Stats:
     """One schedule: its parameters, then its steps, all drawn from ``seed``. Raises
     PropertyFailed with the seed and the trace's tail when a property fails."""
-    rng = random.Random(seed)
+    rng = random.Random(f"schedule:{seed}")  # its own stream, apart from the world's
     n = max_holders or rng.randint(1, 9)
-    world = World(seed * 7919 + 1, n)
+    world = World(seed, n, waiter=waiter)
     world.lost_rate = rng.choice((0.0, 0.05, 0.2))
     arrivals = rng.randint(1, 3 * n + 6)
     faults = rng.random() < 0.8
+    # Each kind of step's weight: deliveries dominate, the world acts now and then.
+    f = 1.0 if faults else 0.0
     rates = {
+        "message": 10.0,
+        "tick": 1.0,
         "arrive": 3.0,
-        "release": 1.0,
-        "burst": 0.2,
-        "interrupt": 0.3 if faults else 0.0,
-        "lose": 0.3 if faults else 0.0,
-        "outside": 0.1 if faults else 0.0,
-        "unreachable": 0.15 if faults else 0.0,
-        "nospace": 0.15 if faults else 0.0,
-        "compact": 0.3 if faults else 0.0,
-        "break": 0.2 if faults else 0.0,
-        "tick": 2.0,
-        "message": 8.0,
+        "release": 0.7,
+        "burst": 0.1,
+        "interrupt": 0.15 * f,
+        "lose": 0.1 * f,
+        "outside": 0.05 * f,
+        "unreachable": 0.05 * f,
+        "nospace": 0.05 * f,
+        "compact": 0.2 * f,
+        "break": 0.1 * f,
     }
     fault_ends: list[tuple[str, float]] = []
     for _ in range(rng.randint(0, arrivals)):  # a queue at once, or one that builds up
@@ -905,6 +929,7 @@ def run(seed: int, max_holders: int | None = None) -> Stats:
         sum(p.held is not None for p in world.procs),
         sum(isinstance(p.waiter.outcome, r.GaveUp) for p in world.procs),
         world.requests,
+        world.counts,
     )
 
 
@@ -927,7 +952,7 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
     waiting = [p for p in world.procs if p.waiter.outcome is None]
     holders = [p for p in world.procs if p.holding]
     if kind == "arrive":
-        timeout = rng.choice((None, None, None, 0.0, rng.uniform(0.5, 10.0)))
+        timeout = rng.choice((None, None, None, None, None, 0.0, rng.uniform(1.0, 20.0)))
         world.arrive(shared=rng.random() < 0.3, timeout=timeout)
     elif kind == "message":
         if not world.step_messages():
@@ -961,7 +986,7 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
                     world.broken.append((owner, machine_id, False))
         else:
             world.etcd.nospace = True
-        fault_ends.append((kind, now + rng.choice((0.3, 1.0, 3.0, 8.0))))
+        fault_ends.append((kind, now + rng.choice((0.2, 0.5, 1.0, 3.0, 8.0))))
     elif kind == "compact":
         world.compact()
     elif kind == "break":

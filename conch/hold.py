@@ -24,6 +24,7 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
+from conch.recipe import TouchOwed
 from conch.session import Session
 from conch.timer import timer_for, weakly
 
@@ -75,7 +76,7 @@ class Hold:
         key: bytes,
         revision: int,
         value: bytes,
-        touch: bool = False,
+        touch: TouchOwed | bool = False,
         retire: Sequence[Watch] = (),
         held_at: int = 0,
         shared: bool = False,
@@ -95,7 +96,12 @@ class Hold:
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._revoked_after_loss = False
         self._logged = False
-        self._touch_value = value if touch else None  # what our key says, written again
+        if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
+            later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
+            touch = later if touch else TouchOwed.NONE
+        self._touch_owed = touch
+        # What our key says, written again by the touch.
+        self._touch_value = value if touch != TouchOwed.NONE else None
         # The guard's watches (the waiting watch it retires, then its own): a list the
         # finalizer can cancel without reaching the Hold.
         self._watches: list[Watch] = list(retire)
@@ -104,6 +110,7 @@ class Hold:
         # to the watch, or refuse it as compacted).
         self._held_at = held_at or revision
         self._guard_started = False
+        self._watches_own_key = False  # the guard's own watch opened (or tried)
         self._backoff = Backoff()
         self._timer = timer_for(self._client)
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
@@ -121,6 +128,11 @@ class Hold:
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
+        if touch == TouchOwed.AT_ONCE:
+            # Another holder may leave any moment: the waiter behind us must be watching
+            # for it, so it must learn now, not once the guard starts (after the
+            # supervisor's spawn), that it is in the window.
+            self._later(0, self._touch_at_once)
 
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
@@ -152,12 +164,7 @@ class Hold:
             if self._guard_started or self._releasing:
                 return
             self._guard_started = True
-        if self._touch_value is not None and self.max > 1:
-            # With max > 1 another holder may leave any moment: the waiter behind us must
-            # be watching for it, so it must learn it is first in line now.
-            self._later(0, self._touch_then_watch)
-        else:
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+        self._later(GUARD_WATCH_DELAY, self._watch_own_key)
 
     def _warn_lost(self, lost: Flag) -> None:
         if self._warn_on_loss:
@@ -222,12 +229,11 @@ class Hold:
 
     # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
 
-    def _touch_then_watch(self) -> None:
-        touched = self._touch(retry=self._touch_then_watch)
-        if touched is not None:
+    def _touch_at_once(self) -> None:
+        touched = self._touch(retry=self._touch_at_once)
+        if touched is not None and not self._watches_own_key:
             # Ours at the touch: nothing before it to replay.
-            self._held_at = touched
-            self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+            self._held_at = max(self._held_at, touched)
 
     def _touch_due(self) -> None:
         self._touch(retry=self._touch_due)
@@ -235,8 +241,9 @@ class Hold:
     def _watch_own_key(self) -> None:
         """Retire the waiting watch and watch our key for deletion; a max-1 hold that
         waited touches its key TOUCH_DELAY into the hold."""
-        if self._touch_value is not None and self.max == 1:
+        if self._touch_owed == TouchOwed.LATER:
             self._later(TOUCH_DELAY - GUARD_WATCH_DELAY, self._touch_due)
+        self._watches_own_key = True
         self._open_watch(self._held_at + 1)
 
     def _open_watch(self, start: int) -> None:

@@ -180,11 +180,13 @@ class Withdrawn:
 
 @dataclass(frozen=True)
 class Failed:
-    """A request (``id``) failed; ``detail`` says how, for the log."""
+    """A request (``id``) failed; ``detail`` says how, for the log; ``cause`` is the
+    driver's own (an exception), handed back in GaveUp.cause."""
 
     id: int
     failure: Failure
     detail: str = ""
+    cause: object = None
 
 
 @dataclass(frozen=True)
@@ -424,11 +426,13 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class GaveUp:
-    """We do not hold, and our key is withdrawn: ``reason`` and a line for people."""
+    """We do not hold, and our key is withdrawn: ``reason`` and a line for people.
+    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input's ``cause`` for
+    UNAVAILABLE and REFUSED."""
 
     reason: Reason
     detail: str = ""
-    interrupt: object = None  # Interrupt.reason, for Interrupted
+    cause: object = None
 
 
 Outcome: TypeAlias = Held | GaveUp
@@ -764,17 +768,17 @@ class Waiter:
             return [note, Pause(self._touch, seconds)]
         if answer.failure == Failure.LEASE_NOT_FOUND:
             return self._place_lost("our lease is gone")
-        return self._give_up(Reason.REFUSED, answer.detail, answer)
+        return self._give_up(Reason.REFUSED, answer.detail, answer.cause)
 
     # -- failures, pauses, loss ----------------------------------------------------------
 
     def _failed(self, failure: Failed) -> list[Action]:
         asked = self._asked
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure)
+            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
         if asked is OpenSession:
             if not self._entered:
-                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure)
+                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure.cause)
             return self._pause_then(self._open_session, failure.detail, requeue=True)
         if failure.failure == Failure.LEASE_NOT_FOUND:
             # The lease expired (a process stopped between its grant and our write, or the
@@ -797,7 +801,7 @@ class Waiter:
         """The watch could not be opened (the client's stream cannot be opened)."""
         self._watch = None
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure)
+            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
         after = self._enqueue if self.state == State.SPREAD_BUSY else self._read_standing
         return [*self._cancel_watches(), *self._pause_then(after, failure.detail)]
 

@@ -27,20 +27,25 @@ holders and the ``window_size(N) - N`` waiters first in line (N + 1, at most 8).
 
 A release therefore wakes the waiters of the window and one behind it: constant work per
 release, whatever the length of the queue.
+
+The decisions are ``conch.recipe.Waiter``'s, a pure state machine; this module is its
+threaded driver (``_Wait``): it executes the machine's actions with the etcd layer on the
+calling thread and feeds back the answers, the watch notices, the deadline and the losses.
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb import kv_pb2
 
-from conch import keys, log
+from conch import keys, log, recipe
 from conch.errors import (
+    Compacted,
     EtcdError,
     Interrupted,
     LeaseNotFound,
@@ -53,61 +58,14 @@ from conch.etcd import kv, lease
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
-from conch.hold import WITHDRAW_TIMEOUT, Hold, _cancel_all, delete_own_key, touch
+from conch.hold import WITHDRAW_TIMEOUT, Hold, delete_own_key, touch
 from conch.identity import Identity
+from conch.recipe import WINDOW_WAITERS_CAP, window_size
 from conch.session import Session, check_client, check_ttl
 
+__all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_size"]
+
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
-# Waiters in the window beyond the N holders, at most: each release wakes them all (one
-# watch event each), so their number stays small whatever the max.
-WINDOW_WAITERS_CAP = 8
-
-
-def window_size(max_holders: int) -> int:
-    """How many keys, from the first by create_revision, the window holds: the holders and
-    up to N + 1 waiters (capped), so that N releases in a row still find a waiter in the
-    window for each slot before the one behind has joined it."""
-    return max_holders + min(max_holders + 1, WINDOW_WAITERS_CAP)
-
-
-class _Standing(NamedTuple):
-    """Where our key stands at one revision. If waiting, the keys that matter as they were
-    then (keys only: create_revision and mod_revision): in the ``window``, every key ahead
-    and then our own (their deletion matters); else the one key just ahead (any change
-    matters)."""
-
-    revision: int
-    held: bool
-    watched: Sequence[kv.KeyValue] = ()
-    window: bool = False
-
-    @property
-    def ahead(self) -> int:
-        """In the window: how many keys are ahead of ours."""
-        return len(self.watched) - 1
-
-    def changed(self, now: Sequence[kv.RangeResponse]) -> bool:
-        """Whether a watched key changed since ``revision``, given one Range of each, in order
-        (a deletion; unless in the ``window``, any change)."""
-        for then, response in zip(self.watched, now, strict=True):
-            current = response.kvs[0] if response.kvs else None
-            if current is None or current.create_revision != then.create_revision:
-                return True
-            if not self.window and current.mod_revision != then.mod_revision:
-                return True
-        return False
-
-    def after(self, notice: WatchNotice, slots: int) -> _Standing:
-        """In the window, where we stand after the deletions ``notice`` reports (our own
-        key not among them): holding at the revision of the deletion that left fewer than
-        ``slots`` keys ahead, else further up, still waiting."""
-        *ahead, mine = self.watched
-        for event in notice.events:
-            if event.type == DELETE:
-                ahead = [k for k in ahead if k.key != event.kv.key]
-                if len(ahead) < slots:
-                    return _Standing(int(event.kv.mod_revision), True)
-        return _Standing(notice.revision, False, [*ahead, mine], window=True)
 
 
 @dataclass(frozen=True)
@@ -182,54 +140,14 @@ class Semaphore:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         interrupt = interrupt or Flag("interrupt")
-        if session is not None:
-            return self._acquire_shared(session, deadline, interrupt, started)
-        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-        entered = False
-        while True:
-            if interrupt.is_set():
-                raise Interrupted(interrupt.reason)
-            try:
-                session = Session(self.client, self.ttl, interrupt)
-            except Unavailable as exc:
-                if not entered:
-                    raise  # no session at all: etcd unreachable (exit 69)
-                self.pause_before_reentry(exc, deadline, interrupt, backoff)
-                continue
-            entered = True
-            try:
-                return self._acquire_with(session, deadline, interrupt, started)
-            except (SessionLost, LeaseNotFound, Unavailable) as exc:
-                # LeaseNotFound: the lease expired before our first write (a process stopped
-                # in between); like any lost session, re-enter.
-                session.close(timeout=WITHDRAW_TIMEOUT)
-                self.pause_before_reentry(exc, deadline, interrupt, backoff)
-            except BaseException:
-                session.close(timeout=WITHDRAW_TIMEOUT)
-                raise
-
-    def _acquire_shared(
-        self, session: Session, deadline: float | None, interrupt: Flag, started: float
-    ) -> Hold:
-        """``_acquire`` on a session the caller owns: our key is claimed on it, withdrawn
-        by deleting it (never by revoking the lease), and a lost session is raised."""
+        if session is None:
+            return _Wait(self, interrupt, deadline, started).run()
         if session.client is not self.client:
             raise UsageError("session: belongs to another client than the semaphore")
         key = self._key(session)
         session._claim(key)
-        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         try:
-            while True:
-                if interrupt.is_set():
-                    raise Interrupted(interrupt.reason)
-                if session.lost.is_set():
-                    raise SessionLost(f"session lost: {session.lost.reason}")
-                try:
-                    return self._acquire_with(session, deadline, interrupt, started, shared=True)
-                except (SessionLost, LeaseNotFound, Unavailable) as exc:
-                    if not _session_lives(session, exc):
-                        raise SessionLost(f"session lost while queued: {exc}") from None
-                    self.pause_before_reentry(exc, deadline, interrupt, backoff)
+            return _Wait(self, interrupt, deadline, started, session).run()
         except BaseException:
             session._unclaim(key)
             raise
@@ -238,8 +156,8 @@ class Semaphore:
         self, cause: Exception, deadline: float | None, interrupt: Flag, backoff: Backoff
     ) -> None:
         """After losing our place (a hold lost before its use, too): raise NoSlot if time is
-        up, else pause (capped backoff,
-        cut short by ``interrupt``) before re-entering at the back of the queue."""
+        up, else pause (capped, jittered backoff, cut short by ``interrupt``) before
+        re-entering at the back of the queue."""
         if deadline is not None and time.monotonic() >= deadline:
             raise NoSlot(f"no slot of {self.name}[{self.max}]: {cause}")
         log.warning("requeue", name=self.name, reason=str(cause))
@@ -252,132 +170,23 @@ class Semaphore:
             return keys.spread_key(self.name, self.max, self.identity.host)
         return keys.holder_key(self.name, self.max, session.lease_id)
 
-    def _acquire_with(
-        self,
-        session: Session,
-        deadline: float | None,
-        interrupt: Flag,
-        started: float,
-        shared: bool = False,
-    ) -> Hold:
-        box: Mailbox = queue.SimpleQueue()
-        session.lost.subscribe(box)
-        interrupt.subscribe(box)
-        woke_by: list[Watch] = []  # the watch that woke us: closed later, off the handoff
-        revision = 0
-        watching: Watch | None = None  # the window's watch, kept open while we move up
-        try:
-            key = self._key(session)
-            revision, held_at_creation, value = self._enqueue(
-                session, key, box, deadline, interrupt
-            )
-            standing = _Standing(revision, True) if held_at_creation else None
-            standing = standing or self._standing(key, revision, interrupt)
-            if not standing.held:
-                ahead = self._count_ahead(revision, interrupt)
-                log.info(
-                    "queued",
-                    name=self.name,
-                    max=self.max,
-                    position=ahead + 1,
-                    ahead=ahead,
-                    rev=revision,
-                )
-            touched = False  # our key re-put while waiting: the waiter behind has joined
-            while not standing.held:
-                _cancel_all(woke_by)
-                if standing.window and not touched and standing.ahead < self._touch_below:
-                    self._touch(session, key, revision, value, interrupt)
-                    touched = True
-                # Passed on: _wait_for_change closes it unless it returns a notice.
-                reuse, watching = watching, None
-                woke = self._wait_for_change(standing, box, deadline, interrupt, session, reuse)
-                if woke is not None and standing.window and key not in _deleted(woke):
-                    # Keys ahead of ours went, ours still there (events come in revision
-                    # order): we moved up, or hold at the revision of that deletion.
-                    standing = standing.after(woke, self.max)
-                    if not standing.held:
-                        watching = woke.watch
-                        continue
-                if woke is not None:
-                    woke_by.append(woke.watch)
-                if not standing.held:
-                    standing = self._standing(key, revision, interrupt)
-            log.info(
-                "acquired",
-                name=self.name,
-                max=self.max,
-                rev=revision,
-                lease=f"{session.lease_id:x}",
-                waited=f"{time.monotonic() - started:.3f}s",
-            )
-            # The waiter behind us may be watching us for the change that says it belongs in
-            # the window (the Hold's touch), unless we made it while waiting, or held from
-            # the revision our key was created: nobody saw us wait, a waiter behind us knew
-            # where it stood from the start.
-            touch = not held_at_creation and not touched
-            hold = Hold(
-                self,
-                session,
-                key,
-                revision,
-                value,
-                touch=touch,
-                retire=woke_by,
-                held_at=standing.revision,
-                shared=shared,
-            )
-            woke_by = []
-            return hold
-        except BaseException:
-            if shared:
-                _withdraw(self.client, key, revision, session.lease_id)
-            raise
-        finally:
-            if watching is not None:  # the touch failed
-                watching.cancel()
-            _cancel_all(woke_by)
-            session.lost.unsubscribe(box)
-            interrupt.unsubscribe(box)
-
-    def _enqueue(
-        self, session: Session, key: bytes, box: Mailbox, deadline: float | None, interrupt: Flag
-    ) -> tuple[int, bool, bytes]:
+    def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, kv.TxnResponse]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
-        ``max`` keys in the same KV.Txn. Returns our key's create_revision, whether we
-        hold a slot at that very revision, and the value written. With --spread, a key of
-        our host held by another process means no slot: wait for it to go (or raise
-        NoSlot), then try again."""
-        while True:
-            value = self.identity.entering().to_json()
-            response = kv.txn(
-                self.client,
-                [kv.create_revision_is(key, 0)],
-                [kv.op_put(key, value, session.lease_id), kv.op_range(self._heads_request())],
-                [kv.op_get(key)],
-                interrupt=interrupt,
-            )
-            if response.succeeded:
-                heads = response.responses[1].response_range.kvs
-                return int(response.header.revision), any(h.key == key for h in heads), value
-            found = response.responses[0].response_range.kvs
-            if found and found[0].lease == session.lease_id:
-                # An earlier attempt of ours went through; where we stood then is unknown.
-                return int(found[0].create_revision), False, found[0].value
-            if not found:
-                continue  # deleted between compare and read: try again
-            log.info(
-                "spread-busy", name=self.name, host=self.identity.host, rev=found[0].create_revision
-            )
-            standing = _Standing(int(response.header.revision), False, [found[0]])
-            woke = self._wait_for_change(standing, box, deadline, interrupt, session)
-            if woke is not None:
-                woke.watch.cancel()
+        ``max`` keys in the same KV.Txn (else read the key found in our place). Returns
+        the response and the value we sent."""
+        value = self.identity.entering().to_json()
+        return value, kv.txn(
+            self.client,
+            [kv.create_revision_is(key, 0)],
+            [kv.op_put(key, value, lease_id), kv.op_range(self._heads_request())],
+            [kv.op_get(key)],
+            interrupt=interrupt,
+        )
 
-    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
-        """Steps 2-3: are we among the first ``max`` by create_revision? If not, which keys
-        to watch. One read-only KV.Txn of two ranges, so both see one revision (keys only):
-        the window up to our key, and our key with the one just ahead of it."""
+    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
+        """Steps 2-3: one read-only KV.Txn of two ranges, so both see one revision (keys
+        only): the window up to our key (``window_size(max)`` keys ascending by
+        create_revision, none created after ours), and our key with the one just ahead."""
         window = kv.prefix_request(
             self.prefix,
             limit=window_size(self.max),
@@ -395,20 +204,7 @@ class Semaphore:
             sort_order=kv.DESCEND,
         )
         reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
-        response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
-        at = int(response.header.revision)
-        first = list(response.responses[0].response_range.kvs)
-        mine, *ahead = response.responses[1].response_range.kvs or [None]
-        if mine is None or mine.key != key or mine.create_revision != revision:
-            raise SessionLost("our key is gone (lease expired or key deleted)")
-        if first[-1].key == key:
-            if len(first) <= self.max:
-                return _Standing(at, True)
-            return _Standing(at, False, first, window=True)
-        if not ahead:
-            # Nobody ahead, yet not in the window: cannot be. Fail closed, re-enter.
-            raise SessionLost("inconsistent queue read; re-entering")
-        return _Standing(at, False, [ahead[0]])
+        return kv.txn(self.client, [], reads, [], interrupt=interrupt)
 
     def _heads_request(self) -> rpc_pb2.RangeRequest:
         """The first ``max`` keys by create_revision (the holders), keys only."""
@@ -432,91 +228,330 @@ class Semaphore:
         )
         return len(response.kvs)
 
-    def _wait_for_change(
+
+class _Wait:
+    """The threaded driver of one ``recipe.Waiter``: it executes the machine's actions on
+    the calling thread (unary calls with the client's deadlines, ``interrupt`` ending their
+    retries), and sleeps on one mailbox for what comes from elsewhere (watch notices from
+    the client's stream reader, the session's loss, the interrupt) and for the deadline
+    and the pauses the machine asks for."""
+
+    def __init__(
         self,
-        standing: _Standing,
-        box: Mailbox,
-        deadline: float | None,
+        sema: Semaphore,
         interrupt: Flag,
-        session: Session,
-        watch: Watch | None = None,
-    ) -> WatchNotice | None:
-        """Step 4: sleep until a watched key changes after ``standing.revision``; return the
-        notice with its events (its watch still open: the caller cancels it, or passes it
-        back as ``watch`` to go on from there), or None when a re-read is due (the watch
-        broke, or a key changed before the watch started). In the window, the watch covers
-        the deletions under the whole prefix, and only those of watched keys wake us.
-        Raises NoSlot at the deadline, Interrupted on ``interrupt``, SessionLost on session
-        loss.
-
-        The watch starts from "now" rather than from ``standing.revision + 1``: etcd serves a
-        watch that starts in the past from a catch-up loop that runs every 100 ms, which
-        would add up to 100 ms to a handoff. Once etcd confirms the watch (at revision C),
-        the gap (standing.revision, C] is closed by reading the watched keys again."""
-        if deadline is not None and time.monotonic() >= deadline:
-            raise NoSlot(f"no free slot of {self.name}[{self.max}]")
-        if watch is None and standing.watched:
-            key, end = standing.watched[0].key, b""
-            if standing.window:
-                key, end = self.prefix, kv.prefix_end(self.prefix)
-            watch = Watch(
-                self.client,
-                key,
-                0,
-                box.put,
-                range_end=end,
-                only_deletes=standing.window,
-                confirm=True,
-            )
-        relevant = {item.key for item in standing.watched}
-        woke = False
-        try:
-            while True:
-                try:
-                    item = box.get(timeout=remaining(deadline))
-                except queue.Empty:
-                    raise NoSlot(f"no free slot of {self.name}[{self.max}] in time") from None
-                if item is interrupt:
-                    raise Interrupted(interrupt.reason)
-                if item is session.lost:
-                    raise SessionLost(f"session lost while queued: {session.lost.reason}")
-                if isinstance(item, WatchNotice) and item.watch is watch:
-                    if item.error is not None:
-                        log.info("rewatch", name=self.name, reason=str(item.error))
-                        return None
-                    if item.created:
-                        if self._changed_since(standing, item.revision, interrupt):
-                            return None
-                        continue
-                    if any(event.kv.key in relevant for event in item.events):
-                        woke = True
-                        return item
-        finally:
-            if watch is not None and not woke:
-                watch.cancel()
-
-    @property
-    def _touch_below(self) -> int:
-        """With fewer keys than this ahead of ours, the waiter just behind us (if any)
-        belongs in the window."""
-        return window_size(self.max) - 1
-
-    def _touch(
-        self, session: Session, key: bytes, revision: int, value: bytes, interrupt: Flag
+        deadline: float | None,
+        started: float,
+        shared: Session | None = None,
     ) -> None:
-        """Re-put our key while waiting: the waiter behind us, watching it, joins the window.
-        Raises SessionLost when our key is gone."""
-        if not touch(self.client, key, revision, value, session.lease_id, interrupt).succeeded:
-            raise SessionLost("our key is gone (lease expired or key deleted)")
+        self.sema = sema
+        self.client = sema.client
+        self.interrupt = interrupt
+        self.deadline = deadline
+        self.started = started
+        self.session = shared  # the session our key is on (a private one once opened)
+        self.shared = shared is not None
+        self.box: Mailbox = queue.SimpleQueue()
+        self.watches: dict[int, Watch] = {}
+        self.ids: dict[Watch, int] = {}
+        self.pauses: dict[int, float] = {}  # pause id: when it is over (monotonic)
+        self.told: set[object] = set()  # flags and the deadline already fed
+        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+        on = (shared.lease_id, sema._key(shared)) if shared is not None else (None, None)
+        self.waiter = recipe.Waiter(sema.prefix, sema.max, backoff, key=on[1], lease_id=on[0])
 
-    def _changed_since(self, standing: _Standing, confirmed: int, interrupt: Flag) -> bool:
-        """Whether a watched key changed between our read and the watch's start (one KV.Txn
-        of a Range per key; skipped when nothing at all happened in between)."""
-        if confirmed <= standing.revision:
-            return False
-        reads = [kv.op_get(w.key) for w in standing.watched]
-        response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
-        return standing.changed([r.response_range for r in response.responses])
+    def run(self) -> Hold:
+        """Drive the machine to its outcome: the Hold, or the exception it gives up with
+        (NoSlot, Interrupted, SessionLost, Unavailable, another EtcdError)."""
+        self.interrupt.subscribe(self.box)
+        if self.session is not None:
+            self.session.lost.subscribe(self.box)
+        waiter = self.waiter
+        try:
+            todo: deque[recipe.Action] = deque(waiter.start())
+            while waiter.outcome is None:
+                polled = self._poll()
+                if polled is not None:
+                    todo.extend(waiter.feed(polled))
+                    continue
+                answer = self._execute(todo.popleft()) if todo else self._next_input()
+                if answer is not None:
+                    todo.extend(waiter.feed(answer))
+            for action in todo:  # cancels of watches the hold does not retire
+                self._execute(action)
+            return self._outcome(waiter.outcome)
+        finally:
+            self._clean_up()
+
+    # -- inputs --------------------------------------------------------------------------
+
+    def _poll(self) -> recipe.Input | None:
+        """What must be fed at once, before the next action: an interrupt, our session's
+        loss, the deadline (once each)."""
+        if self.interrupt.is_set() and self.interrupt not in self.told:
+            self.told.add(self.interrupt)
+            return recipe.Interrupt(self.interrupt.reason)
+        session = self.session
+        if session is not None and session.lost.is_set() and session.lost not in self.told:
+            self.told.add(session.lost)
+            return recipe.SessionLost(str(session.lost.reason))
+        if "deadline" not in self.told and self._late():
+            self.told.add("deadline")
+            return recipe.DeadlineReached()
+        return None
+
+    def _late(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _next_input(self) -> recipe.Input | None:
+        """Sleep until a notice, a flag, the deadline or a pause's end."""
+        wake = [] if self.deadline is None or "deadline" in self.told else [self.deadline]
+        wake += self.pauses.values()
+        timeout = None if not wake else max(0.0, min(wake) - time.monotonic())
+        try:
+            item = self.box.get(timeout=None if timeout is None else min(timeout, 3600.0))
+        except queue.Empty:
+            now = time.monotonic()
+            for pause, due in sorted(self.pauses.items(), key=lambda p: p[1]):
+                if due <= now:
+                    del self.pauses[pause]
+                    return recipe.PauseOver(pause)
+            return None  # the deadline: _poll feeds it
+        if isinstance(item, WatchNotice):
+            return self._notice(item)
+        return None  # a flag: _poll feeds it
+
+    def _notice(self, notice: WatchNotice) -> recipe.Input | None:
+        watch_id = self.ids.get(notice.watch)
+        if watch_id is None:
+            return None  # a cancelled watch
+        if notice.error is not None:
+            compacted = isinstance(notice.error, Compacted)
+            return recipe.WatchBroken(watch_id, compacted, str(notice.error))
+        if notice.created:
+            return recipe.WatchCreated(watch_id, notice.revision)
+        events = [recipe.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
+        return recipe.WatchEvents(watch_id, events, notice.revision)
+
+    # -- actions -------------------------------------------------------------------------
+
+    def _execute(self, action: recipe.Action) -> recipe.Input | None:
+        """Do ``action``; return its answer when it has one now."""
+        if isinstance(action, recipe.CancelWatch):
+            watch = self.watches.pop(action.id, None)
+            if watch is not None:
+                del self.ids[watch]
+                watch.cancel()
+            return None
+        if isinstance(action, recipe.Pause):
+            left = remaining(self.deadline)
+            seconds = action.seconds if left is None else min(action.seconds, left)
+            self.pauses[action.id] = time.monotonic() + seconds
+            return None
+        if isinstance(action, recipe.Note):
+            self._log(action)
+            return None
+        if isinstance(action, recipe.Withdraw):
+            self._withdraw(action)
+            return recipe.Withdrawn(action.id)
+        try:
+            return self._call(action)
+        except Interrupted:
+            return None  # _poll feeds the interrupt next
+        except EtcdError as exc:
+            return recipe.Failed(action.id, _failure(exc), str(exc), exc)
+
+    def _call(self, action: recipe.Action) -> recipe.Input | None:
+        """The actions that call etcd. Raises EtcdError, Interrupted."""
+        sema, interrupt = self.sema, self.interrupt
+        if isinstance(action, recipe.OpenSession):
+            session = Session(self.client, sema.ttl, interrupt)
+            self.session = session
+            session.lost.subscribe(self.box)
+            return recipe.SessionOpened(action.id, session.lease_id, sema._key(session))
+        if isinstance(action, recipe.SendEnqueue):
+            value, response = sema._enqueue(action.key, action.lease_id, interrupt)
+            return _enqueue_answer(action, response, value)
+        if isinstance(action, recipe.ReadStanding):
+            response = sema._standing(action.key, action.revision, interrupt)
+            return recipe.StandingAnswer(
+                action.id,
+                int(response.header.revision),
+                [_key_rev(k) for k in response.responses[0].response_range.kvs],
+                [_key_rev(k) for k in response.responses[1].response_range.kvs],
+            )
+        if isinstance(action, recipe.ReadKeys):
+            reads = [kv.op_get(key) for key in action.keys]
+            response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
+            found = [r.response_range.kvs for r in response.responses]
+            return recipe.KeysAnswer(
+                action.id,
+                int(response.header.revision),
+                [_key_rev(kvs[0]) if kvs else None for kvs in found],
+            )
+        if isinstance(action, recipe.OpenWatch):
+            self._open_watch(action)
+            return None
+        if isinstance(action, recipe.Touch):
+            response = touch(
+                self.client, action.key, action.revision, action.value, action.lease_id, interrupt
+            )
+            return recipe.TouchAnswer(
+                action.id, int(response.header.revision), bool(response.succeeded)
+            )
+        if isinstance(action, recipe.CheckLease):
+            assert self.session is not None
+            if not self.session.certainly_alive():
+                return recipe.LeaseAnswer(action.id, 0)
+            ttl = lease.time_to_live(self.client, action.lease_id, WITHDRAW_TIMEOUT)
+            return recipe.LeaseAnswer(action.id, ttl)
+        raise AssertionError(f"unknown action {action!r}")  # pragma: no cover
+
+    def _open_watch(self, action: recipe.OpenWatch) -> None:
+        # From "now", not from the standing's revision + 1: etcd serves a watch that starts
+        # in the past from a catch-up loop that runs every 100 ms, which would add up to
+        # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
+        end = kv.prefix_end(action.key) if action.prefix else b""
+        watch = Watch(
+            self.client,
+            action.key,
+            0,
+            self.box.put,
+            range_end=end,
+            only_deletes=action.prefix,
+            confirm=True,
+        )
+        self.watches[action.id] = watch
+        self.ids[watch] = action.id
+
+    def _withdraw(self, action: recipe.Withdraw) -> None:
+        if action.revoke:
+            session, self.session = self.session, None
+            if session is not None and session.lease_id == action.lease_id:
+                session.lost.unsubscribe(self.box)
+                session.close(timeout=WITHDRAW_TIMEOUT)
+            return
+        _withdraw(self.client, action.key, action.revision, action.lease_id)
+
+    def _log(self, note: recipe.Note) -> None:
+        sema = self.sema
+        fields = dict(note.fields)
+        if note.event == "queued":
+            fields = {"max": sema.max, **fields}
+            if "ahead" not in fields:
+                try:
+                    ahead = sema._count_ahead(int(fields["rev"]), self.interrupt)  # type: ignore[call-overload]
+                except (EtcdError, Interrupted):
+                    ahead = None
+                if ahead is not None:
+                    fields.update(position=ahead + 1, ahead=ahead)
+        if note.event == "spread-busy":
+            fields = {"host": sema.identity.host, **fields}
+        emit = log.warning if note.warning else log.info
+        emit(note.event, name=sema.name, **fields)
+
+    # -- the outcome ---------------------------------------------------------------------
+
+    def _outcome(self, outcome: recipe.Outcome) -> Hold:
+        sema = self.sema
+        if isinstance(outcome, recipe.GaveUp):
+            raise _gave_up(sema, outcome, self.interrupt)
+        session = self.session
+        assert session is not None and session.lease_id == outcome.lease_id
+        log.info(
+            "acquired",
+            name=sema.name,
+            max=sema.max,
+            rev=outcome.revision,
+            lease=f"{outcome.lease_id:x}",
+            waited=f"{time.monotonic() - self.started:.3f}s",
+        )
+        retire = [self.watches.pop(w) for w in outcome.retire if w in self.watches]
+        for watch in retire:
+            del self.ids[watch]
+        hold = Hold(
+            sema,
+            session,
+            outcome.key,
+            outcome.revision,
+            outcome.value,
+            touch=outcome.touch,
+            retire=retire,
+            held_at=outcome.held_at,
+            shared=self.shared,
+        )
+        self.session = None  # the hold's now
+        return hold
+
+    def _clean_up(self) -> None:
+        """Whatever ended the run: no watch of ours left open, no subscription left; and
+        if it ended without an outcome (an exception of ours, KeyboardInterrupt), no key or
+        private lease left behind."""
+        for watch in self.watches.values():
+            watch.cancel()
+        self.watches.clear()
+        self.ids.clear()
+        self.interrupt.unsubscribe(self.box)
+        session = self.session
+        if session is None:
+            return
+        session.lost.unsubscribe(self.box)
+        if self.waiter.outcome is not None:
+            return  # withdrawn by the machine (or held: the hold took the session)
+        if self.shared:
+            _withdraw(self.client, self.waiter.key, self.waiter.revision, session.lease_id)
+        else:
+            session.close(timeout=WITHDRAW_TIMEOUT)
+
+
+_EVENT_TYPES = {DELETE: recipe.EventType.DELETE, kv_pb2.Event.PUT: recipe.EventType.PUT}
+
+
+def _key_rev(item: kv.KeyValue) -> recipe.KeyRev:
+    return recipe.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+
+
+def _enqueue_answer(
+    action: recipe.SendEnqueue, response: kv.TxnResponse, sent: bytes
+) -> recipe.EnqueueAnswer:
+    revision = int(response.header.revision)
+    if response.succeeded:
+        heads = [h.key for h in response.responses[1].response_range.kvs]
+        return recipe.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+    found = response.responses[0].response_range.kvs
+    if not found:
+        return recipe.EnqueueAnswer(action.id, revision, False)
+    ours = found[0].lease == action.lease_id
+    value = found[0].value if ours else b""
+    return recipe.EnqueueAnswer(
+        action.id, revision, False, value, existing=_key_rev(found[0]), existing_ours=ours
+    )
+
+
+def _failure(exc: EtcdError) -> recipe.Failure:
+    """The recipe's name for how a request failed."""
+    if isinstance(exc, Unavailable):
+        return recipe.Failure.UNREACHABLE
+    if isinstance(exc, LeaseNotFound):
+        return recipe.Failure.LEASE_NOT_FOUND
+    # etcd's space alarm (NOSPACE): "etcdserver: mvcc: database space exceeded".
+    if exc.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(exc):
+        return recipe.Failure.NO_SPACE
+    return recipe.Failure.OTHER
+
+
+def _gave_up(sema: Semaphore, outcome: recipe.GaveUp, interrupt: Flag) -> BaseException:
+    """The exception a waiter that gave up raises."""
+    reason = outcome.reason
+    if reason == recipe.Reason.NO_SLOT:
+        return NoSlot(f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})")
+    if reason == recipe.Reason.INTERRUPTED:
+        return Interrupted(interrupt.reason)
+    if reason == recipe.Reason.SESSION_LOST:
+        return SessionLost(outcome.detail)
+    if isinstance(outcome.cause, BaseException):
+        return outcome.cause  # etcd unreachable at the first session (69), or refused
+    return EtcdError(outcome.detail)
 
 
 def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
@@ -533,23 +568,3 @@ def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
         kv.txn(client, [on_our_lease], [kv.op_delete(key)], [], timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
-
-
-def _session_lives(session: Session, cause: Exception) -> bool:
-    """After ``cause`` cost a waiter on a shared session its place: whether the session
-    can still carry it (not lost or closed, and, when our key went, its lease still
-    granted: Lease.LeaseTimeToLive, since a lease revoked from outside reaches the
-    keepalive only at its next refresh)."""
-    if isinstance(cause, LeaseNotFound) or not session.certainly_alive():
-        return False
-    if not isinstance(cause, SessionLost):
-        return True
-    try:
-        return lease.time_to_live(session.client, session.lease_id, WITHDRAW_TIMEOUT) > 0
-    except EtcdError:
-        return True  # etcd away: the keepalive decides
-
-
-def _deleted(notice: WatchNotice) -> set[bytes]:
-    """The keys a watch notice reports deleted."""
-    return {event.kv.key for event in notice.events if event.type == DELETE}

@@ -21,7 +21,7 @@ from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
-from conch.semaphore import Semaphore, _Standing
+from conch.semaphore import Semaphore
 from tests.conftest import (
     DEADLINE,
     Conch,
@@ -665,9 +665,9 @@ class CompactingSemaphore(Semaphore):
 
     compactions = 0
 
-    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
+    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
         standing = super()._standing(key, revision, interrupt)
-        if not standing.held and self.compactions == 0:
+        if self.compactions == 0:  # its first read: it waits behind the holder
             self.compactions += 1
             for i in range(3):
                 kv.put(self.client, b"/churn/" + str(i).encode(), b"x")

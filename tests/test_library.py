@@ -24,7 +24,6 @@ from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from conch.semaphore import _Standing
 from tests.conftest import DEADLINE, alive, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -530,7 +529,7 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
         """Looks at the queue only after a slot went: it holds on that read, and leaves the
         touch (it never made one while waiting) to its hold's guard."""
 
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
+        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
             assert released.wait(DEADLINE)
             return super()._standing(key, revision, interrupt)
 
@@ -856,11 +855,11 @@ def test_a_lease_gone_before_the_first_write_re_enters(client: Client, name: str
     class ExpiredFirst(conch.Semaphore):
         tries = 0
 
-        def _enqueue(self, session: Any, *args: Any) -> Any:
+        def _enqueue(self, key: bytes, lease_id: int, interrupt: Any) -> Any:
             ExpiredFirst.tries += 1
             if ExpiredFirst.tries == 1:
-                lease.revoke(client, session.lease_id)
-            return super()._enqueue(session, *args)
+                lease.revoke(client, lease_id)
+            return super()._enqueue(key, lease_id, interrupt)
 
     hold = ExpiredFirst(client, name, max=1, ttl=5).acquire(timeout=20)
     assert ExpiredFirst.tries == 2

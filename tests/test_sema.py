@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conch.etcd import Client, lease
+from conch.etcd import Client, kv, lease
 from conch.flag import Flag
-from conch.semaphore import _Standing
 from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
 
@@ -676,7 +675,7 @@ def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
         look = threading.Event()
         go = threading.Event()
 
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> _Standing:
+        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
             if not self.look.is_set():
                 self.look.set()
                 assert self.go.wait(30)

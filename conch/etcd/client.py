@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -258,16 +259,32 @@ def _check_fork_support() -> None:
 
 
 class Backoff:
-    """Capped exponential backoff: ``next()`` gives the next pause in seconds."""
+    """Capped exponential backoff with decorrelated jitter: ``next()`` gives the next pause
+    in seconds, drawn from [``first``, 3 x the previous pause] (the first from [``first``,
+    3 x ``first``]), never over ``cap``.
 
-    def __init__(self, first: float = BACKOFF_FIRST, cap: float = BACKOFF_CAP) -> None:
-        self._next = first
+    Without jitter every waiter on every machine that saw one outage would retry in
+    lockstep after it (the pauses of all of them the same sequence), each retry a burst
+    on etcd. ``rng`` (a ``random.Random``) makes the sequence reproducible; ``reset()``
+    starts again from ``first`` (after progress)."""
+
+    def __init__(
+        self,
+        first: float = BACKOFF_FIRST,
+        cap: float = BACKOFF_CAP,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._first = first
         self._cap = cap
+        self._last = first
+        self._rng = rng or random.Random()
 
     def next(self) -> float:
-        pause = self._next
-        self._next = min(self._cap, self._next * 2)
-        return pause
+        self._last = min(self._cap, self._rng.uniform(self._first, self._last * 3))
+        return self._last
+
+    def reset(self) -> None:
+        self._last = self._first
 
 
 class Client:

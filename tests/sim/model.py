@@ -365,6 +365,18 @@ class SimEtcd:
 
     # -- what the checks read ----------------------------------------------------------------
 
+    def delete_by_hand(self, key: bytes) -> None:
+        """DeleteRange of ``key`` by someone else (etcdctl del), whatever the faults."""
+        changes: list[kv_pb2.Event] = []
+        if key in self.kvs:
+            self._delete_key(key, self.revision + 1, changes)
+        self._commit(changes)
+
+    def revoke_by_hand(self, lease_id: int) -> None:
+        """LeaseRevoke by someone else (etcdctl lease revoke), whatever the faults."""
+        if lease_id in self.leases:
+            self._revoke(lease_id)
+
     def under(self, prefix: bytes) -> list[kv_pb2.KeyValue]:
         """The keys under ``prefix`` by create_revision (then key), no request, no fault."""
         kvs = [kv for key, kv in self.kvs.items() if key.startswith(prefix)]

@@ -56,7 +56,12 @@ CALM_STEPS = 20000  # steps to finish once faults are over: more is a livelock
 
 
 class PropertyFailed(AssertionError):
-    """A property of the recipe does not hold in this schedule."""
+    """A property of the recipe does not hold in this schedule; ``trace`` is the whole of
+    the schedule up to the failure (the message has its tail)."""
+
+    def __init__(self, message: str, trace: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.trace = list(trace)
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -177,7 +182,8 @@ class World:
         tail = "\n".join(self.trace[-60:])
         raise PropertyFailed(
             f"seed {self.seed} (N={self.max}), step {self.steps}: {message}\n"
-            f"replay: scripts/simulate.py --replay {self.seed}\nlast of the trace:\n{tail}"
+            f"replay: scripts/simulate.py --replay {self.seed}\nlast of the trace:\n{tail}",
+            self.trace,
         )
 
     # -- processes -----------------------------------------------------------------------
@@ -204,7 +210,7 @@ class World:
         if timeout is not None:
             self._timer(timeout, proc, "deadline", lambda: self.feed(proc, r.DeadlineReached()))
         self.execute(proc, proc.waiter.start())
-        self._after_outcome(proc)
+        self._after_outcome(proc, r.State.ENQUEUEING)
         return proc
 
     def _session(self, lease_id: int, shared: bool) -> Session:
@@ -219,13 +225,14 @@ class World:
 
     def feed(self, proc: Proc, event: r.Input) -> None:
         self.log(f"{proc.name} <- {_short(event)}")
+        before = proc.waiter.state
         self.counts[type(event).__name__] += 1
         if isinstance(event, r.Failed):
             self.counts[f"Failed.{event.failure.name}"] += 1
         self.execute(proc, proc.waiter.feed(event))
-        self._after_outcome(proc)
+        self._after_outcome(proc, before)
 
-    def _after_outcome(self, proc: Proc) -> None:
+    def _after_outcome(self, proc: Proc, before: r.State) -> None:
         outcome = proc.waiter.outcome
         if outcome is None or proc.held is not None or proc.done:
             return
@@ -234,6 +241,7 @@ class World:
             proc.done = True
             self._close_shared(proc)
             return
+        self.counts[f"held.{before.name}.{outcome.touch.name}"] += 1
         self._granted(proc, outcome)
 
     # -- executing actions ---------------------------------------------------------------
@@ -500,6 +508,8 @@ class World:
 
     def _granted(self, proc: Proc, held: r.Held) -> None:
         proc.held = held
+        for watch in held.retire:  # the watch that woke us, closed off the handoff's path
+            self._cancel_watch(proc, watch)
         live = self.etcd.under(self.prefix)
         ahead = [kv for kv in live if kv.create_revision < held.revision]
         mine = [kv for kv in live if kv.key == held.key]
@@ -522,13 +532,10 @@ class World:
                 f"live keys ahead of it: {[int(kv.create_revision) for kv in ahead]}"
             )
         proc.holding = True
-        for watch in held.retire:
-            self._cancel_watch(proc, watch)
         if held.touch == r.TouchOwed.AT_ONCE:
             self._hold_touch(proc)
         elif held.touch == r.TouchOwed.LATER:
             self._timer(TOUCH_DELAY, proc, "hold-touch", lambda: self._hold_touch(proc))
-        self.counts[f"held.{proc.waiter.state.name}.{held.touch.name}"] += 1
         if self.auto_release:
             hold_for = self.rng.expovariate(0.7)
             self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
@@ -772,7 +779,14 @@ class World:
         lease_id = proc.waiter.lease_id
         if lease_id and lease_id in self.etcd.leases:
             self.log(f"{proc.name}'s lease {lease_id:x} revoked from outside")
-            self.etcd._revoke(lease_id)
+            self.etcd.revoke_by_hand(lease_id)
+
+    def outside_delete(self, proc: Proc) -> None:
+        """A waiter's key deleted by hand (etcdctl del): its lease lives on."""
+        key = proc.waiter.key
+        if key and key in self.etcd.kvs:
+            self.log(f"{proc.name}'s key deleted from outside")
+            self.etcd.delete_by_hand(key)
 
     def freeze_session(self, proc: Proc) -> None:
         """The process stops sending keepalives (frozen, cut off): its owner loses the
@@ -860,6 +874,7 @@ class Stats:
     gave_up: int = 0
     requests: int = 0
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    trace: list[str] = field(default_factory=list)
 
 
 def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Waiter) -> Stats:
@@ -930,6 +945,7 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
         sum(isinstance(p.waiter.outcome, r.GaveUp) for p in world.procs),
         world.requests,
         world.counts,
+        world.trace,
     )
 
 
@@ -973,7 +989,11 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
     elif kind == "lose" and (waiting or holders):
         world.freeze_session(rng.choice(waiting + holders))
     elif kind == "outside" and waiting:
-        world.outside_revoke(rng.choice(waiting))
+        proc = rng.choice(waiting)
+        if rng.random() < 0.5:
+            world.outside_revoke(proc)
+        else:
+            world.outside_delete(proc)
     elif kind in ("unreachable", "nospace") and not any(f == kind for f, _ in fault_ends):
         world.log(f"{kind} for a while")
         if kind == "unreachable":
@@ -1041,3 +1061,41 @@ def _short(item: object) -> str:
             value = f"[{len(value)}]"
         parts.append(f"{f}={value}")
     return f"{name}({', '.join(parts)})"
+
+
+# -- the cost of a release -----------------------------------------------------------------
+
+
+def settle(world: World, limit: int = 100000) -> None:
+    """Deliver everything in flight and fire every timer due, until nothing is left to do
+    but keepalives (no faults, no lost answers: the calm a cost is measured in)."""
+    for _ in range(limit):
+        if world.step_messages():
+            continue
+        if not world.timers:
+            return
+        world.advance(max(0.0, min(t.at for t in world.timers) - world.etcd.now) + 0.001)
+    world.fail(f"not settled after {limit} steps")
+
+
+def cost_per_release(
+    max_holders: int, queued: int, releases: int, seed: int = 0
+) -> list[tuple[int, int]]:
+    """For each of ``releases`` releases, each by a holder picked at random, with ``queued``
+    waiters behind the N holders: the requests sent to etcd (by every machine and holder)
+    and the watch notices delivered, from the release until all is settled again. No
+    arrivals, no faults."""
+    world = World(seed, max_holders, auto_release=False)
+    for _ in range(max_holders + queued):
+        world.arrive()
+    settle(world)
+    costs = []
+    for _ in range(releases):
+        holders = [p for p in world.procs if p.holding]
+        requests, notices = world.requests, world.counts["WatchEvents"]
+        world.release(world.rng.choice(holders))
+        settle(world)
+        world.check()
+        world.check_quiet()
+        costs.append((world.requests - requests, world.counts["WatchEvents"] - notices))
+    return costs

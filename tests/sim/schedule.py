@@ -105,7 +105,6 @@ class Proc:
     waiter: r.Waiter
     timeout: float | None
     shared: Session | None = None
-    session: Session | None = None  # the session the machine runs on now
     holding: bool = False  # believes it holds (the hold neither released nor lost)
     held: r.Held | None = None
     done: bool = False  # released, or gave up
@@ -204,7 +203,7 @@ class World:
             waiter = self.waiter(self.prefix, self.max, backoff, key=key, lease_id=grant.ID)
         else:
             waiter = self.waiter(self.prefix, self.max, backoff)
-        proc = Proc(name, waiter, timeout, shared=session, session=session)
+        proc = Proc(name, waiter, timeout, shared=session)
         self.procs.append(proc)
         self.log(f"{name} arrives ({'shared' if shared else 'private'}, timeout={timeout})")
         if timeout is not None:
@@ -725,10 +724,9 @@ class World:
     def _on_opened(self, proc: Proc, opened: r.SessionOpened, granted: float) -> None:
         session = self._session(opened.lease_id, shared=False)
         session.certain_until = granted + TTL - MARGIN
-        if self.etcd.now >= session.certain_until:
-            session.lost = True
-        proc.session = session
         self.feed(proc, opened)
+        if self.etcd.now >= session.certain_until:  # the answer took longer than the TTL
+            self._lose_session(session, "lease granted too long ago")
 
     def _notice(self, model_id: int) -> None:
         proc, machine_id = self.watch_owner[model_id]

@@ -24,7 +24,17 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from conch.recipe import TouchOwed
+from conch.recipe import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
+from conch.recipe import TOUCH_DELAY as TOUCH_DELAY  # seconds
+from conch.recipe import (
+    GuardVerdict,
+    KeyRev,
+    TouchOwed,
+    guard_on_look,
+    guard_on_notice,
+    guard_on_touch,
+    guard_plan,
+)
 from conch.session import Session
 from conch.timer import timer_for, weakly
 
@@ -34,16 +44,6 @@ if TYPE_CHECKING:
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
-# Seconds a new hold waits before it opens the watch on its own key: a short job is over
-# by then and never pays for that watch, whose set-up would compete with its release.
-# A deletion in between is not missed (the watch starts from our create_revision), only
-# noticed later; a lost session is noticed at once.
-GUARD_WATCH_DELAY = 0.05
-# Seconds into a hold at max 1 before its touch (a hold that waited: the waiter behind
-# moves up). A job that ends just as it is made pays the most: the touch and the next
-# waiter's move-up compete with its release (about 3 ms more at that handoff, measured),
-# small next to half a second; a shorter job never pays for that write.
-TOUCH_DELAY = 0.5
 
 
 def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
@@ -99,7 +99,7 @@ class Hold:
         if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
-        self._touch_owed = touch
+        self._plan = guard_plan(touch)
         # What our key says, written again by the touch.
         self._touch_value = value if touch != TouchOwed.NONE else None
         # The guard's watches (the waiting watch it retires, then its own): a list the
@@ -128,7 +128,7 @@ class Hold:
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
-        if touch == TouchOwed.AT_ONCE:
+        if self._plan.touch_at_once:
             # Another holder may leave any moment: the waiter behind us must be watching
             # for it, so it must learn now, not once the guard starts (after the
             # supervisor's spawn), that it is in the window.
@@ -164,7 +164,7 @@ class Hold:
             if self._guard_started or self._releasing:
                 return
             self._guard_started = True
-        self._later(GUARD_WATCH_DELAY, self._watch_own_key)
+        self._later(self._plan.watch_after, self._watch_own_key)
 
     def _warn_lost(self, lost: Flag) -> None:
         if self._warn_on_loss:
@@ -241,8 +241,9 @@ class Hold:
     def _watch_own_key(self) -> None:
         """Retire the waiting watch and watch our key for deletion; a max-1 hold that
         waited touches its key TOUCH_DELAY into the hold."""
-        if self._touch_owed == TouchOwed.LATER:
-            self._later(TOUCH_DELAY - GUARD_WATCH_DELAY, self._touch_due)
+        touch_after = self._plan.touch_after
+        if touch_after is not None:
+            self._later(touch_after - self._plan.watch_after, self._touch_due)
         self._watches_own_key = True
         self._open_watch(self._held_at + 1)
 
@@ -259,14 +260,11 @@ class Hold:
 
     def _on_notice(self, notice: WatchNotice) -> None:
         """From the watch stream's reader: our key deleted, or the watch ended."""
-        if self._done():
-            return
-        if notice.error is None:
+        verdict = guard_on_notice(self._done(), ended=notice.error is not None)
+        if verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
-            return
-        # Compacted, or the stream gave up: look at the key itself after a pause; whether
-        # the session is lost is the keepalive's call.
-        self._later(self._backoff.next(), self._look_at_key)
+        elif verdict == GuardVerdict.LOOK:
+            self._later(self._backoff.next(), self._look_at_key)
 
     def _look_at_key(self) -> None:
         try:
@@ -274,12 +272,14 @@ class Hold:
         except EtcdError:
             self._later(self._backoff.next(), self._look_at_key)
             return
-        if self._releasing:
-            return  # the release deleted it
-        if not response.kvs or response.kvs[0].create_revision != self.revision:
+        found = response.kvs[0] if response.kvs else None
+        seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
+        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
+        verdict = guard_on_look(self._releasing, seen, self.revision)
+        if verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted")
-            return
-        self._open_watch(response.header.revision + 1)
+        elif verdict == GuardVerdict.WATCH:
+            self._open_watch(response.header.revision + 1)
 
     def _touch(self, retry: Callable[[], None]) -> int | None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
@@ -293,13 +293,18 @@ class Hold:
                 self._client, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
+            # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
             log.warning("touch-failed", name=self.name, error=str(exc))
+            succeeded = None
+        else:
+            succeeded = bool(response.succeeded)
+        verdict = guard_on_touch(self._releasing, succeeded)
+        if verdict == GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
-            return None
-        if response.succeeded:
-            return int(response.header.revision)
-        if not self._releasing:
+        elif verdict == GuardVerdict.LOST:
             self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+        elif verdict == GuardVerdict.WATCH:
+            return int(response.header.revision)
         return None
 
     # -- release ---------------------------------------------------------------------------

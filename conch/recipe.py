@@ -427,12 +427,17 @@ class Reason(enum.Enum):
 @dataclass(frozen=True)
 class GaveUp:
     """We do not hold, and our key is withdrawn: ``reason`` and a line for people.
-    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input's ``cause`` for
-    UNAVAILABLE and REFUSED."""
+    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input for UNAVAILABLE and
+    REFUSED (its own ``cause`` is the driver's exception)."""
 
     reason: Reason
     detail: str = ""
     cause: object = None
+
+    @property
+    def interrupt(self) -> object:
+        """``cause`` under its first name."""
+        return self.cause
 
 
 Outcome: TypeAlias = Held | GaveUp
@@ -506,6 +511,7 @@ class Waiter:
         self._standing_at = 0  # the revision of the read our watch's keys come from
         self._ahead: list[KeyRev] = []  # in the window: every key ahead of ours
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
+        self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
         self._late = False  # the deadline passed: give up before the next wait
         self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
@@ -688,7 +694,8 @@ class Waiter:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
-            return self._send(ReadKeys(self._new_id(), [k.key for k in self._watched_keys()]))
+            self._gap_asked = self._watched_keys()
+            return self._send(ReadKeys(self._new_id(), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
             return self._window_events(event)
         assert self._watched is not None
@@ -728,11 +735,16 @@ class Waiter:
         if self.state not in _WAITING:
             return []
         any_put = self.state != State.IN_WINDOW
+        # Only the keys still watched: an event may have moved us past one meanwhile.
+        still = {k.key for k in self._watched_keys()}
         if not any(
-            now is None
-            or now.create_revision != then.create_revision
-            or (any_put and now.mod_revision != then.mod_revision)
-            for then, now in zip(self._watched_keys(), answer.kvs, strict=True)
+            then.key in still
+            and (
+                now is None
+                or now.create_revision != then.create_revision
+                or (any_put and now.mod_revision != then.mod_revision)
+            )
+            for then, now in zip(self._gap_asked, answer.kvs, strict=True)
         ):
             return []
         stale, self._watch = self._watch, None
@@ -768,17 +780,17 @@ class Waiter:
             return [note, Pause(self._touch, seconds)]
         if answer.failure == Failure.LEASE_NOT_FOUND:
             return self._place_lost("our lease is gone")
-        return self._give_up(Reason.REFUSED, answer.detail, answer.cause)
+        return self._give_up(Reason.REFUSED, answer.detail, answer)
 
     # -- failures, pauses, loss ----------------------------------------------------------
 
     def _failed(self, failure: Failed) -> list[Action]:
         asked = self._asked
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
+            return self._give_up(Reason.REFUSED, failure.detail, failure)
         if asked is OpenSession:
             if not self._entered:
-                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure.cause)
+                return self._give_up(Reason.UNAVAILABLE, failure.detail, failure)
             return self._pause_then(self._open_session, failure.detail, requeue=True)
         if failure.failure == Failure.LEASE_NOT_FOUND:
             # The lease expired (a process stopped between its grant and our write, or the
@@ -801,7 +813,7 @@ class Waiter:
         """The watch could not be opened (the client's stream cannot be opened)."""
         self._watch = None
         if failure.failure == Failure.OTHER:
-            return self._give_up(Reason.REFUSED, failure.detail, failure.cause)
+            return self._give_up(Reason.REFUSED, failure.detail, failure)
         after = self._enqueue if self.state == State.SPREAD_BUSY else self._read_standing
         return [*self._cancel_watches(), *self._pause_then(after, failure.detail)]
 
@@ -924,3 +936,81 @@ class Waiter:
         if isinstance(event, EnqueueAnswer) and event.created and self.shared:
             return [Withdraw(self._new_id(), self.key, event.revision, self.lease_id, False)]
         return []
+
+
+# -- the hold's guard ----------------------------------------------------------------------
+# Once a slot is ours, the Hold (conch/hold.py, and the asyncio face's) guards it: it
+# watches our key for deletion and owes the waiter behind it the touch. Its decisions, as
+# pure functions of what it saw; the Hold does the calls and keeps the time.
+
+# Seconds into the guard before it opens the watch on our own key: a short job is over by
+# then and never pays for that watch, whose set-up would compete with its release. A
+# deletion in between is not missed (the watch starts from where we held), only noticed
+# later; a lost session is noticed at once.
+GUARD_WATCH_DELAY = 0.05
+# Seconds into a hold at max 1 before its touch (TouchOwed.LATER). A job that ends just as
+# it is made pays the most: the touch and the next waiter's move-up compete with its
+# release (about 3 ms more at that handoff, measured), small next to half a second; a
+# shorter job never pays for that write.
+TOUCH_DELAY = 0.5
+
+
+@dataclass(frozen=True)
+class GuardPlan:
+    """When the guard does what: ``touch_at_once`` (as the Hold is made, before its guard
+    starts: the supervisor starts that only after its spawn); ``touch_after`` seconds into
+    the guard (None: no touch then); the watch on our key ``watch_after`` seconds into the
+    guard."""
+
+    touch_at_once: bool
+    touch_after: float | None
+    watch_after: float
+
+
+def guard_plan(owed: TouchOwed) -> GuardPlan:
+    """The guard's schedule for a hold that owes ``owed``."""
+    return GuardPlan(
+        touch_at_once=owed == TouchOwed.AT_ONCE,
+        touch_after=TOUCH_DELAY if owed == TouchOwed.LATER else None,
+        watch_after=GUARD_WATCH_DELAY,
+    )
+
+
+class GuardVerdict(enum.Enum):
+    """What something the guard saw means."""
+
+    NOTHING = "nothing"  # released (or releasing), or lost already: nothing left to guard
+    LOST = "lost"  # our key is gone: the hold is lost
+    LOOK = "look"  # the watch ended (compacted, stream gave up): read our key after a pause
+    WATCH = "watch"  # our key is still ours: watch it from the read's revision on
+    RETRY = "retry"  # etcd did not answer: try the same call again after a pause
+
+
+def guard_on_notice(done: bool, ended: bool) -> GuardVerdict:
+    """A notice of the watch on our key (deletions only): an event is our key's deletion
+    (lease revoked or expired, or by hand); ``ended``, the watch is over and says nothing
+    of our key. Whether the session is lost is the keepalive's call, not this."""
+    if done:
+        return GuardVerdict.NOTHING
+    return GuardVerdict.LOOK if ended else GuardVerdict.LOST
+
+
+def guard_on_look(done: bool, found: KeyRev | None, revision: int) -> GuardVerdict:
+    """A Range of our key (``found``, None when absent): still ours only if its
+    create_revision is still ``revision`` (the fencing token)."""
+    if done:
+        return GuardVerdict.NOTHING
+    if found is None or found.create_revision != revision:
+        return GuardVerdict.LOST
+    return GuardVerdict.WATCH
+
+
+def guard_on_touch(done: bool, succeeded: bool | None) -> GuardVerdict:
+    """A touch's answer: ``succeeded`` (the compare on our create_revision held), False
+    (our key is gone), None (no answer: etcd away, or refusing writes under its space
+    alarm; the hold is not lost for that)."""
+    if done:
+        return GuardVerdict.NOTHING
+    if succeeded is None:
+        return GuardVerdict.RETRY
+    return GuardVerdict.WATCH if succeeded else GuardVerdict.LOST

@@ -203,8 +203,7 @@ class Semaphore:
             sort_target=kv.CREATE,
             sort_order=kv.DESCEND,
         )
-        reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
-        return kv.txn(self.client, [], reads, [], interrupt=interrupt)
+        return _read_together(self.client, [window, mine_and_prev], interrupt)
 
     def _heads_request(self) -> rpc_pb2.RangeRequest:
         """The first ``max`` keys by create_revision (the holders), keys only."""
@@ -381,8 +380,8 @@ class _Wait:
                 [_key_rev(k) for k in response.responses[1].response_range.kvs],
             )
         if isinstance(action, recipe.ReadKeys):
-            reads = [kv.op_get(key) for key in action.keys]
-            response = kv.txn(self.client, [], reads, [], interrupt=interrupt)
+            reads = [rpc_pb2.RangeRequest(key=key) for key in action.keys]
+            response = _read_together(self.client, reads, interrupt)
             found = [r.response_range.kvs for r in response.responses]
             return recipe.KeysAnswer(
                 action.id,
@@ -528,9 +527,37 @@ def _enqueue_answer(
     )
 
 
+def _read_together(
+    client: Client, reads: list[rpc_pb2.RangeRequest], interrupt: Flag
+) -> kv.TxnResponse:
+    """Several Ranges seen at one revision: one read-only KV.Txn. Under the space alarm
+    etcd refuses every Txn, read-only ones too, once its database is over its quota (the
+    quota gate costs a Txn by its size, whatever its ops), while KV.Range is still served:
+    then the first Range, and the others pinned to its revision, answered as one Txn."""
+    try:
+        return kv.txn(client, [], [kv.op_range(r) for r in reads], [], interrupt=interrupt)
+    except EtcdError as exc:
+        if _failure(exc) != recipe.Failure.NO_SPACE:
+            raise
+    first = kv.range_(client, reads[0], interrupt=interrupt)
+    at = int(first.header.revision)
+    answers = [first]
+    for read in reads[1:]:
+        pinned = rpc_pb2.RangeRequest()
+        pinned.CopyFrom(read)
+        pinned.revision = at
+        answers.append(kv.range_(client, pinned, interrupt=interrupt))
+    return rpc_pb2.TxnResponse(
+        header=first.header,
+        succeeded=True,
+        responses=[rpc_pb2.ResponseOp(response_range=a) for a in answers],
+    )
+
+
 def _failure(exc: EtcdError) -> recipe.Failure:
     """The recipe's name for how a request failed."""
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, (Unavailable, Compacted)):
+        # Compacted: a read pinned to a revision compaction just passed; read again.
         return recipe.Failure.UNREACHABLE
     if isinstance(exc, LeaseNotFound):
         return recipe.Failure.LEASE_NOT_FOUND
@@ -549,8 +576,9 @@ def _gave_up(sema: Semaphore, outcome: recipe.GaveUp, interrupt: Flag) -> BaseEx
         return Interrupted(interrupt.reason)
     if reason == recipe.Reason.SESSION_LOST:
         return SessionLost(outcome.detail)
-    if isinstance(outcome.cause, BaseException):
-        return outcome.cause  # etcd unreachable at the first session (69), or refused
+    failed = outcome.cause
+    if isinstance(failed, recipe.Failed) and isinstance(failed.cause, BaseException):
+        return failed.cause  # etcd unreachable at the first session (69), or refused
     return EtcdError(outcome.detail)
 
 

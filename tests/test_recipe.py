@@ -1,0 +1,421 @@
+"""The waiting recipe's state machine (conch/recipe.py), fed by hand: no etcd, no threads,
+no clock. Each test plays one path of docs/design.md's drawing and asserts the actions the
+machine asks for, in order. The same behaviours are tested against a real etcd in
+test_sema.py, test_library.py, test_sessions.py, test_failures.py and test_waiting.py."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import TypeVar
+
+import pytest
+
+from conch import recipe as r
+from conch.etcd.client import Backoff
+
+PREFIX = b"/p/"
+ME = b"/p/me"
+LEASE = 0x5
+
+
+class FixedPauses:
+    """Pauses of 1 s; counts resets."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def next(self) -> float:
+        return 1.0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def kr(name: str, create: int, mod: int | None = None) -> r.KeyRev:
+    return r.KeyRev(PREFIX + name.encode(), create, create if mod is None else mod)
+
+
+def mine(create: int) -> r.KeyRev:
+    return r.KeyRev(ME, create, create)
+
+
+def deleted(key: r.KeyRev, at: int) -> r.Event:
+    return r.Event(r.EventType.DELETE, r.KeyRev(key.key, key.create_revision, at))
+
+
+A = TypeVar("A")
+
+
+def only(actions: Sequence[r.Action], kind: type[A]) -> A:
+    (found,) = [a for a in actions if isinstance(a, kind)]
+    return found
+
+
+def state_of(waiter: r.Waiter) -> r.State:
+    return waiter.state
+
+
+def kinds(actions: Sequence[r.Action]) -> list[type[r.Action]]:
+    return [type(a) for a in actions if not isinstance(a, r.Note)]
+
+
+def private(max_holders: int = 1) -> tuple[r.Waiter, r.SendEnqueue]:
+    """A waiter on a private session, its session opened: it asks to enqueue."""
+    waiter = r.Waiter(PREFIX, max_holders, FixedPauses())
+    (opening,) = waiter.start()
+    assert isinstance(opening, r.OpenSession)
+    (enqueue,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
+    assert isinstance(enqueue, r.SendEnqueue) and enqueue.key == ME
+    return waiter, enqueue
+
+
+def queued(
+    waiter: r.Waiter, enqueue: r.SendEnqueue, ahead: Sequence[r.KeyRev], at: int = 10
+) -> list[r.Action]:
+    """Our key created at ``at`` behind ``ahead`` (all in the window, or the window full):
+    the actions after the standing read."""
+    (read,) = waiter.feed(r.EnqueueAnswer(enqueue.id, at, True, b"v", heads=[ahead[0].key]))
+    assert isinstance(read, r.ReadStanding) and read.revision == at
+    window_keys = r.window_size(waiter.max)
+    window = [*ahead, mine(at)][:window_keys]
+    return waiter.feed(r.StandingAnswer(read.id, at, window, [mine(at), ahead[-1]]))
+
+
+def test_a_waiter_whose_key_is_among_the_first_n_at_its_creation_holds_and_owes_no_touch() -> None:
+    waiter, enqueue = private(2)
+    actions = waiter.feed(r.EnqueueAnswer(enqueue.id, 7, True, b"v", heads=[kr("a", 3).key, ME]))
+    assert actions == []
+    assert waiter.outcome == r.Held(ME, LEASE, 7, 7, b"v", r.TouchOwed.NONE, ())
+    assert waiter.state == r.State.HELD
+
+
+def test_in_the_window_it_watches_deletions_under_the_prefix_and_touches_once() -> None:
+    waiter, enqueue = private(1)
+    actions = queued(waiter, enqueue, [kr("h", 3)])
+    assert waiter.state == r.State.IN_WINDOW
+    assert kinds(actions) == [r.OpenWatch, r.Touch]
+    watch, touch = only(actions, r.OpenWatch), only(actions, r.Touch)
+    assert isinstance(watch, r.OpenWatch) and watch.key == PREFIX and watch.prefix
+    assert isinstance(touch, r.Touch) and (touch.key, touch.revision, touch.value) == (ME, 10, b"v")
+    assert waiter.feed(r.TouchAnswer(touch.id, 11, True)) == []
+
+
+def test_the_release_event_itself_hands_the_slot_over_with_no_request() -> None:
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    assert waiter.feed(r.WatchCreated(watch.id, 10)) == []  # nothing since the read: no gap
+    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    assert actions == []
+    held = waiter.outcome
+    assert isinstance(held, r.Held)
+    assert (held.revision, held.held_at, held.retire) == (10, 12, (watch.id,))
+
+
+def test_at_max_2_a_release_out_of_order_gives_the_slot_at_once() -> None:
+    """N=2, holders A and B, we wait first in line: B leaves first, and that is enough."""
+    waiter, enqueue = private(2)
+    a, b = kr("a", 3), kr("b", 4)
+    watch = only(queued(waiter, enqueue, [a, b]), r.OpenWatch)
+    waiter.feed(r.WatchEvents(watch.id, [deleted(b, 12)], 12))
+    held = waiter.outcome
+    assert isinstance(held, r.Held) and held.held_at == 12
+
+
+def test_deletions_behind_us_and_puts_do_not_move_us_up() -> None:
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    behind = kr("z", 20)
+    put = r.Event(r.EventType.PUT, kr("h", 3, 30))
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(behind, 21), put], 30)) == []
+    assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
+
+
+def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() -> None:
+    waiter, enqueue = private(1)
+    ahead = [kr("h", 3), kr("w1", 4), kr("w2", 5), kr("w3", 6)]
+    actions = queued(waiter, enqueue, ahead)
+    assert state_of(waiter) == r.State.BEHIND
+    watch = only(actions, r.OpenWatch)
+    assert isinstance(watch, r.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
+    assert not any(isinstance(a, r.Touch) for a in actions)
+    (read,) = waiter.feed(r.WatchEvents(watch.id, [r.Event(r.EventType.PUT, kr("w3", 6, 11))], 11))
+    assert isinstance(read, r.ReadStanding)  # the read first, the cancel after it
+    window = [*ahead[1:3], ahead[3], mine(10)]
+    actions = waiter.feed(r.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
+    assert actions[0] == r.CancelWatch(watch.id)
+    assert waiter.state == r.State.IN_WINDOW
+
+
+@pytest.mark.parametrize(
+    ("max_holders", "owed"), [(1, r.TouchOwed.LATER), (2, r.TouchOwed.AT_ONCE)]
+)
+def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: r.TouchOwed) -> None:
+    """Its hold touches: at once at N > 1 (another holder may leave any moment), a little
+    into the hold at N = 1. The watch that woke it is retired by the hold."""
+    waiter, enqueue = private(max_holders)
+    ahead = [kr(f"k{i}", 3 + i) for i in range(r.window_size(max_holders))]
+    watch = only(queued(waiter, enqueue, ahead), r.OpenWatch)
+    read = only(waiter.feed(r.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40)), r.ReadStanding)
+    # Everyone ahead went at once: the read finds us holding.
+    assert waiter.feed(r.StandingAnswer(read.id, 40, [mine(10)], [mine(10)])) == []
+    held = waiter.outcome
+    assert isinstance(held, r.Held)
+    assert (held.touch, held.retire, held.held_at) == (owed, (watch.id,), 40)
+
+
+def test_a_watch_created_after_a_change_is_caught_by_the_gap_check() -> None:
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    (check,) = waiter.feed(r.WatchCreated(watch.id, 15))
+    assert isinstance(check, r.ReadKeys) and list(check.keys) == [holder.key, ME]
+    actions = waiter.feed(r.KeysAnswer(check.id, 15, [None, mine(10)]))  # the holder left
+    assert kinds(actions) == [r.ReadStanding, r.CancelWatch]
+
+
+def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
+    assert waiter.feed(r.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
+    assert waiter.state == r.State.IN_WINDOW
+
+
+def test_a_broken_watch_reads_the_standing_again() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    actions = waiter.feed(r.WatchBroken(watch.id, compacted=True, detail="compacted"))
+    assert kinds(actions) == [r.ReadStanding]
+
+
+def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    assert kinds(actions) == [r.CancelWatch, r.Withdraw]
+    withdraw = only(actions, r.Withdraw)
+    assert isinstance(withdraw, r.Withdraw) and withdraw.revoke
+    actions = waiter.feed(r.Withdrawn(withdraw.id))
+    pause = only(actions, r.Pause)
+    assert any(isinstance(a, r.Note) and a.event == "requeue" for a in actions)
+    (opening,) = waiter.feed(r.PauseOver(pause.id))
+    assert isinstance(opening, r.OpenSession)
+
+
+def test_etcd_unreachable_for_a_moment_keeps_our_key_and_reads_again() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    read = only(waiter.feed(r.WatchBroken(watch.id, detail="stream gave up")), r.ReadStanding)
+    actions = waiter.feed(r.Failed(read.id, r.Failure.UNREACHABLE, "connection refused"))
+    assert kinds(actions) == [r.Pause]  # no withdraw, no new session
+    assert waiter.state == r.State.PAUSED
+    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
+    assert isinstance(again, r.ReadStanding) and (again.key, again.revision) == (ME, 10)
+
+
+def test_an_enqueue_unanswered_is_sent_again_and_finds_its_own_key() -> None:
+    waiter, enqueue = private(1)
+    actions = waiter.feed(r.Failed(enqueue.id, r.Failure.UNREACHABLE, "timed out"))
+    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
+    assert isinstance(again, r.SendEnqueue) and again.key == ME
+    found = r.EnqueueAnswer(again.id, 12, False, b"old", existing=mine(9), existing_ours=True)
+    (read,) = waiter.feed(found)
+    assert isinstance(read, r.ReadStanding) and read.revision == 9
+
+
+def test_a_touch_refused_by_the_space_alarm_keeps_our_place_and_is_tried_again() -> None:
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    actions = queued(waiter, enqueue, [holder])
+    watch, touch = only(actions, r.OpenWatch), only(actions, r.Touch)
+    actions = waiter.feed(r.Failed(touch.id, r.Failure.NO_SPACE, "database space exceeded"))
+    assert kinds(actions) == [r.Pause] and waiter.state == r.State.IN_WINDOW
+    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
+    assert isinstance(again, r.Touch)
+    waiter.feed(r.Failed(again.id, r.Failure.NO_SPACE, "database space exceeded"))
+    # Still in the window: the release's event hands over the slot all the same.
+    waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    held = waiter.outcome
+    assert isinstance(held, r.Held) and held.touch == r.TouchOwed.LATER
+
+
+def test_a_lost_private_session_re_enters_at_the_back() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    actions = waiter.feed(r.SessionLost("keepalive failed"))
+    assert actions[0] == r.CancelWatch(watch.id)
+    withdraw = only(actions, r.Withdraw)
+    assert isinstance(withdraw, r.Withdraw) and withdraw.revoke
+    assert kinds(waiter.feed(r.Withdrawn(withdraw.id))) == [r.Pause]
+    assert waiter.outcome is None
+
+
+def shared() -> tuple[r.Waiter, r.SendEnqueue]:
+    waiter = r.Waiter(PREFIX, 1, FixedPauses(), key=ME, lease_id=LEASE)
+    (enqueue,) = waiter.start()
+    assert isinstance(enqueue, r.SendEnqueue)
+    return waiter, enqueue
+
+
+def test_a_shared_session_lost_while_queued_withdraws_our_key_and_gives_up() -> None:
+    waiter, enqueue = shared()
+    queued(waiter, enqueue, [kr("h", 3)])
+    actions = waiter.feed(r.SessionLost("lease expired"))
+    withdraw = only(actions, r.Withdraw)
+    assert isinstance(withdraw, r.Withdraw) and not withdraw.revoke
+    assert (withdraw.key, withdraw.revision) == (ME, 10)
+    waiter.feed(r.Withdrawn(withdraw.id))
+    assert waiter.outcome == r.GaveUp(
+        r.Reason.SESSION_LOST, "session lost while queued: lease expired"
+    )
+
+
+def test_a_shared_waiter_whose_key_went_checks_its_lease_before_re_entering() -> None:
+    waiter, enqueue = shared()
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    check = only(actions, r.CheckLease)
+    actions = waiter.feed(r.LeaseAnswer(check.id, 7))  # deleted by hand; the lease lives
+    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
+    assert isinstance(again, r.SendEnqueue) and again.key == ME
+
+
+def test_a_shared_waiter_whose_lease_is_gone_gives_up() -> None:
+    waiter, enqueue = shared()
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12)), r.CheckLease)
+    withdraw = only(waiter.feed(r.LeaseAnswer(check.id, -1)), r.Withdraw)
+    waiter.feed(r.Withdrawn(withdraw.id))
+    assert isinstance(waiter.outcome, r.GaveUp)
+    assert waiter.outcome.reason == r.Reason.SESSION_LOST
+
+
+def test_nonblock_tries_once_then_withdraws() -> None:
+    """The deadline reached before the first request: the enqueue and the read are made,
+    the wait is not."""
+    waiter = r.Waiter(PREFIX, 1, FixedPauses())
+    opening = only(waiter.start(), r.OpenSession)
+    assert waiter.feed(r.DeadlineReached()) == []
+    enqueue = only(waiter.feed(r.SessionOpened(opening.id, LEASE, ME)), r.SendEnqueue)
+    actions = queued(waiter, enqueue, [kr("h", 3)])
+    assert kinds(actions) == [r.Withdraw]
+    waiter.feed(r.Withdrawn(only(actions, r.Withdraw).id))
+    assert isinstance(waiter.outcome, r.GaveUp) and waiter.outcome.reason == r.Reason.NO_SLOT
+
+
+def test_an_interrupt_while_waiting_cancels_the_watch_and_withdraws() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    actions = waiter.feed(r.Interrupt(15))
+    assert actions[0] == r.CancelWatch(watch.id) and kinds(actions) == [r.CancelWatch, r.Withdraw]
+    waiter.feed(r.Withdrawn(only(actions, r.Withdraw).id))
+    assert waiter.outcome == r.GaveUp(r.Reason.INTERRUPTED, "interrupted: 15", 15)
+    assert waiter.state == r.State.DONE
+
+
+def test_no_session_at_all_gives_up_as_unavailable_with_nothing_to_withdraw() -> None:
+    waiter = r.Waiter(PREFIX, 1, FixedPauses())
+    opening = only(waiter.start(), r.OpenSession)
+    failed = r.Failed(opening.id, r.Failure.UNREACHABLE, "refused")
+    assert waiter.feed(failed) == []
+    assert waiter.outcome == r.GaveUp(r.Reason.UNAVAILABLE, "refused", failed)
+
+
+def test_a_lease_granted_after_the_wait_was_given_up_is_revoked() -> None:
+    """An async driver: the grant was in flight when the interrupt came."""
+    waiter = r.Waiter(PREFIX, 1, FixedPauses())
+    opening = only(waiter.start(), r.OpenSession)
+    assert waiter.feed(r.Interrupt("shutdown")) == []
+    assert isinstance(waiter.outcome, r.GaveUp)
+    (revoke,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
+    assert isinstance(revoke, r.Withdraw) and revoke.revoke and revoke.lease_id == LEASE
+
+
+def test_stale_answers_are_ignored() -> None:
+    waiter, enqueue = private(1)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    (read,) = waiter.feed(r.WatchBroken(watch.id))[1:]
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(kr("h", 3), 12)], 12)) == []
+    assert waiter.feed(r.EnqueueAnswer(enqueue.id, 10, True, b"v")) == []
+    assert isinstance(read, r.ReadStanding) and waiter.outcome is None
+
+
+def test_spread_busy_waits_for_the_host_key_to_change_then_enqueues_again() -> None:
+    waiter, enqueue = private(1)
+    other = kr("host", 4)
+    actions = waiter.feed(r.EnqueueAnswer(enqueue.id, 9, False, existing=other))
+    assert waiter.state == r.State.SPREAD_BUSY
+    watch = only(actions, r.OpenWatch)
+    assert isinstance(watch, r.OpenWatch) and (watch.key, watch.prefix) == (other.key, False)
+    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(other, 11)], 11))
+    assert kinds(actions) == [r.SendEnqueue, r.CancelWatch]
+
+
+def test_a_watch_confirmed_resets_the_backoff() -> None:
+    pauses = FixedPauses()
+    waiter = r.Waiter(PREFIX, 1, pauses, key=ME, lease_id=LEASE)
+    enqueue = only(waiter.start(), r.SendEnqueue)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
+    waiter.feed(r.WatchCreated(watch.id, 10))
+    assert pauses.resets == 1
+
+
+def test_backoff_is_jittered_capped_and_reproducible() -> None:
+    """Waiters that saw one outage must not retry in lockstep."""
+
+    def sequence(seed: int) -> list[float]:
+        backoff = Backoff(first=0.1, cap=2.0, rng=random.Random(seed))
+        return [backoff.next() for _ in range(20)]
+
+    runs = [sequence(seed) for seed in range(10)]
+    assert all(0.1 <= pause <= 2.0 for run in runs for pause in run)
+    assert len({tuple(run[:3]) for run in runs}) == 10, "two waiters retried in lockstep"
+    assert sequence(3) == sequence(3)
+    assert max(runs[0][10:]) > 1.0  # it grows towards the cap
+    backoff = Backoff(first=0.1, cap=2.0, rng=random.Random(1))
+    for _ in range(10):
+        backoff.next()
+    backoff.reset()
+    assert backoff.next() <= 0.3
+
+
+# -- the hold's guard ----------------------------------------------------------------------
+
+
+def test_the_guard_plan_follows_what_the_hold_owes() -> None:
+    assert r.guard_plan(r.TouchOwed.NONE) == r.GuardPlan(False, None, r.GUARD_WATCH_DELAY)
+    assert r.guard_plan(r.TouchOwed.AT_ONCE) == r.GuardPlan(True, None, r.GUARD_WATCH_DELAY)
+    later = r.guard_plan(r.TouchOwed.LATER)
+    assert later == r.GuardPlan(False, r.TOUCH_DELAY, r.GUARD_WATCH_DELAY)
+    assert later.touch_after is not None and later.touch_after > later.watch_after
+
+
+def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
+    v = r.GuardVerdict
+    assert r.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
+    assert r.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
+    assert r.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
+    assert r.guard_on_look(False, mine(10), 10) == v.WATCH
+    assert r.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
+    assert r.guard_on_look(False, None, 10) == v.LOST
+    assert r.guard_on_look(True, None, 10) == v.NOTHING
+    assert r.guard_on_touch(False, True) == v.WATCH
+    assert r.guard_on_touch(False, False) == v.LOST
+    assert r.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
+    assert r.guard_on_touch(True, False) == v.NOTHING
+
+
+def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_watched() -> None:
+    """An async driver: the deletion of the first key ahead arrives while the gap check is
+    in flight. The check's answer (that key absent) is no change any more."""
+    waiter, enqueue = private(2)
+    a, b, c = kr("a", 3), kr("b", 4), kr("c", 5)
+    watch = only(queued(waiter, enqueue, [a, b, c]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
+    assert waiter.feed(r.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
+    assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None

@@ -30,7 +30,7 @@ CHUNKS = 10
 # queue read and its watch's start (docs/design.md, "What the simulator explores": the
 # gap check's answer is not awaited before window events count). Run apart, expected to
 # fail until conch/recipe.py waits for the gap check; then this set must be emptied.
-KNOWN_GAP_BUG = frozenset({264, 776, 1137})
+KNOWN_GAP_BUG = frozenset({429, 912})
 
 
 @pytest.fixture

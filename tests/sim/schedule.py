@@ -18,7 +18,8 @@ at a time, which thing happens next:
   writes (NOSPACE) for a while, the history is compacted, a watch breaks.
 
 Holders are the driver's part, as ``conch/hold.py`` does it: the touch the machine says is
-owed (at once, or ``TOUCH_DELAY`` into the hold), retried while etcd is away; the release
+owed, retried while etcd is away, and the watch on its own key, each when and as the
+recipe's guard functions say (``conch.recipe.guard_plan``, ``guard_on_*``); the release
 (revoke a private lease, delete the key of a shared one). A holder's session is lost for it
 before etcd can expire the lease: conch's ``check()`` counts the TTL from when the last
 confirmed keepalive was *sent*, which is never after etcd restarted its countdown.
@@ -44,13 +45,14 @@ from conch import recipe as r
 from tests.sim.model import ModelError, SimEtcd
 
 TTL = 5  # seconds: every session's lease
-TOUCH_DELAY = 0.5  # conch/hold.py: a holder at N = 1 touches this far into its hold
+GUARD = -1  # the machine id under which a holder's guard watch is kept
 KEEPALIVE_EVERY = TTL / 3  # seconds between keepalives, as conch's session sends them
 MARGIN = 0.01  # a session is lost for its owner this long before etcd could expire it
-# Scheduler steps a waiter may stay asleep while the model says it holds, with no fault
-# active; a release needs a handful of deliveries to reach the waiter (its event, a read,
-# a watch), and the schedule interleaves the others' between them.
-ASLEEP_BOUND = 400
+# Steady steps (no fault, no slow request, nobody backing off) a waiter may sleep while the
+# model says it holds, or a holder hold on after its key was deleted: a release reaches the
+# waiter it promotes in a handful of deliveries (its event, a read, a watch), interleaved
+# with the others'. The most seen: 40 and 18 in the first 600 seeds.
+ASLEEP_BOUND = 200
 RUN_STEPS = 1500  # steps of the phase with faults and arrivals, at most
 CALM_STEPS = 20000  # steps to finish once faults are over: more is a livelock
 
@@ -111,6 +113,8 @@ class Proc:
     watches: dict[int, int] = field(default_factory=dict)  # machine's id -> model's id
     cancelled: set[int] = field(default_factory=set)  # watches cancelled (maybe unopened)
     asleep: int = 0  # steps the model has said it holds while it does not know
+    held_at: int = 0  # the guard's: the revision our key is known ours at
+    unnoticed: int = 0  # steps holding a key that is gone, its guard not yet aware
 
 
 @dataclass
@@ -497,9 +501,7 @@ class World:
             if lease_id != session.lease_id or proc.done:
                 continue
             if proc.holding:
-                self.log(f"{proc.name} hold lost: {reason}")
-                proc.holding = False
-                self._release(proc, lost=True)
+                self._hold_lost(proc, reason)
             elif proc.waiter.outcome is None:
                 self.feed(proc, r.SessionLost(reason))
 
@@ -520,30 +522,37 @@ class World:
                     f"{proc.name} holds at {held.held_at} a key deleted at {deleted} "
                     f"(rev {held.revision})"
                 )
-            # Deleted after the revision it was seen holding at (its lease revoked from
-            # outside meanwhile): the hold's guard, watching from there, sees the deletion.
-            self.log(f"{proc.name} hold lost at once: key deleted at {deleted}")
-            self._release(proc, lost=True)
-            return
-        if len(ahead) >= self.max:
+            # Deleted after the revision it holds at (from outside, meanwhile): its
+            # guard, watching from there, is to see the deletion.
+        elif len(ahead) >= self.max:
             self.fail(
                 f"FIFO: {proc.name} (rev {held.revision}) holds with {len(ahead)} earlier "
                 f"live keys ahead of it: {[int(kv.create_revision) for kv in ahead]}"
             )
         proc.holding = True
-        if held.touch == r.TouchOwed.AT_ONCE:
-            self._hold_touch(proc)
-        elif held.touch == r.TouchOwed.LATER:
-            self._timer(TOUCH_DELAY, proc, "hold-touch", lambda: self._hold_touch(proc))
+        proc.held_at = held.held_at
+        # The guard as conch/hold.py runs it, on the recipe's own decisions.
+        plan = r.guard_plan(held.touch)
+        if plan.touch_at_once:
+            self._hold_touch(proc, at_once=True)
+        if plan.touch_after is not None:
+            self._timer(plan.touch_after, proc, "guard", lambda: self._hold_touch(proc))
+        self._timer(plan.watch_after, proc, "guard", lambda: self._guard_watch(proc))
         if self.auto_release:
             hold_for = self.rng.expovariate(0.7)
             self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
 
-    def _hold_touch(self, proc: Proc, backoff: SimBackoff | None = None) -> None:
+    def _hold_lost(self, proc: Proc, reason: str) -> None:
+        if proc.holding:
+            self.log(f"{proc.name} hold lost: {reason}")
+            proc.holding = False
+            self._release(proc, lost=True)
+
+    def _hold_touch(self, proc: Proc, at_once: bool = False) -> None:
+        """The touch the hold owes the waiter behind (KV.Txn on our create_revision)."""
         held = proc.held
         if held is None or not proc.holding:
             return
-        backoff = backoff or SimBackoff(self.rng)
         self.requests += 1
 
         def apply() -> Any:
@@ -553,15 +562,85 @@ class World:
                 return error
 
         def deliver(answer: Any) -> None:
-            if isinstance(answer, ModelError) and proc.holding:
-                self._timer(
-                    backoff.next(), proc, "hold-touch", lambda: self._hold_touch(proc, backoff)
-                )
-            elif isinstance(answer, r.TouchAnswer) and not answer.succeeded and proc.holding:
-                self.fail(f"{proc.name}'s hold touch found its key gone while holding")
+            succeeded = answer.succeeded if isinstance(answer, r.TouchAnswer) else None
+            verdict = r.guard_on_touch(not proc.holding, succeeded)
+            if verdict == r.GuardVerdict.RETRY:
+                retry = functools.partial(self._hold_touch, proc, at_once)
+                self._timer(self._guard_pause(proc), proc, "guard", retry)
+            elif verdict == r.GuardVerdict.LOST:
+                self._hold_lost(proc, "the touch found our key gone")
+            elif verdict == r.GuardVerdict.WATCH and at_once and GUARD not in proc.watches:
+                proc.held_at = max(proc.held_at, answer.revision)  # ours at the touch
 
         self.log(f"{proc.name} -> hold touch")
         self._in_flight(proc, "hold-touch", apply, deliver, True)
+
+    def _guard_pause(self, proc: Proc) -> float:
+        return SimBackoff(self.rng).next() * 2
+
+    def _guard_watch(self, proc: Proc, start: int = 0) -> None:
+        """Watch our key for deletion from the revision it is known ours at."""
+        held = proc.held
+        if held is None or not proc.holding:
+            return
+        start = start or proc.held_at + 1
+
+        def apply() -> None:
+            if not proc.holding or GUARD in proc.cancelled:
+                return
+            try:
+                model_id = self.etcd.watch_create(
+                    rpc_pb2.WatchCreateRequest(
+                        key=held.key,
+                        start_revision=start,
+                        filters=[rpc_pb2.WatchCreateRequest.NOPUT],
+                    )
+                )
+            except ModelError:
+                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                return
+            proc.watches[GUARD] = model_id
+            self.watch_owner[model_id] = (proc, GUARD)
+
+        proc.cancelled.discard(GUARD)
+        self._in_flight(proc, "guard-watch", apply, None, False)
+
+    def _guard_notice(self, proc: Proc, ended: bool) -> None:
+        """A notice of the guard's watch: our key deleted, or the watch over (compacted,
+        broken)."""
+        if ended:
+            proc.watches.pop(GUARD, None)
+        verdict = r.guard_on_notice(not proc.holding, ended)
+        if verdict == r.GuardVerdict.LOST:
+            self._hold_lost(proc, "the guard saw our key deleted")
+        elif verdict == r.GuardVerdict.LOOK:
+            self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+
+    def _guard_look(self, proc: Proc) -> None:
+        """Read our key again after the guard's watch ended (KV.Range)."""
+        held = proc.held
+        if held is None or not proc.holding:
+            return
+
+        def apply() -> Any:
+            try:
+                return self.etcd.range(rpc_pb2.RangeRequest(key=held.key))
+            except ModelError as error:
+                return error
+
+        def deliver(answer: Any) -> None:
+            if isinstance(answer, ModelError):
+                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                return
+            found = _keyrev(answer.kvs[0]) if answer.kvs else None
+            verdict = r.guard_on_look(not proc.holding, found, held.revision)
+            if verdict == r.GuardVerdict.LOST:
+                self._hold_lost(proc, "the guard found our key gone")
+            elif verdict == r.GuardVerdict.WATCH:
+                self._guard_watch(proc, int(answer.header.revision) + 1)
+
+        self.requests += 1
+        self._in_flight(proc, "guard-look", apply, deliver, False)
 
     def release(self, proc: Proc) -> None:
         """The holder's job ends: give the slot back."""
@@ -575,6 +654,7 @@ class World:
         held = proc.held
         assert held is not None
         proc.done = True
+        self._cancel_watch(proc, GUARD)
         if proc.shared is None:
             self._stop_session(held.lease_id)
             self.requests += 1
@@ -642,11 +722,8 @@ class World:
             if not session.kept or session.lost:
                 continue
             for at, fire in (
-                (
-                    session.certain_until,
-                    lambda s=session: self._lose_session(s, "keepalive lapsed"),
-                ),
-                (session.next_keepalive, lambda s=session: self._keepalive(s)),
+                (session.certain_until, self._lapse(session)),
+                (session.next_keepalive, self._keeping(session)),
             ):
                 if at <= until and (best is None or (at, -1 - i) < best[:2]):
                     best = (at, -1 - i, fire)
@@ -733,6 +810,13 @@ class World:
         response = self.etcd.watch_next(model_id, revisions=self.rng.choice((1, 1, 1, 3)))
         if response is None:
             return
+        if machine_id == GUARD:
+            if response.canceled:
+                self.watch_owner.pop(model_id, None)
+            if response.canceled or response.events:
+                self.log(f"{proc.name}'s guard <- {'ended' if response.canceled else 'deleted'}")
+                self._guard_notice(proc, ended=bool(response.canceled))
+            return
         if response.canceled:
             self.watch_owner.pop(model_id, None)
             proc.watches.pop(machine_id, None)
@@ -752,6 +836,9 @@ class World:
     def _deliver_broken(self, broken: tuple[Proc, int, bool]) -> None:
         self.broken.remove(broken)
         proc, machine_id, compacted = broken
+        if machine_id == GUARD:
+            self._guard_notice(proc, ended=True)
+            return
         self.feed(proc, r.WatchBroken(machine_id, compacted=compacted, detail="stream gave up"))
 
     # -- the world's doings --------------------------------------------------------------
@@ -772,16 +859,17 @@ class World:
             self.etcd.auto_compact(self.etcd.revision)
 
     def outside_revoke(self, proc: Proc) -> None:
-        """A waiter's lease revoked from outside (etcdctl): the key goes at once; the
-        waiter learns it from its watch, a read, or the next keepalive."""
-        lease_id = proc.waiter.lease_id
+        """A lease revoked from outside (etcdctl): the key goes at once; a waiter learns it
+        from its watch, a read, or the next keepalive; a holder from its guard, or the next
+        keepalive."""
+        lease_id = proc.held.lease_id if proc.held is not None else proc.waiter.lease_id
         if lease_id and lease_id in self.etcd.leases:
             self.log(f"{proc.name}'s lease {lease_id:x} revoked from outside")
             self.etcd.revoke_by_hand(lease_id)
 
     def outside_delete(self, proc: Proc) -> None:
-        """A waiter's key deleted by hand (etcdctl del): its lease lives on."""
-        key = proc.waiter.key
+        """A key deleted by hand (etcdctl del): its lease lives on."""
+        key = proc.held.key if proc.held is not None else proc.waiter.key
         if key and key in self.etcd.kvs:
             self.log(f"{proc.name}'s key deleted from outside")
             self.etcd.delete_by_hand(key)
@@ -797,23 +885,38 @@ class World:
     # -- the properties ------------------------------------------------------------------
 
     def check(self) -> None:
-        """At every step: never more than N holders, as the machines believe it and as the
-        model's keys say; a waiter the model says holds does not sleep on beyond
-        ASLEEP_BOUND steps while no fault is active."""
+        """At every step: never more than N holders whose key is live, as the machines
+        believe it, and each of them among the first N keys as the model has them; a holder
+        whose key was deleted from outside is told by its guard within ASLEEP_BOUND steps
+        (it could not be, were the key gone before the revision the guard watches from); a
+        waiter the model says holds does not sleep on beyond ASLEEP_BOUND steps while no
+        fault is active."""
         live = self.etcd.under(self.prefix)
         first = {bytes(kv.key): kv for kv in live[: self.max]}
-        holders = [p for p in self.procs if p.holding]
-        if len(holders) > self.max:
-            self.fail(f"{len(holders)} holders of {self.max}: {[p.name for p in holders]}")
-        for proc in holders:
+        keyed = []
+        for proc in (p for p in self.procs if p.holding):
             assert proc.held is not None
-            kv = first.get(proc.held.key)
-            if kv is None or kv.create_revision != proc.held.revision:
-                ranks = [int(k.create_revision) for k in live]
+            kv = self.etcd.kvs.get(proc.held.key)
+            if kv is not None and kv.create_revision == proc.held.revision:
+                keyed.append(proc.name)
+                if proc.held.key not in first:
+                    ranks = [int(k.create_revision) for k in live]
+                    self.fail(
+                        f"{proc.name} believes it holds (rev {proc.held.revision}) but its key "
+                        f"is not among the first {self.max} live keys {ranks}"
+                    )
+                continue
+            deleted = self.etcd.deleted_at.get(proc.held.key, 0)
+            if deleted <= proc.held_at:
                 self.fail(
-                    f"{proc.name} believes it holds (rev {proc.held.revision}) but its key is "
-                    f"not among the first {self.max} live keys {ranks}"
+                    f"{proc.name} holds a key deleted at {deleted}, not after the revision "
+                    f"{proc.held_at} its guard watches from: the loss goes unnoticed"
                 )
+            proc.unnoticed += 1 if self._steady() else 0
+            if proc.unnoticed > ASLEEP_BOUND:
+                self.fail(f"{proc.name} holds on {proc.unnoticed} steps after its key went")
+        if len(keyed) > self.max:
+            self.fail(f"{len(keyed)} holders of {self.max}: {keyed}")
         owners = {p.waiter.key: p for p in self.procs if p.waiter.outcome is None and p.waiter.key}
         for key, kv in first.items():
             sleeper = owners.get(key)
@@ -821,12 +924,22 @@ class World:
                 continue
             if self._orphan_ahead(kv, live):
                 continue
-            sleeper.asleep += 0 if self.faulty else 1
+            sleeper.asleep += 1 if self._steady() else 0
             if sleeper.asleep > ASLEEP_BOUND:
                 self.fail(
                     f"{sleeper.name} (rev {kv.create_revision}) asleep in state "
                     f"{sleeper.waiter.state.value} for {sleeper.asleep} steps while it holds a slot"
                 )
+
+    def _steady(self) -> bool:
+        """Whether this step counts towards a bound on sleeping: no fault active, no slow
+        request in flight, nobody backing off (a pause, a guard's retry). A release then
+        reaches the waiter it promotes in a bounded number of steps."""
+        return not (
+            self.faulty
+            or any(item.weight < 1.0 for item in self.in_flight)
+            or any(t.what in ("pause", "guard") for t in self.timers)
+        )
 
     def _orphan_ahead(self, kv: kv_pb2.KeyValue, live: Sequence[kv_pb2.KeyValue]) -> bool:
         """Whether a key ahead of ``kv`` is an orphan: on a lease nobody keeps alive any more
@@ -836,14 +949,16 @@ class World:
         the recipe's documented limit, as with any crashed waiter."""
         kept = {s.lease_id for s in self.sessions if s.kept and not s.lost}
         return any(
-            other.create_revision < kv.create_revision and other.lease not in kept
-            for other in live
+            other.create_revision < kv.create_revision and other.lease not in kept for other in live
         )
 
     def check_quiet(self) -> None:
         """With nothing in flight and no machine paused: every key among the first N
         belongs to a holder (or to one whose release is under way): nobody sleeps with a
         slot free."""
+        for proc in self.procs:
+            if proc.holding and proc.held is not None and proc.held.key not in self.etcd.kvs:
+                self.fail(f"quiet, yet {proc.name} holds on a key deleted from outside")
         live = self.etcd.under(self.prefix)
         for kv in live[: self.max]:
             for proc in self.procs:
@@ -858,7 +973,9 @@ class World:
 
     def quiet(self) -> bool:
         return not self.pending() and not any(
-            t.what == "pause" for t in self.timers if t.proc is not None and not t.proc.done
+            t.what in ("pause", "guard")
+            for t in self.timers
+            if t.proc is not None and (not t.proc.done or t.what == "guard")
         )
 
     def check_empty(self) -> None:
@@ -911,7 +1028,7 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
         "burst": 0.1,
         "interrupt": 0.15 * f,
         "lose": 0.1 * f,
-        "outside": 0.05 * f,
+        "outside": 0.1 * f,
         "unreachable": 0.05 * f,
         "nospace": 0.05 * f,
         "compact": 0.2 * f,
@@ -1003,8 +1120,8 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
             world.feed(proc, r.Interrupt("sim"))
     elif kind == "lose" and (waiting or holders):
         world.freeze_session(rng.choice(waiting + holders))
-    elif kind == "outside" and waiting:
-        proc = rng.choice(waiting)
+    elif kind == "outside" and (waiting or holders):
+        proc = rng.choice(waiting + holders)
         if rng.random() < 0.5:
             world.outside_revoke(proc)
         else:

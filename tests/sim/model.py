@@ -59,7 +59,8 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
 * **Unreachable** (``reachable`` False): every request fails with UNAVAILABLE and changes
   nothing; lease countdowns go on (etcd does not stop the clock for a client it cannot
   hear, learning/api.md "Lease API"). A watch notice that was sent is lost only by a broken
-  watch, which the scheduler decides (``break_watch``).
+  watch, which the scheduler decides (``break_watch``). A restart or a new leader
+  (``promote``) starts every lease's countdown again (etcd's lessor, Promote).
 
 Not modelled: members and leader changes (one linearizable store stands for the cluster),
 historical reads, auth, request size limits, watch fragmenting and progress notices.
@@ -187,6 +188,14 @@ class SimEtcd:
         """Let the lease run out (the clock moves on by its TTL); as ``RealEtcd.expire``."""
         del lease_id
         self.advance(ttl)
+
+    def promote(self) -> None:
+        """A member becomes leader (etcd restarted, or a new leader elected): every lease's
+        countdown starts again from now, as etcd's lessor does on promotion (Promote
+        "refreshes the expiries of all leases", server/lease/lessor.go), so leases outlive
+        an outage shorter than their TTL."""
+        for lease in self.leases.values():
+            lease.expires = self.now + lease.ttl
 
     def set_nospace(self, on: bool) -> None:
         """Raise or clear the space alarm."""

@@ -174,6 +174,8 @@ class World:
         self.requests = 0  # requests sent to etcd (by machines and holders)
         self.faulty = False  # a fault is active: liveness is not counted
         self.lost_rate = 0.0
+        self.slow_rate = 0.1  # the share of requests left slow
+        self.notice_weight = 1.0  # how eagerly watch notices are delivered, against answers
         self._seq = 0
 
     # -- the trace -----------------------------------------------------------------------
@@ -317,7 +319,7 @@ class World:
         write: bool,
     ) -> None:
         # Some requests are slow: far less likely to be picked at any step.
-        weight = 0.05 if self.rng.random() < 0.1 else 1.0
+        weight = 0.05 if self.rng.random() < self.slow_rate else 1.0
         self.in_flight.append(
             InFlight(proc, what, apply, deliver or (lambda _: None), write, weight)
         )
@@ -770,7 +772,7 @@ class World:
         for item in self.in_flight:
             choices.append((item.weight, functools.partial(self._progress, item)))
         for model_id in self._notices():
-            choices.append((1.0, functools.partial(self._notice, model_id)))
+            choices.append((self.notice_weight, functools.partial(self._notice, model_id)))
         for broken in self.broken:
             choices.append((1.0, functools.partial(self._deliver_broken, broken)))
         if not choices:
@@ -1016,6 +1018,8 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
     n = max_holders or rng.randint(1, 9)
     world = World(seed, n, waiter=waiter)
     world.lost_rate = rng.choice((0.0, 0.05, 0.2))
+    world.slow_rate = rng.choice((0.0, 0.1, 0.3))
+    world.notice_weight = rng.choice((0.3, 1.0, 3.0))
     arrivals = rng.randint(1, 3 * n + 6)
     faults = rng.random() < 0.8
     # Each kind of step's weight: deliveries dominate, the world acts now and then.
@@ -1030,6 +1034,7 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
         "lose": 0.1 * f,
         "outside": 0.1 * f,
         "unreachable": 0.05 * f,
+        "restart": 0.03 * f,
         "nospace": 0.05 * f,
         "compact": 0.2 * f,
         "break": 0.1 * f,
@@ -1093,12 +1098,15 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
         if end <= now:
             fault_ends.remove((fault, end))
             world.log(f"{fault} over")
-            if fault == "unreachable":
+            if fault in ("unreachable", "restart"):
                 world.etcd.reachable = True
+                if fault == "restart":
+                    world.etcd.promote()
             else:
                 world.etcd.nospace = False
     waiting = [p for p in world.procs if p.waiter.outcome is None]
     holders = [p for p in world.procs if p.holding]
+    world.counts[f"world.{kind}"] += 1
     if kind == "arrive":
         timeout = rng.choice((None, None, None, None, None, 0.0, rng.uniform(1.0, 20.0)))
         world.arrive(shared=rng.random() < 0.3, timeout=timeout)
@@ -1126,9 +1134,11 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
             world.outside_revoke(proc)
         else:
             world.outside_delete(proc)
-    elif kind in ("unreachable", "nospace") and not any(f == kind for f, _ in fault_ends):
+    elif kind in ("unreachable", "restart", "nospace") and not any(
+        f == kind or {f, kind} == {"unreachable", "restart"} for f, _ in fault_ends
+    ):
         world.log(f"{kind} for a while")
-        if kind == "unreachable":
+        if kind in ("unreachable", "restart"):
             world.etcd.reachable = False
             for model_id in sorted(world.watch_owner):
                 if rng.random() < 0.3:  # the hub gave up on this one

@@ -35,6 +35,10 @@ raised instead of re-entering). What it adds: etcd unreachable for a moment (a r
 ``Failed`` with ``Failure.UNREACHABLE``) keeps our key and reads the standing again once
 etcd answers, for as long as the session is not lost; etcd refusing writes
 (``Failure.NO_SPACE``, its space alarm) keeps our place too, the touch retried after a pause.
+
+Once a slot is held, the Hold's guard decides with ``guard_plan`` (when to touch, when to
+open the watch on our key) and ``guard_on_notice`` / ``guard_on_look`` / ``guard_on_touch``
+(what it saw means), at the end of this module; the Hold makes the calls and keeps time.
 """
 
 from __future__ import annotations
@@ -512,6 +516,8 @@ class Waiter:
         self._ahead: list[KeyRev] = []  # in the window: every key ahead of ours
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
         self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
+        self._away = False  # "etcd-away" said for the failures in a row now
+        self._touch_failing = False  # "touch-failed" said likewise
         self._late = False  # the deadline passed: give up before the next wait
         self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
@@ -559,6 +565,7 @@ class Waiter:
         self._request = None
         if isinstance(event, Failed):
             return self._failed(event)
+        self._away = False  # etcd answered
         if isinstance(event, SessionOpened):
             return self._opened(event)
         if isinstance(event, EnqueueAnswer):
@@ -607,6 +614,7 @@ class Waiter:
     def _enqueued(self, answer: EnqueueAnswer) -> list[Action]:
         if answer.created:
             self.revision, self.value = answer.revision, answer.value
+            self._queued_noted = False  # a new key: say where it queues
             if self.key in answer.heads:
                 return self._held(answer.revision, TouchOwed.NONE, ())
             return self._read_standing()
@@ -767,6 +775,7 @@ class Waiter:
     def _on_touch(self, answer: TouchAnswer | Failed) -> list[Action]:
         self._touch = None
         if isinstance(answer, TouchAnswer):
+            self._touch_failing = False
             if answer.succeeded:
                 self._touched = True
                 return []
@@ -775,9 +784,11 @@ class Waiter:
             # Keep our place; the waiter behind still wakes when our key goes.
             self._touch = self._new_id()
             self._touch_paused = True
-            seconds = self._backoff.next()
-            note = Note("touch-failed", {"error": answer.detail}, warning=True)
-            return [note, Pause(self._touch, seconds)]
+            pause: list[Action] = [Pause(self._touch, self._backoff.next())]
+            if self._touch_failing:
+                return pause  # said once per run of failures: the alarm may last hours
+            self._touch_failing = True
+            return [Note("touch-failed", {"error": answer.detail}, warning=True), *pause]
         if answer.failure == Failure.LEASE_NOT_FOUND:
             return self._place_lost("our lease is gone")
         return self._give_up(Reason.REFUSED, answer.detail, answer)
@@ -825,8 +836,12 @@ class Waiter:
         self.state = State.PAUSED
         self._after_pause = after
         self._pause = self._new_id()
+        pause: list[Action] = [Pause(self._pause, self._backoff.next())]
+        if not requeue and self._away:
+            return pause  # said once per run of failures
+        self._away = not requeue
         note = Note("requeue" if requeue else "etcd-away", {"reason": cause}, warning=True)
-        return [note, Pause(self._pause, self._backoff.next())]
+        return [note, *pause]
 
     def _pause_over(self, event: PauseOver) -> list[Action]:
         if event.id == self._touch and self._touch_paused:

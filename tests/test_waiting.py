@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,27 +63,38 @@ def test_waiters_keep_their_place_when_etcd_restarts_with_its_data_within_the_tt
     private_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """etcd killed while three waiters queue behind a holder, and back on the same data dir
-    and port 2 s later: every lease (TTL 30 s) survived, so every waiter keeps its key and
-    the slot goes around in the order they queued. Before, a waiter whose read met the
-    refused connection re-entered at the back with a new lease (its old key stayed, on a
-    lease nobody kept alive, until it expired)."""
+    and port once the last waiter's read met the refused connection (that waiter looks at
+    the queue only once etcd is down: whether a watch rides out the outage is the watch's
+    business): every lease (TTL 60 s) survived, so every waiter keeps its key and the slot
+    goes around in the order they queued. Before, that waiter re-entered at the back with a
+    new lease (its old key stayed, on a lease nobody kept alive, until it expired)."""
     caplog.set_level(logging.INFO, logger="conch")
     member = private_etcd.members[0]
+    killed = threading.Event()
+
+    class LooksOnceEtcdIsDown(conch.Semaphore):
+        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
+            assert killed.wait(DEADLINE)
+            return super()._standing(key, revision, interrupt)
+
     endpoints = [Endpoint.parse(member.endpoint)]
     with Client.connect(endpoints, dial_timeout=5, request_timeout=0.5) as client:
-        sema = conch.Semaphore(client, name, max=1, ttl=30)
+        sema = conch.Semaphore(client, name, max=1, ttl=60)
         holder = sema.acquire(timeout=10)
-        waiting = queue_up(client, name, sema, 3)
+        waiting = queue_up(client, name, sema, 2)
+        waiting += queue_up(client, name, LooksOnceEtcdIsDown(client, name, max=1, ttl=60), 1)
         queued = [k.create_revision for k in sema_keys(client, name)][1:]
         member.kill()
-        # The fault itself, not a synchronisation: long enough for every waiter's watch
-        # to break and its next read to be refused (request timeout 0.5 s).
-        time.sleep(2.0)
+        killed.set()
+        # Down until that read was refused (request timeout 0.5 s), well within one
+        # keepalive interval (20 s).
+        poll(
+            lambda: "event=etcd-away" in caplog.text or "event=requeue" in caplog.text,
+            timeout=15,
+            what="the last waiter's read refused",
+        )
         member.start(private_etcd.initial_cluster, "existing")
         private_etcd.wait_healthy()
-        assert "event=etcd-away" in caplog.text or "event=requeue" in caplog.text, (
-            "no waiter met the outage: the test proves nothing"
-        )
         holds: list[conch.Hold] = []
         previous = holder
         for each in waiting:

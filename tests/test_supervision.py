@@ -335,3 +335,33 @@ def test_the_reaper_notices_a_first_child_at_once() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 7.5, "the child's exit waited for the reaper's poll"
+
+
+REAPER_SURVIVES = """
+import os, sys, threading
+from conch import supervisor
+assert supervisor.adopt_orphans()
+done = threading.Event()
+
+def raising(status):
+    raise RuntimeError("an exit callback's bug")
+
+for callback in (raising, lambda status: done.set()):
+    with supervisor._reap_lock:
+        pid = supervisor.spawn(["true"], dict(os.environ))
+        supervisor._on_exit(pid, callback)
+    if callback is raising:
+        while pid in supervisor._claimed:  # reaped, its callback run (and raised)
+            threading.Event().wait(0.01)
+print("reaped" if done.wait(20) else "the reaper died", flush=True)
+"""
+
+
+def test_the_reaper_survives_an_exit_callback_that_raises() -> None:
+    """One child's exit callback that raises must not end the reaping thread: every later
+    child would go unreaped, its exit unseen, its slot held until --kill-after."""
+    result = subprocess.run(
+        [sys.executable, "-c", REAPER_SURVIVES], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert result.stdout.strip() == "reaped", result.stderr
+    assert "event=callback-failed" in result.stderr

@@ -348,7 +348,6 @@ def run_child(
         )
     # After the watchdog's start, which can take a while on a loaded machine.
     run.confirm_hold()
-    watchdog.watch(run.box)
     env = child_env(hold, environ)
     try:
         # Before the child exists: a conch killed before the arm line below leaves it found.
@@ -441,6 +440,9 @@ class _Run:
         hold.start_guard()
         started = time.monotonic()
         log.info("child-start", pid=pid, rev=hold.revision)
+        # After the spawn, off the handoff's path (a thread's start): a watchdog that died
+        # before is seen all the same, its stdout's end waiting to be read.
+        watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
         hold.lost.subscribe(self.box)
         self.stop.subscribe(self.box)

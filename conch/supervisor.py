@@ -444,6 +444,9 @@ class _Run:
         # before is seen all the same, its stdout's end waiting to be read.
         watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
+        # A keepalive confirmed since the expect line, before the listener above, would be
+        # missing from the watchdog's expiry: it could fire an interval early.
+        watchdog.heartbeat(self.expiry())
         hold.lost.subscribe(self.box)
         self.stop.subscribe(self.box)
         self._undo += [

@@ -77,6 +77,7 @@ ROLES = ("leader", "follower")
 POLL = 0.1  # seconds between two LeaseTimeToLive polls of one lease
 WATCHDOG_TO_FREEZE = 1.0  # seconds from the watchdog's SIGKILL to its conch's SIGSTOP
 START_TIMEOUT = 60.0  # seconds for conch processes to start, queue, hold (a loaded host)
+AFTER_HEAL = 2.0  # seconds the waiters' children run on once the fault is healed
 EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let go
 
 
@@ -497,7 +498,7 @@ class _Run:
         if not _poll(lambda: all(w.event("queued") for w in self.waiters), START_TIMEOUT):
             result.problems.append(f"the waiters did not queue in {START_TIMEOUT:g}s")
             return
-        leases = [w.lease() for w in self.holders]
+        leases = [w.lease() for w in self.wrappers]
         with lab._client(self.healthy) as client:
             watch = LeaseWatch(client)
             watch.start([x for x in leases if x is not None])
@@ -505,6 +506,9 @@ class _Run:
                 # A random phase of the keepalive cycle (TTL/3) at the fault.
                 time.sleep(self.rng.uniform(0.5, 0.5 + case.settings.ttl / 3))
                 self._fault_and_heal()
+                # What the healed member does next counts too: a leader that resumes may
+                # revoke the leases kept alive meanwhile through the new leader.
+                self.monitor.wait(lambda cs: _alive(cs, "w") < n, AFTER_HEAL)
             finally:
                 watch.stop()
             self._finish(watch)

@@ -59,15 +59,19 @@ from conch.etcd import Client, Endpoint, kv, lease
 from tests.netns import Net, NetCluster, Node
 
 # The child: ignores SIGTERM, says hello to the monitor (label, fencing token, lease, pid,
-# conch's pid) and waits for the monitor to let it go; only SIGKILL ends it before that.
+# conch's pid, and the monotonic time its first statement ran, which the monitor takes as
+# its start when it is earlier than the connection) and waits for the monitor to let it
+# go; only SIGKILL ends it before that. CLOCK_MONOTONIC is one clock for every namespace.
 CHILD = (
+    "import time\n"
+    "t = time.monotonic()\n"
     "import os, signal, socket, sys\n"
     "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
     "s = socket.socket(socket.AF_UNIX)\n"
     "s.connect(sys.argv[1])\n"
     "e = os.environ\n"
     "s.sendall(f\"{sys.argv[2]} {e['CONCH_REV']} {e['CONCH_LEASE']} {os.getpid()} "
-    '{os.getppid()}\\n".encode())\n'
+    '{os.getppid()} {t!r}\\n".encode())\n'
     "s.recv(1)\n"
 )
 
@@ -124,7 +128,8 @@ def matrix(capacities: tuple[int, ...] = (1, 3)) -> list[Case]:
 
 @dataclass
 class Child:
-    """One child as the monitor saw it: start (connect) and end (end of file), monotonic."""
+    """One child as the monitor saw it: start (its first statement, or its connection if
+    that came first) and end (end of file), monotonic."""
 
     start: float
     end: float | None = None
@@ -179,7 +184,8 @@ class ChildMonitor:
                     if data:
                         buffer += data
                         if b"\n" in buffer and child.label == "?":
-                            label, rev, lease_hex, pid, ppid = buffer.split()[:5]
+                            label, rev, lease_hex, pid, ppid, began = buffer.split()[:6]
+                            child.start = min(child.start, float(began))
                             child.label = label.decode()
                             child.rev, child.lease = int(rev), int(lease_hex, 16)
                             child.pid, child.conch_pid = int(pid), int(ppid)

@@ -64,7 +64,9 @@ def main() -> int:
     parser.add_argument("--role", action="append", choices=["leader", "follower"])
     parser.add_argument("--jobs", type=int, default=1, help="clusters side by side (1)")
     parser.add_argument(
-        "--timelines", action="store_true", help="print the timeline of every overlapping run"
+        "--timelines",
+        action="store_true",
+        help="print the timeline of every run that overlapped or met an early lease end",
     )
     args = parser.parse_args()
     reason = skip_reason()
@@ -96,7 +98,8 @@ def main() -> int:
                 result = lab.run(case, seed)
                 with printing:
                     results.append(result)
-                    shown = result.report() if args.timelines and result.windows else None
+                    wanted = result.windows or result.etcd_early
+                    shown = result.report() if args.timelines and wanted else None
                     print(shown or result.summary(), flush=True)
                     for problem in [] if shown else result.problems:
                         print(f"  problem: {problem}", flush=True)

@@ -600,7 +600,7 @@ class _Run:
         children = monitor.children
         result.windows = overlaps(children, self.case.max_holders, released)
         self._timeline(watch)
-        result.etcd_early = _early(watch, children, result.fault_at)
+        result.etcd_early = early_ends(watch.samples, children, result.fault_at)
         left = self._keys_left()
         if left:
             result.problems.append(f"keys left in etcd: {left}")
@@ -678,10 +678,16 @@ def _watchdog_of(conch_pid: int) -> int | None:
     return None
 
 
-def _early(watch: LeaseWatch, children: list[Child], origin: float) -> list[str]:
-    """Leases etcd ended before its own promise while their holder's child still ran."""
+def early_ends(
+    samples_of: dict[int, list[Sample]], children: list[Child], origin: float
+) -> list[str]:
+    """The leases etcd ended before its own promise while their holder's child still ran
+    (one line each, times in seconds from ``origin``). A TimeToLive sent at ``t`` that
+    answered ``r`` seconds promises the lease until ``t + r`` at least (etcd rounds down);
+    the lease is gone once an answer says so. conch revokes its lease only after its child
+    is dead, so a lease gone before that is not conch's doing."""
     out = []
-    for lease_id, samples in watch.samples.items():
+    for lease_id, samples in samples_of.items():
         alive = [s for s in samples if s.ttl >= 0]
         gone = next((s for s in samples if s.ttl < 0), None)
         if gone is None or not alive:

@@ -1,7 +1,11 @@
 """The watchdog process itself (see ``conch.watchdog``): run as a script,
 ``python -I -S _watchdog_main.py KILL_AFTER``, standard library only, nothing imported from
 conch, not even contextlib (10 ms of imports for every conch start). It reads conch's pipe on
-stdin; the protocol is described in ``conch.watchdog``."""
+stdin, one command a line; the protocol is described in ``conch.watchdog``.
+
+Every instant here is ``time.monotonic()``: CLOCK_MONOTONIC, one clock for the whole system
+on Linux, so the lease expiry conch computes in its own process is an instant here too.
+"""
 
 import os
 import select
@@ -9,26 +13,46 @@ import signal
 import sys
 import time
 
+# Seconds a frozen wrapper's SIGTERM comes after the one a live wrapper would send at the
+# same deadline: the two never both reach the child's cleanup. The SIGKILL is not delayed.
+TERM_LAG = 0.2
+# Seconds the watchdog waits, after goodbye, for conch to close the pipe before it exits:
+# conch says goodbye as it releases the slot, and this process's exit would compete with
+# the next holder's start for the CPU; conch closes the pipe once its release is out.
+LINGER = 0.2
 
-def leave() -> None:
-    # Goodbye comes as conch releases its slot and the next holder starts: exiting a moment
-    # later keeps this process's teardown from competing with that start for the CPU.
-    time.sleep(0.2)
+
+class Pipe:
+    """conch's commands on stdin, a line at a time."""
+
+    def __init__(self) -> None:
+        self.data = b""
+        self.closed = False
+
+    def line(self, until: "float | None") -> "list[bytes] | None":
+        """The next command's words; None at ``until`` (monotonic) with no line complete;
+        [] once the pipe is closed (conch died, or closed it after goodbye)."""
+        while b"\n" not in self.data:
+            if self.closed:
+                return []
+            wait = None if until is None else max(0.0, until - time.monotonic())
+            ready, _, _ = select.select([0], [], [], wait)
+            if not ready:
+                return None
+            more = os.read(0, 4096)
+            if not more:
+                self.closed = True
+            self.data += more
+        line, _, self.data = self.data.partition(b"\n")
+        return line.split() or [b"?"]
+
+
+def leave(pipe: Pipe) -> None:
+    """conch is done with the child: exit once it closes the pipe, at most LINGER later."""
+    until = time.monotonic() + LINGER
+    while pipe.line(until) not in (None, []):
+        pass
     os._exit(0)
-
-
-def read_line(data: bytes) -> "tuple[bytes, bytes]":
-    """The next line from conch (after ``data``, read already) and what follows it; leaves on
-    end of file or goodbye before it (no line holds the goodbye byte)."""
-    while b"\n" not in data:
-        if b"x" in data:
-            leave()
-        more = os.read(0, 256)
-        if not more:
-            leave()
-        data += more
-    line, _, rest = data.partition(b"\n")
-    return line, rest
 
 
 def marked(marks: "set[bytes]") -> "set[int]":
@@ -59,55 +83,65 @@ def signal_groups(pgids: "set[int]", sig: int) -> "set[int]":
     return left
 
 
-def main() -> None:
-    kill_after = float(sys.argv[1])
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)
-    os.write(1, b"R")  # running: conch starts no child before it reads this
-    # "e TIMEOUT NAME=VALUE...": a child with these environment entries is about to start.
-    line, data = read_line(b"")
-    words = line.split()
-    timeout, marks = float(words[1]), set(words[2:])
-    deadline = time.monotonic() + timeout
-    pgid = None
-    standby = None
-    while True:
-        if pgid is None and b"\n" in data:  # "a PGID": the child runs in that group
-            line, _, data = data.partition(b"\n")
-            pgid = int(line.split()[1])
-        if b"x" in data:
-            leave()
-        if b"s" in data and standby is None:
-            # conch terminates the group itself now: SIGTERM, SIGKILL kill_after later. If
-            # it has not said goodbye a second after that (frozen or dead), SIGKILL is ours.
-            standby = time.monotonic() + kill_after + 1.0
-        until = deadline if standby is None else standby
-        ready, _, _ = select.select([0], [], [], max(0.0, until - time.monotonic()))
-        if not ready:
-            break
-        more = os.read(0, 256)
-        if not more:
-            break
-        data = data + more if pgid is None else more
-        if standby is None:
-            deadline = time.monotonic() + timeout
-    # conch is dead or frozen. Between the child's start and the arm line (conch killed
-    # right there) only the marks tell which processes are the child's.
-    pgids = {pgid} if pgid is not None else marked(marks)
-    if standby is not None:
-        time.sleep(max(0.0, standby - time.monotonic()))
-        signal_groups(pgids, signal.SIGKILL)
-        sys.exit(0)
+def terminate(pgids: "set[int]", kill_at: float) -> None:
+    """SIGTERM the groups now, SIGKILL what is left of them at ``kill_at``, then exit."""
     try:
         os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
     except OSError:
         pass
     pgids = signal_groups(pgids, signal.SIGTERM)
-    end = time.monotonic() + kill_after
-    while pgids and time.monotonic() < end:
-        time.sleep(0.05)
+    while pgids and time.monotonic() < kill_at:
+        time.sleep(min(0.05, max(0.0, kill_at - time.monotonic())))
         pgids = signal_groups(pgids, 0)
     signal_groups(pgids, signal.SIGKILL)
+    os._exit(0)
+
+
+def main() -> None:
+    kill_after = float(sys.argv[1])
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    os.write(1, b"R")  # running: conch starts no child before it reads this
+    pipe = Pipe()
+    # "e MARGIN EXPIRY NAME=VALUE...": a child with these environment entries is about to
+    # start; the lease can expire at EXPIRY (monotonic), so the child must be dead MARGIN
+    # seconds before.
+    words = pipe.line(None)
+    if not words or words[0] != b"e":
+        leave(pipe)
+    assert words is not None
+    margin, expiry, marks = float(words[1]), float(words[2]), set(words[3:])
+    pgid = None
+    standby = None  # conch terminates the group itself; SIGKILL is ours at this instant
+    while True:
+        kill_at = expiry - margin
+        if standby is not None:
+            until = min(kill_at, standby)
+        else:
+            until = min(kill_at, kill_at - kill_after + TERM_LAG)
+        words = pipe.line(until)
+        if words is None or words == []:
+            break  # the deadline (conch frozen), or conch died
+        if words[0] == b"x":
+            leave(pipe)
+        elif words[0] == b"h":  # "h EXPIRY": a keepalive confirmed, the lease lives longer
+            expiry = max(expiry, float(words[1]))
+        elif words[0] == b"a":  # "a PGID": the child runs in that group
+            pgid = int(words[1])
+        elif words[0] == b"s":  # "s KILL_AT": conch's own SIGKILL is due then
+            # Unless goodbye comes a second after that (conch frozen or dead meanwhile),
+            # SIGKILL is ours; at the lease's deadline at the latest.
+            standby = float(words[1]) + 1.0
+    # Between the child's start and the arm line (conch killed right there) only the marks
+    # tell which processes are the child's.
+    pgids = {pgid} if pgid is not None else marked(marks)
+    kill_at = expiry - margin
+    if standby is not None:
+        time.sleep(max(0.0, min(kill_at, standby) - time.monotonic()))
+        signal_groups(pgids, signal.SIGKILL)
+        os._exit(0)
+    # conch died (the pipe closed): the grace it would have given, within the deadline.
+    terminate(pgids, min(kill_at, time.monotonic() + kill_after))
 
 
 if __name__ == "__main__":

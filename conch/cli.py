@@ -20,7 +20,14 @@ from conch.flag import Flag
 from conch.identity import Identity
 from conch.keys import check_host, check_max, check_name
 from conch.semaphore import Semaphore
-from conch.supervisor import adopt_orphans, start_watchdog, stop_on_signals, supervise
+from conch.supervisor import (
+    adopt_orphans,
+    check_kill_after,
+    max_kill_after,
+    start_watchdog,
+    stop_on_signals,
+    supervise,
+)
 
 _UNITS = {
     "ns": 1e-9,
@@ -168,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     sema.add_argument(
         "--kill-after",
         metavar="DUR",
-        help="SIGTERM -> SIGKILL escalation (env CONCH_KILL_AFTER, default 5s)",
+        help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
+        "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
+        "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER, default 5s "
+        "or as much as fits the TTL)",
     )
     sema.add_argument(
         "--who",
@@ -382,6 +392,12 @@ def _run_settings(args: argparse.Namespace) -> _RunSettings:
     ttl = parse_ttl("--ttl" if ttl_source == "default" else ttl_source, ttl_text)
     ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
     kill_after = parse_duration("--kill-after" if ka_source == "default" else ka_source, ka_text)
+    # The child must be dead before its lease can expire: a grace asked for that cannot fit
+    # the TTL is refused (64) rather than quietly cut; the default is as much as fits.
+    if ka_source == "default":
+        kill_after = min(kill_after, max_kill_after(ttl))
+    else:
+        check_kill_after(kill_after, ttl, ka_source)
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)

@@ -11,6 +11,7 @@ lease of it outlives it by more than the TTL.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -354,6 +355,49 @@ class Hold:
         self.release()
         if loss is not None and exc_type is None:
             raise loss
+
+    # -- the deadline ----------------------------------------------------------------------
+
+    def expires_at(self) -> float:
+        """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
+        this hold's lease: the send time of the last keepalive etcd answered
+        (Lease.LeaseKeepAlive) plus the TTL it granted; etcd restarts its countdown when it
+        receives a keepalive, after we sent it. Later with every confirmed keepalive; 0.0, an
+        instant long past, once the hold is lost or released. Makes no etcd call.
+
+        What it promises assumes that etcd does not expire a lease early, that its clock
+        runs at ours' rate, and that this process runs: a pause of the whole process
+        (SIGSTOP, a GC pause, a VM paused) stops its timers with it, and a thread that
+        resumes after the expiry may finish a step it began before. So bound each step of
+        work by it with room to spare (``conch.supervisor.deadline_margin(ttl)``), check it
+        again right before acting as the holder (``check()``), and for state in etcd use the
+        guarded ``put``/``delete``. ``conch.supervise`` keeps a child to the same deadline
+        from a watchdog process, which a pause of this one does not stop."""
+        if self.lost.is_set() or self._releasing:
+            return 0.0
+        return self.session.alive_until
+
+    @property
+    def deadline(self) -> float:
+        """``expires_at()``, as an instant for ``asyncio.timeout_at`` (asyncio's default loop
+        clock is ``time.monotonic()``). Read once, it is the expiry as known then: bound one
+        step by it, and move the timeout on as keepalives move the expiry::
+
+            async with asyncio.timeout_at(hold.deadline - margin) as timeout:
+                for chunk in chunks:
+                    await write(chunk)
+                    timeout.reschedule(hold.deadline - margin)
+
+        ``asyncio.TimeoutError`` (TimeoutError) then means: the lease may expire before
+        the step would end. Threads: ``remaining()``."""
+        return self.expires_at()
+
+    def remaining(self) -> float:
+        """Seconds from now until ``expires_at()``, 0.0 once it has passed (or the hold is
+        lost or released): the timeout for a threaded wait bounded by the lease, as in
+        ``future.result(timeout=hold.remaining() - margin)`` or
+        ``done.wait(hold.remaining() - margin)``. Makes no etcd call."""
+        return max(0.0, self.expires_at() - time.monotonic())
 
 
 def _bytes(text: bytes | str) -> bytes:

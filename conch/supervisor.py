@@ -1,26 +1,51 @@
 """The supervision loop (contract section 7): acquire, run the child, child exit or loss,
-terminate, release. Written once; the CLI and embedders call ``supervise``."""
+terminate, release. Written once; the CLI and embedders call ``supervise``.
+
+Read as ``flock.c`` reads: every way a round can end is an ``Outcome``, and ``EXIT_CODES`` is
+the one table from outcomes to exit codes. The file's parts, in order: the deadline and the
+outcomes; the supervision itself (one round: watchdog, hold, spawn, wait, terminate,
+report); the signals conch takes; the spawn; the reaper (which only reaps and tells: it makes
+no call to etcd); the /proc scans; the job and its termination.
+
+The deadline. While the child runs, the lease's earliest expiry E (``Session.alive_until``:
+the send time of the last keepalive etcd answered, plus the TTL it granted; etcd restarts
+the countdown on receipt, after we sent) is an instant on our monotonic clock. The child is
+SIGKILLed by E - ``deadline_margin(ttl)`` at the latest, and SIGTERMed ``kill_after``
+before that, whether or not the session has declared a loss yet: planned back from E,
+so that no waiter can take the slot while the child still runs, whatever it does with
+SIGTERM. The watchdog holds the same deadline for a wrapper that is frozen or dead.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import errno
 import os
 import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from conch import etcd, log
-from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, HoldLost, Interrupted
+from conch.errors import (
+    EX_CANNOT_EXECUTE,
+    EX_NOT_FOUND,
+    EX_SOFTWARE,
+    EX_TEMPFAIL,
+    HoldLost,
+    Interrupted,
+    UsageError,
+)
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
-from conch.watchdog import Watchdog
+from conch.session import keepalive_margin
+from conch.watchdog import Watchdog, WatchdogExited, without_credentials
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
 # Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
@@ -78,10 +103,462 @@ GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zo
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 
+WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
+
+# -- the deadline ---------------------------------------------------------------------------
+
+DEADLINE_MARGIN = 0.25
+"""Seconds before the lease's earliest expiry by which the child is SIGKILLed, plus
+CLOCK_RATE_TOLERANCE of the TTL (``deadline_margin``). What it covers: the supervisor's or
+the watchdog's wake-up on a loaded host (a thread scheduled late, the GIL held by another
+thread: tens of milliseconds measured on a busy 2-core machine, see
+docs/failure-semantics.md), the SIGKILL's delivery (the kernel ends the process when it is
+next scheduled, a few milliseconds), and etcd's side, which only ever expires later than E
+(its leader checks expiries every 500 ms, and a new leader extends every lease)."""
+
+CLOCK_RATE_TOLERANCE = 0.001
+"""How much faster etcd's leader's clock may run than ours, as a fraction: the TTL is
+counted on each host's own clock. NTP and chrony slew a clock by at most 500 ppm (0.05 %);
+twice that, for both hosts: 10 ms of a 10 s TTL."""
+
+
+def deadline_margin(ttl: float) -> float:
+    """Seconds before the lease's earliest expiry (TTL ``ttl`` seconds) by which the child
+    must be dead: DEADLINE_MARGIN + CLOCK_RATE_TOLERANCE * ``ttl``."""
+    return DEADLINE_MARGIN + CLOCK_RATE_TOLERANCE * ttl
+
+
+def max_kill_after(ttl: float) -> float:
+    """The longest grace (seconds between SIGTERM and SIGKILL) that fits a lease of ``ttl``
+    seconds: ``ttl`` less one keepalive interval (TTL/3), the session's keepalive margin and
+    the deadline margin. The SIGTERM, planned back from the lease's earliest expiry, then
+    comes no earlier than the session would declare an unanswered keepalive lost: a longer
+    grace would SIGTERM the children of healthy holders whose keepalive is merely slow.
+    1.25 s for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s."""
+    return max(0.0, ttl - ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl))
+
+
+def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> None:
+    """Raise UsageError (exit 64) unless a grace of ``kill_after`` seconds fits a lease of
+    ``ttl`` seconds (``max_kill_after``); ``flag`` names it in the message."""
+    fits = max_kill_after(ttl)
+    if kill_after > fits:
+        raise UsageError(
+            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {fits:.2f}s "
+            "(TTL - TTL/3 - margins), so that the SIGKILL lands before the lease can "
+            "expire; shorten it or raise the TTL"
+        )
+
+
+class Outcome(enum.Enum):
+    """How one round of the supervision ended."""
+
+    CHILD_EXITED = "child-exited"  # the child ran to its end while the hold was kept
+    LOST_BEFORE_START = "lost-before-start"  # nothing ran: the slot is queued for again
+    LOST_WHILE_RUNNING = "lost"  # the hold was lost (or its deadline came): child killed
+    SIGNAL = "signal"  # a stop signal to conch: the child was terminated
+    NOT_FOUND = "child-not-found"  # the command was not found: nothing ran
+    CANNOT_EXECUTE = "child-cannot-execute"  # found, but could not be executed
+    WATCHDOG_FAILED = "watchdog-failed"  # no watchdog, or it died: no child, or child killed
+    INTERNAL_ERROR = "internal-error"  # a bug of conch's (raised): the child is SIGKILLed
+
+
+# The one table from outcomes to exit codes (contract section 8). None: the child's own
+# status, as a shell reports it (128 + S for a child killed by signal S).
+EXIT_CODES: dict[Outcome, int | None] = {
+    Outcome.CHILD_EXITED: None,
+    Outcome.SIGNAL: None,
+    # Not an exit of its own: supervise() queues again, and exits 75 once --wait runs out.
+    Outcome.LOST_BEFORE_START: EX_TEMPFAIL,
+    Outcome.LOST_WHILE_RUNNING: EX_SOFTWARE,
+    Outcome.NOT_FOUND: EX_NOT_FOUND,
+    Outcome.CANNOT_EXECUTE: EX_CANNOT_EXECUTE,
+    Outcome.WATCHDOG_FAILED: EX_SOFTWARE,
+    Outcome.INTERNAL_ERROR: EX_SOFTWARE,
+}
+
+
+def exit_code(outcome: Outcome, status: int | None = None) -> int:
+    """The exit code of ``outcome`` (EXIT_CODES); ``status``: the child's, where it is the
+    code."""
+    code = EXIT_CODES[outcome]
+    if code is not None:
+        return code
+    assert status is not None
+    return status
+
 
 @dataclass(frozen=True)
 class _ChildExit:
     returncode: int
+
+
+_DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
+
+
+# -- the supervision --------------------------------------------------------------------------
+
+
+def supervise(
+    sema: Semaphore,
+    argv: Sequence[str],
+    wait: float | None,
+    kill_after: float,
+    stop: Flag,
+    watchdog: Watchdog | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8,
+    ``EXIT_CODES``).
+
+    ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
+    SIGTERM and SIGKILL, planned back from the lease's earliest expiry: the child is dead
+    ``deadline_margin(ttl)`` seconds before its lease can expire on the server, whether or
+    not a loss has been declared (raises UsageError when ``kill_after`` does not fit
+    ``sema.ttl``: ``max_kill_after``); ``stop`` set (by a signal) withdraws or terminates;
+    ``environ`` is the environment the child starts from (default ``os.environ``), less
+    conch's credentials. Raises NoSlot, Interrupted, Unavailable from the acquisition
+    (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch); returns 70 when the
+    hold was lost while the child ran, or its watchdog died. A hold lost before the child
+    started (nothing ran) is given back and the slot queued for again, at the back of the
+    queue, while ``wait`` allows (a ``requeue`` warning; NoSlot once it does not). What the
+    child leaves in its group is reaped as it dies only after ``adopt_orphans()`` (the
+    command calls it); else a zombie among them holds the slot until PID 1 reaps it or
+    ``kill_after`` runs out.
+    ``watchdog`` (from ``start_watchdog(kill_after)``, started before connecting so that its
+    interpreter starts while the connection is made) serves the first round; it is
+    dismissed like one started here. In-process, the deadline is kept by this process's
+    own threads and by the watchdog process: a pause of the whole process (SIGSTOP, a VM
+    paused whole) stops the former, never the latter.
+    """
+    check_kill_after(kill_after, sema.ttl)
+    deadline = None if wait is None else time.monotonic() + wait
+    backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+    while True:
+        try:
+            return _hold_and_run(
+                sema, argv, remaining(deadline), kill_after, stop, watchdog, environ
+            )
+        except HoldLost as exc:
+            watchdog = None  # dismissed with its round
+            sema.pause_before_reentry(exc, deadline, stop, backoff)
+
+
+def _hold_and_run(
+    sema: Semaphore,
+    argv: Sequence[str],
+    wait: float | None,
+    kill_after: float,
+    stop: Flag,
+    watchdog: Watchdog | None,
+    environ: Mapping[str, str] | None,
+) -> int:
+    """One round of ``supervise``: a watchdog (``watchdog`` or a new one), a hold, the child.
+    Raises HoldLost when the hold was lost before the child started."""
+    try:
+        # before queueing: its start-up is over by the slot
+        watchdog = watchdog or start_watchdog(kill_after, environ)
+    except OSError as exc:
+        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+    try:
+        hold = sema.acquire(wait, stop, guard=False)
+        hold._warn_on_loss = False  # reported below as an error, with what became of the child
+        try:
+            if stop.is_set():
+                raise Interrupted(stop.reason)
+            return run_child(hold, argv, kill_after, stop, watchdog, environ)
+        finally:
+            hold.release()
+    finally:
+        # After the release: the watchdog's exit does not compete with the next holder's
+        # start, and conch does not exit before it (an outer conch, our subreaper, would
+        # find it re-parented to it and stop it as a process escaped from its job).
+        watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not _adopting)
+
+
+def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default ``os.environ``) less conch's credentials
+    (``conch.watchdog.CREDENTIALS``) and our GRPC_ENABLE_FORK_SUPPORT, plus CONCH_NAME,
+    CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
+    env = without_credentials(os.environ if environ is None else environ)
+    if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
+        env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    env.update(
+        CONCH_NAME=hold.name,
+        CONCH_REV=str(hold.revision),
+        CONCH_LEASE=f"{hold.lease_id:x}",
+        CONCH_MAX=str(hold.max),
+    )
+    return env
+
+
+def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) -> Watchdog:
+    """A Watchdog, known to the adopting reaper as no part of any job (its process is our
+    child too), started with ``environ`` (default ``os.environ``) less conch's credentials.
+    Raises OSError as Watchdog does."""
+    with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
+        watchdog = Watchdog(kill_after, environ)
+        if _adopting and (stat := _stat(watchdog.pid)) is not None:
+            _beside_jobs[watchdog.pid] = stat.started
+    _spawned.set()
+    return watchdog
+
+
+def _report(outcome: Outcome, status: int | None = None, **fields: object) -> int:
+    """Log an outcome that is an error (one ``event=`` line named for it, with ``fields``);
+    return its exit code."""
+    if outcome is not Outcome.CHILD_EXITED and outcome is not Outcome.SIGNAL:
+        log.error(outcome.value, **fields)
+    return exit_code(outcome, status)
+
+
+def run_child(
+    hold: Hold,
+    argv: Sequence[str],
+    kill_after: float,
+    stop: Flag,
+    watchdog: Watchdog | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Start ``argv`` in its own process group and wait for whichever comes first: its exit
+    (return its status), the loss of ``hold`` (terminate it, return 70), the deadline (no
+    keepalive confirmed in time: terminate it so that it is dead before the lease can
+    expire, return 70), its watchdog's death (terminate it, return 70), or ``stop``
+    (terminate it, return its status). Never starts it without a hold: raises HoldLost if
+    it is lost (or its lease not certainly alive long enough) before the child starts,
+    Interrupted if ``stop`` is set before it starts.
+    ``hold`` is released as soon as the child has exited with nothing left in its group
+    and, after ``adopt_orphans()``, nothing left outside it either: what the child started
+    and left in the background counts as the child until it is gone (a ``stragglers`` or an
+    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
+    with the child's group on a loss or ``stop``.
+    ``watchdog`` (started in advance) is armed with the child's group; without one, one is
+    started here, before the child."""
+    try:
+        watchdog = watchdog or start_watchdog(kill_after, environ)
+    except OSError as exc:
+        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+    run = _Run(hold, kill_after, stop, watchdog)
+    if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
+        watchdog.dismiss()
+        if stop.is_set():
+            raise Interrupted(stop.reason)
+        return _report(
+            Outcome.WATCHDOG_FAILED, error=f"not running after {WATCHDOG_START_TIMEOUT:g}s"
+        )
+    # After the watchdog's start, which can take a while on a loaded machine.
+    run.confirm_hold()
+    env = child_env(hold, environ)
+    try:
+        # Before the child exists: a conch killed before the arm line below leaves it found.
+        watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
+    except OSError as exc:
+        watchdog.dismiss()
+        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+    with _reap_lock:  # the adopting reaper takes no status until the child is claimed
+        try:
+            pid = spawn(argv, env)
+        except (FileNotFoundError, ValueError):  # ValueError: an empty command name
+            watchdog.dismiss()
+            return _report(Outcome.NOT_FOUND, cmd=argv[0])
+        except OSError as exc:
+            watchdog.dismiss()
+            return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))
+        try:
+            try:
+                watchdog.arm(pid)
+                unarmed = None
+            except OSError as exc:
+                unarmed = exc
+            box = run.box
+            _on_exit(pid, lambda status: _child_exited(pid, status, box))
+        except BaseException:  # no reaping thread (can't start new thread): fail closed
+            _kill_group(pid)
+            raise
+    try:  # from here on, whatever goes wrong, the child does not outlive our supervision
+        if unarmed is not None:
+            run.terminate(_Job(pid), child_running=True, kill_at=run.kill_at_latest())
+            return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
+        return run.supervise(pid)
+    except BaseException:
+        # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
+        # running with nobody watching it while the slot is released.
+        _kill_group(pid)
+        raise
+    finally:
+        run.finish()
+
+
+class _Run:
+    """One child's supervision, from its spawn to its end: the hold, the stop flag, the
+    watchdog, the mailbox every one of them (and the reaper) reports into, and the
+    deadline planned back from the lease's earliest expiry."""
+
+    def __init__(self, hold: Hold, kill_after: float, stop: Flag, watchdog: Watchdog) -> None:
+        ttl = hold.session.ttl  # as granted: etcd may raise it, never lower it
+        self.hold = hold
+        self.stop = stop
+        self.watchdog = watchdog
+        self.margin = deadline_margin(ttl)
+        self.kill_after = min(kill_after, max_kill_after(ttl))
+        self.box: Mailbox = queue.SimpleQueue()
+        self._undo: list[Callable[[], None]] = []
+
+    def expiry(self) -> float:
+        """The lease's earliest expiry on the server, ``time.monotonic()``."""
+        return self.hold.session.alive_until
+
+    def kill_at_latest(self) -> float:
+        """The instant (``time.monotonic()``) by which the child must be dead."""
+        return self.expiry() - self.margin
+
+    def term_at(self) -> float:
+        """The SIGTERM planned back from the deadline: ``kill_after`` before it."""
+        return self.kill_at_latest() - self.kill_after
+
+    def grace_until(self) -> float:
+        """SIGKILL's instant for a termination that starts now: ``kill_after`` from now, or
+        the deadline if that comes first."""
+        return min(time.monotonic() + self.kill_after, self.kill_at_latest())
+
+    def confirm_hold(self) -> None:
+        """Raise Interrupted if ``stop`` is set, HoldLost unless the hold is ours with time
+        to spare: not lost, and the deadline's SIGTERM not due yet (a process stalled since
+        its last keepalive, or a keepalive overdue: the child would be stopped at once)."""
+        if self.stop.is_set():
+            self.watchdog.dismiss()
+            raise Interrupted(self.stop.reason)
+        if self.hold.lost.is_set() or time.monotonic() >= self.term_at():
+            self.watchdog.dismiss()
+            reason = self.hold.lost.reason or "lease not confirmed alive (process stalled?)"
+            raise HoldLost(f"hold lost before the child started: {reason}")
+
+    def supervise(self, pid: int) -> int:
+        """From the child's start to its end: wait for the first notice, act on it, return
+        the exit code."""
+        hold, watchdog = self.hold, self.watchdog
+        hold.start_guard()
+        started = time.monotonic()
+        log.info("child-start", pid=pid, rev=hold.revision)
+        # After the spawn, off the handoff's path (a thread's start): a watchdog that died
+        # before is seen all the same, its stdout's end waiting to be read.
+        watchdog.watch(self.box)
+        self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
+        hold.lost.subscribe(self.box)
+        self.stop.subscribe(self.box)
+        self._undo += [
+            lambda: hold.lost.unsubscribe(self.box),
+            lambda: self.stop.unsubscribe(self.box),
+        ]
+        notice = self._first_notice()
+        job = _Job(pid)
+        if isinstance(notice, _ChildExit):
+            if not job.alive():
+                # The next holder waits for this revoke: it goes before anything else.
+                hold.release(log_it=False)
+            code = _log_child_exit(pid, notice.returncode, started)
+            if job.alive():  # a warning for each process that escaped the group
+                if _group_alive(pid):
+                    log.warning("stragglers", pgid=pid)
+                self.terminate(job, child_running=False, kill_at=self.grace_until())
+            watchdog.dismiss()
+            if watchdog.fired:  # we were frozen past the deadline; the watchdog stopped it
+                return self._lost(STALLED)
+            return exit_code(Outcome.CHILD_EXITED, code)
+        if notice is self.stop:
+            log.info("signal", signum=self.stop.reason, pid=pid)
+            returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
+            return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
+        if isinstance(notice, WatchdogExited) and not notice.fired:
+            returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
+            _log_child_exit(pid, returncode, started)
+            return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited while the child ran")
+        reason = self._loss_reason(notice)
+        log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
+        if notice is hold.lost and _slot_taken(hold):
+            # Our key is gone in etcd itself: the slot may be someone else's already, so
+            # a grace could only be spent beside its new holder. SIGKILL at once.
+            kill_at = time.monotonic()
+        elif notice is _DEADLINE:
+            kill_at = self.kill_at_latest()
+        else:
+            kill_at = self.grace_until()
+        returncode = self.terminate(job, child_running=True, kill_at=kill_at)
+        _log_child_exit(pid, returncode, started)
+        return exit_code(Outcome.LOST_WHILE_RUNNING)
+
+    def _first_notice(self) -> object:
+        """The first of: the child's exit (a _ChildExit), the hold's loss or ``stop`` (the
+        Flag), the watchdog's end (a WatchdogExited), or _DEADLINE when the SIGTERM planned
+        back from the lease's earliest expiry is due (no keepalive confirmed in time: the
+        expiry is read again at each wake, as keepalives move it on)."""
+        while True:
+            try:
+                return self.box.get(timeout=remaining(self.term_at()))
+            except queue.Empty:
+                if time.monotonic() >= self.term_at():
+                    return _DEADLINE
+
+    def _loss_reason(self, notice: object) -> str:
+        if self.watchdog.fired:
+            return STALLED
+        if notice is _DEADLINE:
+            left = self.expiry() - time.monotonic()
+            return (
+                f"no keepalive confirmed in time: the lease can expire in {left:.2f}s; "
+                "the child is stopped before that"
+            )
+        return str(self.hold.lost.reason)
+
+    def _lost(self, reason: str) -> int:
+        log.error("lost", name=self.hold.name, rev=self.hold.revision, reason=reason)
+        return exit_code(Outcome.LOST_WHILE_RUNNING)
+
+    def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
+        """Stop ``job``: SIGTERM now, SIGKILL at ``kill_at`` (``time.monotonic()``; at once if
+        that has passed), sooner if our key is seen gone meanwhile. The watchdog stands by:
+        counting to the deadline it would only send a second SIGTERM into the child's
+        cleanup, but should conch die meanwhile (SIGKILL, OOM) it still finishes the
+        termination. Returns the child's return code (if ``child_running``)."""
+        self.watchdog.stand_by(kill_at)
+        return _stop_group(job, self.box, child_running, kill_at, self._hurry)
+
+    def _hurry(self, notice: object) -> bool:
+        """Whether ``notice``, come during a termination, calls for SIGKILL now."""
+        return notice is self.hold.lost and _slot_taken(self.hold)
+
+    def finish(self) -> None:
+        for undo in self._undo:
+            undo()
+        self.watchdog.dismiss()
+
+
+STALLED = "wrapper stalled; the watchdog terminated the child"
+
+
+def _slot_taken(hold: Hold) -> bool:
+    """Whether the hold's loss was seen in etcd itself: our key deleted while the session
+    lives (the guard's watch, a guarded write), or our lease unknown to etcd (revoked, or
+    expired). Not an unanswered keepalive: the lease then lives until its expiry."""
+    session_lost = hold.session.lost
+    if not session_lost.is_set():
+        return True
+    return "revoked" in str(session_lost.reason)
+
+
+def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
+    """Log ``child-exit`` (the child's status as a shell reports it, and how long it ran);
+    return that status. ``None``: not reaped even after SIGKILL (stuck in the kernel),
+    reported as killed by SIGKILL."""
+    if returncode is None:
+        log.warning("child-unreaped", pid=pid, after=f"{REAP_AFTER_KILL:g}s")
+        returncode = -signal.SIGKILL
+    code = exit_status(returncode)
+    log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
+    return code
+
+
+# -- signals ---------------------------------------------------------------------------------
 
 
 def exit_status(returncode: int) -> int:
@@ -133,81 +610,7 @@ def _refuse_suspend(signum: int, frame: object) -> None:
     )
 
 
-def child_env(hold: Hold) -> dict[str, str]:
-    """Our environment plus CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX,
-    less our GRPC_ENABLE_FORK_SUPPORT."""
-    env = dict(os.environ)
-    if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
-        env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    env.update(
-        CONCH_NAME=hold.name,
-        CONCH_REV=str(hold.revision),
-        CONCH_LEASE=f"{hold.lease_id:x}",
-        CONCH_MAX=str(hold.max),
-    )
-    return env
-
-
-def supervise(
-    sema: Semaphore,
-    argv: Sequence[str],
-    wait: float | None,
-    kill_after: float,
-    stop: Flag,
-    watchdog: Watchdog | None = None,
-) -> int:
-    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8).
-
-    ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
-    SIGTERM and SIGKILL; ``stop`` set (by a signal) withdraws or terminates. Raises NoSlot,
-    Interrupted, Unavailable from the acquisition; returns 70 when the hold was lost while
-    the child ran. A hold lost before the child started (nothing ran) is given back and the
-    slot queued for again, at the back of the queue, while ``wait`` allows (a ``requeue``
-    warning; NoSlot once it does not). What the child leaves in its group is reaped as it
-    dies only after ``adopt_orphans()`` (the command calls it); else a zombie among them
-    holds the slot until PID 1 reaps it or ``kill_after`` runs out.
-    ``watchdog`` (from ``start_watchdog(kill_after)``, started before connecting so that its
-    interpreter starts while the connection is made) serves the first round; it is
-    dismissed like one started here.
-    """
-    deadline = None if wait is None else time.monotonic() + wait
-    backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-    while True:
-        try:
-            return _hold_and_run(sema, argv, remaining(deadline), kill_after, stop, watchdog)
-        except HoldLost as exc:
-            watchdog = None  # dismissed with its round
-            sema.pause_before_reentry(exc, deadline, stop, backoff)
-
-
-def _hold_and_run(
-    sema: Semaphore,
-    argv: Sequence[str],
-    wait: float | None,
-    kill_after: float,
-    stop: Flag,
-    watchdog: Watchdog | None,
-) -> int:
-    """One round of ``supervise``: a watchdog (``watchdog`` or a new one), a hold, the child.
-    Raises HoldLost when the hold was lost before the child started."""
-    try:
-        # before queueing: its start-up is over by the slot
-        watchdog = watchdog or start_watchdog(kill_after)
-    except OSError as exc:
-        log.error("watchdog-failed", error=str(exc))
-        return EX_SOFTWARE
-    try:
-        hold = sema.acquire(wait, stop, guard=False)
-        hold._warn_on_loss = False  # reported below as an error, with what became of the child
-        try:
-            if stop.is_set():
-                raise Interrupted(stop.reason)
-            return run_child(hold, argv, kill_after, stop, watchdog)
-        finally:
-            hold.release()
-    finally:
-        watchdog.dismiss()
-
+# -- the spawn -------------------------------------------------------------------------------
 
 # Signals to reset to their default in the child: an ignored signal stays ignored across exec,
 # and Python starts with these ignored (a child would see EPIPE where a shell's pipelines
@@ -291,150 +694,7 @@ def _candidates(name: str) -> list[str]:
     return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
 
 
-def start_watchdog(kill_after: float) -> Watchdog:
-    """A Watchdog, known to the adopting reaper as no part of any job (its process is our
-    child too). Raises OSError as Watchdog does."""
-    with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
-        watchdog = Watchdog(kill_after)
-        if _adopting and (stat := _stat(watchdog.pid)) is not None:
-            _beside_jobs[watchdog.pid] = stat.started
-    _spawned.set()
-    return watchdog
-
-
-def run_child(
-    hold: Hold, argv: Sequence[str], kill_after: float, stop: Flag, watchdog: Watchdog | None = None
-) -> int:
-    """Start ``argv`` in its own process group and wait for whichever comes first: its exit
-    (return its status), the loss of ``hold`` (terminate it, return 70), or ``stop``
-    (terminate it, return its status). Never starts it without a hold: raises HoldLost if
-    it is lost (or its lease not certainly alive) before the child starts, Interrupted if
-    ``stop`` is set before it starts.
-    ``hold`` is released as soon as the child has exited with nothing left in its group
-    and, after ``adopt_orphans()``, nothing left outside it either: what the child started
-    and left in the background counts as the child until it is gone (a ``stragglers`` or an
-    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
-    with the child's group on a loss or ``stop``.
-    ``watchdog`` (started in advance) is armed with the child's group; without one, one is
-    started here, before the child."""
-    try:
-        watchdog = watchdog or start_watchdog(kill_after)
-    except OSError as exc:
-        log.error("watchdog-failed", error=str(exc))
-        return EX_SOFTWARE
-    if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
-        watchdog.dismiss()
-        if stop.is_set():
-            raise Interrupted(stop.reason)
-        log.error("watchdog-failed", error=f"not running after {WATCHDOG_START_TIMEOUT:g}s")
-        return EX_SOFTWARE
-    # After the watchdog's start, which can take a while on a loaded machine.
-    if stop.is_set():
-        watchdog.dismiss()
-        raise Interrupted(stop.reason)
-    if hold.lost.is_set() or not hold.session.certainly_alive():
-        watchdog.dismiss()
-        reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
-        raise HoldLost(f"hold lost before the child started: {reason}")
-    box: Mailbox = queue.SimpleQueue()
-    env = child_env(hold)
-    try:
-        # Before the child exists: a conch killed before the arm line below leaves it found.
-        watchdog.expect({mark: env[mark] for mark in _MARKS}, hold.session.silence_limit)
-    except OSError as exc:
-        watchdog.dismiss()
-        log.error("watchdog-failed", error=str(exc))
-        return EX_SOFTWARE
-    with _reap_lock:  # the adopting reaper takes no status until the child is claimed
-        try:
-            pid = spawn(argv, env)
-        except (FileNotFoundError, ValueError):  # ValueError: an empty command name
-            watchdog.dismiss()
-            log.error("child-not-found", cmd=argv[0])
-            return EX_NOT_FOUND
-        except OSError as exc:
-            watchdog.dismiss()
-            log.error("child-cannot-execute", cmd=argv[0], error=exc.strerror or str(exc))
-            return EX_CANNOT_EXECUTE
-        try:
-            try:
-                watchdog.arm(pid)
-                unarmed = None
-            except OSError as exc:
-                unarmed = exc
-            _on_exit(pid, lambda status: _child_exited(pid, status, box, hold))
-        except BaseException:  # no reaping thread (can't start new thread): fail closed
-            _kill_group(pid)
-            raise
-    stop_heartbeats: Callable[[], None] | None = None
-    try:  # from here on, whatever goes wrong, the child does not outlive our supervision
-        if unarmed is not None:
-            log.error("watchdog-failed", error=str(unarmed))
-            _stop_group(_Job(pid), box, True, kill_after)
-            return EX_SOFTWARE
-        hold.start_guard()
-        started = time.monotonic()
-        log.info("child-start", pid=pid, rev=hold.revision)
-        stop_heartbeats = hold.session.on_keepalive(watchdog.heartbeat)
-        hold.lost.subscribe(box)
-        stop.subscribe(box)
-        item = box.get()
-        if isinstance(item, _ChildExit):
-            code = _log_child_exit(pid, item.returncode, started)
-            job = _Job(pid)
-            if job.alive():  # a warning for each process that escaped the group
-                if _group_alive(pid):
-                    log.warning("stragglers", pgid=pid)
-                watchdog.stand_by()
-                _stop_group(job, box, False, kill_after)
-            watchdog.dismiss()
-            if watchdog.fired:
-                # We were frozen past the silence limit; the watchdog stopped the child.
-                log.error(
-                    "lost",
-                    name=hold.name,
-                    rev=hold.revision,
-                    reason="wrapper stalled; the watchdog terminated the child",
-                )
-                return EX_SOFTWARE
-            return code
-        # From here conch terminates the group itself. The watchdog stands by: counting
-        # silence it would only send a second SIGTERM into the child's cleanup, but should
-        # conch die meanwhile (SIGKILL, OOM) it still finishes the termination.
-        watchdog.stand_by()
-        if item is hold.lost:
-            reason = str(hold.lost.reason)
-            if watchdog.fired:  # frozen past the silence limit: the key went meanwhile too
-                reason = "wrapper stalled; the watchdog terminated the child"
-            log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
-            _log_child_exit(pid, _stop_group(_Job(pid), box, True, kill_after), started)
-            return EX_SOFTWARE
-        log.info("signal", signum=stop.reason, pid=pid)
-        exited = _stop_group(_Job(pid), box, True, kill_after)
-        return _log_child_exit(pid, exited, started)
-    except BaseException:
-        # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
-        # running with nobody watching it while the slot is released.
-        _kill_group(pid)
-        raise
-    finally:
-        if stop_heartbeats is not None:
-            stop_heartbeats()
-        watchdog.dismiss()
-        hold.lost.unsubscribe(box)
-        stop.unsubscribe(box)
-
-
-def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
-    """Log ``child-exit`` (the child's status as a shell reports it, and how long it ran);
-    return that status. ``None``: not reaped even after SIGKILL (stuck in the kernel),
-    reported as killed by SIGKILL."""
-    if returncode is None:
-        log.warning("child-unreaped", pid=pid, after=f"{REAP_AFTER_KILL:g}s")
-        returncode = -signal.SIGKILL
-    code = exit_status(returncode)
-    log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
-    return code
+# -- the reaper ------------------------------------------------------------------------------
 
 
 def adopt_orphans() -> bool:
@@ -486,7 +746,7 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
             # child is gone and its status lost. 0, as subprocess reports it then.
             log.warning("child-status-lost", pid=pid)
             status = 0
-        callback(status)
+        _call_back(callback, status)
 
     threading.Thread(target=wait, name="conch-reap", daemon=True).start()
 
@@ -518,18 +778,25 @@ def _reap_all() -> None:
                 if callback is not None:
                     done.append((callback, status))
         for callback, status in done:
-            callback(status)
+            _call_back(callback, status)
 
 
-def _child_exited(pid: int, status: int, box: Mailbox, hold: Hold) -> None:
-    """From the reaping thread: tell the supervisor, and if the child's process group went
-    with it, release ``hold`` at once: the next holder waits for that revoke, and need not
-    wait for the supervisor's bookkeeping too (a thread switch and the exit logging: a
-    quarter of a millisecond at a handoff, measured). The ``release()`` that follows waits
-    for this revoke and logs it."""
+def _call_back(callback: Callable[[int], None], status: int) -> None:
+    """Run a child's exit callback; one that raises is logged, and the reaper reaps on."""
+    try:
+        callback(status)
+    except Exception as exc:
+        log.error("callback-failed", flag="child-exit", error=repr(exc))
+
+
+def _child_exited(pid: int, status: int, box: Mailbox) -> None:
+    """From the reaping thread: tell the supervisor, which releases the hold the moment it
+    finds the child's group gone (a thread switch later: the reaper makes no call to etcd,
+    so that a slow etcd never holds up the reaping of other children)."""
     box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
-    if not _group_alive(pid) and not _orphans():
-        hold.release(log_it=False)
+
+
+# -- /proc -----------------------------------------------------------------------------------
 
 
 def _group_alive(pgid: int) -> bool:
@@ -637,6 +904,9 @@ def _command_line(pid: int) -> str:
     return "?"
 
 
+# -- the job and its termination --------------------------------------------------------------
+
+
 class _Job:
     """The child's process group ``pgid`` and what the child left outside it, re-parented
     to us (``setsid cmd &``, a daemon's double fork): the slot is ours until all of it is
@@ -700,20 +970,27 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-def _stop_group(job: _Job, box: Mailbox, child_running: bool, kill_after: float) -> int | None:
-    """SIGTERM the job (its group and what escaped it); after ``kill_after`` seconds SIGKILL
-    whatever is left of it. Waits for the child (if ``child_running``) to be reaped;
-    returns its return code."""
-    job.signal(signal.SIGTERM)
-    log.info("term-sent", pgid=job.pgid)
-    deadline = time.monotonic() + kill_after
+def _stop_group(
+    job: _Job,
+    box: Mailbox,
+    child_running: bool,
+    kill_at: float,
+    hurry: Callable[[object], bool] | None = None,
+) -> int | None:
+    """SIGTERM the job (its group and what escaped it); SIGKILL whatever is left of it at
+    ``kill_at`` (``time.monotonic()``): at once, without SIGTERM, if that has passed, and
+    as soon as a notice comes for which ``hurry(notice)`` is true. Waits for the child (if
+    ``child_running``) to be reaped; returns its return code."""
     returncode = None if child_running else 0
-    returncode = _await_exit(box, deadline, returncode)
-    _await_gone(job, deadline)
+    if time.monotonic() < kill_at:
+        job.signal(signal.SIGTERM)
+        log.info("term-sent", pgid=job.pgid)
+        returncode, kill_at = _await_exit(box, kill_at, returncode, hurry)
+        _await_gone(job, kill_at)
     if returncode is None or job.alive():
         job.signal(signal.SIGKILL)
         log.warning("kill-sent", pgid=job.pgid)
-        returncode = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
+        returncode, _ = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
         # A SIGKILLed process is still running its exit (closing files, dropping locks,
         # freeing memory): the slot stays ours until it is gone, within a bound.
         _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
@@ -724,16 +1001,25 @@ def _await_gone(job: _Job, deadline: float) -> None:
     """Poll until nothing of ``job`` is left or ``deadline`` passes (grandchildren are not
     ours to wait() on)."""
     while job.alive() and time.monotonic() < deadline:
-        time.sleep(GROUP_POLL)
+        time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
 
 
-def _await_exit(box: Mailbox, deadline: float | None, returncode: int | None) -> int | None:
-    """Wait for the child's exit notice until ``deadline``; other notices are dropped."""
+def _await_exit(
+    box: Mailbox,
+    deadline: float,
+    returncode: int | None,
+    hurry: Callable[[object], bool] | None = None,
+) -> tuple[int | None, float]:
+    """Wait for the child's exit notice until ``deadline``; other notices are dropped, but
+    one for which ``hurry(notice)`` is true ends the wait at once. Returns the return code
+    (None: not reaped in time) and the deadline (now, if hurried)."""
     while returncode is None:
         try:
             item = box.get(timeout=remaining(deadline))
         except queue.Empty:
-            return None
+            break
         if isinstance(item, _ChildExit):
-            return item.returncode
-    return returncode
+            return item.returncode, deadline
+        if hurry is not None and hurry(item):
+            return None, time.monotonic()
+    return returncode, deadline

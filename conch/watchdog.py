@@ -1,5 +1,5 @@
 """The child's watchdog: a tiny separate process that terminates the child's process group
-when its wrapper can no longer supervise it.
+when its wrapper can no longer supervise it, and kills it before the lease can expire.
 
 A wrapper killed with SIGKILL cannot clean up, and one frozen by SIGSTOP (or a long GC pause,
 or a swap storm) cannot act, while its lease runs out and a waiter takes the slot. So conch
@@ -7,30 +7,35 @@ starts a watchdog (``python -I -S``, no imports beyond the standard library) bef
 queues, so that its start-up is long over when the slot comes; it says ``R`` on its stdout
 once it runs, and conch starts no child before it has (a watchdog whose script is gone
 exits at once). Just before the child starts, conch tells it what to expect; the moment the
-child exists, it arms it with the child's process group. It reads a pipe from conch:
+child exists, it arms it with the child's process group. Its pipe from conch carries one
+command a line; every instant is ``time.monotonic()`` (CLOCK_MONOTONIC, system-wide on
+Linux, so conch's instants are the watchdog's):
 
-* end of file or the goodbye byte before the expect line: exit quietly (conch gave up, or
-  died, before there was a child);
-* the expect line gives the timeout and environment entries only this child (and what it
-  starts) carries, ``CONCH_LEASE`` and ``CONCH_REV``: from here on a child may exist. A
-  conch SIGKILLed between the child's start and the arm line (it happened, under load: the
-  child ran on unwatched) is handled as below, the processes found by those entries in
+* end of file or goodbye before the expect line: exit quietly (conch gave up, or died,
+  before there was a child);
+* ``e MARGIN EXPIRY MARKS...``: a child is about to start; the lease can expire at EXPIRY,
+  and the child must be dead MARGIN seconds before that. MARKS are the environment entries
+  only this child (and what it starts) carries, ``CONCH_LEASE`` and ``CONCH_REV``: a conch
+  SIGKILLed between the child's start and the arm line (it happened, under load: the child
+  ran on unwatched) is handled as below, the processes found by those entries in
   /proc/PID/environ standing in for the group;
-* the arm line gives the process group;
-* a heartbeat byte after every confirmed keepalive pushes its deadline out;
-* the goodbye byte means conch itself is done with the child: exit quietly;
-* the stand-by byte means conch is terminating the group itself (after a loss, a signal,
-  or with stragglers left by the child: SIGTERM now, SIGKILL ``kill_after`` later): no
-  heartbeats will come, so silence no longer counts; unless goodbye comes first, the
-  watchdog SIGKILLs the group one second after conch should have (conch frozen or killed
-  in the middle of it);
-* end of file (conch died) or no heartbeat for ``timeout`` seconds (conch frozen): SIGTERM
-  the child's process group (and say ``FIRED`` on its stdout), SIGKILL it ``kill_after``
-  seconds later if anything is left.
+* ``a PGID``: the child's process group;
+* ``h EXPIRY`` after every confirmed keepalive: the lease's new earliest expiry;
+* ``x`` (goodbye): conch itself is done with the child: exit quietly once conch closes the
+  pipe (at most a fifth of a second later);
+* ``s KILL_AT`` (stand-by): conch is terminating the group itself (after a loss, a signal,
+  or with stragglers left by the child) and sends its SIGKILL at KILL_AT: unless goodbye
+  comes first, the watchdog SIGKILLs the group one second after that (conch frozen or
+  killed in the middle of it), and at EXPIRY - MARGIN at the latest;
+* the deadline: no keepalive confirmed in time (conch frozen), SIGTERM the group at
+  EXPIRY - MARGIN - KILL_AFTER (a fifth of a second after conch itself would: the child
+  never gets both) and say ``F`` on its stdout, SIGKILL it at EXPIRY - MARGIN, whether or
+  not conch ever wakes again;
+* end of file after the expect line (conch died): SIGTERM the group at once, SIGKILL it
+  KILL_AFTER later, or at EXPIRY - MARGIN if that comes first.
 
-``timeout`` is set past the point where a live conch would itself have declared the session
-lost (two keepalive intervals plus two margins), so the watchdog only ever acts for a wrapper
-that cannot.
+The watchdog's own end shows as the end of its stdout: conch watches it while the child
+runs, and fails closed when its watchdog is gone (see ``conch.supervisor``).
 """
 
 from __future__ import annotations
@@ -44,40 +49,69 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
-from conch.flag import Flag
+from conch.flag import Flag, Mailbox
 
-HEARTBEAT = b"h"
-GOODBYE = b"x"
-STAND_BY = b"s"
+GOODBYE = b"x\n"
 
 # The watchdog's own code: a script run with ``python -I -S`` (no site, no user paths, not
 # even its own directory on sys.path), so ``ps`` shows its path rather than its source.
 _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
 READY = b"R"  # what the watchdog writes to its stdout once it runs
 FIRED = b"F"  # ... and when it terminates the group
+FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
+
+# conch's credentials, as conch and etcdctl read them from the environment (``CONCH_USER``
+# and ``ETCDCTL_USER`` may hold NAME:PASSWORD): the child and the watchdog start without
+# them, so no job conch runs can read the cluster's credentials.
+CREDENTIALS = (
+    "CONCH_USER",
+    "CONCH_PASSWORD",
+    "CONCH_PASSWORD_FILE",
+    "ETCDCTL_USER",
+    "ETCDCTL_PASSWORD",
+)
+
+
+def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
+    """A copy of ``environ`` less every entry of CREDENTIALS."""
+    return {name: value for name, value in environ.items() if name not in CREDENTIALS}
+
+
+class WatchdogExited(NamedTuple):
+    """Put into the supervisor's mailbox when the watchdog process ends before conch
+    dismissed it; ``fired``: whether it had terminated the child's group first."""
+
+    fired: bool
 
 
 class Watchdog:
-    """A watchdog process, started at once and idle until ``expect(marks, timeout)`` says a
-    child is about to start and the seconds of silence after which to terminate it (then
-    SIGKILL ``kill_after`` seconds later), and ``arm(pgid)`` names its process group.
-    ``heartbeat()`` after each confirmed keepalive,
-    ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once conch is
-    done with the child (or never had one). Raises OSError when the watchdog process
-    cannot be started."""
+    """A watchdog process, started at once and idle until ``expect(marks, margin, expiry)``
+    says a child is about to start, that the lease can expire at ``expiry`` and the child
+    must be dead ``margin`` seconds before (SIGTERM ``kill_after`` seconds before that), and
+    ``arm(pgid)`` names its process group. ``heartbeat(expiry)`` after each confirmed
+    keepalive, ``stand_by(kill_at)`` while conch terminates the group itself, ``dismiss()``
+    once conch is done with the child (or never had one), ``close()`` to see it gone.
+    ``watch(box)`` reports its end. ``environ`` is the environment it starts with (default
+    ``os.environ``), less CREDENTIALS. Raises OSError when the watchdog process cannot be
+    started."""
 
-    def __init__(self, kill_after: float) -> None:
+    def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
             [sys.executable, "-I", "-S", _MAIN, f"{kill_after:.3f}"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
+            env=without_credentials(os.environ if environ is None else environ),
             start_new_session=True,  # out of reach of signals sent to conch's group
         )
         self._lock = threading.Lock()
         self._dismissed = False
         self._ready = False
+        self._fired = False
+        self._reader: threading.Thread | None = None
+        self._exited = threading.Event()  # its stdout closed: the process has ended
 
     @property
     def pid(self) -> int:
@@ -99,27 +133,51 @@ class Watchdog:
                 self._ready = os.read(self._stdout(), 1) == READY
                 if not self._ready:
                     return False
-        return self._process.poll() is None
+        return self._process.poll() is None and not self._exited.is_set()
 
     def _stdout(self) -> int:
         assert self._process.stdout is not None
         return self._process.stdout.fileno()
 
     def _readable(self, timeout: float) -> bool:
-        """Whether the watchdog's stdout has a byte within ``timeout`` seconds (poll, not
-        select: an embedding service may hold more than 1024 descriptors)."""
+        """Whether the watchdog's stdout has a byte (or its end) within ``timeout`` seconds
+        (poll, not select: an embedding service may hold more than 1024 descriptors)."""
         poller = select.poll()
         poller.register(self._stdout(), select.POLLIN)
         return bool(poller.poll(timeout * 1000))
 
-    def expect(self, marks: Mapping[str, str], timeout: float) -> None:
+    def watch(self, box: Mailbox) -> None:
+        """From now on (after ``ready()``), put a WatchdogExited into ``box`` the moment the
+        watchdog process ends, unless it was dismissed first: its stdout's end, read by a
+        thread of its own (the kernel closes it as the process exits, however it dies)."""
+        self._reader = threading.Thread(
+            target=self._read_to_end, args=(box,), name="conch-watchdog", daemon=True
+        )
+        self._reader.start()
+
+    def _read_to_end(self, box: Mailbox) -> None:
+        while True:
+            try:
+                chunk = os.read(self._stdout(), 64)
+            except (OSError, ValueError):  # closed under us: close() gave up waiting
+                chunk = b""
+            if FIRED in chunk:
+                self._fired = True
+            if not chunk:
+                break
+        self._exited.set()
+        if not self._dismissed:
+            box.put(WatchdogExited(self._fired))
+
+    def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
         """A child is about to start with the environment entries ``marks`` (names and
-        values without blanks or the goodbye byte, unique to it: its ``CONCH_LEASE`` and
-        ``CONCH_REV``); should conch die or fall silent for ``timeout`` seconds before
-        ``arm()``, the process groups of the processes carrying them are terminated. Raises
-        OSError when the watchdog is gone (the pipe is broken): start no child then."""
+        values without blanks, unique to it: its ``CONCH_LEASE`` and ``CONCH_REV``); the
+        lease can expire at ``expiry`` (``time.monotonic()``), and the child must be dead
+        ``margin`` seconds before. Should conch die or fall silent before ``arm()``, the
+        process groups of the processes carrying the marks are terminated. Raises OSError
+        when the watchdog is gone (the pipe is broken): start no child then."""
         entries = " ".join(f"{name}={value}" for name, value in marks.items())
-        self._write(f"e {timeout:.3f} {entries}\n".encode())
+        self._write(f"e {margin:.6f} {expiry:.6f} {entries}\n".encode())
 
     def arm(self, pgid: int) -> None:
         """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError
@@ -131,38 +189,85 @@ class Watchdog:
         with self._lock:
             os.write(self._process.stdin.fileno(), line)
 
-    def heartbeat(self) -> None:
-        """Push the deadline out (called from the keepalive thread; never raises)."""
+    def heartbeat(self, expiry: float) -> None:
+        """A keepalive was confirmed: the lease can expire at ``expiry``
+        (``time.monotonic()``) at the earliest. Called from the keepalive thread; never
+        raises."""
         with self._lock:
             if not self._dismissed:
-                self._send(HEARTBEAT)
+                self._send(f"h {expiry:.6f}\n".encode())
 
-    def stand_by(self) -> None:
-        """conch terminates the group itself from now on: the watchdog stops counting
-        silence (no heartbeats come after a loss), and SIGKILLs the group ``kill_after``
-        + 1 seconds from now unless dismissed first (conch frozen or dead meanwhile)."""
+    def stand_by(self, kill_at: float) -> None:
+        """conch terminates the group itself from now on and sends SIGKILL at ``kill_at``
+        (``time.monotonic()``): the watchdog SIGKILLs the group a second after that unless
+        dismissed first (conch frozen or dead meanwhile), and at the lease's deadline at the
+        latest."""
         with self._lock:
             if not self._dismissed:
-                self._send(STAND_BY)
+                self._send(f"s {kill_at:.6f}\n".encode())
 
     def dismiss(self) -> None:
-        """conch is done with the child: the watchdog exits without killing anything. Does
-        not wait for it; it is reaped later or by init."""
+        """conch is done with the child: the watchdog exits without killing anything, once
+        ``close()`` closes its pipe (or a fifth of a second later). Does not wait for it."""
         with self._lock:
             if self._dismissed:
                 return
             self._dismissed = True
             self._send(GOODBYE)
-            if self._process.stdin is not None:
-                with contextlib.suppress(OSError):
-                    self._process.stdin.close()
+
+    def close(self, timeout: float, reap: bool = True) -> bool:
+        """Dismiss the watchdog, close its pipe and wait up to ``timeout`` seconds for it to
+        end (its stdout's end): a conch that exits right after leaves no watchdog behind to
+        be re-parented (an outer conch would take it for a process escaped from its job).
+        ``reap``: also wait() for it (not where another thread reaps every child). Returns
+        whether it ended."""
+        self.dismiss()
+        if self._process.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._process.stdin.close()
+        deadline = time.monotonic() + timeout
+        # The reader thread, once started, is the one reading its stdout.
+        ended = self._exited.wait(timeout) if self._reader else self._drain(deadline)
+        if ended and reap:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(max(0.0, deadline - time.monotonic()))
+        return ended
+
+    def _drain(self, deadline: float) -> bool:
+        """Read the watchdog's stdout to its end, until ``deadline``; whether it ended."""
+        while (left := deadline - time.monotonic()) > 0:
+            if self._readable(left):
+                try:
+                    chunk = os.read(self._stdout(), 64)
+                except OSError:
+                    chunk = b""
+                self._fired = self._fired or FIRED in chunk
+                if not chunk:
+                    self._exited.set()
+                    return True
+        return False
 
     @property
     def fired(self) -> bool:
-        """Whether the watchdog has terminated the group (after ``ready()``)."""
-        return self._readable(0) and os.read(self._stdout(), 1) == FIRED
+        """Whether the watchdog has terminated the group (after ``ready()``). What it wrote
+        before is read first: a conch frozen while its watchdog fired finds the byte, and
+        the child's death, both waiting as it wakes, in whichever order its threads run."""
+        if self._reader is None:
+            if not self._exited.is_set() and self._readable(0):
+                chunk = os.read(self._stdout(), 64)
+                self._fired = self._fired or FIRED in chunk
+                if not chunk:
+                    self._exited.set()
+            return self._fired
+        deadline = time.monotonic() + FIRED_READ_TIMEOUT
+        # Bytes (or the end) still unread: the reader thread is about to take them.
+        while not self._fired and not self._exited.is_set() and self._readable(0):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        return self._fired
 
-    def _send(self, byte: bytes) -> None:
+    def _send(self, data: bytes) -> None:
         assert self._process.stdin is not None
         with contextlib.suppress(OSError, ValueError):
-            os.write(self._process.stdin.fileno(), byte)
+            os.write(self._process.stdin.fileno(), data)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.etcd import Client, Endpoint, kv, lease
+from conch.etcd import Client, Endpoint, kv
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
@@ -202,6 +202,8 @@ def test_straggler_that_dies_of_sigterm_frees_the_slot_at_once_where_orphans_are
             name,
             "--max",
             "1",
+            "--ttl",
+            "100s",
             "--kill-after",
             "60s",
             "--",
@@ -271,7 +273,18 @@ def test_a_member_orphaned_late_does_not_hold_the_slot_until_kill_after(
     conch: Runner, client: Client, name: str
 ) -> None:
     proc = conch.start(
-        "sema", name, "--max", "1", "--kill-after", "60s", "--", sys.executable, "-c", LATE_ORPHAN
+        "sema",
+        name,
+        "--max",
+        "1",
+        "--ttl",
+        "100s",
+        "--kill-after",
+        "60s",
+        "--",
+        sys.executable,
+        "-c",
+        LATE_ORPHAN,
     )
     assert proc.wait(timeout=30) == 0
     assert sema_keys(client, name) == []
@@ -313,42 +326,75 @@ def test_wrapper_killed_while_it_stops_stragglers_leaves_them_to_the_watchdog(
         wait_gone(straggler, timeout=15)  # the watchdog's SIGKILL, 2 s + 1 s after stand-by
 
 
+@contextlib.contextmanager
 def terminating_after_a_loss(
-    conch: Runner, client: Client, name: str, pidfile: Path
-) -> tuple[Conch, int]:
-    """conch whose SIGTERM-deaf child is being terminated after its lease was revoked
-    (term-sent logged, SIGKILL due 2 s later); returns conch and the child's pid."""
+    tmp_path: Path, name: str, pidfile: Path
+) -> Iterator[tuple[Conch, int]]:
+    """conch whose SIGTERM-deaf child is being terminated because its etcd froze (no
+    keepalive answered: term-sent logged at the deadline's SIGTERM, its SIGKILL due 2.5 s
+    later, before the lease can expire); yields conch and the child's pid. A loss seen in
+    etcd itself (our lease revoked) gets no grace to freeze conch in: SIGKILL at once."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    runner = Runner(solo, tmp_path)
     script = deaf_to_sigterm(pidfile)
-    proc = conch.start("sema", name, "--max", "1", "--kill-after", "2s", "--", "sh", "-c", script)
-    child = read_pid(pidfile)
-    [key] = sema_keys(client, name)
-    lease.revoke(client, key.lease)
-    poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
-    return proc, child
+    try:
+        proc = runner.start(
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--ttl",
+            "6s",
+            "--kill-after",
+            "2.5s",
+            "--",
+            "sh",
+            "-c",
+            script,
+        )
+        child = read_pid(pidfile)
+        solo.members[0].pause()
+        poll(lambda: "event=term-sent" in proc.log(), what="conch to start on its child")
+        yield proc, child
+    finally:
+        solo.members[0].resume()
+        runner.cleanup()
+        solo.stop()
 
 
 def test_wrapper_frozen_while_it_stops_a_child_after_a_loss_still_gets_it_killed(
-    conch: Runner, client: Client, name: str, tmp_path: Path
+    name: str, tmp_path: Path
 ) -> None:
     """conch stopped (SIGSTOP) between its SIGTERM and its SIGKILL: the watchdog, standing
-    by, sends the SIGKILL a second after conch should have."""
+    by, sends the SIGKILL by the lease's deadline."""
     pidfile = tmp_path / "child"
-    with reaped_at_the_end(pidfile):
-        proc, child = terminating_after_a_loss(conch, client, name, pidfile)
+    with (
+        reaped_at_the_end(pidfile),
+        terminating_after_a_loss(tmp_path, name, pidfile) as (
+            proc,
+            child,
+        ),
+    ):
         proc.signal(signal.SIGSTOP)
         try:
-            wait_gone(child, timeout=15)  # 2 s + 1 s after the stand-by
+            wait_gone(child, timeout=15)  # by the deadline, 2.5 s after the SIGTERM
         finally:
             proc.signal(signal.SIGCONT)
         assert proc.wait() == 70
 
 
 def test_wrapper_killed_while_it_stops_a_child_after_a_loss_leaves_it_to_the_watchdog(
-    conch: Runner, client: Client, name: str, tmp_path: Path
+    name: str, tmp_path: Path
 ) -> None:
     pidfile = tmp_path / "child"
-    with reaped_at_the_end(pidfile):
-        proc, child = terminating_after_a_loss(conch, client, name, pidfile)
+    with (
+        reaped_at_the_end(pidfile),
+        terminating_after_a_loss(tmp_path, name, pidfile) as (
+            proc,
+            child,
+        ),
+    ):
         proc.process.kill()
         proc.process.wait()
         wait_gone(child, timeout=15)

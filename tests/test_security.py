@@ -386,3 +386,44 @@ def test_hold_and_wait_outlive_several_token_lifetimes(
     gate.release("w")
     assert holder.wait() == 0 and waiter.wait() == 0
     assert "event=lost" not in holder.log() + waiter.log()
+
+
+def test_no_credential_reaches_the_child_or_the_watchdog(
+    auth_etcd: EtcdCluster, tmp_path: Path
+) -> None:
+    """The etcd password, however conch or etcdctl was given it, is in neither the child's
+    environment nor the watchdog's (/proc/PID/environ): every job a cron line wraps could
+    read the cluster's credentials."""
+    runner = Runner(auth_etcd, tmp_path)
+    gate = Gate(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_text(PASSWORD + "\n")
+    env = {
+        "CONCH_USER": "alice",
+        "CONCH_PASSWORD": PASSWORD,
+        "CONCH_PASSWORD_FILE": str(secret),
+        "ETCDCTL_USER": f"alice:{PASSWORD}",
+        "ETCDCTL_PASSWORD": PASSWORD,
+    }
+    envfile = tmp_path / "child-env"
+    script = f"cat /proc/$$/environ > {envfile}; " + gate.cmd("h")[2]
+    holder = runner.start("sema", "auth-env", "--max", "1", "--", "sh", "-c", script, **env)
+    poll(lambda: gate.now_running() == {"h"}, what="holder")
+    watchdogs = [
+        int(pid)
+        for children in Path(f"/proc/{holder.pid}/task").glob("*/children")
+        for pid in children.read_text().split()
+        if b"_watchdog_main.py" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(watchdogs) == 1
+    environs = {
+        "child": envfile.read_bytes(),
+        "watchdog": Path(f"/proc/{watchdogs[0]}/environ").read_bytes(),
+    }
+    gate.release("h")
+    assert holder.wait() == 0, holder.log()
+    for who, environ in environs.items():
+        assert PASSWORD.encode() not in environ, f"the password is in the {who}'s environment"
+        names = {entry.split(b"=", 1)[0] for entry in environ.split(b"\0")}
+        assert not names & {name.encode() for name in env}, who
+        assert b"CONCH_REV" in names or who == "watchdog"

@@ -335,13 +335,13 @@ def test_sigint_or_sighup_ignored_by_whoever_started_conch_stays_ignored_but_not
     assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
 
 
-def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(
+def test_revoking_our_lease_sigkills_child_and_grandchild_at_once_and_exits_70(
     conch: Runner, client: Client, name: str, tmp_path: Path
 ) -> None:
     pids = tmp_path / "pids"
     script = f"sleep 600 & echo $$ $! > {pids}; wait"
     proc = conch.start(
-        "sema", name, "--max", "1", "--ttl", "3s", "--kill-after", "2s", "--", "sh", "-c", script
+        "sema", name, "--max", "1", "--ttl", "4s", "--kill-after", "1.5s", "--", "sh", "-c", script
     )
     poll(lambda: pids.exists() and len(pids.read_text().split()) == 2, what="child and grandchild")
     child, grandchild = (int(p) for p in pids.read_text().split())
@@ -350,10 +350,11 @@ def test_revoking_our_lease_kills_child_and_grandchild_and_exits_70(
     for pid in (child, grandchild):
         poll(lambda: not alive(pid), timeout=10, what=f"pid {pid} gone")  # noqa: B023
     events = proc.events()
-    assert "lost" in events and "term-sent" in events
+    # The slot may be someone else's already: no grace to spend beside its new holder.
+    assert "lost" in events and "kill-sent" in events and "term-sent" not in events
     # the child's end is logged here too (contract section 9), before the release
-    assert events.index("term-sent") < events.index("child-exit") < events.index("released")
-    assert f"pid={child} code={128 + signal.SIGTERM} " in proc.log()
+    assert events.index("kill-sent") < events.index("child-exit") < events.index("released")
+    assert f"pid={child} code={128 + signal.SIGKILL} " in proc.log()
 
 
 def test_deleting_our_key_from_outside_counts_as_loss(
@@ -451,7 +452,7 @@ def test_a_failed_connection_leaves_no_watchdog(conch: Runner, name: str) -> Non
     for extra, expected in (((), 69), (("--cacert", "/nonexistent"), 64)):
         code, _, err = conch.run(
             "sema", name, "--max", "1", "--dial-timeout", "1s", "--endpoints", endpoint,
-            "--kill-after", "7.321s", *extra, "--", "true",
+            "--ttl", "20s", "--kill-after", "7.321s", *extra, "--", "true",
         )  # fmt: skip
         assert code == expected, err
         poll(lambda: not _watchdogs_with("7.321"), what="the watchdog's exit")

@@ -190,6 +190,8 @@ def test_a_process_that_left_the_group_keeps_the_slot_until_it_is_gone(
         name,
         "--max",
         "1",
+        "--ttl",
+        "100s",
         "--kill-after",
         "60s",
         "--",
@@ -226,6 +228,8 @@ def test_a_process_that_left_the_group_is_terminated_with_it_on_a_loss_or_signal
         name,
         "--max",
         "1",
+        "--ttl",
+        "20s",
         "--kill-after",
         "10s",
         "--",
@@ -244,7 +248,8 @@ def test_a_process_that_left_the_group_is_terminated_with_it_on_a_loss_or_signal
         assert escaped_line(proc.log(), escaped)
         assert proc.log().count("event=escaped") == 1, "something else named (the watchdog?)"
         assert sema_keys(client, name) == []
-        assert "kill-sent" not in proc.events()
+        # A loss seen in etcd (the lease revoked) gets no grace: SIGKILL at once.
+        assert ("kill-sent" in proc.events()) == (end == "loss")
 
 
 def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
@@ -255,7 +260,9 @@ def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
     sleep is terminated and the slot released only after it is gone."""
     pidfile = tmp_path / "escaped"
     script = f"(setsid sh -c '{write_pid(pidfile)}; exec sleep 600' &); sleep 0.3; exit 5"
-    proc = conch.start("sema", name, "--max", "1", "--kill-after", "10s", "--", "sh", "-c", script)
+    proc = conch.start(
+        "sema", name, "--max", "1", "--ttl", "20s", "--kill-after", "10s", "--", "sh", "-c", script
+    )
     with reaped_at_the_end(pidfile):
         escaped = read_pid(pidfile)
         poll(lambda: not sema_keys(client, name), what="the slot released")
@@ -328,3 +335,33 @@ def test_the_reaper_notices_a_first_child_at_once() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert float(out.stdout) < 7.5, "the child's exit waited for the reaper's poll"
+
+
+REAPER_SURVIVES = """
+import os, sys, threading
+from conch import supervisor
+assert supervisor.adopt_orphans()
+done = threading.Event()
+
+def raising(status):
+    raise RuntimeError("an exit callback's bug")
+
+for callback in (raising, lambda status: done.set()):
+    with supervisor._reap_lock:
+        pid = supervisor.spawn(["true"], dict(os.environ))
+        supervisor._on_exit(pid, callback)
+    if callback is raising:
+        while pid in supervisor._claimed:  # reaped, its callback run (and raised)
+            threading.Event().wait(0.01)
+print("reaped" if done.wait(20) else "the reaper died", flush=True)
+"""
+
+
+def test_the_reaper_survives_an_exit_callback_that_raises() -> None:
+    """One child's exit callback that raises must not end the reaping thread: every later
+    child would go unreaped, its exit unseen, its slot held until --kill-after."""
+    result = subprocess.run(
+        [sys.executable, "-c", REAPER_SURVIVES], capture_output=True, text=True, timeout=DEADLINE
+    )
+    assert result.stdout.strip() == "reaped", result.stderr
+    assert "event=callback-failed" in result.stderr

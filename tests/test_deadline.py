@@ -1,0 +1,316 @@
+"""The deadline (docs/failure-semantics.md): a child that ignores SIGTERM is dead before its
+lease can expire on the server, whether conch notices a loss or not, whether conch or its
+watchdog is the one awake; a loss seen in etcd itself kills at once; a watchdog's death is
+noticed at once; a grace that cannot fit the TTL is refused; nested conch is quiet.
+
+Every "before" is measured between real processes: the holder's child's death (the first
+poll that finds it gone, so no earlier than its death) against the next holder's child's
+start (its own ``date``, after the lease expired on the server and its key was deleted)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conchpb.etcdserverpb import rpc_pb2
+
+import conch
+from conch.errors import UsageError
+from conch.etcd import Client, kv, lease
+from conch.etcd.client import Endpoint
+from conch.flag import Flag
+from conch.supervisor import deadline_margin, max_kill_after, supervise
+from tests.conftest import DEADLINE, Conch, Runner, alive, poll, sema_keys
+from tests.etcd_server import EtcdCluster
+
+
+def deaf_child(tmp_path: Path) -> tuple[list[str], Path]:
+    """A child that ignores SIGTERM and records its pid; returns its argv and the pid file."""
+    pidfile = tmp_path / "deaf.pid"
+    script = (
+        f"trap '' TERM; echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; "
+        "while :; do sleep 0.05; done"
+    )
+    return ["sh", "-c", script], pidfile
+
+
+def starts_at(tmp_path: Path, ident: str) -> tuple[list[str], Path]:
+    """A child that writes its start (wall clock, the host's) and exits; argv and file."""
+    stamp = tmp_path / f"{ident}.start"
+    return ["sh", "-c", f"date +%s.%N > {stamp}.new; mv {stamp}.new {stamp}"], stamp
+
+
+def read_pid(pidfile: Path) -> int:
+    return int(poll(lambda: pidfile.exists() and pidfile.read_text().strip(), what="child pid"))
+
+
+def death_seen(pid: int, timeout: float = DEADLINE) -> float:
+    """Poll (every 5 ms) until ``pid`` is gone or a zombie; the wall-clock time of the first
+    poll that saw it so: no earlier than its death."""
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pid {pid} still alive after {timeout}s")
+        time.sleep(0.005)
+    return time.time()
+
+
+def watchdog_of(holder: Conch) -> int:
+    """The pid of the holder's watchdog (its child running _watchdog_main.py)."""
+
+    def find() -> int:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == holder.pid and b"_watchdog_main.py" in cmdline:
+                return int(name)
+        return 0
+
+    return poll(find, what="the holder's watchdog")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    c = EtcdCluster(tmp_path / "cluster", size=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+def leader_index(cluster: EtcdCluster) -> int:
+    """The member every member names leader (polled until they agree)."""
+
+    def agreed() -> int:
+        statuses = []
+        for member in cluster.members:
+            try:
+                with Client([Endpoint.parse(member.endpoint)]) as c:
+                    statuses.append(c.call("maintenance", "Status", rpc_pb2.StatusRequest(), 2.0))
+            except Exception:
+                return 0
+        leaders = {s.leader for s in statuses}
+        ids = [s.header.member_id for s in statuses]
+        if len(leaders) != 1 or next(iter(leaders)) not in ids:
+            return 0
+        return ids.index(next(iter(leaders))) + 1  # + 1: 0 is falsy to poll
+
+    return poll(agreed, what="one leader") - 1
+
+
+def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_freezes(
+    cluster: EtcdCluster, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The holder's only member (a follower) frozen: no keepalive is answered, the lease
+    expires on the leader one TTL after the last one, and a waiter on the other members
+    takes the slot. The child, deaf to SIGTERM, must be dead before that waiter's child
+    starts. Before the deadline, conch declared the loss at 2·TTL/3 + 1 s and sent the
+    SIGKILL --kill-after later: 1.5 s into the next holder's run at these settings."""
+    follower = (leader_index(cluster) + 1) % 3
+    others = ",".join(m.endpoint for i, m in enumerate(cluster.members) if i != follower)
+    runner = Runner(cluster, tmp_path)
+    cmd, pidfile = deaf_child(tmp_path)
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    flags = ("--max", "1", "--ttl", "6s", "--kill-after", "2.5s")
+    try:
+        holder = runner.start(
+            "sema", name, *flags, "--", *cmd, CONCH_ENDPOINTS=cluster.members[follower].endpoint
+        )
+        child = read_pid(pidfile)
+        waiter = runner.start("sema", name, *flags, "--", *waiter_cmd, CONCH_ENDPOINTS=others)
+        poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
+        cluster.members[follower].pause()
+        frozen_at = time.time()
+        died = death_seen(child)
+        poll(waiter_started.exists, what="the waiter's child")
+        started = float(waiter_started.read_text())
+        with capsys.disabled():
+            print(
+                f"\n[measure] member frozen, TTL 6s, --kill-after 2.5s: child dead "
+                f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
+                "the next holder's child started"
+            )
+        assert died < started, "the SIGTERM-deaf child overlapped the next holder's"
+        assert waiter.wait() == 0
+        assert holder.wait() == 70  # every call to the frozen member has a deadline
+        assert "event=kill-sent" in holder.log()
+    finally:
+        cluster.members[follower].resume()
+        runner.cleanup()
+
+
+def test_the_watchdog_kills_a_frozen_wrappers_child_before_the_lease_expires(
+    conch: Runner, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """conch frozen (SIGSTOP) with its SIGTERM-deaf child running: its watchdog SIGKILLs the
+    child's group at the lease's earliest expiry less the margin, from the expiry the last
+    heartbeat carried, while conch never wakes. Before, it sent SIGTERM only, two keepalive
+    intervals and two margins after the last heartbeat, and SIGKILL --kill-after later:
+    past the expiry."""
+    cmd, pidfile = deaf_child(tmp_path)
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    flags = ("--max", "1", "--ttl", "3s", "--kill-after", "1s")
+    holder = conch.start("sema", name, *flags, "--", *cmd)
+    child = read_pid(pidfile)
+    waiter = conch.start("sema", name, *flags, "--", *waiter_cmd)
+    poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
+    holder.signal(signal.SIGSTOP)
+    try:
+        frozen_at = time.time()
+        died = death_seen(child)
+        poll(waiter_started.exists, what="the waiter's child")
+        started = float(waiter_started.read_text())
+        with capsys.disabled():
+            print(
+                f"\n[measure] wrapper frozen, TTL 3s, --kill-after 1s: child dead "
+                f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
+                "the next holder's child started"
+            )
+        assert died < started, "the frozen wrapper's child overlapped the next holder's"
+        assert died - frozen_at < 3.0  # within the TTL of the last keepalive
+    finally:
+        holder.signal(signal.SIGCONT)
+    assert holder.wait() == 70
+    assert "watchdog terminated the child" in holder.log()
+    assert waiter.wait() == 0
+
+
+def test_a_watchdog_killed_while_the_child_runs_is_noticed_at_once_and_the_child_stopped(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """Without its watchdog, a conch that then froze or died would leave its child running
+    past the lease. conch notices the watchdog's end the moment it comes (its stdout
+    closes) and fails closed: the child is terminated, the slot released, exit 70. Before,
+    nothing noticed: the child ran on."""
+    cmd, pidfile = deaf_child(tmp_path)
+    holder = conch.start(
+        "sema", name, "--max", "1", "--ttl", "10s", "--kill-after", "1s", "--", *cmd
+    )
+    child = read_pid(pidfile)
+    watchdog = watchdog_of(holder)
+    killed_at = time.time()
+    os.kill(watchdog, signal.SIGKILL)
+    died = death_seen(child, timeout=15)
+    assert died - killed_at < 1.0 + 2.0  # --kill-after, and room for a busy host
+    assert holder.wait() == 70
+    assert "event=watchdog-failed" in holder.log()
+    assert sema_keys(client, name) == []
+
+
+def test_our_key_deleted_from_outside_sigkills_the_child_at_once(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """Our key gone in etcd itself: the slot may be someone else's already, so a grace
+    could only be spent beside its new holder. The SIGTERM-deaf child is SIGKILLed at once,
+    not --kill-after (here 5 s) later."""
+    cmd, pidfile = deaf_child(tmp_path)
+    holder = conch.start("sema", name, "--max", "1", "--kill-after", "5s", "--", *cmd)
+    child = read_pid(pidfile)
+    poll(lambda: "event=child-start" in holder.log(), what="child start logged")
+    deleted_at = time.time()
+    kv.delete(client, sema_keys(client, name)[0].key)
+    died = death_seen(child)
+    assert died - deleted_at < 2.0, f"the child ran {died - deleted_at:.2f}s after the deletion"
+    assert holder.wait() == 70
+    events = holder.events()
+    assert "kill-sent" in events and "term-sent" not in events
+
+
+def test_a_kill_after_that_cannot_fit_the_ttl_is_a_usage_error(
+    conch: Runner, client: Client, name: str
+) -> None:
+    """--kill-after 2s at --ttl 3s: the SIGTERM it implies would come before the session
+    could even miss a keepalive. Refused, one line, exit 64, nothing written to etcd; from
+    CONCH_KILL_AFTER too. The default (5 s) is cut to what fits, silently."""
+    by_flag = conch.run(
+        "sema", name, "--max", "1", "--ttl", "3s", "--kill-after", "2s", "--", "true"
+    )
+    by_env = conch.run(
+        "sema", name, "--max", "1", "--ttl", "3s", "--", "true", CONCH_KILL_AFTER="2s"
+    )
+    for code, _, err in (by_flag, by_env):
+        assert code == 64, err
+        [line] = err.splitlines()
+        assert "does not fit" in line and f"{max_kill_after(3):.2f}s" in line
+    assert sema_keys(client, name) == []
+    code, _, err = conch.run("sema", name, "--max", "1", "--ttl", "3s", "-q", "--", "true")
+    assert (code, err) == (0, "")
+
+
+def test_supervise_refuses_a_kill_after_that_cannot_fit_the_ttl(client: Client, name: str) -> None:
+    sema = conch.Semaphore(client, name, max=1, ttl=3)
+    with pytest.raises(UsageError, match="does not fit"):
+        supervise(sema, ["true"], None, 2.0, Flag("stop"))
+    assert sema_keys(client, name) == []
+
+
+def test_nested_conch_is_quiet(conch: Runner, name: str) -> None:
+    """The README's nested example: the inner conch's watchdog used to outlive the inner
+    conch by a moment, outside the child's group, and the outer reported it ``escaped`` and
+    stopped it. The inner now waits for its watchdog's exit."""
+    inner = [sys.executable, "-m", "conch", "sema", f"{name}-inner", "--max", "1", "-q"]
+    for _ in range(3):
+        code, out, err = conch.run("sema", name, "--max", "1", "-q", "--", *inner, "--", "true")
+        assert (code, out, err) == (0, "", "")
+
+
+def test_hold_expires_at_is_the_last_confirmed_keepalive_plus_the_ttl(
+    client: Client, name: str
+) -> None:
+    """``expires_at()``/``deadline``: the send time of the last answered keepalive plus the
+    TTL, monotonic; moved on by keepalives; long past once the hold is lost."""
+    asked = time.monotonic()
+    hold = conch.Semaphore(client, name, max=1, ttl=3).acquire(timeout=10)
+    try:
+        first = hold.expires_at()
+        assert asked + 3 <= first <= time.monotonic() + 3
+        assert hold.deadline == first
+        assert 0 < hold.remaining() <= 3
+        poll(lambda: hold.expires_at() > first, timeout=10, what="a keepalive to move it")
+        lease.revoke(client, hold.lease_id)
+        assert hold.lost.wait(DEADLINE)
+        assert hold.expires_at() == 0.0 and hold.remaining() == 0.0
+    finally:
+        hold.release()
+
+
+def test_hold_deadline_bounds_asyncio_work_to_the_lease(tmp_path: Path, name: str) -> None:
+    """With its etcd frozen, a step bounded by ``asyncio.timeout_at(hold.deadline - margin)``
+    ends before the lease can expire: at the deadline, not when the step would."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    try:
+        with solo.client() as client:
+            hold = conch.Semaphore(client, name, max=1, ttl=3).acquire(timeout=10)
+            margin = deadline_margin(3)
+            solo.members[0].pause()
+            frozen = time.monotonic()
+
+            async def step() -> float:
+                try:
+                    async with asyncio.timeout_at(hold.deadline - margin) as bound:
+                        while True:  # a long job, in steps
+                            await asyncio.sleep(0.05)
+                            bound.reschedule(hold.deadline - margin)
+                except TimeoutError:
+                    return time.monotonic()
+                raise AssertionError("unreachable")
+
+            ended = asyncio.run(step())
+            assert ended < frozen + 3  # the lease's TTL from the last keepalive at most
+            assert ended <= hold.session.alive_until - margin + 0.1
+            solo.members[0].resume()
+            hold.release()
+    finally:
+        solo.members[0].resume()
+        solo.stop()

@@ -18,7 +18,7 @@ the waiters' children run and the holders' are dead (or a cap):
 * ``cut-peers``: the target member cut off from its peers only (the holders still reach it);
 * ``wrapper-frozen``: the holding conch processes SIGSTOPped (not their children or
   watchdogs);
-* ``watchdog-killed``: each holder's watchdog SIGKILLed, and a second later its conch
+* ``watchdog-killed``: each holder's watchdog SIGKILLed, and half a second later its conch
   SIGSTOPped.
 
 The member faults are run with the target the leader and a follower (found with
@@ -79,7 +79,8 @@ FAULTS = ("member-frozen", "cut-both", "cut-peers", "wrapper-frozen", "watchdog-
 MEMBER_FAULTS = ("member-frozen", "cut-both", "cut-peers")
 ROLES = ("leader", "follower")
 POLL = 0.1  # seconds between two LeaseTimeToLive polls of one lease
-WATCHDOG_TO_FREEZE = 1.0  # seconds from the watchdog's SIGKILL to its conch's SIGSTOP
+WATCHDOG_TO_FREEZE = 0.5  # seconds from the watchdog's SIGKILL to its conch's SIGSTOP: less than
+# any --kill-after, so a SIGTERM with a grace is not enough; conch sees the death in ms
 START_TIMEOUT = 60.0  # seconds for conch processes to start, queue, hold (a loaded host)
 AFTER_HEAL = 2.0  # seconds the waiters' children run on once the fault is healed
 EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let go

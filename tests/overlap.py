@@ -79,8 +79,9 @@ FAULTS = ("member-frozen", "cut-both", "cut-peers", "wrapper-frozen", "watchdog-
 MEMBER_FAULTS = ("member-frozen", "cut-both", "cut-peers")
 ROLES = ("leader", "follower")
 POLL = 0.1  # seconds between two LeaseTimeToLive polls of one lease
-WATCHDOG_TO_FREEZE = 0.5  # seconds from the watchdog's SIGKILL to its conch's SIGSTOP: less than
-# any --kill-after, so a SIGTERM with a grace is not enough; conch sees the death in ms
+# Seconds from the watchdog's SIGKILL to its conch's SIGSTOP: less than the --kill-after of
+# either setting, so a SIGTERM and its grace cannot be all; conch sees the death in ms.
+WATCHDOG_TO_FREEZE = 0.5
 START_TIMEOUT = 60.0  # seconds for conch processes to start, queue, hold (a loaded host)
 AFTER_HEAL = 2.0  # seconds the waiters' children run on once the fault is healed
 EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let go

@@ -30,10 +30,11 @@ from tests.overlap import FAULTS, SETTINGS, Case, Lab, Result, matrix
 
 def table(cases: list[Case], results: list[Result]) -> str:
     """One line per case: runs, how many overlapped (conch's, etcd's), the largest overlap
-    among conch's, and the largest in any run."""
+    among conch's, the largest in any run, and the closest a holder's child's death came to
+    its successor's start (negative: after it)."""
     head = (
         f"| {'case':36} | runs | overlapped | etcd early | largest (conch) | largest (any) |"
-        f" problems |"
+        f" closest | problems |"
     )
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for case in cases:
@@ -45,9 +46,11 @@ def table(cases: list[Case], results: list[Result]) -> str:
         largest = max((r.largest for r in conch), default=0.0)
         any_run = max(r.largest for r in mine)
         problems = sum(1 for r in mine if r.problems)
+        clearances = [r.clearance for r in mine if r.clearance is not None]
+        closest = f"{min(clearances):6.3f}s" if clearances else "      -"
         lines.append(
             f"| {case.label:36} | {len(mine):4} | {len(conch):10} | {len(etcd):10} |"
-            f" {largest:14.3f}s | {any_run:12.3f}s | {problems:8} |"
+            f" {largest:14.3f}s | {any_run:12.3f}s | {closest} | {problems:8} |"
         )
     return "\n".join(lines)
 

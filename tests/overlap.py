@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import random
 import secrets
@@ -83,6 +84,8 @@ POLL = 0.1  # seconds between two LeaseTimeToLive polls of one lease
 # either setting, so a SIGTERM and its grace cannot be all; conch sees the death in ms.
 WATCHDOG_TO_FREEZE = 0.5
 START_TIMEOUT = 60.0  # seconds for conch processes to start, queue, hold (a loaded host)
+# The reasons of conch's "lost" lines that mean etcd itself showed the lease or key gone.
+GONE_IN_ETCD = ("key was deleted", "expired or was revoked")
 AFTER_HEAL = 2.0  # seconds the waiters' children run on once the fault is healed
 EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let go
 
@@ -269,6 +272,14 @@ class Wrapper:
         fields = dict(w.split("=", 1) for w in found[1].split() if "=" in w)
         return int(fields["lease"], 16)
 
+    def saw_lease_gone(self) -> float | None:
+        """When this conch reported a loss that etcd itself showed (our key deleted, the
+        lease expired or revoked), as opposed to one it inferred (no answer in time)."""
+        for at, line in self.lines:
+            if "event=lost " in line and any(why in line for why in GONE_IN_ETCD):
+                return at
+        return None
+
     def wait(self, timeout: float) -> int | None:
         try:
             code = self.proc.wait(timeout=timeout)
@@ -371,10 +382,23 @@ class Result:
     etcd_early: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     timeline: list[tuple[float, str]] = field(default_factory=list)
+    children: list[Child] = field(default_factory=list)
 
     @property
     def largest(self) -> float:
         return max((w.length for w in self.windows), default=0.0)
+
+    @property
+    def clearance(self) -> float | None:
+        """How long before the k-th waiter's child started the k-th holder's child had died,
+        the least over k (seconds; negative: they overlapped); None if the case did not get
+        that far. How close the run came to an overlap."""
+        deaths = sorted(c.end for c in self.children if c.label.startswith("h") and c.end)
+        starts = sorted(c.start for c in self.children if c.label.startswith("w"))
+        n = self.case.max_holders
+        if len(deaths) < n or len(starts) < n:
+            return None
+        return min(s - d for s, d in zip(starts[:n], deaths[:n], strict=True))
 
     @property
     def verdict(self) -> str:
@@ -386,6 +410,8 @@ class Result:
 
     def summary(self) -> str:
         line = f"{self.case.label:36} seed={self.seed} overlap={self.largest:.3f}s"
+        if self.clearance is not None:
+            line += f" clearance={self.clearance:.3f}s"
         if self.windows:
             w = max(self.windows, key=lambda w: w.length)
             line += f" at +{w.start - self.fault_at:.2f}s ({','.join(w.who)}, peak {w.peak})"
@@ -600,9 +626,16 @@ class _Run:
             if code != expected:
                 result.problems.append(f"conch {wrapper.label} exited {code}, not {expected}")
         children = monitor.children
+        result.children = children
         result.windows = overlaps(children, self.case.max_holders, released)
         self._timeline(watch)
-        result.etcd_early = early_ends(watch.samples, children, result.fault_at)
+        told = {
+            lease_id: at
+            for wrapper in self.wrappers
+            if (lease_id := wrapper.lease()) is not None
+            and (at := wrapper.saw_lease_gone()) is not None
+        }
+        result.etcd_early = early_ends(watch.samples, children, told, result.fault_at)
         left = self._keys_left()
         if left:
             result.problems.append(f"keys left in etcd: {left}")
@@ -681,29 +714,38 @@ def _watchdog_of(conch_pid: int) -> int | None:
 
 
 def early_ends(
-    samples_of: dict[int, list[Sample]], children: list[Child], origin: float
+    samples_of: dict[int, list[Sample]],
+    children: list[Child],
+    told_gone: dict[int, float],
+    origin: float,
 ) -> list[str]:
-    """The leases etcd ended before its own promise while their holder's child still ran
-    (one line each, times in seconds from ``origin``). A TimeToLive sent at ``t`` that
-    answered ``r`` seconds promises the lease until ``t + r`` at least (etcd rounds down);
-    the lease is gone once an answer says so. conch revokes its lease only after its child
-    is dead, so a lease gone before that is not conch's doing."""
+    """The leases etcd ended before its own promise (one line each, times in seconds from
+    ``origin``). A TimeToLive sent at ``t`` that answered ``r`` seconds promises the lease
+    until ``t + r`` at least (etcd rounds down). A lease is known gone by the first of: an
+    answer that says so while its child still ran (conch revokes only after its child is
+    dead, so that was not conch), and the time its conch reported a loss seen in etcd itself
+    (``told_gone``: our key deleted, the lease expired or revoked)."""
     out = []
     for lease_id, samples in samples_of.items():
         alive = [s for s in samples if s.ttl >= 0]
-        gone = next((s for s in samples if s.ttl < 0), None)
-        if gone is None or not alive:
+        if not alive:
             continue
         promise = max(s.sent + s.ttl for s in alive)
         child = next((c for c in children if c.lease == lease_id), None)
-        if child is None:
+        seen: list[tuple[float, str]] = []
+        gone = next((s for s in samples if s.ttl < 0), None)
+        if gone is not None and child is not None and (child.end or math.inf) > gone.answered:
+            seen.append((gone.answered, "a TimeToLive answer, its child still running"))
+        if lease_id in told_gone:
+            seen.append((told_gone[lease_id], "its conch, which saw it gone in etcd"))
+        if not seen:
             continue
-        ran_on = child.end is None or child.end > gone.answered
-        if gone.answered < promise and ran_on:
+        at, by = min(seen)
+        if at < promise:
+            label = child.label if child else "?"
             out.append(
-                f"lease {lease_id:x} ({child.label}) was gone by {gone.answered - origin:+.3f}s, "
-                f"{promise - gone.answered:.3f}s before etcd's promise ({promise - origin:+.3f}s), "
-                "its child still running"
+                f"lease {lease_id:x} ({label}) was gone by {at - origin:+.3f}s ({by}), "
+                f"{promise - at:.3f}s before etcd's promise ({promise - origin:+.3f}s)"
             )
     return out
 

@@ -116,14 +116,19 @@ def test_overlaps_are_the_instants_with_more_than_n_alive() -> None:
     assert overlaps(children, 2, until=14.0) == []
 
 
-def test_a_lease_gone_before_etcds_promise_with_its_child_alive_is_etcds_doing() -> None:
+def test_a_lease_gone_before_etcds_promise_is_etcds_doing() -> None:
     """TTL 5 s answered to a request sent at 10.0: the lease lives until 15.0 at least."""
     alive = [Sample(10.0, 10.1, 5), Sample(11.0, 11.1, 4)]
     early = {1: [*alive, Sample(12.0, 12.1, -1)], 2: [*alive, Sample(15.0, 15.2, -1)]}
     children = [Child(9.0, None, "h0", lease=1), Child(9.0, None, "h1", lease=2)]
-    found = early_ends(early, children, origin=10.0)
+    found = early_ends(early, children, {}, origin=10.0)
     assert len(found) == 1
-    assert found[0].startswith("lease 1 (h0) was gone by +2.100s, 2.900s before")
+    assert found[0].startswith("lease 1 (h0) was gone by +2.100s (a TimeToLive answer")
+    assert "2.900s before etcd's promise (+5.000s)" in found[0]
     # Gone early, but after its child died: conch's own revoke on the way out.
     children[0].end = 11.5
-    assert early_ends(early, children, origin=10.0) == []
+    assert early_ends(early, children, {}, origin=10.0) == []
+    # ... unless its conch said it saw the key deleted while the child ran.
+    found = early_ends(early, children, {1: 11.4}, origin=10.0)
+    assert len(found) == 1
+    assert "gone by +1.400s (its conch, which saw it gone in etcd)" in found[0]

@@ -23,7 +23,7 @@ from conch.semaphore import Semaphore
 from conch.supervisor import (
     adopt_orphans,
     check_kill_after,
-    max_kill_after,
+    default_kill_after,
     start_watchdog,
     stop_on_signals,
     supervise,
@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DUR",
         help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
         "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
-        "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER, default 5s "
-        "or as much as fits the TTL)",
+        "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
+        "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
+        "as without a grace)",
     )
     sema.add_argument(
         "--who",
@@ -393,9 +394,10 @@ def _run_settings(args: argparse.Namespace) -> _RunSettings:
     ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
     kill_after = parse_duration("--kill-after" if ka_source == "default" else ka_source, ka_text)
     # The child must be dead before its lease can expire: a grace asked for that cannot fit
-    # the TTL is refused (64) rather than quietly cut; the default is as much as fits.
+    # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
+    # each keepalive its whole patience.
     if ka_source == "default":
-        kill_after = min(kill_after, max_kill_after(ttl))
+        kill_after = default_kill_after(ttl, kill_after)
     else:
         check_kill_after(kill_after, ttl, ka_source)
     wait = 0.0 if args.nonblock else None

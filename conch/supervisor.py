@@ -134,8 +134,20 @@ def max_kill_after(ttl: float) -> float:
     the deadline margin. The SIGTERM, planned back from the lease's earliest expiry, then
     comes no earlier than the session would declare an unanswered keepalive lost: a longer
     grace would SIGTERM the children of healthy holders whose keepalive is merely slow.
-    1.25 s for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s."""
+    1.25 s for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s. A grace that long leaves a
+    keepalive only the keepalive margin (0.5 s at a TTL of 3 s, 1 s at 10 s) to be answered
+    before the SIGTERM: the default (``default_kill_after``) leaves it its whole patience."""
     return max(0.0, ttl - ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl))
+
+
+def default_kill_after(ttl: float, asked: float = 5.0) -> float:
+    """The grace (seconds) conch gives when none is asked for: ``asked`` (the documented 5 s),
+    or less where the TTL cannot give that and still leave each keepalive its whole patience
+    (an interval plus the keepalive margin before the session calls it missing): the deadline
+    then never gives up on a slow keepalive sooner than the session itself would. 0.25 s
+    at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up. ``max_kill_after`` is the longest an
+    operator may ask for, trading that patience for grace."""
+    return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 
 def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> None:
@@ -444,6 +456,9 @@ class _Run:
         # before is seen all the same, its stdout's end waiting to be read.
         watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
+        # A keepalive confirmed since the expect line, before the listener above, would be
+        # missing from the watchdog's expiry: it could fire an interval early.
+        watchdog.heartbeat(self.expiry())
         hold.lost.subscribe(self.box)
         self.stop.subscribe(self.box)
         self._undo += [

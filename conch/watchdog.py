@@ -106,6 +106,11 @@ class Watchdog:
             env=without_credentials(os.environ if environ is None else environ),
             start_new_session=True,  # out of reach of signals sent to conch's group
         )
+        assert self._process.stdin is not None
+        # A watchdog that stops reading (frozen by someone's SIGSTOP) must never block the
+        # keepalive thread in a heartbeat's write: one that does not fit is dropped, and the
+        # watchdog, its expiry not moved on, fires early rather than late.
+        os.set_blocking(self._process.stdin.fileno(), False)
         self._lock = threading.Lock()
         self._dismissed = False
         self._ready = False

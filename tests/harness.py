@@ -2,7 +2,11 @@
 injects faults; then the records the children left are checked against the contract.
 
 Each child appends ``start|end|stop <holder> <CONCH_REV> <unix time>`` lines (``stop``: it
-ended by SIGTERM) to one file opened with O_APPEND (the shell's ``>>``). Faults, one at a
+ended by SIGTERM; ``start`` adds the child's pid) to one file opened with O_APPEND (the
+shell's ``>>``). A child SIGKILLed (conch's answer to a revoked lease, or to a deadline)
+records no end of its own: the harness watches every child's pid (a pidfd) and appends
+``killed <holder> <CONCH_REV> <unix time>`` when one dies; a child's own end, earlier,
+counts where there is one. Faults, one at a
 time, on a random running wrapper: SIGKILL, SIGSTOP for longer than the TTL then SIGCONT,
 revocation of its lease from outside, SIGTERM. Checked afterwards:
 
@@ -22,6 +26,7 @@ import itertools
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -75,7 +80,7 @@ class Report:
 
 CHILD = (
     'trap \'echo "stop $H $CONCH_REV $(date +%s.%N)" >> "$REC"; exit 143\' TERM; '
-    'echo "start $H $CONCH_REV $(date +%s.%N)" >> "$REC"; '
+    'echo "start $H $CONCH_REV $(date +%s.%N) $$" >> "$REC"; '
     'sleep "$D" & wait $!; '
     'echo "end $H $CONCH_REV $(date +%s.%N)" >> "$REC"'
 )
@@ -94,6 +99,7 @@ class Harness:
         self.running: dict[int, subprocess.Popen[bytes]] = {}
         self.lock = threading.Lock()
         self.stop_at = 0.0
+        self.workers_done = threading.Event()
         if not config.name:
             config.name = f"harness-{config.seed}-{config.max_holders}"
 
@@ -183,9 +189,44 @@ class Harness:
                 continue
             self.report.faults.append((now, fault))
 
+    def _watch_deaths(self) -> None:
+        """Append ``killed`` when a child that has recorded its start dies (its pidfd is
+        readable), until the workers are done and every watched child is gone. A child
+        already gone when its start is read is recorded dead then: no earlier than it was."""
+        poller = select.poll()
+        watched: dict[int, tuple[str, str]] = {}  # pidfd -> (holder, rev)
+        offset = 0
+        while not (self.workers_done.is_set() and not watched):
+            with self.records.open("rb") as records:
+                records.seek(offset)
+                chunk = records.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            offset += len(complete)
+            for line in complete.decode().splitlines():
+                words = line.split()
+                if words[0] != "start" or len(words) < 5:
+                    continue
+                try:
+                    pidfd = os.pidfd_open(int(words[4]))
+                except ProcessLookupError:
+                    self._killed(words[1], words[2])
+                    continue
+                watched[pidfd] = (words[1], words[2])
+                poller.register(pidfd, select.POLLIN)
+            for pidfd, _ in poller.poll(5):
+                poller.unregister(pidfd)
+                os.close(pidfd)
+                self._killed(*watched.pop(pidfd))
+
+    def _killed(self, holder: str, rev: str) -> None:
+        with self.records.open("a") as records:
+            records.write(f"killed {holder} {rev} {time.time():.6f}\n")
+
     def run(self) -> Report:
         self.records.touch()
         self.stop_at = time.monotonic() + self.config.duration
+        watcher = threading.Thread(target=self._watch_deaths, daemon=True)
+        watcher.start()
         threads = [
             threading.Thread(target=self._worker, args=(i, random.Random(self.rng.random())))
             for i in range(self.config.workers)
@@ -197,6 +238,8 @@ class Harness:
             t.join(timeout=120)
             if t.is_alive():
                 self.report.problems.append(f"a wrapper did not exit within 120 s{self._stacks()}")
+        self.workers_done.set()
+        watcher.join(timeout=30)
         self._check()
         return self.report
 
@@ -223,8 +266,12 @@ class Harness:
         starts: dict[tuple[str, int], float] = {}
         ends: dict[tuple[str, int], float] = {}
         for line in self.records.read_text().splitlines():
-            kind, holder, rev, stamp = line.split()
-            (starts if kind == "start" else ends)[(holder, int(rev))] = float(stamp)
+            kind, holder, rev, stamp, *_ = line.split()
+            key, at = (holder, int(rev)), float(stamp)
+            if kind == "start":
+                starts[key] = at
+            else:  # its own end, and the harness's view of its death: the earlier one
+                ends[key] = min(at, ends.get(key, at))
         for key, begun in starts.items():
             if key not in ends:
                 report.problems.append(f"child {key} never ended")

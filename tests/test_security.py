@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from conch.etcd import Client
 from conch.etcd.client import TLS
 from tests.conftest import Gate, Runner, poll
 from tests.etcd_server import EtcdCluster, etcdctl_binary
@@ -427,3 +428,22 @@ def test_no_credential_reaches_the_child_or_the_watchdog(
         names = {entry.split(b"=", 1)[0] for entry in environ.split(b"\0")}
         assert not names & {name.encode() for name in env}, who
         assert b"CONCH_REV" in names or who == "watchdog"
+
+
+def test_supervise_starts_the_child_from_the_environment_it_is_given(
+    client: Client, name: str, tmp_path: Path
+) -> None:
+    """``supervise(environ=...)``: the environment the child starts from (the command passes
+    the operator's, before its own settings), less conch's credentials."""
+    from conch.flag import Flag
+    from conch.semaphore import Semaphore
+    from conch.supervisor import supervise
+
+    envfile = tmp_path / "env"
+    environ = {"PATH": "/usr/bin:/bin", "GIVEN": "yes", "CONCH_PASSWORD": PASSWORD}
+    sema = Semaphore(client, name, 1, 5)
+    cmd = ["sh", "-c", f"env > {envfile}"]
+    assert supervise(sema, cmd, None, 1.0, Flag("stop"), environ=environ) == 0
+    names = {line.split("=", 1)[0] for line in envfile.read_text().splitlines()}
+    assert {"GIVEN", "CONCH_REV"} <= names
+    assert "CONCH_PASSWORD" not in names and "HOME" not in names

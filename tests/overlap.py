@@ -22,7 +22,8 @@ the waiters' children run and the holders' are dead (or a cap):
   SIGSTOPped.
 
 The member faults are run with the target the leader and a follower (found with
-Maintenance.Status), at two settings, and at N = 1 and N = 3.
+Maintenance.Status), at ``--ttl 10s --kill-after 5s`` and ``--ttl 3s --kill-after 1s`` (and
+``--ttl 10s`` with conch's own ``--kill-after``), at N = 1 and N = 3.
 
 Beside the children, the harness records each holder's log lines as they come (stamped on
 arrival) and polls, through a healthy member, the remaining TTL of each holder's lease
@@ -92,14 +93,24 @@ EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let
 
 @dataclass(frozen=True)
 class Settings:
-    name: str
+    name: str  # as scripts/overlap.py's --settings takes it
     ttl: int  # seconds
-    kill_after: float  # seconds
+    kill_after: float | None  # seconds; None: no --kill-after, conch's default for the TTL
+
+    @property
+    def label(self) -> str:
+        grace = "default" if self.kill_after is None else f"{self.kill_after:g}s"
+        return f"ttl={self.ttl}s ka={grace}"
+
+    def flags(self) -> list[str]:
+        grace = [] if self.kill_after is None else ["--kill-after", f"{self.kill_after:g}s"]
+        return ["--ttl", f"{self.ttl}s", *grace]
 
 
-DEFAULTS = Settings("default", 10, 5.0)
+LONG = Settings("long", 10, 5.0)  # conch's defaults as issue 23 measured them
 SHORT = Settings("short", 3, 1.0)
-SETTINGS = {s.name: s for s in (DEFAULTS, SHORT)}
+DEFAULT = Settings("default", 10, None)  # the command's own --kill-after for TTL 10 s
+SETTINGS = {s.name: s for s in (LONG, SHORT, DEFAULT)}
 
 
 @dataclass(frozen=True)
@@ -112,19 +123,21 @@ class Case:
     @property
     def label(self) -> str:
         where = f"/{self.role}" if self.role else ""
-        return f"{self.fault}{where} {self.settings.name} N={self.max_holders}"
+        return f"{self.fault}{where} {self.settings.label} N={self.max_holders}"
 
     @property
     def cap(self) -> float:
         """The longest a fault is kept (seconds): well past the lease's expiry plus the
         kill-after, so an overlap that never ends is measured as at least this long."""
-        return 2 * self.settings.ttl + self.settings.kill_after + 10.0
+        return 2 * self.settings.ttl + (self.settings.kill_after or 5.0) + 10.0
 
 
-def matrix(capacities: tuple[int, ...] = (1, 3)) -> list[Case]:
+def matrix(
+    capacities: tuple[int, ...] = (1, 3), settings_of: tuple[Settings, ...] = (LONG, SHORT)
+) -> list[Case]:
     """Every fault, role, setting and capacity."""
     out = []
-    for settings, n in itertools.product((DEFAULTS, SHORT), capacities):
+    for settings, n in itertools.product(settings_of, capacities):
         for fault in FAULTS:
             for role in ROLES if fault in MEMBER_FAULTS else (None,):
                 out.append(Case(fault, role, settings, n))
@@ -552,8 +565,7 @@ class _Run:
         endpoints = ",".join(self.lab.cluster.members[i].endpoint for i in members)
         argv = [
             sys.executable, "-m", "conch", "sema", self.name,
-            "--max", str(self.case.max_holders), "--ttl", f"{s.ttl}s",
-            "--kill-after", f"{s.kill_after:g}s", "--endpoints", endpoints,
+            "--max", str(self.case.max_holders), *s.flags(), "--endpoints", endpoints,
             "--", sys.executable, "-I", "-S", "-c", CHILD, str(self.path), label,
         ]  # fmt: skip
         env = dict(os.environ, PYTHONUNBUFFERED="1", CONCH_HOST=label)

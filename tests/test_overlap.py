@@ -21,7 +21,8 @@ import pytest
 from tests.netns import skip_reason
 from tests.overlap import (
     CHILD,
-    DEFAULTS,
+    DEFAULT,
+    LONG,
     SHORT,
     Case,
     Child,
@@ -44,11 +45,11 @@ needs_netns = pytest.mark.skipif(
 # measures apart.
 CASES = [
     # the supervisor's deadline, with a keepalive that stops being answered
-    Case("member-frozen", "follower", DEFAULTS, 1),
+    Case("member-frozen", "follower", LONG, 1),
     Case("member-frozen", "follower", SHORT, 1),
     Case("cut-both", "follower", SHORT, 1),
     # the watchdog's deadline, for a wrapper that cannot act
-    Case("wrapper-frozen", None, DEFAULTS, 1),
+    Case("wrapper-frozen", None, DEFAULT, 1),
     Case("wrapper-frozen", None, SHORT, 3),
     # a dead watchdog noticed before the wrapper freezes
     Case("watchdog-killed", None, SHORT, 1),

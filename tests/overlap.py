@@ -21,12 +21,12 @@ the waiters' children run and the holders' are dead (or a cap):
 * ``watchdog-killed``: each holder's watchdog SIGKILLed, and half a second later its conch
   SIGSTOPped.
 
-The member faults are run with the target the leader and a follower (found with
-Maintenance.Status), at ``--ttl 10s --kill-after 5s`` and ``--ttl 3s --kill-after 1s`` (and
-``--ttl 10s`` with conch's own ``--kill-after``), at N = 1 and N = 3.
+Each fault is run at ``--ttl 10s --kill-after 5s`` and ``--ttl 3s --kill-after 1s`` (and
+``--ttl 10s`` with conch's own ``--kill-after``), at N = 1 and N = 3; the member faults with
+the target the leader and a follower (found with Maintenance.Status).
 
 Beside the children, the harness records each holder's log lines as they come (stamped on
-arrival) and polls, through a healthy member, the remaining TTL of each holder's lease
+arrival) and polls, through a healthy member, the remaining TTL of each conch's lease
 (Lease.LeaseTimeToLive, every 100 ms). Each answer ``r`` (whole seconds, rounded down by etcd)
 to a request sent at ``t`` promises that the lease lives until ``t + r`` at least. A lease
 gone before its promise while its holder's child still ran (conch revokes only after its

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from conch import etcd, log
+from conch import etcd, hints, log
 from conch.errors import EX_CANNOT_EXECUTE, EX_NOT_FOUND, EX_SOFTWARE, HoldLost, Interrupted
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
@@ -350,7 +350,7 @@ def run_child(
             pid = spawn(argv, env)
         except (FileNotFoundError, ValueError):  # ValueError: an empty command name
             watchdog.dismiss()
-            log.error("child-not-found", cmd=argv[0])
+            log.error("child-not-found", cmd=argv[0], **hints.not_found(argv[0]))
             return EX_NOT_FOUND
         except OSError as exc:
             watchdog.dismiss()

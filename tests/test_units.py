@@ -77,7 +77,7 @@ def test_a_200_byte_utf8_name_is_accepted() -> None:
 
 
 def test_identity_is_one_line_of_json_with_cmd_cut_on_a_character_boundary() -> None:
-    ident = Identity.current(["echo", "ü" * 200], host="node9")
+    ident = Identity.current(["echo", "ü" * 200], host="node9", record_args=True)
     raw = ident.to_json()
     assert b"\n" not in raw
     data = json.loads(raw)

@@ -27,6 +27,7 @@ from conch.settings import (
     parse_duration,
     parse_ttl,
     resolve,
+    truthy,
 )
 from conch.supervisor import adopt_orphans, start_watchdog, stop_on_signals, supervise
 
@@ -304,7 +305,7 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     record = conch_setting(
         "--record-args", "1" if args.record_args else None, "RECORD_ARGS", "", environ
     )
-    record_args = record.value.strip().lower() in ("1", "true", "yes", "on")
+    record_args = truthy(record.value)
     log.debug("setting", setting="record-args", value=int(record_args), source=record.source)
     return _RunSettings(ttl, kill_after, wait, record_args)
 

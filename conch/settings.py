@@ -168,7 +168,7 @@ def _read_file(what: str, path: str) -> bytes:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
 
-def _truthy(text: str) -> bool:
+def truthy(text: str) -> bool:
     """An environment switch: ``1``, ``true``, ``yes``, ``on`` (etcdctl writes ``true``)."""
     return text.strip().lower() in ("1", "true", "yes", "on")
 
@@ -195,7 +195,7 @@ def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
         "",
         environ,
     )
-    skip_verify = _truthy(skip.value)
+    skip_verify = truthy(skip.value)
     if skip_verify:
         log.debug("setting", setting="insecure-skip-tls-verify", value=1, source=skip.source)
     if not files and not skip_verify:

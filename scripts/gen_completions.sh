@@ -19,9 +19,9 @@ from conch.cli import build_parser
 
 parser = build_parser()
 commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-for sub in commands.choices.values():
-    for action in sub._actions:
-        if action.dest in ("cacert", "cert", "key", "password_file"):
+for each in (parser, *commands.choices.values()):  # connection options: before sema too
+    for action in each._actions:
+        if action.dest.removeprefix("global_") in ("cacert", "cert", "key", "password_file"):
             action.complete = shtab.FILE  # file names, not option names
 # After --, the command and its arguments, as sudo, timeout and flock complete them: shtab
 # knows nothing after --, since the parser never sees CMD (conch.cli splits it off).

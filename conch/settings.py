@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from conch import log
 from conch.errors import UsageError
-from conch.etcd.client import TLS, Client, Credentials, connect
+from conch.etcd.client import TLS, Client, Credentials, Endpoint, connect
 from conch.hints import shown
 
 _UNITS = {
@@ -135,6 +135,7 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     and password files; logs each setting's source at debug level. Raises UsageError for a
     bad value or an unreadable file, naming the flag or variable it came from."""
     endpoints = setting("--endpoints", flags.endpoints, "ENDPOINTS", DEFAULT_ENDPOINTS, environ)
+    _check_endpoints(endpoints)
     dial = setting("--dial-timeout", flags.dial_timeout, "DIAL_TIMEOUT", "5s", environ)
     dial_timeout = parse_duration(named("--dial-timeout", dial), dial.value)
     if dial_timeout <= 0:
@@ -146,6 +147,22 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     return Connection(
         endpoints.value, dial_timeout, _tls(flags, environ), _credentials(flags, environ)
     )
+
+
+def _check_endpoints(found: Setting) -> None:
+    """UsageError naming the bad endpoint (cut if long) and where it came from: the value of
+    an ETCDCTL_ENDPOINTS meant for etcdctl is not where an operator looks first."""
+    texts = [text for text in found.value.split(",") if text.strip()]
+    if not texts:
+        raise UsageError(f"bad {named('--endpoints', found)} {shown(found.value)}: no endpoint")
+    for text in texts:
+        try:
+            Endpoint.parse(text)
+        except UsageError:
+            raise UsageError(
+                f"bad endpoint {shown(text)} in {named('--endpoints', found)}: "
+                "want host:port or http(s)://host:port"
+            ) from None
 
 
 def connect_with(connection: Connection) -> Client:

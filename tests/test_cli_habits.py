@@ -101,6 +101,17 @@ def test_a_bad_etcdctl_value_is_a_usage_error_naming_the_variable(conch: Runner,
     assert err.strip() == (
         "conch: bad ETCDCTL_DIAL_TIMEOUT 'soon': want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
     )
+    env = bare_env(ETCDCTL_ENDPOINTS="etcd1,etcd2:2379")
+    code, _, err = run(conch, ["sema", name, "--max", "1", "--", "true"], env)
+    assert code == 64
+    assert err == (
+        "conch: bad endpoint 'etcd1' in ETCDCTL_ENDPOINTS: want host:port or http(s)://host:port\n"
+    )
+    code, _, err = run(
+        conch, ["sema", name, "--max", "1", "--endpoints", "h" * 5000, "--", "true"], env
+    )
+    assert code == 64
+    assert len(err) < 200 and "(5000 characters) in --endpoints" in err, err
 
 
 def test_the_debug_line_says_where_the_password_came_from_never_what_it_is(

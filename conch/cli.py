@@ -66,7 +66,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
+        raise UsageError(hints.cut_quoted(message))
 
 
 class _Once(argparse.Action):

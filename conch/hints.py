@@ -46,6 +46,18 @@ def shown(value: str, limit: int = SHOWN_MAX) -> str:
     return f"{value[:limit]!r}... ({len(value)} characters)"
 
 
+def cut_quoted(message: str, limit: int = SHOWN_MAX) -> str:
+    """``message`` (argparse's, which quotes what it was given) with each quoted value longer
+    than ``limit`` characters cut as ``shown`` cuts it."""
+    import re
+
+    return re.sub(
+        "'([^']{" + str(limit + 1) + ",})'",
+        lambda match: shown(match.group(1), limit),
+        message,
+    )
+
+
 def unknown_option(word: str, options: Iterable[str]) -> str:
     """The message for an option the parser does not know: the flag meant, where a habit or
     a close match says which; ``options`` are the parser's option strings."""

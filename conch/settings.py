@@ -129,6 +129,16 @@ class Connection(NamedTuple):
 
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
+# The variables this module may read a credential from: a password, a password file, or a
+# user given as NAME:PASSWORD. For whoever starts processes that must not see them.
+CREDENTIAL_VARIABLES = (
+    "CONCH_USER",
+    "CONCH_PASSWORD",
+    "CONCH_PASSWORD_FILE",
+    "ETCDCTL_USER",
+    "ETCDCTL_PASSWORD",
+)
+
 
 def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     """The connection settings from ``flags`` and ``environ`` (see the module). Reads the TLS

@@ -347,11 +347,19 @@ def _parse_words(
 ) -> argparse.Namespace:
     """``words`` parsed; what the parser does not take is a usage error that says which
     flag was meant (``-w``: ``--wait``), or where the command goes."""
-    args, extras = parser.parse_known_args(words)
+    try:
+        args, extras = parser.parse_known_args(words)
+    except UsageError:
+        # conch -w 10 sema ...: the unknown -w left its value to be taken for the subcommand
+        # ("invalid choice: '10'"); the option is what to talk about.
+        for word in words[: words.index("sema")] if "sema" in words else words:
+            if word.startswith("-") and word.split("=", 1)[0] not in _options_of(parser, True):
+                raise UsageError(_unknown_option(parser, word, before_subcommand=True)) from None
+        raise
     for word in extras:
         if word.startswith("-") and word != "-":
-            options = [o for action in _actions(parser) for o in action.option_strings]
-            raise UsageError(hints.unknown_option(word, options))
+            before = "sema" in words and words.index(word) < words.index("sema")
+            raise UsageError(_unknown_option(parser, word, before))
     if extras:
         if has_cmd:
             raise UsageError(f"unexpected argument {hints.shown(extras[0])}: one NAME only")
@@ -360,6 +368,19 @@ def _parse_words(
             "the command goes after --: conch sema NAME --max N -- CMD..."
         )
     return args
+
+
+def _options_of(parser: argparse.ArgumentParser, top_only: bool = False) -> list[str]:
+    actions = parser._actions if top_only else _actions(parser)
+    return [option for action in actions for option in action.option_strings]
+
+
+def _unknown_option(parser: argparse.ArgumentParser, word: str, before_subcommand: bool) -> str:
+    """What to say about ``word``, an option the parser did not take where it was given."""
+    given = word.split("=", 1)[0]
+    if before_subcommand and given in _options_of(parser):
+        return f"{given} goes after the subcommand: conch sema NAME {given} ..."
+    return hints.unknown_option(word, _options_of(parser))
 
 
 def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:

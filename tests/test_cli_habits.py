@@ -297,6 +297,23 @@ def test_a_habit_from_another_tool_gets_the_flag_meant(
     assert "goes after --" not in err  # it is already there
 
 
+@pytest.mark.parametrize(
+    ("words", "says"),
+    [
+        (["-w", "10", "sema", "x"], "conch: unknown option '-w': did you mean --wait?"),
+        (["--wait", "10s", "sema", "x"], "conch: --wait goes after the subcommand"),
+        (["-q", "sema", "x"], "conch: -q goes after the subcommand"),
+    ],
+)
+def test_an_option_before_the_subcommand_is_named_not_its_value(
+    conch: Runner, words: list[str], says: str
+) -> None:
+    """flock's order (flock -w 10 FILE CMD): not "invalid choice: '10'"."""
+    code, _, err = run(conch, [*words, "--max", "1", "--", "true"], bare_env())
+    assert code == 64
+    assert err.startswith(says) and err.count("\n") == 1, err
+
+
 def test_a_command_without_dashdash_is_told_where_it_goes(conch: Runner) -> None:
     code, _, err = run(conch, ["sema", "x", "--max", "1", "echo", "hi"], bare_env())
     assert code == 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from conch.errors import UsageError
-from conch.hints import shown
+from conch.hints import SHOWN_MAX, shown
 
 ROOT = b"/conch/v1/sema/"
 NAME_MAX_BYTES = 200
@@ -30,7 +30,7 @@ def check_host(host: str) -> None:
 
 def _check_segment(what: str, text: str) -> None:
     if not isinstance(text, str):
-        raise UsageError(f"bad {what} {shown(repr(text))}: want a str")
+        raise UsageError(f"bad {what} {repr(text)[:SHOWN_MAX]}: want a str")
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:

@@ -327,7 +327,7 @@ def test_a_command_without_dashdash_is_told_where_it_goes(conch: Runner) -> None
     "words",
     [
         ["sema", "n" * 10_000, "--max", "1", "--", "true"],  # our check of the name
-        ["n" * 10_000, "x", "--max", "1", "--", "true"],  # argparse's invalid choice
+        ["n" * 10_000, "--", "true"],  # argparse's invalid choice
     ],
 )
 def test_a_long_value_is_cut_in_its_message(conch: Runner, words: list[str]) -> None:

@@ -146,7 +146,8 @@ _CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
 _GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
 
 
-def _add_connection_options(group: Any, prefix: str) -> None:
+def _add_connection_options(group: argparse._ActionsContainer, prefix: str) -> None:
+    """The connection options into ``group``, their dests prefixed with ``prefix``."""
     for dest, flags, metavar, text in _CONNECTION:
         if metavar is None:
             group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)

@@ -49,9 +49,43 @@ _conch_complete() {
 complete -o bashdefault -F _conch_complete conch
 """
 SHTAB_BASH_COMPLETE = "complete -o bashdefault -F _shtab_conch conch"
-# _normal completes the words after -- as a command line of their own.
-ZSH_NAME = '  ":semaphore name (1-200 bytes of UTF-8):"\n'
-ZSH_COMMAND = ZSH_NAME + '  "*::command:_normal"\n'
+# zsh: after --, the words are a command line of their own, completed by _normal (as
+# _precommand does for nice, nohup); before it, sema's options as shtab made them.
+ZSH_SEMA = "sema) _arguments -C -s $_shtab_conch_sema_options ;;"
+ZSH_COMMAND = r"""
+_conch_sema() {
+  local i
+  for ((i = 1; i < CURRENT; i++)); do
+    if [[ ${words[i]} == -- ]]; then
+      shift $i words
+      ((CURRENT -= i))
+      _normal
+      return
+    fi
+  done
+  _arguments -C -s $_shtab_conch_sema_options
+}
+"""
+
+# fish: conch's own completions stop at --; after it, the words are a command line of their
+# own (__fish_complete_subcommand, as fish's sudo completion uses it).
+FISH_USING = "function _shtab_conch_using\n"
+FISH_STOP = FISH_USING + "  contains -- -- (commandline -opc); and return 1\n"
+FISH_COMMAND = r"""
+function _conch_after_dashdash
+  contains -- -- (commandline -opc)
+end
+
+function _conch_command
+  set -l words (commandline -opc) (commandline -ct)
+  set -l at (contains -i -- -- $words)
+  set -l cmd $words[(math $at + 1)..-1]
+  string match -q -- '-*' $cmd[1]; and return  # no command starts with -
+  __fish_complete_subcommand --commandline $cmd
+end
+
+complete -c conch -n _conch_after_dashdash -f -a '(_conch_command)'
+"""
 
 
 def script(shell: str) -> str:
@@ -60,8 +94,12 @@ def script(shell: str) -> str:
         assert text.count(SHTAB_BASH_COMPLETE) == 1, "shtab's bash output changed"
         text = text.replace(SHTAB_BASH_COMPLETE + "\n", BASH_COMMAND.lstrip("\n"))
     elif shell == "zsh":
-        assert text.count(ZSH_NAME) == 1, "shtab's zsh output changed"
-        text = text.replace(ZSH_NAME, ZSH_COMMAND)
+        assert text.count(ZSH_SEMA) == 1, "shtab's zsh output changed"
+        head, _, tail = text.partition("\n_shtab_conch() {")
+        text = head + ZSH_COMMAND + "\n_shtab_conch() {" + tail.replace(ZSH_SEMA, "sema) _conch_sema ;;")
+    elif shell == "fish":
+        assert text.count(FISH_USING) == 1, "shtab's fish output changed"
+        text = text.replace(FISH_USING, FISH_STOP) + FISH_COMMAND
     return text
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -398,6 +399,87 @@ def test_bash_hands_the_words_after_dashdash_to_the_commands_own_completion(
     stand_in = '_command_offset() { COMPREPLY=("offset=$1" "word=${COMP_WORDS[$1]}"); }'
     words = ["conch", "--debug", "sema", "x", "--max", "1", "--", "git", "chec"]
     assert complete(words, tmp_path, stand_in) == ["offset=7", "word=git"]
+
+
+def test_fish_completes_commands_then_files_after_dashdash(tmp_path: Path) -> None:
+    """fish's own ``complete -C``: what TAB would offer for a command line."""
+    if shutil.which("fish") is None:
+        pytest.skip("needs fish")
+    (tmp_path / "dance").touch(mode=0o755)
+    (tmp_path / "data.txt").touch()
+
+    def fish(line: str) -> list[str]:
+        script = f"source {ROOT / 'completions/fish/conch.fish'}; complete -C {line!r}"
+        out = subprocess.run(
+            ["fish", "--no-config", "-c", script],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return [candidate.split("\t")[0] for candidate in out.stdout.splitlines()]
+
+    assert fish("conch sema x --max 1 -- ./da") == ["./dance"]  # executables, as fish does
+    assert "printenv" in fish("conch sema x --max 1 -- printen")
+    assert sorted(fish("conch sema x --max 1 -- cat da")) == ["dance", "data.txt"]
+    assert fish("conch sema x --max 1 -- --ma") == []  # no conch option after --
+    assert fish("conch sema x --ma") == ["--max"]
+
+
+# Drives an interactive zsh on a pseudo-terminal (zsh/zpty): types the line and a TAB, then
+# ^E and a marker; zle handles the keys in order, so the completion is done by the marker.
+ZSH_DRIVER = r"""
+zmodload zsh/zpty
+zpty z 'zsh -f -i'
+zpty -w z "PS1='> '; fpath=($1 \$fpath); autoload -Uz compinit; compinit -u -D; print READY"
+zpty -r z out '*READY*'
+zpty -r z out '*> '
+zpty -w -n z "$2"$'\t\x05 #END\n'
+zpty -r z out '*#END*'
+print -r -- "$out"
+zpty -d z
+"""
+
+
+def _as_shown(echoed: str) -> str:
+    """A terminal line as it shows once its backspaces moved the cursor back."""
+    cells: list[str] = []
+    at = 0
+    for c in echoed:
+        if c == "\b":
+            at = max(0, at - 1)
+            continue
+        if at < len(cells):
+            cells[at] = c
+        else:
+            cells.append(c)
+        at += 1
+    return "".join(cells)
+
+
+def test_zsh_completes_commands_then_files_after_dashdash(tmp_path: Path) -> None:
+    if shutil.which("zsh") is None:
+        pytest.skip("needs zsh")
+    (tmp_path / "uniq-file-xyz").touch()
+
+    def zsh(line: str) -> str:
+        """The line as TAB left it."""
+        out = subprocess.run(
+            ["zsh", "-f", "-c", ZSH_DRIVER, "zsh", str(ROOT / "completions/zsh"), line],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        plain = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out).replace("\r", "")
+        return _as_shown(plain.splitlines()[-1].split("#END")[0]).strip()
+
+    assert zsh("conch sema x --max 1 -- ./uni").endswith("-- ./uniq-file-xyz")
+    assert zsh("conch sema x --max 1 -- printen").endswith("-- printenv")
+    assert zsh("conch --debug sema x -- cat uni").endswith("-- cat uniq-file-xyz")
+    assert zsh("conch sema x --ma").endswith("sema x --max")
 
 
 # -- --spread waiters in --who -------------------------------------------------------------

@@ -46,6 +46,7 @@ end
 
 # Condition helper: true if the current (sub)command path equals the given one.
 function _shtab_conch_using
+  contains -- -- (commandline -opc); and return 1
   _shtab_conch_scan
   test "$_shtab_conch_cmdpath" = "$argv"
 end
@@ -90,3 +91,17 @@ complete -c conch -n '_shtab_conch_using sema' -l user -x -d 'etcd user (env CON
 complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
 complete -c conch -n '_shtab_conch_using sema' -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
 complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from'
+
+function _conch_after_dashdash
+  contains -- -- (commandline -opc)
+end
+
+function _conch_command
+  set -l words (commandline -opc) (commandline -ct)
+  set -l at (contains -i -- -- $words)
+  set -l cmd $words[(math $at + 1)..-1]
+  string match -q -- '-*' $cmd[1]; and return  # no command starts with -
+  __fish_complete_subcommand --commandline $cmd
+end
+
+complete -c conch -n _conch_after_dashdash -f -a '(_conch_command)'

@@ -4,22 +4,31 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, log
+from conch import __version__, hints, log
 from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
-from conch.etcd import ETCD_API_VERSION, Client
-from conch.etcd.client import TLS, Credentials, connect
+from conch.etcd import ETCD_API_VERSION
 from conch.flag import Flag
 from conch.identity import Identity
 from conch.keys import check_host, check_max, check_name
 from conch.semaphore import Semaphore
+from conch.settings import (
+    Connection,
+    ConnectionFlags,
+    conch_setting,
+    connect_with,
+    named,
+    parse_duration,
+    parse_ttl,
+    resolve,
+    truthy,
+)
 from conch.supervisor import (
     adopt_orphans,
     check_kill_after,
@@ -29,48 +38,7 @@ from conch.supervisor import (
     supervise,
 )
 
-_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "μs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
-_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
-MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
-
-
-def parse_duration(flag: str, text: str) -> float:
-    """Go-style duration (``500ms``, ``1.5s``, ``1h30m``; a bare number is seconds) in
-    seconds. Raises UsageError naming ``flag`` and the value."""
-    value = text.strip()
-    if _NUMBER.fullmatch(value):
-        total = float(value)
-    else:
-        pos, total = 0, 0.0
-        for match in _PART.finditer(value):
-            if match.start() != pos:
-                break
-            total += float(match.group(1)) * _UNITS[match.group(2)]
-            pos = match.end()
-        if pos != len(value) or not value or not math.isfinite(total):
-            raise UsageError(
-                f"bad {flag} {text!r}: want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
-            )
-    if total > MAX_DURATION:
-        raise UsageError(f"bad {flag} {text!r}: longer than 10 years")
-    return total
-
-
-def parse_ttl(flag: str, text: str) -> int:
-    seconds = parse_duration(flag, text)
-    if seconds < 1 or seconds != int(seconds):
-        raise UsageError(f"bad {flag} {text!r}: the lease TTL is whole seconds >= 1")
-    return int(seconds)
+__all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -96,21 +64,102 @@ def _columns() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    """argparse, with errors raised as UsageError and no abbreviations (``--no`` is not
+    ``--nonblock``: an abbreviation that works today breaks when an option is added)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _Formatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments"):
-            message += " (the command goes after --: conch sema NAME --max N -- CMD...)"
-        raise UsageError(message)
+        raise UsageError(hints.cut_quoted(message))
 
 
-def _env(name: str, default: str) -> tuple[str, str]:
-    """(value, where it came from) for an env fallback."""
-    if name in os.environ:
-        return os.environ[name], name
-    return default, "default"
+class _Once(argparse.Action):
+    """A single-valued option: given twice is a usage error, not "the last one wins" (a
+    second ``--max`` in a long cron line would otherwise silently change the semaphore)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{self.option_strings[0]} given twice: give it once")
+        setattr(namespace, self.dest, values)
+
+
+# The connection options, accepted before the subcommand too, as etcdctl takes its global
+# flags (conch --endpoints HOST:PORT sema ...): (dest, flags, metavar, help). None: a switch.
+_CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
+    (
+        "endpoints",
+        ("--endpoints",),
+        "LIST",
+        "comma-separated host:port or http(s)://host:port "
+        "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
+    ),
+    (
+        "dial_timeout",
+        ("--dial-timeout",),
+        "DUR",
+        "give up connecting after DUR (env CONCH_DIAL_TIMEOUT, then ETCDCTL_DIAL_TIMEOUT; "
+        "default 5s)",
+    ),
+    (
+        "cacert",
+        ("--cacert",),
+        "FILE",
+        "CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT, ETCDCTL_CACERT)",
+    ),
+    (
+        "cert",
+        ("--cert",),
+        "FILE",
+        "client certificate for mutual TLS (env CONCH_CERT, ETCDCTL_CERT)",
+    ),
+    ("key", ("--key",), "FILE", "client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)"),
+    (
+        "insecure_skip_tls_verify",
+        ("--insecure-skip-tls-verify",),
+        None,
+        "trust whatever certificate etcd presents: encrypted, but open to a man in the "
+        "middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)",
+    ),
+    (
+        "user",
+        ("--user",),
+        "NAME[:PASSWORD]",
+        "etcd user (env CONCH_USER, ETCDCTL_USER)",
+    ),
+    (
+        "password",
+        ("--password",),
+        "PASSWORD",
+        "etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, "
+        "which stay out of argv",
+    ),
+    (
+        "password_file",
+        ("--password-file",),
+        "FILE",
+        "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
+    ),
+    ("debug", ("--debug",), None, "also log where each connection setting came from"),
+)
+_GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
+
+
+def _add_connection_options(group: argparse._ActionsContainer, prefix: str) -> None:
+    """The connection options into ``group``, their dests prefixed with ``prefix``."""
+    for dest, flags, metavar, text in _CONNECTION:
+        if metavar is None:
+            group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)
+        else:
+            group.add_argument(*flags, dest=prefix + dest, metavar=metavar, action=_Once, help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,12 +177,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
     )
+    _add_connection_options(
+        parser.add_argument_group(
+            "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's "
+            "ETCDCTL_*)"
+        ),
+        _GLOBAL,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sema = sub.add_parser(
         "sema",
         help="run CMD while holding one of --max slots of semaphore NAME",
         usage="conch sema NAME --max N [--ttl DUR] [--wait DUR | --nonblock] [--spread] "
-        "[--kill-after DUR] [--endpoints LIST] [--dial-timeout DUR] [--quiet] -- CMD...\n"
+        "[--kill-after DUR] [--record-args] [--endpoints LIST] [--dial-timeout DUR] [--quiet] "
+        "-- CMD...\n"
         "       conch sema NAME [--max N] --who [--json] [--endpoints LIST]",
         description="Run CMD only while holding one of N slots of the semaphore NAME, counted "
         "across every machine that shares the etcd cluster; kill CMD the moment the hold is "
@@ -150,15 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--max",
         dest="max_holders",
         metavar="N",
+        action=_Once,
         help="capacity N >= 1 (required to run a command); part of the semaphore's identity",
     )
     sema.add_argument(
-        "--ttl", metavar="DUR", help="session lease TTL, whole seconds (env CONCH_TTL, default 10s)"
+        "--ttl",
+        metavar="DUR",
+        action=_Once,
+        help="session lease TTL, whole seconds (env CONCH_TTL, default 10s)",
     )
     waiting = sema.add_mutually_exclusive_group()
     waiting.add_argument(
         "--wait",
         metavar="DUR",
+        action=_Once,
         help="wait at most DUR for a slot, then exit 75 (default: wait forever)",
     )
     waiting.add_argument(
@@ -175,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     sema.add_argument(
         "--kill-after",
         metavar="DUR",
+        action=_Once,
         help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
         "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
         "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
@@ -182,186 +245,40 @@ def build_parser() -> argparse.ArgumentParser:
         "as without a grace)",
     )
     sema.add_argument(
+        "--record-args",
+        action="store_true",
+        help="store the whole command line in the holder's key, not only the program's name "
+        "(env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it",
+    )
+    sema.add_argument(
         "--who",
         action="store_true",
         help="list holders and waiters (read-only); exit 0 if any, 1 if none",
     )
     sema.add_argument("--json", action="store_true", help="with --who: one JSON object per line")
-    sema.add_argument(
-        "--endpoints",
-        metavar="LIST",
-        help="comma-separated host:port or "
-        "http(s)://host:port (env CONCH_ENDPOINTS, default 127.0.0.1:2379)",
-    )
-    sema.add_argument(
-        "--dial-timeout",
-        metavar="DUR",
-        help="give up connecting after DUR (env CONCH_DIAL_TIMEOUT, default 5s)",
-    )
     sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
-    security = sema.add_argument_group("TLS and authentication (named as etcdctl names them)")
-    security.add_argument(
-        "--cacert",
-        metavar="FILE",
-        help="CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT)",
-    )
-    security.add_argument(
-        "--cert", metavar="FILE", help="client certificate for mutual TLS (env CONCH_CERT)"
-    )
-    security.add_argument("--key", metavar="FILE", help="client key for mutual TLS (env CONCH_KEY)")
-    security.add_argument(
-        "--insecure-skip-tls-verify",
-        action="store_true",
-        help="trust whatever certificate etcd presents: encrypted, but open to a man in the "
-        "middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1)",
-    )
-    security.add_argument("--user", metavar="NAME[:PASSWORD]", help="etcd user (env CONCH_USER)")
-    security.add_argument(
-        "--password",
-        metavar="PASSWORD",
-        help="etcd password; prefer env CONCH_PASSWORD or --password-file, which stay out of argv",
-    )
-    security.add_argument(
-        "--password-file",
-        metavar="FILE",
-        help="read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
+    _add_connection_options(
+        sema.add_argument_group("connection, TLS and authentication (named as etcdctl names them)"),
+        "",
     )
     return parser
-
-
-def _setting(flag: str, given: str | None, env: str, default: str) -> tuple[str, str]:
-    if given is not None:
-        return given, flag
-    return _env(env, default)
-
-
-def _read_file(flag: str, path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {flag} {path}: {exc.strerror or exc}") from None
-
-
-def _tls(args: argparse.Namespace) -> TLS | None:
-    files: dict[str, bytes] = {}
-    for flag, attr, env in (
-        ("--cacert", "cacert", "CONCH_CACERT"),
-        ("--cert", "cert", "CONCH_CERT"),
-        ("--key", "key", "CONCH_KEY"),
-    ):
-        path, source = _setting(flag, getattr(args, attr), env, "")
-        if path:
-            files[attr] = _read_file(source, path)
-    if ("cert" in files) != ("key" in files):
-        raise UsageError("--cert and --key go together")
-    if files:
-        _check_pem(files)
-    skip = args.insecure_skip_tls_verify or _env_flag("CONCH_INSECURE_SKIP_TLS_VERIFY")
-    if not files and not skip:
-        return None
-    return TLS(files.get("cacert"), files.get("cert"), files.get("key"), skip_verify=skip)
-
-
-_PEM_CERTIFICATE = rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----"
-
-
-def _check_pem(files: dict[str, bytes]) -> None:
-    """Usage error unless the CA bundle holds certificates and the client certificate and key
-    load as a pair (gRPC would only say so in its own log lines, then fail the dial)."""
-    import ssl
-    import tempfile
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if "cacert" in files:
-        # Only the PEM blocks: a bundle's comments may be in any encoding (Mozilla's are
-        # UTF-8), and ssl takes PEM text in ASCII only.
-        blocks = re.findall(_PEM_CERTIFICATE, files["cacert"], re.DOTALL)
-        try:
-            context.load_verify_locations(cadata=b"\n".join(blocks).decode("ascii"))
-        except (ssl.SSLError, ValueError):  # UnicodeDecodeError is a ValueError
-            raise UsageError("bad --cacert: no PEM certificate in it") from None
-    if "cert" in files:
-        with tempfile.TemporaryDirectory(prefix="conch-") as scratch:
-            cert, key = os.path.join(scratch, "cert"), os.path.join(scratch, "key")
-            for path, data in ((cert, files["cert"]), (key, files["key"])):
-                with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
-                    f.write(data)
-            try:
-                # An encrypted key fails here (empty password) instead of prompting.
-                context.load_cert_chain(cert, key, password="")
-            except (ssl.SSLError, ValueError):
-                raise UsageError(
-                    "bad --cert/--key: not a PEM certificate and its unencrypted private key"
-                ) from None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _credentials(args: argparse.Namespace) -> Credentials | None:
-    """The user and password: a flag beats an env var (NAME:PASSWORD in --user, then
-    --password, then --password-file; then the same from CONCH_USER, CONCH_PASSWORD and
-    CONCH_PASSWORD_FILE)."""
-    user, _ = _setting("--user", args.user, "CONCH_USER", "")
-    if not user:
-        if args.password is not None or args.password_file is not None:
-            raise UsageError("--password and --password-file need --user")
-        return None
-    name, _, inline = user.partition(":")
-    from_flag = args.user is not None
-    password = _password(
-        inline if from_flag else "", args.password, "--password-file", args.password_file
-    ) or _password(
-        "" if from_flag else inline,
-        os.environ.get("CONCH_PASSWORD"),
-        "CONCH_PASSWORD_FILE",
-        os.environ.get("CONCH_PASSWORD_FILE") or None,
-    )
-    if not name or not password:
-        raise UsageError(
-            "--user needs a name and a password (NAME:PASSWORD, --password, "
-            "CONCH_PASSWORD or --password-file)"
-        )
-    return Credentials(name, password)
-
-
-def _password(inline: str, given: str | None, file_source: str, path: str | None) -> str:
-    """The password from one source, flags or environment: NAME:PASSWORD, else the password
-    itself, else the file's content without its line end; empty if none is given."""
-    if inline or given:
-        return inline or given or ""
-    if path is None:
-        return ""
-    return _read_file(file_source, path).decode("utf-8", "replace").rstrip("\r\n")
-
-
-def _connect(args: argparse.Namespace) -> Client:
-    endpoints_text, _ = _setting("--endpoints", args.endpoints, "CONCH_ENDPOINTS", "127.0.0.1:2379")
-    dial_text, source = _setting("--dial-timeout", args.dial_timeout, "CONCH_DIAL_TIMEOUT", "5s")
-    flag = source if source != "default" else "--dial-timeout"
-    dial_timeout = parse_duration(flag, dial_text)
-    if dial_timeout <= 0:
-        raise UsageError(f"bad {flag} {dial_text!r}: want a duration above 0")
-    return connect(endpoints_text, dial_timeout, tls=_tls(args), credentials=_credentials(args))
 
 
 def _parse_max(text: str | None) -> int | None:
     if text is None:
         return None
     if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
-        raise UsageError(f"bad --max {text!r}: want a whole number, 1 to 1000000")
+        raise UsageError(f"bad --max {hints.shown(text)}: want a whole number, 1 to 1000000")
     value = int(text)
     check_max(value, "--max")
     return value
 
 
-def _who(args: argparse.Namespace, max_holders: int | None) -> int:
+def _who(args: argparse.Namespace, max_holders: int | None, connection: Connection) -> int:
     # Imported here: only --who lists (~1 ms of every other start, measured with -X importtime).
     from conch.listing import who
 
-    with _connect(args) as client:
+    with connect_with(connection) as client:
         records = who(client, args.name, max_holders)
     capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
     if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
@@ -384,43 +301,133 @@ class _RunSettings(NamedTuple):
     ttl: int  # seconds
     kill_after: float  # seconds
     wait: float | None  # seconds; None: forever
+    record_args: bool  # the whole command line in the holder's key, not only its name
 
 
-def _run_settings(args: argparse.Namespace) -> _RunSettings:
-    """--ttl, --kill-after and --wait (or their env vars), checked whatever the mode: a bad
-    value is a usage error even where it would not be used (--who)."""
-    ttl_text, ttl_source = _setting("--ttl", args.ttl, "CONCH_TTL", "10s")
-    ttl = parse_ttl("--ttl" if ttl_source == "default" else ttl_source, ttl_text)
-    ka_text, ka_source = _setting("--kill-after", args.kill_after, "CONCH_KILL_AFTER", "5s")
-    kill_after = parse_duration("--kill-after" if ka_source == "default" else ka_source, ka_text)
+def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunSettings:
+    """--ttl, --kill-after, --wait and --record-args (or their env vars), checked whatever
+    the mode: a bad value is a usage error even where it would not be used (--who)."""
+    ttl_found = conch_setting("--ttl", args.ttl, "TTL", "10s", environ)
+    ttl = parse_ttl(named("--ttl", ttl_found), ttl_found.value)
+    ka_found = conch_setting("--kill-after", args.kill_after, "KILL_AFTER", "5s", environ)
+    kill_after = parse_duration(named("--kill-after", ka_found), ka_found.value)
     # The child must be dead before its lease can expire: a grace asked for that cannot fit
     # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
     # each keepalive its whole patience.
-    if ka_source == "default":
+    if ka_found.source == "default":
         kill_after = default_kill_after(ttl, kill_after)
     else:
-        check_kill_after(kill_after, ttl, ka_source)
+        check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
-    return _RunSettings(ttl, kill_after, wait)
+    record = conch_setting(
+        "--record-args", "1" if args.record_args else None, "RECORD_ARGS", "", environ
+    )
+    record_args = truthy(record.value)
+    log.debug("setting", setting="record-args", value=int(record_args), source=record.source)
+    return _RunSettings(ttl, kill_after, wait, record_args)
 
 
-def _parse(words: list[str]) -> argparse.Namespace:
-    """The arguments before ``--``. A NAME that starts with a single ``-`` (``-x``) is taken
-    as the NAME when it comes right after ``sema``, is not one of our options (``-n``,
-    ``-q``: there a forgotten NAME stays an error), and the words do not parse otherwise."""
-    parser = build_parser()
+_NEGATIVE = re.compile(r"-\.?\d")  # -1s, -.5: a negative value, not an option
+
+
+def _negative_values_attached(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
+    """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
+    is not a plain negative number for an option, and would say "expected one argument";
+    attached, the value reaches its check, which says what is wrong with it."""
+    valued = {
+        option
+        for action in _actions(parser)
+        if action.nargs is None
+        for option in action.option_strings
+    }
+    out: list[str] = []
+    for word in words:
+        if out and out[-1] in valued and _NEGATIVE.match(word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of ``parser`` and of its subcommands."""
+    found = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found.extend(sub._actions)
+    return found
+
+
+def _parse_words(
+    parser: argparse.ArgumentParser, words: list[str], has_cmd: bool
+) -> argparse.Namespace:
+    """``words`` parsed; what the parser does not take is a usage error that says which
+    flag was meant (``-w``: ``--wait``), or where the command goes."""
     try:
-        return parser.parse_args(words)
+        args, extras = parser.parse_known_args(words)
+    except UsageError:
+        # conch -w 10 sema ...: the unknown -w left its value to be taken for the subcommand
+        # ("invalid choice: '10'"); the option is what to talk about.
+        for word in words[: words.index("sema")] if "sema" in words else words:
+            if word.startswith("-") and word.split("=", 1)[0] not in _options_of(parser, True):
+                raise UsageError(_unknown_option(parser, word, before_subcommand=True)) from None
+        raise
+    for word in extras:
+        if word.startswith("-") and word != "-":
+            before = "sema" in words and words.index(word) < words.index("sema")
+            raise UsageError(_unknown_option(parser, word, before))
+    if extras:
+        if has_cmd:
+            raise UsageError(f"unexpected argument {hints.shown(extras[0])}: one NAME only")
+        raise UsageError(
+            f"unexpected argument {hints.shown(extras[0])}: "
+            "the command goes after --: conch sema NAME --max N -- CMD..."
+        )
+    return args
+
+
+def _options_of(parser: argparse.ArgumentParser, top_only: bool = False) -> list[str]:
+    actions = parser._actions if top_only else _actions(parser)
+    return [option for action in actions for option in action.option_strings]
+
+
+def _unknown_option(parser: argparse.ArgumentParser, word: str, before_subcommand: bool) -> str:
+    """What to say about ``word``, an option the parser did not take where it was given."""
+    given = word.split("=", 1)[0]
+    if before_subcommand and given in _options_of(parser):
+        return f"{given} goes after the subcommand: conch sema NAME {given} ..."
+    return hints.unknown_option(word, _options_of(parser))
+
+
+def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
+    """The arguments before ``--`` (``has_cmd``: a ``--`` followed). A NAME that starts with
+    a single ``-`` (``-x``) is taken as the NAME when it comes right after ``sema``, is not
+    one of our options (``-n``, ``-q``: there a forgotten NAME stays an error), and the
+    words do not parse otherwise. Connection options given before the subcommand are merged
+    into those given after it (both: a usage error)."""
+    parser = build_parser()
+    words = _negative_values_attached(parser, words)
+    try:
+        args = _parse_words(parser, words, has_cmd)
     except UsageError as error:
-        first = words[1] if len(words) > 1 and words[0] == "sema" else ""
+        at = words.index("sema") if "sema" in words else -1
+        first = words[at + 1] if 0 <= at < len(words) - 1 else ""
         if not first.startswith("-") or first.startswith("--") or _options(parser, first):
             raise
         try:
-            return parser.parse_args([words[0], *words[2:], "--", first])
+            args = _parse_words(parser, [*words[: at + 1], *words[at + 2 :], "--", first], True)
         except UsageError:
             raise error from None
+    for dest, flags, metavar, _ in _CONNECTION:
+        before = getattr(args, _GLOBAL + dest)
+        after = getattr(args, dest, None)
+        if metavar is not None and before is not None and after is not None:
+            raise UsageError(f"{flags[0]} given twice: give it once")
+        setattr(args, dest, after or before)
+    return args
 
 
 def _options(parser: argparse.ArgumentParser, word: str) -> bool:
@@ -432,12 +439,17 @@ def _options(parser: argparse.ArgumentParser, word: str) -> bool:
     return True
 
 
+def _connection_flags(args: argparse.Namespace) -> ConnectionFlags:
+    return ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
+
+
 _NOT_WITH_WHO = (
     ("--ttl", "ttl", None),
     ("--wait", "wait", None),
     ("--nonblock", "nonblock", False),
     ("--spread", "spread", False),
     ("--kill-after", "kill_after", None),
+    ("--record-args", "record_args", False),
 )
 
 
@@ -446,10 +458,11 @@ def _run(
     max_holders: int,
     cmd: Sequence[str],
     settings: _RunSettings,
+    connection: Connection,
     exiting: bool,
 ) -> int:
     ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
-    identity = Identity.current(cmd)
+    identity = Identity.current(cmd, record_args=settings.record_args)
     check_host(identity.host)
     if exiting:
         adopt_orphans()  # the process is ours: reap whatever the child leaves behind
@@ -464,7 +477,7 @@ def _run(
     # they stay caught: a late one must not replace the child's status.
     try:
         with (
-            _connect(args) as client,
+            connect_with(connection) as client,
             stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
             sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
@@ -563,31 +576,34 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
     cmd: list[str] = []
-    if "--" in words:
+    has_cmd = "--" in words
+    if has_cmd:
         split = words.index("--")
         words, cmd = words[:split], words[split + 1 :]
     try:
-        args = _parse(words)
+        args = _parse(words, has_cmd)
         if args.command != "sema":
             raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
         log.set_quiet(args.quiet)
+        log.set_debug(args.debug)
         max_holders = _parse_max(args.max_holders)
         check_name(args.name)
-        settings = _run_settings(args)
+        settings = _run_settings(args, os.environ)
+        connection = resolve(_connection_flags(args), os.environ)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")
             for flag, attr, unset in _NOT_WITH_WHO:
                 if getattr(args, attr) != unset:
                     raise UsageError(f"--who takes no {flag}")
-            return _who(args, max_holders)
+            return _who(args, max_holders, connection)
         if args.json:
             raise UsageError("--json goes with --who")
         if max_holders is None:
             raise UsageError("missing --max N")
         if not cmd:
             raise UsageError("missing command: conch sema NAME --max N -- CMD...")
-        return _run(args, max_holders, cmd, settings, exiting)
+        return _run(args, max_holders, cmd, settings, connection, exiting)
     except UsageError as exc:
         print(f"conch: {exc}", file=sys.stderr)
         return exc.exit_code

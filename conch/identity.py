@@ -1,4 +1,9 @@
-"""Who holds or waits: the JSON value at every key (contract section 6)."""
+"""Who holds or waits: the JSON value at every key (contract section 6).
+
+``cmd`` is the program's name only, unless the caller asks for the whole command line
+(``record_args``): etcd spreads a key's value to every client allowed to read the prefix,
+on any host, and a command line can carry secrets (``--password=...``) that ``ps`` shows to
+local users only."""
 
 from __future__ import annotations
 
@@ -36,8 +41,14 @@ class Identity:
     cmd: str
 
     @classmethod
-    def current(cls, argv: Sequence[str] = (), host: str | None = None) -> Identity:
-        cmd = cut_utf8(" ".join(argv), CMD_MAX_BYTES)
+    def current(
+        cls, argv: Sequence[str] = (), host: str | None = None, record_args: bool = False
+    ) -> Identity:
+        """This process's identity for running ``argv``: ``cmd`` is ``argv[0]`` (empty for
+        no argv), or with ``record_args`` the whole of ``argv`` joined by spaces; either cut
+        to CMD_MAX_BYTES bytes of UTF-8. ``host`` defaults to ``default_host()``."""
+        words = argv if record_args else argv[:1]
+        cmd = cut_utf8(" ".join(words), CMD_MAX_BYTES)
         return cls(host or default_host(), os.getpid(), _utc_now(), cmd)
 
     def entering(self) -> Identity:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from conch.errors import UsageError
+from conch.hints import SHOWN_MAX, shown
 
 ROOT = b"/conch/v1/sema/"
 NAME_MAX_BYTES = 200
@@ -29,17 +30,17 @@ def check_host(host: str) -> None:
 
 def _check_segment(what: str, text: str) -> None:
     if not isinstance(text, str):
-        raise UsageError(f"bad {what} {text!r}: want a str")
+        raise UsageError(f"bad {what} {repr(text)[:SHOWN_MAX]}: want a str")
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
-        raise UsageError(f"bad {what} {text!r}: not valid UTF-8") from None
+        raise UsageError(f"bad {what} {shown(text)}: not valid UTF-8") from None
     if not 1 <= size <= NAME_MAX_BYTES:
-        raise UsageError(f"bad {what} {text!r}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
+        raise UsageError(f"bad {what} {shown(text)}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
     if text in (".", ".."):
-        raise UsageError(f"bad {what} {text!r}: '.' and '..' are not names")
+        raise UsageError(f"bad {what} {shown(text)}: '.' and '..' are not names")
     if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text):
-        raise UsageError(f"bad {what} {text!r}: control characters are not allowed")
+        raise UsageError(f"bad {what} {shown(text)}: control characters are not allowed")
 
 
 def encode_segment(text: str) -> bytes:

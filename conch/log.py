@@ -6,7 +6,8 @@ Values with spaces, quotes or ``=`` are double-quoted. Lines go to the standard 
 logger ``conch`` (INFO for transitions, WARNING and ERROR for trouble), so a service that
 embeds the library routes them with the rest of its logs; with no logging set up, Python
 shows the warnings and errors on stderr and drops the rest. The command sends every line to
-stderr as it is (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors.
+stderr as it is (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
+``set_debug(True)`` adds the DEBUG lines (where each setting came from).
 Logging never raises: a closed stderr must not kill a supervisor.
 """
 
@@ -24,6 +25,11 @@ _quiet = False
 def set_quiet(quiet: bool) -> None:
     global _quiet
     _quiet = quiet
+
+
+def set_debug(debug: bool) -> None:
+    """The command's ``--debug``: logger ``conch`` at DEBUG (else INFO)."""
+    LOGGER.setLevel(logging.DEBUG if debug else logging.INFO)
 
 
 class _Stderr(logging.Handler):
@@ -66,6 +72,10 @@ def _emit(level: int, name: str, event: str, fields: dict[str, object]) -> None:
         # keepalive thread is the one that declares a lost session).
         with contextlib.suppress(Exception):
             LOGGER.log(level, _line(name, event, fields))
+
+
+def debug(event: str, **fields: object) -> None:
+    _emit(logging.DEBUG, "debug", event, fields)
 
 
 def info(event: str, **fields: object) -> None:

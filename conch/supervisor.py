@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from conch import etcd, log
+from conch import etcd, hints, log
 from conch.errors import (
     EX_CANNOT_EXECUTE,
     EX_NOT_FOUND,
@@ -316,7 +316,7 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     return watchdog
 
 
-def _report(outcome: Outcome, status: int | None = None, **fields: object) -> int:
+def _report(outcome: Outcome, status: int | None = None, /, **fields: object) -> int:
     """Log an outcome that is an error (one ``event=`` line named for it, with ``fields``);
     return its exit code."""
     if outcome is not Outcome.CHILD_EXITED and outcome is not Outcome.SIGNAL:
@@ -372,7 +372,7 @@ def run_child(
             pid = spawn(argv, env)
         except (FileNotFoundError, ValueError):  # ValueError: an empty command name
             watchdog.dismiss()
-            return _report(Outcome.NOT_FOUND, cmd=argv[0])
+            return _report(Outcome.NOT_FOUND, cmd=argv[0], **hints.not_found(argv[0]))
         except OSError as exc:
             watchdog.dismiss()
             return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))

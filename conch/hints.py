@@ -1,0 +1,100 @@
+"""What the command says about what it was given: values cut for messages, the flag an
+operator most likely meant (habits from flock, consul lock and etcdctl, then the standard
+library's close matches), and a hint at ``sh -c`` for a command that looks like a shell line.
+Pure functions of text; nothing here talks to etcd."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+SHOWN_MAX = 64  # characters of a value echoed in a message
+
+# Options other tools take for what conch spells differently: what to use instead, and why.
+_HABITS: dict[str, tuple[str, str]] = {
+    "-w": ("--wait", "flock's -w: conch takes --wait DUR, e.g. --wait 10s"),
+    "--timeout": ("--wait", "flock's --timeout: conch takes --wait DUR, e.g. --wait 10s"),
+    "-timeout": ("--wait", "consul lock's -timeout: conch takes --wait DUR, e.g. --wait 10s"),
+    "--nowait": ("--nonblock", "exit 75 at once if no slot is free"),
+    "--no-wait": ("--nonblock", "exit 75 at once if no slot is free"),
+    "--nb": ("--nonblock", "exit 75 at once if no slot is free"),
+    "-x": ("--max 1", "one holder at a time is --max 1"),
+    "-e": ("--max 1", "one holder at a time is --max 1"),
+    "--exclusive": ("--max 1", "one holder at a time is --max 1"),
+    "-s": ("--max N", "N holders at a time is --max N"),
+    "--shared": ("--max N", "N holders at a time is --max N"),
+    "-E": ("", "conch exits 75 when no slot is free (--nonblock, --wait); not settable"),
+    "--conflict-exit-code": ("", "conch exits 75 when no slot is free; not settable"),
+    "-v": ("", "conch logs every state change unless -q; --debug logs more"),
+    "--verbose": ("", "conch logs every state change unless -q; --debug logs more"),
+    "-verbose": ("", "conch logs every state change unless -q; --debug logs more"),
+    "-V": ("conch --version", "the version is an option of conch itself"),
+    "--version": ("conch --version", "the version is an option of conch itself"),
+    "-c": ("", "flock's -c: conch runs a shell line as -- sh -c '...'"),
+    "--command": ("", "flock's --command: conch runs a shell line as -- sh -c '...'"),
+    "-command": ("", "conch runs a shell line as -- sh -c '...'"),
+}
+
+# Characters that make a word a shell line rather than a program's name.
+_SHELL_CHARACTERS = frozenset(" \t\n;&|<>()$`\\\"'*?[]{}~#=")
+
+
+def shown(value: str, limit: int = SHOWN_MAX) -> str:
+    """``value`` as a message quotes it (``repr``), its first ``limit`` characters only when
+    it is longer, with its length: a 10,000-character name is not echoed whole."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def cut_quoted(message: str, limit: int = SHOWN_MAX) -> str:
+    """``message`` (argparse's, which quotes what it was given) with each quoted value longer
+    than ``limit`` characters cut as ``shown`` cuts it."""
+    import re
+
+    return re.sub(
+        "'([^']{" + str(limit + 1) + ",})'",
+        lambda match: shown(match.group(1), limit),
+        message,
+    )
+
+
+def unknown_option(word: str, options: Iterable[str]) -> str:
+    """The message for an option the parser does not know: the flag meant, where a habit or
+    a close match says which; ``options`` are the parser's option strings."""
+    given = word.split("=", 1)[0]
+    habit = _HABITS.get(given)
+    if habit is None and not given.startswith("--") and len(given) > 2:
+        habit = _HABITS.get(given[:2])  # -w10, as flock takes it
+    if habit is not None:
+        meant, why = habit
+        if meant:
+            return f"unknown option {shown(given)}: did you mean {meant}? ({why})"
+        return f"unknown option {shown(given)} ({why})"
+    import difflib  # only on this error path
+
+    longs = [option for option in options if option.startswith("--")]
+    if given.startswith("--") and len(given) > 2:
+        whole = sorted({option for option in longs if option.startswith(given)})
+        if whole:
+            return (
+                f"unknown option {shown(given)}: did you mean {' or '.join(whole)}? "
+                "(options are not abbreviated)"
+            )
+    spelled = given if given.startswith("--") else "-" + given  # -nonblock, as consul spells
+    close = difflib.get_close_matches(spelled, longs, n=1, cutoff=0.6)
+    if close:
+        return f"unknown option {shown(given)}: did you mean {close[0]}?"
+    return f"unknown option {shown(given)} (conch sema --help lists them)"
+
+
+def shell_line(argv0: str) -> bool:
+    """Whether a command name looks like a shell line (``echo hi; true``) given as one word."""
+    return any(c in _SHELL_CHARACTERS for c in argv0)
+
+
+def not_found(argv0: str) -> dict[str, str]:
+    """Fields to add to the ``child-not-found`` line: a hint at ``sh -c`` when the missing
+    command's name looks like a shell line; none otherwise."""
+    if shell_line(argv0):
+        return {"hint": "a shell line is not a command name: run it as -- sh -c '...'"}
+    return {}

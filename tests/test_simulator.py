@@ -21,9 +21,9 @@ from tests.sim.real import RealEtcd
 from tests.sim.scenarios import SCENARIOS
 from tests.sim.schedule import PropertyFailed, cost_per_release, run
 
-# Schedules in CI: SEEDS seeds in CHUNKS tests; about 10 ms of CPU each (measured with
-# `scripts/simulate.py --seeds 3000`: 29.4 s at a load of about 4 on the shared 2-core
-# machine, 118.7 s at a load of 13), so the file's wall time stays near a minute there.
+# Schedules in CI: SEEDS seeds in CHUNKS tests; about 6-10 ms of CPU each (measured with
+# `scripts/simulate.py --seeds 2000`: 12.5 s to 46.0 s on the shared 2-core machine, at
+# loads of about 4 to 13), so the file's wall time stays under a minute there (28-48 s).
 SEEDS = 2000
 CHUNKS = 10
 # Seeds below SEEDS where the recipe as it is holds a slot on a key deleted between its

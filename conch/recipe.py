@@ -516,6 +516,7 @@ class Waiter:
         self._ahead: list[KeyRev] = []  # in the window: every key ahead of ours
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
         self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
+        self._held_back: list[WatchEvents] = []  # window events awaiting the gap check
         self._away = False  # "etcd-away" said for the failures in a row now
         self._touch_failing = False  # "touch-failed" said likewise
         self._late = False  # the deadline passed: give up before the next wait
@@ -668,6 +669,7 @@ class Waiter:
             return self._give_up(Reason.NO_SLOT, "no free slot in time")
         self.state = state
         self._watch = self._new_id()
+        self._held_back = []
         window = state == State.IN_WINDOW
         assert window or self._watched is not None
         key = self.prefix if window else self._watched.key  # type: ignore[union-attr]
@@ -705,6 +707,12 @@ class Waiter:
             self._gap_asked = self._watched_keys()
             return self._send(ReadKeys(self._new_id(), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
+            if self._request is not None and self._asked is ReadKeys:
+                # The gap check is unanswered: our own key may have been deleted between
+                # our read and the watch's start, which this watch never shows. Count the
+                # events once the check says nothing changed.
+                self._held_back.append(event)
+                return []
             return self._window_events(event)
         assert self._watched is not None
         if not any(e.kv.key == self._watched.key for e in event.events):
@@ -739,12 +747,23 @@ class Waiter:
 
     def _gap_checked(self, answer: KeysAnswer) -> list[Action]:
         """Whether a watched key changed between our read and the watch's start: in the
-        window a deletion (create_revision differs or absent); behind, any change."""
+        window a deletion (create_revision differs or absent); behind, any change. In the
+        window, the events held back while it was unanswered are counted once it says
+        nothing changed (one of them may be the release we hold on)."""
+        held_back, self._held_back = self._held_back, []
         if self.state not in _WAITING:
             return []
         any_put = self.state != State.IN_WINDOW
-        # Only the keys still watched: an event may have moved us past one meanwhile.
+        # Only the keys still watched. A key ahead whose deletion is among the events held
+        # back is gone whenever it went (the check reads at or after the watch's start):
+        # that event counts it below. Our own key absent is always a change.
         still = {k.key for k in self._watched_keys()}
+        still -= {
+            e.kv.key
+            for held in held_back
+            for e in held.events
+            if e.type == EventType.DELETE and e.kv.key != self.key
+        }
         if not any(
             then.key in still
             and (
@@ -754,7 +773,12 @@ class Waiter:
             )
             for then, now in zip(self._gap_asked, answer.kvs, strict=True)
         ):
-            return []
+            actions: list[Action] = []
+            for event in held_back:
+                if event.id != self._watch or self.state != State.IN_WINDOW:
+                    break
+                actions += self._window_events(event)
+            return actions
         stale, self._watch = self._watch, None
         after = self._enqueue() if self.state == State.SPREAD_BUSY else self._read_standing()
         return [*after, *([CancelWatch(stale)] if stale is not None else [])]
@@ -895,7 +919,7 @@ class Waiter:
 
     def _cancel_watches(self) -> list[Action]:
         ids = [*self._woke, *([self._watch] if self._watch is not None else [])]
-        self._woke, self._watch = [], None
+        self._woke, self._watch, self._held_back = [], None, []
         self._touch, self._touch_paused = None, False
         return [CancelWatch(w) for w in ids]
 

@@ -30,16 +30,12 @@ def main() -> int:
     parser.add_argument("--start", type=int, default=0, help="the first seed")
     parser.add_argument("--replay", type=int, help="run this seed alone and print its trace")
     parser.add_argument("--max", type=int, help="slots (1-9); default: drawn from each seed")
-    names = [*sorted(variants.BROKEN), "GapCheckedFirst"]
-    parser.add_argument("--variant", choices=names, help="drive this Waiter variant")
+    names = sorted(variants.BROKEN)
+    parser.add_argument("--variant", choices=names, help="drive this broken Waiter variant")
     args = parser.parse_args()
     if args.seeds < 0 or (args.max is not None and not 1 <= args.max <= 9):
         parser.error("--seeds is 0 or more, --max from 1 to 9")
-    waiter = recipe.Waiter
-    if args.variant == "GapCheckedFirst":
-        waiter = variants.GapCheckedFirst
-    elif args.variant:
-        waiter = variants.BROKEN[args.variant]
+    waiter = variants.BROKEN[args.variant] if args.variant else recipe.Waiter
     if args.replay is not None:
         return replay(args.replay, args.max, waiter)
     started = time.monotonic()

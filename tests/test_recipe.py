@@ -421,6 +421,40 @@ def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_w
     assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
 
 
+def test_a_release_before_the_gap_check_answers_never_holds_a_key_gone_in_the_gap() -> None:
+    """Found by the simulator (seed 1568): read at R = 10, the watch confirmed at C = 15,
+    the gap check sent; the holder's release arrives on the watch before its answer, and
+    the answer says our key went in (R, C], a deletion the watch from "now" never shows.
+    The release must not count before the answer: the waiter reads again, never holds."""
+    waiter, enqueue = shared()
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
+    actions = waiter.feed(r.KeysAnswer(check.id, 16, [None, None]))  # both gone: ours in the gap
+    assert kinds(actions) == [r.ReadStanding, r.CancelWatch]
+    assert waiter.outcome is None
+    read = only(actions, r.ReadStanding)
+    actions = waiter.feed(r.StandingAnswer(read.id, 16, [], []))
+    assert isinstance(only(actions, r.CheckLease), r.CheckLease) and waiter.outcome is None
+
+
+def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answers() -> None:
+    """The same race with nothing changed in the gap: the held-back release is counted as
+    the check answers, with no further request (its revision is the hold's)."""
+    waiter, enqueue = private(1)
+    holder = kr("h", 3)
+    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
+    assert waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    assert waiter.outcome is None
+    assert waiter.feed(r.KeysAnswer(check.id, 16, [None, mine(10)])) == []
+    held = waiter.outcome
+    assert isinstance(held, r.Held)
+    assert (held.held_at, held.retire) == (16, (watch.id,))
+
+
 def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
     """The space alarm may last hours: one warning per run of refusals, not one a pause."""
     waiter, enqueue = private(1)

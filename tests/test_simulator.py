@@ -21,16 +21,15 @@ from tests.sim.real import RealEtcd
 from tests.sim.scenarios import SCENARIOS
 from tests.sim.schedule import PropertyFailed, cost_per_release, run
 
-# Schedules in CI: SEEDS seeds in CHUNKS tests; about 10 ms of CPU each (measured with
-# `scripts/simulate.py --seeds 3000`: 29.4 s at a load of about 4 on the shared 2-core
-# machine, 118.7 s at a load of 13), so the file's wall time stays near a minute there.
+# Schedules in CI: SEEDS seeds in CHUNKS tests; about 6-10 ms of CPU each (measured with
+# `scripts/simulate.py --seeds 2000`: 12.5 s to 46.0 s on the shared 2-core machine, at
+# loads of about 4 to 13), so the file's wall time stays under a minute there (28-48 s).
 SEEDS = 2000
 CHUNKS = 10
-# Seeds below SEEDS where the recipe as it is holds a slot on a key deleted between its
-# queue read and its watch's start (docs/design.md, "What the simulator explores": the
-# gap check's answer is not awaited before window events count). Run apart, expected to
-# fail until conch/recipe.py waits for the gap check; then this set must be emptied.
-KNOWN_GAP_BUG = frozenset({1568, 1698})
+# Seeds below SEEDS where the recipe once held a slot on a key deleted between its queue
+# read and its watch's start, counting a window event before its gap check had answered
+# (docs/design.md, "What the simulator explores"). Run apart too, as the fix's own test.
+GAP_SEEDS = frozenset({1568, 1698})
 
 
 @pytest.fixture
@@ -65,24 +64,14 @@ def _failures(seeds: Iterable[int], waiter: type[recipe.Waiter]) -> list[str]:
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_recipe_keeps_its_properties_on_fixed_seeds(chunk: int) -> None:
     size = SEEDS // CHUNKS
-    seeds = [s for s in range(chunk * size, (chunk + 1) * size) if s not in KNOWN_GAP_BUG]
+    seeds = range(chunk * size, (chunk + 1) * size)
     failed = _failures(seeds, recipe.Waiter)
     assert not failed, f"{len(failed)} schedules failed; the first:\n{failed[0]}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="conch/recipe.py counts window events before its gap check has answered",
-)
 def test_a_key_deleted_in_the_gap_before_the_watch_is_never_held() -> None:
-    failed = _failures(KNOWN_GAP_BUG, recipe.Waiter)
+    failed = _failures(GAP_SEEDS, recipe.Waiter)
     assert not failed, f"{len(failed)} schedules failed; the first:\n{failed[0]}"
-
-
-def test_waiting_for_the_gap_check_passes_the_schedules_the_recipe_fails() -> None:
-    seeds = KNOWN_GAP_BUG | frozenset(range(100))
-    assert _failures(seeds, variants.GapCheckedFirst) == []
 
 
 @pytest.mark.parametrize(
@@ -106,7 +95,7 @@ def test_the_schedules_explore_every_input_and_fault() -> None:
     """Over 200 seeds the schedules reach every state and input the recipe handles (not
     only holds at the enqueue): a drift in the scheduler that stopped exploring shows."""
     counts: collections.Counter[str] = collections.Counter()
-    for seed in sorted(set(range(200)) - KNOWN_GAP_BUG):
+    for seed in range(200):
         counts += run(seed).counts
     for needed in (
         "state.IN_WINDOW",

@@ -111,6 +111,7 @@ class Hold:
         self._held_at = held_at or revision
         self._guard_started = False
         self._watches_own_key = False  # the guard's own watch opened (or tried)
+        self._touch_failing = False  # "touch-failed" said for the failures in a row now
         self._backoff = Backoff()
         self._timer = timer_for(self._client)
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
@@ -294,9 +295,13 @@ class Hold:
             )
         except EtcdError as exc:
             # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
-            log.warning("touch-failed", name=self.name, error=str(exc))
+            # Said once per run of failures: the alarm may last hours.
+            if not self._touch_failing:
+                log.warning("touch-failed", name=self.name, error=str(exc))
+            self._touch_failing = True
             succeeded = None
         else:
+            self._touch_failing = False
             succeeded = bool(response.succeeded)
         verdict = guard_on_touch(self._releasing, succeeded)
         if verdict == GuardVerdict.RETRY:

@@ -35,6 +35,10 @@ raised instead of re-entering). What it adds: etcd unreachable for a moment (a r
 ``Failed`` with ``Failure.UNREACHABLE``) keeps our key and reads the standing again once
 etcd answers, for as long as the session is not lost; etcd refusing writes
 (``Failure.NO_SPACE``, its space alarm) keeps our place too, the touch retried after a pause.
+
+Once a slot is held, the Hold's guard decides with ``guard_plan`` (when to touch, when to
+open the watch on our key) and ``guard_on_notice`` / ``guard_on_look`` / ``guard_on_touch``
+(what it saw means), at the end of this module; the Hold makes the calls and keeps time.
 """
 
 from __future__ import annotations
@@ -610,6 +614,7 @@ class Waiter:
     def _enqueued(self, answer: EnqueueAnswer) -> list[Action]:
         if answer.created:
             self.revision, self.value = answer.revision, answer.value
+            self._queued_noted = False  # a new key: say where it queues
             if self.key in answer.heads:
                 return self._held(answer.revision, TouchOwed.NONE, ())
             return self._read_standing()

@@ -304,21 +304,29 @@ class _Wait:
 
     def _next_input(self) -> recipe.Input | None:
         """Sleep until a notice, a flag, the deadline or a pause's end."""
+        over = self._pause_over()
+        if over is not None:  # first: notices coming all the time must not starve a pause
+            return over
         wake = [] if self.deadline is None or "deadline" in self.told else [self.deadline]
         wake += self.pauses.values()
         timeout = None if not wake else max(0.0, min(wake) - time.monotonic())
         try:
             item = self.box.get(timeout=None if timeout is None else min(timeout, 3600.0))
         except queue.Empty:
-            now = time.monotonic()
-            for pause, due in sorted(self.pauses.items(), key=lambda p: p[1]):
-                if due <= now:
-                    del self.pauses[pause]
-                    return recipe.PauseOver(pause)
-            return None  # the deadline: _poll feeds it
+            return self._pause_over()  # or the deadline: _poll feeds it
         if isinstance(item, WatchNotice):
             return self._notice(item)
         return None  # a flag: _poll feeds it
+
+    def _pause_over(self) -> recipe.PauseOver | None:
+        """The first pause whose time has come, if any."""
+        now = time.monotonic()
+        due = [(end, pause) for pause, end in self.pauses.items() if end <= now]
+        if not due:
+            return None
+        _, pause = min(due)
+        del self.pauses[pause]
+        return recipe.PauseOver(pause)
 
     def _notice(self, notice: WatchNotice) -> recipe.Input | None:
         watch_id = self.ids.get(notice.watch)

@@ -436,3 +436,96 @@ def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
         notes += [a.event for a in actions if isinstance(a, r.Note)]
         touch = only(waiter.feed(r.PauseOver(only(actions, r.Pause).id)), r.Touch)
     assert notes == ["etcd-away", "touch-failed"]
+
+
+# -- any input at any moment ---------------------------------------------------------------
+
+
+def _answer(action: r.Action, rng: random.Random, keys: list[r.KeyRev]) -> r.Input | None:
+    """A plausible answer to ``action``, or a failure of it; None for what has none."""
+    if isinstance(action, (r.CancelWatch, r.Note)):
+        return None
+    failure = rng.random() < 0.2
+    if failure and not isinstance(action, (r.Withdraw, r.Pause, r.OpenWatch)):
+        return r.Failed(action.id, rng.choice(list(r.Failure)), "fault")
+    revision = rng.randint(1, 50)
+    if isinstance(action, r.OpenSession):
+        return r.SessionOpened(action.id, LEASE, ME)
+    if isinstance(action, r.SendEnqueue):
+        created = rng.random() < 0.7
+        heads = [k.key for k in rng.sample(keys, min(len(keys), 2))] + [ME] * rng.randint(0, 1)
+        found = rng.choice([None, mine(9), kr("host", 4)])
+        return r.EnqueueAnswer(action.id, revision, created, b"v", heads, found, found == mine(9))
+    if isinstance(action, r.ReadStanding):
+        ahead = sorted(rng.sample(keys, rng.randint(0, len(keys))), key=lambda k: k.create_revision)
+        me = [mine(action.revision)] if rng.random() < 0.9 else []
+        return r.StandingAnswer(action.id, revision, [*ahead, *me][:5], [*me, *ahead[-1:]])
+    if isinstance(action, r.ReadKeys):
+        return r.KeysAnswer(action.id, revision, [rng.choice([None, *keys]) for _ in action.keys])
+    if isinstance(action, r.Touch):
+        return r.TouchAnswer(action.id, revision, rng.random() < 0.8)
+    if isinstance(action, r.CheckLease):
+        return r.LeaseAnswer(action.id, rng.choice([-1, 5]))
+    if isinstance(action, r.Withdraw):
+        return r.Withdrawn(action.id)
+    if isinstance(action, r.Pause):
+        return r.PauseOver(action.id)
+    if isinstance(action, r.OpenWatch):
+        if rng.random() < 0.5:
+            return r.WatchCreated(action.id, revision)
+        if rng.random() < 0.1:
+            return r.WatchBroken(action.id)
+        key = rng.choice([*keys, mine(10)])
+        kind = rng.choice(list(r.EventType))
+        return r.WatchEvents(action.id, [r.Event(kind, key)], revision)
+    raise AssertionError(action)
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> None:
+    """Seeded schedules of plausible answers, failures, stale ids, watch events, losses,
+    deadlines and pauses in any order: the machine never raises, its outcome once given
+    never changes, and an interrupt ends any wait once its withdraw is answered."""
+    rng = random.Random(seed)
+    keys = [kr(f"k{i}", 3 + i) for i in range(rng.randint(0, 6))]
+    max_holders = rng.randint(1, 3)
+    if rng.random() < 0.5:
+        waiter = r.Waiter(PREFIX, max_holders, FixedPauses(), key=ME, lease_id=LEASE)
+    else:
+        waiter = r.Waiter(PREFIX, max_holders, FixedPauses())
+    pending = list(waiter.start())
+    outcome: r.Outcome | None = None
+    for _ in range(150):
+        if pending and rng.random() < 0.7:
+            answer = _answer(pending.pop(rng.randrange(len(pending))), rng, keys)
+        else:
+            answer = rng.choice(
+                [
+                    r.SessionLost("x"),
+                    r.DeadlineReached(),
+                    r.PauseOver(rng.randint(1, 40)),
+                    r.Withdrawn(rng.randint(1, 40)),
+                    r.WatchEvents(rng.randint(1, 40), [r.Event(r.EventType.DELETE, mine(10))], 9),
+                    r.Failed(rng.randint(1, 40), r.Failure.UNREACHABLE),
+                    None,
+                ]
+            )
+        if answer is not None:
+            pending += waiter.feed(answer)
+        if outcome is not None:
+            assert waiter.outcome is outcome, "the outcome changed"
+        outcome = waiter.outcome
+        assert waiter.state in (r.State.HELD, r.State.DONE) or outcome is None
+    pending += waiter.feed(r.Interrupt(2))
+    for _ in range(20):
+        if waiter.outcome is not None:
+            break
+        withdraws = [a for a in pending if isinstance(a, r.Withdraw)]
+        pending = [a for a in pending if not isinstance(a, r.Withdraw)]
+        for withdraw in withdraws:
+            pending += waiter.feed(r.Withdrawn(withdraw.id))
+        if not withdraws and pending:
+            answer = _answer(pending.pop(0), rng, keys)
+            if answer is not None:
+                pending += waiter.feed(answer)
+    assert waiter.outcome is not None, waiter.state

@@ -261,6 +261,9 @@ def _check_fork_support() -> None:
         )
 
 
+_JITTER = random.Random()
+
+
 class Backoff:
     """Capped exponential backoff with decorrelated jitter: ``next()`` gives the next pause
     in seconds, drawn from [``first``, 3 x the previous pause] (the first from [``first``,
@@ -280,7 +283,9 @@ class Backoff:
         self._first = first
         self._cap = cap
         self._last = first
-        self._rng = rng or random.Random()
+        # One generator for all by default: seeding one costs tens of microseconds (from
+        # os.urandom), and a Hold makes its Backoff on the handoff's path.
+        self._rng = rng or _JITTER
 
     def next(self) -> float:
         self._last = min(self._cap, self._rng.uniform(self._first, self._last * 3))

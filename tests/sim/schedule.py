@@ -1,0 +1,1243 @@
+"""The scheduler: many waiters' ``conch.recipe.Waiter`` machines against one ``SimEtcd``,
+interleaved by a seeded random schedule, with the recipe's properties checked at every step.
+
+A ``World`` is one semaphore (name, N) and the processes that acquire it. It is the driver
+the machines expect (conch/recipe.py's docstring), written over the model instead of gRPC:
+each action a machine returns becomes a request *in flight*; the schedule decides, one step
+at a time, which thing happens next:
+
+* a request in flight is applied to the model (or fails: etcd unreachable, space alarm);
+* an answer is delivered to its machine, or lost (for a write: applied, then the answer
+  lost, which the machine sees as "unreachable");
+* a watch delivers its next notice (each watch in its own order; different watches and
+  different answers in any order: etcd orders a watcher's events, not the responses to
+  different requests);
+* the clock moves on (pauses end, keepalives go out, leases run out, holds end);
+* the world does something: a process arrives, a holder's job ends (one, or several at
+  once), a waiter is interrupted or its session lost, etcd becomes unreachable or refuses
+  writes (NOSPACE) for a while, the history is compacted, a watch breaks.
+
+Holders are the driver's part, as ``conch/hold.py`` does it: the touch the machine says is
+owed, retried while etcd is away, and the watch on its own key, each when and as the
+recipe's guard functions say (``conch.recipe.guard_plan``, ``guard_on_*``); the release
+(revoke a private lease, delete the key of a shared one). A holder's session is lost for it
+before etcd can expire the lease: conch's ``check()`` counts the TTL from when the last
+confirmed keepalive was *sent*, which is never after etcd restarted its countdown.
+
+Everything is drawn from one ``random.Random(seed)``; nothing depends on the wall clock or
+on hash order, so a seed replays exactly. ``trace`` is the compact schedule that a failure
+prints.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb import kv_pb2
+
+from conch import recipe as r
+from tests.sim.model import ModelError, SimEtcd
+
+TTL = 5  # seconds: every session's lease
+GUARD = -1  # the machine id under which a holder's guard watch is kept
+KEEPALIVE_EVERY = TTL / 3  # seconds between keepalives, as conch's session sends them
+MARGIN = 0.01  # a session is lost for its owner this long before etcd could expire it
+# Steady steps (no fault, no slow request, nobody backing off) a waiter may sleep while the
+# model says it holds, or a holder hold on after its key was deleted: a release reaches the
+# waiter it promotes in a handful of deliveries (its event, a read, a watch), interleaved
+# with the others'. The most seen: 40 and 18 in the first 600 seeds.
+ASLEEP_BOUND = 200
+RUN_STEPS = 1500  # steps of the phase with faults and arrivals, at most
+CALM_STEPS = 20000  # steps to finish once faults are over: more is a livelock
+
+
+class PropertyFailed(AssertionError):
+    """A property of the recipe does not hold in this schedule; ``trace`` is the whole of
+    the schedule up to the failure (the message has its tail)."""
+
+    def __init__(self, message: str, trace: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.trace = list(trace)
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class SimBackoff:
+    """conch's Backoff (capped, doubling), with jitter drawn from the world's generator."""
+
+    def __init__(self, rng: random.Random, first: float = 0.1, cap: float = 2.0) -> None:
+        self._rng, self._first, self._cap = rng, first, cap
+        self._next = first
+
+    def next(self) -> float:
+        pause = self._next
+        self._next = min(self._cap, self._next * 2)
+        return pause * self._rng.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self._next = self._first
+
+
+@dataclass
+class Session:
+    """A lease kept alive for its owner. ``certain_until``: when the owner stops trusting
+    it without a newer confirmed keepalive (last send + TTL - MARGIN)."""
+
+    lease_id: int
+    shared: bool
+    certain_until: float
+    next_keepalive: float
+    kept: bool = True  # keepalives still sent (not closed, not frozen)
+    lost: bool = False
+
+
+@dataclass
+class Proc:
+    """One acquire: a Waiter, then (if it holds) the hold, until released."""
+
+    name: str
+    waiter: r.Waiter
+    timeout: float | None
+    shared: Session | None = None
+    holding: bool = False  # believes it holds (the hold neither released nor lost)
+    held: r.Held | None = None
+    done: bool = False  # released, or gave up
+    watches: dict[int, int] = field(default_factory=dict)  # machine's id -> model's id
+    cancelled: set[int] = field(default_factory=set)  # watches cancelled (maybe unopened)
+    asleep: int = 0  # steps the model has said it holds while it does not know
+    held_at: int = 0  # the guard's: the revision our key is known ours at
+    unnoticed: int = 0  # steps holding a key that is gone, its guard not yet aware
+
+
+@dataclass
+class InFlight:
+    """A request sent and not yet applied (``answer`` None), or applied and not yet
+    delivered. ``write``: it changes etcd when applied (its answer may be lost)."""
+
+    proc: Proc
+    what: str
+    apply: Callable[[], Any]
+    deliver: Callable[[Any], None]
+    write: bool
+    weight: float
+    answer: Any = None
+    applied: bool = False
+
+
+@dataclass
+class Timer:
+    at: float
+    seq: int
+    proc: Proc | None
+    what: str
+    fire: Callable[[], None]
+
+
+class World:
+    """One semaphore of ``max_holders`` slots on ``etcd``, and the processes acquiring it."""
+
+    def __init__(
+        self,
+        seed: int,
+        max_holders: int,
+        etcd: SimEtcd | None = None,
+        waiter: type[r.Waiter] = r.Waiter,
+        auto_release: bool = True,
+    ) -> None:
+        """``waiter``: the machine to drive (a variant, to show a property catches its
+        bug). ``auto_release``: holders' jobs end after a random time (else only when
+        ``release`` is called)."""
+        self.seed = seed
+        self.waiter = waiter
+        self.auto_release = auto_release
+        self.counts: collections.Counter[str] = collections.Counter()  # what was explored
+        self.rng = random.Random(seed)
+        self.max = max_holders
+        self.etcd = etcd or SimEtcd()
+        self.prefix = b"/conch/v1/sema/sim/%d/" % max_holders
+        self.procs: list[Proc] = []
+        self.in_flight: list[InFlight] = []
+        self.timers: list[Timer] = []
+        self.sessions: list[Session] = []
+        self.watch_owner: dict[int, tuple[Proc, int]] = {}  # model's watch id -> (proc, id)
+        self.broken: list[tuple[Proc, int, bool]] = []  # WatchBroken notices to deliver
+        self.trace: list[str] = []
+        self.steps = 0
+        self.requests = 0  # requests sent to etcd (by machines and holders)
+        self.faulty = False  # a fault is active: liveness is not counted
+        self.lost_rate = 0.0
+        self.slow_rate = 0.1  # the share of requests left slow
+        self.notice_weight = 1.0  # how eagerly watch notices are delivered, against answers
+        self._seq = 0
+
+    # -- the trace -----------------------------------------------------------------------
+
+    def log(self, line: str) -> None:
+        self.trace.append(f"{self.steps} t={self.etcd.now:.2f} rev={self.etcd.revision} {line}")
+
+    def fail(self, message: str) -> None:
+        tail = "\n".join(self.trace[-60:])
+        raise PropertyFailed(
+            f"seed {self.seed} (N={self.max}), step {self.steps}: {message}\n"
+            f"replay: scripts/simulate.py --replay {self.seed}\nlast of the trace:\n{tail}",
+            self.trace,
+        )
+
+    # -- processes -----------------------------------------------------------------------
+
+    def arrive(self, shared: bool = False, timeout: float | None = None) -> Proc:
+        """A process starts an acquire (on a session of its own, or on a shared one the
+        driver grants first, outside any fault)."""
+        name = f"w{len(self.procs)}"
+        backoff = SimBackoff(self.rng)
+        session = None
+        if shared:
+            reachable, nospace = self.etcd.reachable, self.etcd.nospace
+            self.etcd.reachable, self.etcd.nospace = True, False
+            grant = self.etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=TTL))
+            self.etcd.reachable, self.etcd.nospace = reachable, nospace
+            session = self._session(grant.ID, shared=True)
+            key = self.prefix + b"%x" % grant.ID
+            waiter = self.waiter(self.prefix, self.max, backoff, key=key, lease_id=grant.ID)
+        else:
+            waiter = self.waiter(self.prefix, self.max, backoff)
+        proc = Proc(name, waiter, timeout, shared=session)
+        self.procs.append(proc)
+        self.log(f"{name} arrives ({'shared' if shared else 'private'}, timeout={timeout})")
+        if timeout is not None:
+            self._timer(timeout, proc, "deadline", lambda: self.feed(proc, r.DeadlineReached()))
+        self.execute(proc, proc.waiter.start())
+        self._after_outcome(proc, r.State.ENQUEUEING)
+        return proc
+
+    def _session(self, lease_id: int, shared: bool) -> Session:
+        session = Session(
+            lease_id,
+            shared,
+            certain_until=self.etcd.now + TTL - MARGIN,
+            next_keepalive=self.etcd.now + KEEPALIVE_EVERY,
+        )
+        self.sessions.append(session)
+        return session
+
+    def feed(self, proc: Proc, event: r.Input) -> None:
+        self.log(f"{proc.name} <- {_short(event)}")
+        before = proc.waiter.state
+        self.counts[type(event).__name__] += 1
+        if isinstance(event, r.Failed):
+            self.counts[f"Failed.{event.failure.name}"] += 1
+        self.execute(proc, proc.waiter.feed(event))
+        self._after_outcome(proc, before)
+
+    def _after_outcome(self, proc: Proc, before: r.State) -> None:
+        outcome = proc.waiter.outcome
+        if outcome is None or proc.held is not None or proc.done:
+            return
+        if isinstance(outcome, r.GaveUp):
+            self.log(f"{proc.name} gave up: {outcome.reason.value} {outcome.detail}")
+            proc.done = True
+            self._close_shared(proc)
+            return
+        self.counts[f"held.{before.name}.{outcome.touch.name}"] += 1
+        self._granted(proc, outcome)
+
+    # -- executing actions ---------------------------------------------------------------
+
+    def execute(self, proc: Proc, actions: Sequence[r.Action]) -> None:
+        self.counts[f"state.{proc.waiter.state.name}"] += 1
+        for action in actions:
+            self.counts[type(action).__name__] += 1
+            if isinstance(action, r.Note):
+                continue
+            self.log(f"{proc.name} -> {_short(action)}")
+            if isinstance(action, r.CancelWatch):
+                self._cancel_watch(proc, action.id)
+            elif isinstance(action, r.Pause):
+                over = r.PauseOver(action.id)
+                self._timer(action.seconds, proc, "pause", functools.partial(self.feed, proc, over))
+            else:
+                self._send(proc, action)
+
+    def _send(self, proc: Proc, action: r.Action) -> None:
+        self.requests += 1
+        if isinstance(action, r.OpenWatch):
+            self._in_flight(proc, "open-watch", lambda: self._open_watch(proc, action), None, False)
+            return
+        if isinstance(action, r.Withdraw) and action.revoke:
+            self._stop_session(action.lease_id)  # a private session closes: no keepalives
+        write = isinstance(action, (r.OpenSession, r.SendEnqueue, r.Touch, r.Withdraw))
+
+        def applied() -> Any:
+            try:
+                return self._request(action)
+            except ModelError as error:
+                machine_id = getattr(action, "id", 0)
+                if isinstance(action, r.Withdraw):
+                    return r.Withdrawn(machine_id)  # best effort: over either way
+                return r.Failed(machine_id, _failure(error), error.message)
+
+        def deliver(answer: Any) -> None:
+            self.feed(proc, answer)
+
+        self._in_flight(proc, type(action).__name__, applied, deliver, write)
+
+    def _request(self, action: r.Action) -> Any:
+        """Apply one machine's request to the model; its answer (ModelError if etcd
+        answers an error)."""
+        if isinstance(action, r.OpenSession):
+            return self._open_session(action)
+        if isinstance(action, r.SendEnqueue):
+            return self._enqueue(action)
+        if isinstance(action, r.ReadStanding):
+            return self._standing(action)
+        if isinstance(action, r.ReadKeys):
+            return self._read_keys(action)
+        if isinstance(action, r.Touch):
+            return self._touch(
+                action.id, action.key, action.revision, action.value, action.lease_id
+            )
+        if isinstance(action, r.CheckLease):
+            return self._check_lease(action)
+        if isinstance(action, r.Withdraw):
+            return self._withdraw(action)
+        raise AssertionError(f"unknown action {action!r}")
+
+    def _in_flight(
+        self,
+        proc: Proc,
+        what: str,
+        apply: Callable[[], Any],
+        deliver: Callable[[Any], None] | None,
+        write: bool,
+    ) -> None:
+        # Some requests are slow: far less likely to be picked at any step.
+        weight = 0.05 if self.rng.random() < self.slow_rate else 1.0
+        self.in_flight.append(
+            InFlight(proc, what, apply, deliver or (lambda _: None), write, weight)
+        )
+
+    # -- the requests, on the model ------------------------------------------------------
+
+    def _open_session(self, action: r.OpenSession) -> tuple[r.SessionOpened, float]:
+        """LeaseGrant; the answer, and when the lease's countdown started (the keepalive
+        starts once the answer is in: ``_on_opened``)."""
+        grant = self.etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=TTL))
+        lease_id = int(grant.ID)
+        opened = r.SessionOpened(action.id, lease_id, self.prefix + b"%x" % lease_id)
+        return opened, self.etcd.now
+
+    def _enqueue(self, action: r.SendEnqueue) -> r.Input:
+        value = b'{"sim":1}'
+        heads = rpc_pb2.RangeRequest(
+            key=self.prefix,
+            range_end=prefix_end(self.prefix),
+            limit=self.max,
+            keys_only=True,
+            sort_target=rpc_pb2.RangeRequest.CREATE,
+            sort_order=rpc_pb2.RangeRequest.ASCEND,
+        )
+        response = self.etcd.txn(
+            rpc_pb2.TxnRequest(
+                compare=[_create_is(action.key, 0)],
+                success=[
+                    rpc_pb2.RequestOp(
+                        request_put=rpc_pb2.PutRequest(
+                            key=action.key, value=value, lease=action.lease_id
+                        )
+                    ),
+                    rpc_pb2.RequestOp(request_range=heads),
+                ],
+                failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=action.key))],
+            )
+        )
+        revision = int(response.header.revision)
+        if response.succeeded:
+            found = response.responses[1].response_range.kvs
+            return r.EnqueueAnswer(
+                action.id, revision, True, value, heads=[bytes(kv.key) for kv in found]
+            )
+        kvs = response.responses[0].response_range.kvs
+        if not kvs:
+            return r.EnqueueAnswer(action.id, revision, False)
+        return r.EnqueueAnswer(
+            action.id,
+            revision,
+            False,
+            bytes(kvs[0].value),
+            existing=_keyrev(kvs[0]),
+            existing_ours=kvs[0].lease == action.lease_id,
+        )
+
+    def _standing(self, action: r.ReadStanding) -> r.Input:
+        def queue(limit: int, order: int) -> rpc_pb2.RequestOp:
+            return rpc_pb2.RequestOp(
+                request_range=rpc_pb2.RangeRequest(
+                    key=self.prefix,
+                    range_end=prefix_end(self.prefix),
+                    limit=limit,
+                    keys_only=True,
+                    max_create_revision=action.revision,
+                    sort_target=rpc_pb2.RangeRequest.CREATE,
+                    sort_order=order,
+                )
+            )
+
+        response = self.etcd.txn(
+            rpc_pb2.TxnRequest(
+                success=[
+                    queue(r.window_size(self.max), rpc_pb2.RangeRequest.ASCEND),
+                    queue(2, rpc_pb2.RangeRequest.DESCEND),
+                ]
+            )
+        )
+        window = [_keyrev(kv) for kv in response.responses[0].response_range.kvs]
+        mine = [_keyrev(kv) for kv in response.responses[1].response_range.kvs]
+        return r.StandingAnswer(action.id, int(response.header.revision), window, mine)
+
+    def _read_keys(self, action: r.ReadKeys) -> r.Input:
+        response = self.etcd.txn(
+            rpc_pb2.TxnRequest(
+                success=[
+                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))
+                    for key in action.keys
+                ]
+            )
+        )
+        kvs = [
+            _keyrev(op.response_range.kvs[0]) if op.response_range.kvs else None
+            for op in response.responses
+        ]
+        return r.KeysAnswer(action.id, int(response.header.revision), kvs)
+
+    def _touch(self, touch_id: int, key: bytes, revision: int, value: bytes, lease: int) -> Any:
+        response = self.etcd.txn(
+            rpc_pb2.TxnRequest(
+                compare=[_create_is(key, revision)],
+                success=[
+                    rpc_pb2.RequestOp(
+                        request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)
+                    )
+                ],
+            )
+        )
+        return r.TouchAnswer(touch_id, int(response.header.revision), bool(response.succeeded))
+
+    def _check_lease(self, action: r.CheckLease) -> r.Input:
+        response = self.etcd.lease_time_to_live(rpc_pb2.LeaseTimeToLiveRequest(ID=action.lease_id))
+        return r.LeaseAnswer(action.id, int(response.TTL))
+
+    def _withdraw(self, action: r.Withdraw) -> r.Input:
+        if action.revoke:
+            try:
+                self.etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=action.lease_id))
+            except ModelError as error:
+                if error.code != "NOT_FOUND":
+                    raise
+            return r.Withdrawn(action.id)
+        compare = _create_is(action.key, action.revision)
+        if not action.revision:
+            compare = rpc_pb2.Compare(
+                result=rpc_pb2.Compare.EQUAL,
+                target=rpc_pb2.Compare.LEASE,
+                key=action.key,
+                lease=action.lease_id,
+            )
+        delete = rpc_pb2.DeleteRangeRequest(key=action.key)
+        self.etcd.txn(
+            rpc_pb2.TxnRequest(
+                compare=[compare], success=[rpc_pb2.RequestOp(request_delete_range=delete)]
+            )
+        )
+        return r.Withdrawn(action.id)
+
+    def _open_watch(self, proc: Proc, action: r.OpenWatch) -> None:
+        if action.id in proc.cancelled:
+            return  # cancelled before its create request went out
+        try:
+            request = rpc_pb2.WatchCreateRequest(key=action.key)
+            if action.prefix:
+                request.range_end = prefix_end(action.key)
+                request.filters.append(rpc_pb2.WatchCreateRequest.NOPUT)
+            model_id = self.etcd.watch_create(request)
+        except ModelError as error:
+            self.feed(proc, r.Failed(action.id, _failure(error), error.message))
+            return
+        proc.watches[action.id] = model_id
+        self.watch_owner[model_id] = (proc, action.id)
+
+    def _cancel_watch(self, proc: Proc, machine_id: int) -> None:
+        proc.cancelled.add(machine_id)
+        model_id = proc.watches.pop(machine_id, None)
+        if model_id is not None:
+            self.etcd.watch_cancel(model_id)
+            self.watch_owner.pop(model_id, None)
+        self.broken = [b for b in self.broken if (b[0], b[1]) != (proc, machine_id)]
+
+    # -- sessions ------------------------------------------------------------------------
+
+    def _stop_session(self, lease_id: int) -> None:
+        for session in self.sessions:
+            if session.lease_id == lease_id:
+                session.kept = False
+
+    def session_of(self, proc: Proc) -> Session | None:
+        lease_id = proc.waiter.lease_id if proc.held is None else proc.held.lease_id
+        for session in self.sessions:
+            if session.lease_id == lease_id and session.kept and not session.lost:
+                return session
+        return None
+
+    def _lose_session(self, session: Session, reason: str) -> None:
+        """The owner learns its session is lost."""
+        session.lost, session.kept = True, False
+        for proc in self.procs:
+            lease_id = proc.held.lease_id if proc.held is not None else proc.waiter.lease_id
+            if lease_id != session.lease_id or proc.done:
+                continue
+            if proc.holding:
+                self._hold_lost(proc, reason)
+            elif proc.waiter.outcome is None:
+                self.feed(proc, r.SessionLost(reason))
+
+    # -- holds -------------------------------------------------------------------------------
+
+    def _granted(self, proc: Proc, held: r.Held) -> None:
+        proc.held = held
+        for watch in held.retire:  # the watch that woke us, closed off the handoff's path
+            self._cancel_watch(proc, watch)
+        live = self.etcd.under(self.prefix)
+        ahead = [kv for kv in live if kv.create_revision < held.revision]
+        mine = [kv for kv in live if kv.key == held.key]
+        self.log(f"{proc.name} HOLDS rev={held.revision} at={held.held_at} ahead={len(ahead)}")
+        if not mine or mine[0].create_revision != held.revision:
+            deleted = self.etcd.deleted_at.get(held.key, 0)
+            if deleted <= held.held_at:
+                self.fail(
+                    f"{proc.name} holds at {held.held_at} a key deleted at {deleted} "
+                    f"(rev {held.revision})"
+                )
+            # Deleted after the revision it holds at (from outside, meanwhile): its
+            # guard, watching from there, is to see the deletion.
+        elif len(ahead) >= self.max:
+            self.fail(
+                f"FIFO: {proc.name} (rev {held.revision}) holds with {len(ahead)} earlier "
+                f"live keys ahead of it: {[int(kv.create_revision) for kv in ahead]}"
+            )
+        proc.holding = True
+        proc.held_at = held.held_at
+        # The guard as conch/hold.py runs it, on the recipe's own decisions.
+        plan = r.guard_plan(held.touch)
+        if plan.touch_at_once:
+            self._hold_touch(proc, at_once=True)
+        if plan.touch_after is not None:
+            self._timer(plan.touch_after, proc, "guard", lambda: self._hold_touch(proc))
+        self._timer(plan.watch_after, proc, "guard", lambda: self._guard_watch(proc))
+        if self.auto_release:
+            hold_for = self.rng.expovariate(0.7)
+            self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
+
+    def _hold_lost(self, proc: Proc, reason: str) -> None:
+        if proc.holding:
+            self.log(f"{proc.name} hold lost: {reason}")
+            proc.holding = False
+            self._release(proc, lost=True)
+
+    def _hold_touch(self, proc: Proc, at_once: bool = False) -> None:
+        """The touch the hold owes the waiter behind (KV.Txn on our create_revision)."""
+        held = proc.held
+        if held is None or not proc.holding:
+            return
+        self.requests += 1
+
+        def apply() -> Any:
+            try:
+                return self._touch(0, held.key, held.revision, held.value, held.lease_id)
+            except ModelError as error:
+                return error
+
+        def deliver(answer: Any) -> None:
+            succeeded = answer.succeeded if isinstance(answer, r.TouchAnswer) else None
+            verdict = r.guard_on_touch(not proc.holding, succeeded)
+            if verdict == r.GuardVerdict.RETRY:
+                retry = functools.partial(self._hold_touch, proc, at_once)
+                self._timer(self._guard_pause(proc), proc, "guard", retry)
+            elif verdict == r.GuardVerdict.LOST:
+                self._hold_lost(proc, "the touch found our key gone")
+            elif verdict == r.GuardVerdict.WATCH and at_once and GUARD not in proc.watches:
+                proc.held_at = max(proc.held_at, answer.revision)  # ours at the touch
+
+        self.log(f"{proc.name} -> hold touch")
+        self._in_flight(proc, "hold-touch", apply, deliver, True)
+
+    def _guard_pause(self, proc: Proc) -> float:
+        return SimBackoff(self.rng).next() * 2
+
+    def _guard_watch(self, proc: Proc, start: int = 0) -> None:
+        """Watch our key for deletion from the revision it is known ours at."""
+        held = proc.held
+        if held is None or not proc.holding:
+            return
+        start = start or proc.held_at + 1
+
+        def apply() -> None:
+            if not proc.holding or GUARD in proc.cancelled:
+                return
+            try:
+                model_id = self.etcd.watch_create(
+                    rpc_pb2.WatchCreateRequest(
+                        key=held.key,
+                        start_revision=start,
+                        filters=[rpc_pb2.WatchCreateRequest.NOPUT],
+                    )
+                )
+            except ModelError:
+                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                return
+            proc.watches[GUARD] = model_id
+            self.watch_owner[model_id] = (proc, GUARD)
+
+        proc.cancelled.discard(GUARD)
+        self._in_flight(proc, "guard-watch", apply, None, False)
+
+    def _guard_notice(self, proc: Proc, ended: bool) -> None:
+        """A notice of the guard's watch: our key deleted, or the watch over (compacted,
+        broken)."""
+        if ended:
+            proc.watches.pop(GUARD, None)
+        verdict = r.guard_on_notice(not proc.holding, ended)
+        if verdict == r.GuardVerdict.LOST:
+            self._hold_lost(proc, "the guard saw our key deleted")
+        elif verdict == r.GuardVerdict.LOOK:
+            self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+
+    def _guard_look(self, proc: Proc) -> None:
+        """Read our key again after the guard's watch ended (KV.Range)."""
+        held = proc.held
+        if held is None or not proc.holding:
+            return
+
+        def apply() -> Any:
+            try:
+                return self.etcd.range(rpc_pb2.RangeRequest(key=held.key))
+            except ModelError as error:
+                return error
+
+        def deliver(answer: Any) -> None:
+            if isinstance(answer, ModelError):
+                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                return
+            found = _keyrev(answer.kvs[0]) if answer.kvs else None
+            verdict = r.guard_on_look(not proc.holding, found, held.revision)
+            if verdict == r.GuardVerdict.LOST:
+                self._hold_lost(proc, "the guard found our key gone")
+            elif verdict == r.GuardVerdict.WATCH:
+                self._guard_watch(proc, int(answer.header.revision) + 1)
+
+        self.requests += 1
+        self._in_flight(proc, "guard-look", apply, deliver, False)
+
+    def release(self, proc: Proc) -> None:
+        """The holder's job ends: give the slot back."""
+        if not proc.holding:
+            return
+        proc.holding = False
+        self.log(f"{proc.name} releases")
+        self._release(proc, lost=False)
+
+    def _release(self, proc: Proc, lost: bool) -> None:
+        held = proc.held
+        assert held is not None
+        proc.done = True
+        self._cancel_watch(proc, GUARD)
+        if proc.shared is None:
+            self._stop_session(held.lease_id)
+            self.requests += 1
+            self._in_flight(
+                proc, "release-revoke", lambda: self._revoke(held.lease_id), lambda _: None, True
+            )
+            return
+        if not lost:
+            self.requests += 1
+            withdraw = r.Withdraw(0, held.key, held.revision, held.lease_id, False)
+            self._in_flight(
+                proc, "release-delete", lambda: self._quiet(withdraw), lambda _: None, True
+            )
+        self._close_shared(proc)
+
+    def _close_shared(self, proc: Proc) -> None:
+        """The caller closes its shared session once done with it (revokes its lease)."""
+        if proc.shared is None or not proc.shared.kept:
+            return
+        lease_id = proc.shared.lease_id
+        proc.shared.kept = False
+        self.requests += 1
+        self._in_flight(proc, "close-shared", lambda: self._revoke(lease_id), lambda _: None, True)
+
+    def _revoke(self, lease_id: int) -> Any:
+        try:
+            return self.etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=lease_id))
+        except ModelError as error:
+            return error
+
+    def _quiet(self, withdraw: r.Withdraw) -> Any:
+        try:
+            return self._withdraw(withdraw)
+        except ModelError as error:
+            return error
+
+    # -- time ----------------------------------------------------------------------------
+
+    def _timer(
+        self, seconds: float, proc: Proc | None, what: str, fire: Callable[[], None]
+    ) -> None:
+        self._seq += 1
+        self.timers.append(Timer(self.etcd.now + seconds, self._seq, proc, what, fire))
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock on by ``seconds``, firing what falls due on the way, in order:
+        timers, keepalives, a session's certainty running out (before etcd may expire it),
+        and the model's own lease expiry."""
+        until = self.etcd.now + seconds
+        while True:
+            due = self._next_due(until)
+            if due is None:
+                break
+            at, fire = due
+            self.etcd.advance(max(0.0, at - self.etcd.now))
+            fire()
+        self.etcd.advance(max(0.0, until - self.etcd.now))
+
+    def _next_due(self, until: float) -> tuple[float, Callable[[], None]] | None:
+        best: tuple[float, int, Callable[[], None]] | None = None
+        for timer in self.timers:
+            if timer.at <= until and (best is None or (timer.at, timer.seq) < best[:2]):
+                best = (timer.at, timer.seq, self._firing(timer))
+        for i, session in enumerate(self.sessions):
+            if not session.kept or session.lost:
+                continue
+            for at, fire in (
+                (session.certain_until, self._lapse(session)),
+                (session.next_keepalive, self._keeping(session)),
+            ):
+                if at <= until and (best is None or (at, -1 - i) < best[:2]):
+                    best = (at, -1 - i, fire)
+        return None if best is None else (best[0], best[2])
+
+    def _lapse(self, session: Session) -> Callable[[], None]:
+        return lambda: self._lose_session(session, "keepalive lapsed")
+
+    def _keeping(self, session: Session) -> Callable[[], None]:
+        return lambda: self._keepalive(session)
+
+    def _firing(self, timer: Timer) -> Callable[[], None]:
+        def fire() -> None:
+            self.timers.remove(timer)
+            timer.fire()
+
+        return fire
+
+    def _keepalive(self, session: Session) -> None:
+        session.next_keepalive = self.etcd.now + KEEPALIVE_EVERY
+        try:
+            answer = self.etcd.lease_keepalive(rpc_pb2.LeaseKeepAliveRequest(ID=session.lease_id))
+        except ModelError:
+            return  # etcd away: try again at the next interval
+        if answer.TTL <= 0:
+            self._lose_session(session, "lease gone (keepalive answered TTL 0)")
+            return
+        session.certain_until = self.etcd.now + TTL - MARGIN
+
+    # -- one step ------------------------------------------------------------------------
+
+    def pending(self) -> bool:
+        """Whether anything is in flight: a request, an answer, a watch notice."""
+        return bool(self.in_flight or self.broken or self._notices())
+
+    def _notices(self) -> list[int]:
+        if not self.etcd.reachable:
+            return []  # the watch stream is cut: notices wait (conch's hub resumes it)
+        return [w for w in self.watch_owner if self.etcd.watch_pending(w)]
+
+    def step_messages(self) -> bool:
+        """Deliver one thing in flight, picked at random; False when nothing is."""
+        choices: list[tuple[float, Callable[[], None]]] = []
+        for item in self.in_flight:
+            choices.append((item.weight, functools.partial(self._progress, item)))
+        for model_id in self._notices():
+            choices.append((self.notice_weight, functools.partial(self._notice, model_id)))
+        for broken in self.broken:
+            choices.append((1.0, functools.partial(self._deliver_broken, broken)))
+        if not choices:
+            return False
+        weights = [w for w, _ in choices]
+        self.rng.choices(choices, weights)[0][1]()
+        return True
+
+    def _progress(self, item: InFlight) -> None:
+        if not item.applied:
+            item.applied = True
+            self.log(f"{item.proc.name} applied {item.what}")
+            item.answer = item.apply()
+            if item.what == "open-watch":
+                self.in_flight.remove(item)
+            return
+        self.in_flight.remove(item)
+        answer = item.answer
+        if item.write and self.rng.random() < self.lost_rate:
+            self.log(f"{item.proc.name} answer to {item.what} lost")
+            answer = _lost(answer)
+        if isinstance(answer, tuple):
+            opened, granted = answer
+            self._on_opened(item.proc, opened, granted)
+            return
+        item.deliver(answer)
+
+    def _on_opened(self, proc: Proc, opened: r.SessionOpened, granted: float) -> None:
+        session = self._session(opened.lease_id, shared=False)
+        session.certain_until = granted + TTL - MARGIN
+        self.feed(proc, opened)
+        if self.etcd.now >= session.certain_until:  # the answer took longer than the TTL
+            self._lose_session(session, "lease granted too long ago")
+
+    def _notice(self, model_id: int) -> None:
+        proc, machine_id = self.watch_owner[model_id]
+        response = self.etcd.watch_next(model_id, revisions=self.rng.choice((1, 1, 1, 3)))
+        if response is None:
+            return
+        if machine_id == GUARD:
+            if response.canceled:
+                self.watch_owner.pop(model_id, None)
+            if response.canceled or response.events:
+                self.log(f"{proc.name}'s guard <- {'ended' if response.canceled else 'deleted'}")
+                self._guard_notice(proc, ended=bool(response.canceled))
+            return
+        if response.canceled:
+            self.watch_owner.pop(model_id, None)
+            proc.watches.pop(machine_id, None)
+            self.feed(proc, r.WatchBroken(machine_id, compacted=bool(response.compact_revision)))
+        elif response.created:
+            self.feed(proc, r.WatchCreated(machine_id, int(response.header.revision)))
+        else:
+            events = [
+                r.Event(
+                    r.EventType.PUT if e.type == kv_pb2.Event.PUT else r.EventType.DELETE,
+                    _keyrev(e.kv),
+                )
+                for e in response.events
+            ]
+            self.feed(proc, r.WatchEvents(machine_id, events, int(response.header.revision)))
+
+    def _deliver_broken(self, broken: tuple[Proc, int, bool]) -> None:
+        self.broken.remove(broken)
+        proc, machine_id, compacted = broken
+        if machine_id == GUARD:
+            self._guard_notice(proc, ended=True)
+            return
+        self.feed(proc, r.WatchBroken(machine_id, compacted=compacted, detail="stream gave up"))
+
+    # -- the world's doings --------------------------------------------------------------
+
+    def break_watch(self) -> None:
+        if not self.watch_owner:
+            return
+        model_id = self.rng.choice(sorted(self.watch_owner))
+        proc, machine_id = self.watch_owner.pop(model_id)
+        proc.watches.pop(machine_id, None)
+        self.etcd.break_watch(model_id)
+        self.log(f"{proc.name}'s watch {machine_id} breaks")
+        self.broken.append((proc, machine_id, False))
+
+    def compact(self) -> None:
+        if self.etcd.revision > self.etcd.compact_revision:
+            self.log(f"compaction at {self.etcd.revision}")
+            self.etcd.auto_compact(self.etcd.revision)
+
+    def outside_revoke(self, proc: Proc) -> None:
+        """A lease revoked from outside (etcdctl): the key goes at once; a waiter learns it
+        from its watch, a read, or the next keepalive; a holder from its guard, or the next
+        keepalive."""
+        lease_id = proc.held.lease_id if proc.held is not None else proc.waiter.lease_id
+        if lease_id and lease_id in self.etcd.leases:
+            self.log(f"{proc.name}'s lease {lease_id:x} revoked from outside")
+            self.etcd.revoke_by_hand(lease_id)
+
+    def outside_delete(self, proc: Proc) -> None:
+        """A key deleted by hand (etcdctl del): its lease lives on."""
+        key = proc.held.key if proc.held is not None else proc.waiter.key
+        if key and key in self.etcd.kvs:
+            self.log(f"{proc.name}'s key deleted from outside")
+            self.etcd.delete_by_hand(key)
+
+    def freeze_session(self, proc: Proc) -> None:
+        """The process stops sending keepalives (frozen, cut off): its owner loses the
+        session when its certainty runs out; etcd expires the lease a moment later."""
+        session = self.session_of(proc)
+        if session is not None:
+            self.log(f"{proc.name}'s session {session.lease_id:x} stops its keepalives")
+            session.next_keepalive = float("inf")
+
+    # -- the properties ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """At every step: never more than N holders whose key is live, as the machines
+        believe it, and each of them among the first N keys as the model has them; a holder
+        whose key was deleted from outside is told by its guard within ASLEEP_BOUND steps
+        (it could not be, were the key gone before the revision the guard watches from); a
+        waiter the model says holds does not sleep on beyond ASLEEP_BOUND steps while no
+        fault is active."""
+        live = self.etcd.under(self.prefix)
+        first = {bytes(kv.key): kv for kv in live[: self.max]}
+        keyed = []
+        for proc in (p for p in self.procs if p.holding):
+            assert proc.held is not None
+            kv = self.etcd.kvs.get(proc.held.key)
+            if kv is not None and kv.create_revision == proc.held.revision:
+                keyed.append(proc.name)
+                if proc.held.key not in first:
+                    ranks = [int(k.create_revision) for k in live]
+                    self.fail(
+                        f"{proc.name} believes it holds (rev {proc.held.revision}) but its key "
+                        f"is not among the first {self.max} live keys {ranks}"
+                    )
+                continue
+            deleted = self.etcd.deleted_at.get(proc.held.key, 0)
+            if deleted <= proc.held_at:
+                self.fail(
+                    f"{proc.name} holds a key deleted at {deleted}, not after the revision "
+                    f"{proc.held_at} its guard watches from: the loss goes unnoticed"
+                )
+            proc.unnoticed += 1 if self._steady() else 0
+            if proc.unnoticed > ASLEEP_BOUND:
+                self.fail(f"{proc.name} holds on {proc.unnoticed} steps after its key went")
+        if len(keyed) > self.max:
+            self.fail(f"{len(keyed)} holders of {self.max}: {keyed}")
+        owners = {p.waiter.key: p for p in self.procs if p.waiter.outcome is None and p.waiter.key}
+        for key, kv in first.items():
+            sleeper = owners.get(key)
+            if sleeper is None or sleeper.waiter.revision != kv.create_revision:
+                continue
+            if self._orphan_ahead(kv, live):
+                continue
+            sleeper.asleep += 1 if self._steady() else 0
+            if sleeper.asleep > ASLEEP_BOUND:
+                self.fail(
+                    f"{sleeper.name} (rev {kv.create_revision}) asleep in state "
+                    f"{sleeper.waiter.state.value} for {sleeper.asleep} steps while it holds a slot"
+                )
+
+    def _steady(self) -> bool:
+        """Whether this step counts towards a bound on sleeping: no fault active, no slow
+        request in flight, nobody backing off (a pause, a guard's retry). A release then
+        reaches the waiter it promotes in a bounded number of steps."""
+        return not (
+            self.faulty
+            or any(item.weight < 1.0 for item in self.in_flight)
+            or any(t.what in ("pause", "guard") for t in self.timers)
+        )
+
+    def _orphan_ahead(self, kv: kv_pb2.KeyValue, live: Sequence[kv_pb2.KeyValue]) -> bool:
+        """Whether a key ahead of ``kv`` is an orphan: on a lease nobody keeps alive any more
+        (its process gave up and its withdraw was lost, or it froze), so it goes only when
+        the lease expires, within the TTL. A waiter behind the window whose predecessor is
+        such a key (or waits behind one that is) is woken by no touch, only by that expiry:
+        the recipe's documented limit, as with any crashed waiter."""
+        kept = {s.lease_id for s in self.sessions if s.kept and not s.lost}
+        return any(
+            other.create_revision < kv.create_revision and other.lease not in kept for other in live
+        )
+
+    def check_quiet(self) -> None:
+        """With nothing in flight and no machine paused: every key among the first N
+        belongs to a holder (or to one whose release is under way): nobody sleeps with a
+        slot free."""
+        for proc in self.procs:
+            if proc.holding and proc.held is not None and proc.held.key not in self.etcd.kvs:
+                self.fail(f"quiet, yet {proc.name} holds on a key deleted from outside")
+        live = self.etcd.under(self.prefix)
+        for kv in live[: self.max]:
+            for proc in self.procs:
+                if proc.waiter.outcome is None and proc.waiter.key == kv.key:
+                    if self._orphan_ahead(kv, live):
+                        self.counts["asleep-behind-an-orphan"] += 1
+                        continue
+                    self.fail(
+                        f"quiet, yet {proc.name} (rev {kv.create_revision}) sleeps in state "
+                        f"{proc.waiter.state.value} with a slot free"
+                    )
+
+    def quiet(self) -> bool:
+        return not self.pending() and not any(
+            t.what in ("pause", "guard")
+            for t in self.timers
+            if t.proc is not None and (not t.proc.done or t.what == "guard")
+        )
+
+    def check_empty(self) -> None:
+        """Once every process is done, nothing is left: no watch open; after the TTL (no
+        keepalive is sent any more), no key and no lease."""
+        if self.etcd.watches:
+            owners = [self.watch_owner.get(w, (None, 0))[0] for w in self.etcd.watches]
+            self.fail(f"watches left open: {[p.name if p else '?' for p in owners]}")
+        kept = [s for s in self.sessions if s.kept and not s.lost]
+        if kept:
+            self.fail(f"sessions still kept alive at the end: {[hex(s.lease_id) for s in kept]}")
+        self.advance(TTL + 1)
+        left = self.etcd.under(self.prefix)
+        if left or self.etcd.leases:
+            self.fail(
+                f"left behind: keys {[kv.key for kv in left]}, leases "
+                f"{[hex(lease) for lease in sorted(self.etcd.leases)]}"
+            )
+
+
+# -- one seeded schedule -------------------------------------------------------------------
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    held: int = 0
+    gave_up: int = 0
+    requests: int = 0
+    counts: collections.Counter[str] = field(default_factory=collections.Counter)
+    trace: list[str] = field(default_factory=list)
+
+
+def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Waiter) -> Stats:
+    """One schedule: its parameters, then its steps, all drawn from ``seed``. Raises
+    PropertyFailed with the seed and the trace's tail when a property fails."""
+    rng = random.Random(f"schedule:{seed}")  # its own stream, apart from the world's
+    n = max_holders or rng.randint(1, 9)
+    world = World(seed, n, waiter=waiter)
+    world.lost_rate = rng.choice((0.0, 0.05, 0.2))
+    world.slow_rate = rng.choice((0.0, 0.1, 0.3))
+    world.notice_weight = rng.choice((0.3, 1.0, 3.0))
+    arrivals = rng.randint(1, 3 * n + 6)
+    faults = rng.random() < 0.8
+    # Each kind of step's weight: deliveries dominate, the world acts now and then.
+    f = 1.0 if faults else 0.0
+    rates = {
+        "message": 10.0,
+        "tick": 1.0,
+        "arrive": 3.0,
+        "release": 0.7,
+        "burst": 0.1,
+        "interrupt": 0.15 * f,
+        "lose": 0.1 * f,
+        "outside": 0.1 * f,
+        "unreachable": 0.05 * f,
+        "restart": 0.03 * f,
+        "nospace": 0.05 * f,
+        "compact": 0.2 * f,
+        "break": 0.1 * f,
+    }
+    fault_ends: list[tuple[str, float]] = []
+    for _ in range(rng.randint(0, arrivals)):  # a queue at once, or one that builds up
+        world.arrive(shared=rng.random() < 0.3, timeout=rng.choice((None, None, 5.0)))
+        world.check()
+    for _ in range(RUN_STEPS):
+        world.steps += 1
+        arrived = len(world.procs)
+        kinds = [k for k in rates if rates[k] and (k != "arrive" or arrived < arrivals)]
+        kind = rng.choices(kinds, [rates[k] for k in kinds])[0]
+        _do(world, rng, kind, fault_ends)
+        world.faulty = bool(fault_ends)
+        world.check()
+        if world.quiet() and not world.faulty:
+            world.check_quiet()
+        if arrived >= arrivals and all(p.done for p in world.procs) and not world.pending():
+            break
+    # Calm: faults over, the holders' jobs end on their own, everything drains.
+    world.etcd.reachable, world.etcd.nospace, world.faulty = True, False, False
+    world.log("calm")
+    for _ in range(CALM_STEPS):
+        if (
+            len(world.procs) >= arrivals
+            and all(p.done for p in world.procs)
+            and not world.pending()
+        ):
+            break
+        world.steps += 1
+        if not world.step_messages():
+            if world.quiet():
+                world.check_quiet()
+            world.advance(_next_timer(world) + 0.001)
+        world.check()
+        if len(world.procs) < arrivals and rng.random() < 0.05:
+            world.arrive(shared=rng.random() < 0.3)
+    else:
+        world.fail(f"not done after {CALM_STEPS} calm steps")
+    world.check_empty()
+    return Stats(
+        world.steps,
+        sum(p.held is not None for p in world.procs),
+        sum(isinstance(p.waiter.outcome, r.GaveUp) for p in world.procs),
+        world.requests,
+        world.counts,
+        world.trace,
+    )
+
+
+def _next_timer(world: World) -> float:
+    times = [t.at for t in world.timers]
+    times += [s.next_keepalive for s in world.sessions if s.kept and not s.lost]
+    return max(0.0, min(times, default=world.etcd.now + 1.0) - world.etcd.now)
+
+
+def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str, float]]) -> None:
+    now = world.etcd.now
+    for fault, end in list(fault_ends):
+        if end <= now:
+            fault_ends.remove((fault, end))
+            world.log(f"{fault} over")
+            if fault in ("unreachable", "restart"):
+                world.etcd.reachable = True
+                if fault == "restart":
+                    world.etcd.promote()
+            else:
+                world.etcd.nospace = False
+    waiting = [p for p in world.procs if p.waiter.outcome is None]
+    holders = [p for p in world.procs if p.holding]
+    world.counts[f"world.{kind}"] += 1
+    if kind == "arrive":
+        timeout = rng.choice((None, None, None, None, None, 0.0, rng.uniform(1.0, 20.0)))
+        world.arrive(shared=rng.random() < 0.3, timeout=timeout)
+    elif kind == "message":
+        if not world.step_messages():
+            world.advance(min(_next_timer(world) + 0.001, 0.5))
+    elif kind == "tick":
+        world.advance(rng.uniform(0.0, 0.3))
+    elif kind == "release" and holders:
+        world.release(rng.choice(holders))
+    elif kind == "burst" and holders:
+        for proc in rng.sample(holders, rng.randint(1, len(holders))):
+            world.release(proc)
+    elif kind == "interrupt" and (waiting or holders):
+        proc = rng.choice(waiting + holders)
+        if proc.holding:
+            world.release(proc)
+        else:
+            world.feed(proc, r.Interrupt("sim"))
+    elif kind == "lose" and (waiting or holders):
+        world.freeze_session(rng.choice(waiting + holders))
+    elif kind == "outside" and (waiting or holders):
+        proc = rng.choice(waiting + holders)
+        if rng.random() < 0.5:
+            world.outside_revoke(proc)
+        else:
+            world.outside_delete(proc)
+    elif kind in ("unreachable", "restart", "nospace") and not any(
+        f == kind or {f, kind} == {"unreachable", "restart"} for f, _ in fault_ends
+    ):
+        world.log(f"{kind} for a while")
+        if kind in ("unreachable", "restart"):
+            world.etcd.reachable = False
+            for model_id in sorted(world.watch_owner):
+                if rng.random() < 0.3:  # the hub gave up on this one
+                    owner, machine_id = world.watch_owner.pop(model_id)
+                    owner.watches.pop(machine_id, None)
+                    world.etcd.break_watch(model_id)
+                    world.broken.append((owner, machine_id, False))
+        else:
+            world.etcd.nospace = True
+        fault_ends.append((kind, now + rng.choice((0.2, 0.5, 1.0, 3.0, 8.0))))
+    elif kind == "compact":
+        world.compact()
+    elif kind == "break":
+        world.break_watch()
+
+
+# -- small helpers -------------------------------------------------------------------------
+
+
+def _create_is(key: bytes, revision: int) -> rpc_pb2.Compare:
+    return rpc_pb2.Compare(
+        result=rpc_pb2.Compare.EQUAL,
+        target=rpc_pb2.Compare.CREATE,
+        key=key,
+        create_revision=revision,
+    )
+
+
+def _keyrev(kv: kv_pb2.KeyValue) -> r.KeyRev:
+    return r.KeyRev(bytes(kv.key), int(kv.create_revision), int(kv.mod_revision))
+
+
+def _failure(error: ModelError) -> r.Failure:
+    if error.code == "UNAVAILABLE":
+        return r.Failure.UNREACHABLE
+    if error.code == "RESOURCE_EXHAUSTED":
+        return r.Failure.NO_SPACE
+    if error.code == "NOT_FOUND":
+        return r.Failure.LEASE_NOT_FOUND
+    return r.Failure.OTHER
+
+
+def _lost(answer: Any) -> Any:
+    """What the machine sees of an answer lost on the way: its request timed out."""
+    if isinstance(answer, tuple):
+        answer = answer[0]
+    machine_id = getattr(answer, "id", None)
+    if isinstance(answer, r.Withdrawn) or machine_id is None or machine_id == 0:
+        return answer
+    return r.Failed(machine_id, r.Failure.UNREACHABLE, "answer lost")
+
+
+def _short(item: object) -> str:
+    name = type(item).__name__
+    fields = getattr(item, "__dataclass_fields__", {})
+    parts = []
+    for f in fields:
+        value = getattr(item, f)
+        if isinstance(value, bytes):
+            value = value.rsplit(b"/", 1)[-1].decode(errors="replace")
+        elif isinstance(value, (list, tuple)):
+            value = f"[{len(value)}]"
+        parts.append(f"{f}={value}")
+    return f"{name}({', '.join(parts)})"
+
+
+# -- the cost of a release -----------------------------------------------------------------
+
+
+def settle(world: World, limit: int = 100000) -> None:
+    """Deliver everything in flight and fire every timer due, until nothing is left to do
+    but keepalives (no faults, no lost answers: the calm a cost is measured in)."""
+    for _ in range(limit):
+        if world.step_messages():
+            continue
+        if not world.timers:
+            return
+        world.advance(max(0.0, min(t.at for t in world.timers) - world.etcd.now) + 0.001)
+    world.fail(f"not settled after {limit} steps")
+
+
+def cost_per_release(
+    max_holders: int, queued: int, releases: int, seed: int = 0
+) -> list[tuple[int, int]]:
+    """For each of ``releases`` releases, each by a holder picked at random, with ``queued``
+    waiters behind the N holders: the requests sent to etcd (by every machine and holder)
+    and the watch notices delivered, from the release until all is settled again. No
+    arrivals, no faults."""
+    world = World(seed, max_holders, auto_release=False)
+    for _ in range(max_holders + queued):
+        world.arrive()
+    settle(world)
+    costs = []
+    for _ in range(releases):
+        holders = [p for p in world.procs if p.holding]
+        requests, notices = world.requests, world.counts["WatchEvents"]
+        world.release(world.rng.choice(holders))
+        settle(world)
+        world.check()
+        world.check_quiet()
+        costs.append((world.requests - requests, world.counts["WatchEvents"] - notices))
+    return costs

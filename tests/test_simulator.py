@@ -1,0 +1,159 @@
+"""The recipe's simulator (tests/sim): its model of etcd checked against a real etcd, then
+the recipe's machines (conch.recipe.Waiter) driven through seeded schedules with every
+property checked at each step, and the checks themselves shown to catch known mistakes.
+
+A failing seed replays exactly: ``scripts/simulate.py --replay SEED`` prints its trace.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conch import recipe
+from tests.etcd_server import EtcdCluster
+from tests.sim import variants
+from tests.sim.model import SimEtcd
+from tests.sim.real import RealEtcd
+from tests.sim.scenarios import SCENARIOS
+from tests.sim.schedule import PropertyFailed, cost_per_release, run
+
+# Schedules in CI: SEEDS seeds in CHUNKS tests; about 6-10 ms of CPU each (measured with
+# `scripts/simulate.py --seeds 2000`: 12.5 s to 46.0 s on the shared 2-core machine, at
+# loads of about 4 to 13), so the file's wall time stays under a minute there (28-48 s).
+SEEDS = 2000
+CHUNKS = 10
+# Seeds below SEEDS where the recipe as it is holds a slot on a key deleted between its
+# queue read and its watch's start (docs/design.md, "What the simulator explores": the
+# gap check's answer is not awaited before window events count). Run apart, expected to
+# fail until conch/recipe.py waits for the gap check; then this set must be emptied.
+KNOWN_GAP_BUG = frozenset({1568, 1698})
+
+
+@pytest.fixture
+def fresh_etcd(tmp_path: Path) -> Iterator[RealEtcd]:
+    """A real etcd of its own, empty, at revision 1 (the scenarios compare revisions)."""
+    cluster = EtcdCluster(tmp_path / "etcd")
+    cluster.start()
+    real = RealEtcd(cluster.members[0].endpoint)
+    try:
+        yield real
+    finally:
+        real.close()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_model_answers_as_etcd_does(scenario: str, fresh_etcd: RealEtcd) -> None:
+    expected = SCENARIOS[scenario](fresh_etcd)
+    assert SCENARIOS[scenario](SimEtcd()) == expected
+
+
+def _failures(seeds: Iterable[int], waiter: type[recipe.Waiter]) -> list[str]:
+    failed = []
+    for seed in sorted(seeds):
+        try:
+            run(seed, waiter=waiter)
+        except PropertyFailed as failure:
+            failed.append(str(failure))
+    return failed
+
+
+@pytest.mark.parametrize("chunk", range(CHUNKS))
+def test_recipe_keeps_its_properties_on_fixed_seeds(chunk: int) -> None:
+    size = SEEDS // CHUNKS
+    seeds = [s for s in range(chunk * size, (chunk + 1) * size) if s not in KNOWN_GAP_BUG]
+    failed = _failures(seeds, recipe.Waiter)
+    assert not failed, f"{len(failed)} schedules failed; the first:\n{failed[0]}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="conch/recipe.py counts window events before its gap check has answered",
+)
+def test_a_key_deleted_in_the_gap_before_the_watch_is_never_held() -> None:
+    failed = _failures(KNOWN_GAP_BUG, recipe.Waiter)
+    assert not failed, f"{len(failed)} schedules failed; the first:\n{failed[0]}"
+
+
+def test_waiting_for_the_gap_check_passes_the_schedules_the_recipe_fails() -> None:
+    seeds = KNOWN_GAP_BUG | frozenset(range(100))
+    assert _failures(seeds, variants.GapCheckedFirst) == []
+
+
+@pytest.mark.parametrize(
+    ("variant", "caught_by"),
+    [
+        ("over-counting", "FIFO"),
+        ("no-gap-check", "sleeps in state"),
+        ("no-rewatch", "sleeps in state"),
+        ("no-withdraw", "still kept alive"),
+    ],
+)
+def test_each_known_mistake_is_caught(variant: str, caught_by: str) -> None:
+    """A property no schedule can fail proves nothing: each broken Waiter fails some of
+    the first 100 schedules, on the property meant to catch it."""
+    failed = _failures(range(100), variants.BROKEN[variant])
+    assert failed, f"{variant}: no schedule failed"
+    assert any(caught_by in message for message in failed), failed[0]
+
+
+def test_the_schedules_explore_every_input_and_fault() -> None:
+    """Over 200 seeds the schedules reach every state and input the recipe handles (not
+    only holds at the enqueue): a drift in the scheduler that stopped exploring shows."""
+    counts: collections.Counter[str] = collections.Counter()
+    for seed in sorted(set(range(200)) - KNOWN_GAP_BUG):
+        counts += run(seed).counts
+    for needed in (
+        "state.IN_WINDOW",
+        "state.BEHIND",
+        "state.PAUSED",
+        "held.IN_WINDOW.AT_ONCE",
+        "held.IN_WINDOW.LATER",
+        "held.IN_WINDOW.NONE",
+        "held.READING.AT_ONCE",
+        "Touch",
+        "ReadKeys",
+        "CheckLease",
+        "WatchBroken",
+        "SessionLost",
+        "Interrupt",
+        "DeadlineReached",
+        "Failed.UNREACHABLE",
+        "Failed.NO_SPACE",
+        "Failed.LEASE_NOT_FOUND",
+        "world.burst",
+        "world.lose",
+        "world.outside",
+        "world.unreachable",
+        "world.restart",
+        "world.nospace",
+        "world.compact",
+        "world.break",
+    ):
+        assert counts[needed] >= 3, f"{needed}: {counts[needed]} in 200 schedules"
+
+
+def test_a_seed_replays_exactly() -> None:
+    first, again = run(1234), run(1234)
+    assert first.trace == again.trace
+    assert len(first.trace) > 50
+
+
+@pytest.mark.parametrize("max_holders", [1, 2, 5, 9])
+def test_a_release_costs_the_same_whatever_the_queue(max_holders: int) -> None:
+    """Requests to etcd and watch notices per release, from the release until all is
+    settled: at most 4 requests (the revoke, the last window waiter's touch, the joining
+    waiter's read and watch) and one notice per window waiter plus the touch's, for a
+    queue just longer than the window and for one of 40."""
+    window_waiters = recipe.window_size(max_holders) - max_holders
+    short = cost_per_release(max_holders, window_waiters + 2, 2)
+    long = cost_per_release(max_holders, 40, 30)
+    for requests, notices in short + long:
+        assert requests <= 4
+        assert notices <= window_waiters + 1
+    assert max(long) == max(short)

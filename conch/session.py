@@ -162,9 +162,10 @@ def _dropped(keeper: _Keeper) -> None:
 
 
 class Session:
-    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 on the
-    client's LeaseKeepAlive stream, which every session of the client shares, from the
-    client's keepalive thread (no thread per session).
+    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
+    SEND_GRID early, so that a client's sessions send together) on the client's
+    LeaseKeepAlive stream, which every session of the client shares, from the client's
+    keepalive thread (no thread per session).
 
     ``lost`` (a Flag) is set the moment it is no longer certain the lease is alive: etcd
     answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no answer comes

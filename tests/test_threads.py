@@ -154,6 +154,16 @@ def _acquire_and_release(sema: conch.Semaphore) -> None:
     sema.acquire(timeout=DEADLINE).release()
 
 
+def _all_stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (SIGSTOP reaches them one by one:
+    one still running may answer a keepalive after the signal was sent)."""
+    states = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            states.append(stat.read().rsplit(")", 1)[1].split()[0])
+    return all(state in ("T", "t") for state in states)
+
+
 def _note_time(times: dict[int, float], key: int) -> Callable[[Flag], None]:
     def note(_: Flag) -> None:
         times.setdefault(key, time.monotonic())
@@ -184,7 +194,11 @@ def test_loss_is_declared_within_an_interval_and_margin_with_100_sessions_on_the
             for session in sessions:
                 session.lost.add_callback(_note_time(lost_at, session.lease_id))
             timer_for(client).call_later(0, lambda: stuck.wait(DEADLINE))
-            cluster.members[0].pause()
+            member = cluster.members[0]
+            member.pause()
+            assert member.process is not None
+            pid = member.process.pid
+            poll(lambda: _all_stopped(pid), what="every thread of etcd stopped")
             stopped = time.monotonic()
             poll(lambda: len(lost_at) == len(sessions), what="every session lost")
             interval, margin = ttl / 3, keepalive_margin(ttl)

@@ -289,6 +289,8 @@ class KeepAlives:
     def _close_unused(self) -> None:
         """Close every stream but the one in use that no keepalive waits on; all of them
         when no lease is left."""
+        if len(self._streams) <= 1 and self._leases:
+            return  # the usual case, at every answer: nothing to look through
         waited_on = {stream for ask in self._asks.values() for stream in ask.asked}
         for index, stream in enumerate(list(self._streams)):
             if stream not in waited_on and (index > 0 or not self._leases):

@@ -22,9 +22,9 @@ its actions with awaits. Unary calls are gRPC futures handed to the loop
 (``Client.call_async``); watches ride the client's one Watch stream and keepalives its one
 LeaseKeepAlive stream, both shared with the threaded face (``conch.etcd.aio``); delays and
 a hold's guard are the loop's timers, deciding as the threaded Hold does
-(``recipe.guard_plan`` and the ``guard_on_*`` verdicts). So a waiting acquire costs no thread, and the threads of a process stay a constant
-few whatever the number of waiters, holds and sessions; nothing here uses the loop's default
-executor.
+(``recipe.guard_plan`` and the ``guard_on_*`` verdicts). So a waiting acquire costs no
+thread, and the threads of a process stay a constant few whatever the number of waiters,
+holds and sessions; nothing here uses the loop's default executor.
 
 Cancelling a waiting acquire (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``)
 feeds the machine an interrupt: it withdraws our key (a private session's lease revoked, a

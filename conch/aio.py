@@ -20,10 +20,11 @@ A native asyncio driver of the one recipe (``conch.recipe.Waiter``, the state ma
 threaded ``conch.Semaphore`` drives too): a coroutine feeds it etcd's answers and executes
 its actions with awaits. Unary calls are gRPC futures handed to the loop
 (``Client.call_async``); watches ride the client's one Watch stream and keepalives its one
-LeaseKeepAlive stream for coroutine sessions (``conch.etcd.aio``); delays are the loop's
-timers. So a waiting acquire costs no thread, and the threads of a process stay a constant
-few whatever the number of waiters, holds and sessions; nothing here uses the loop's default
-executor.
+LeaseKeepAlive stream, both shared with the threaded face (``conch.etcd.aio``); delays and
+a hold's guard are the loop's timers, deciding as the threaded Hold does
+(``recipe.guard_plan`` and the ``guard_on_*`` verdicts). So a waiting acquire costs no
+thread, and the threads of a process stay a constant few whatever the number of waiters,
+holds and sessions; nothing here uses the loop's default executor.
 
 Cancelling a waiting acquire (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``)
 feeds the machine an interrupt: it withdraws our key (a private session's lease revoked, a

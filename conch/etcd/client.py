@@ -557,14 +557,8 @@ class Client:
                 stub = getattr(self._stubs_for(endpoint), service)
                 token = None if _authenticating else self.token(max(0.001, attempts.left()))
                 return getattr(stub, method)(request, timeout=attempt, metadata=_metadata(token))
-            except grpc.RpcError as rpc_error:
-                error = map_rpc_error(rpc_error, endpoint)
-            except Unavailable as exc:
-                error = exc
-            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
-                if self._closed:
-                    raise _closed_error() from None
-                raise
+            except (grpc.RpcError, Unavailable, ValueError) as exc:
+                error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
             if pause <= 0:
                 continue
@@ -572,6 +566,18 @@ class Client:
                 time.sleep(pause)
             elif interrupt.wait(pause):
                 raise Interrupted(interrupt.reason)
+
+    def _attempt_error(self, exc: Exception, endpoint: Endpoint) -> EtcdError:
+        """What an attempt's exception on ``endpoint`` means: gRPC's error mapped, our own
+        Unavailable (no token in time) as it is; gRPC's ValueError "Cannot invoke RPC on
+        closed channel!" raised as the closed client's error (any other raised as it is)."""
+        if isinstance(exc, grpc.RpcError):
+            return map_rpc_error(exc, endpoint)
+        if isinstance(exc, Unavailable):
+            return exc
+        if self._closed:
+            raise _closed_error() from None
+        raise exc
 
     async def call_async(
         self,
@@ -604,14 +610,8 @@ class Client:
                     request, timeout=attempt, metadata=_metadata(token)
                 )
                 return await _settled(call)
-            except grpc.RpcError as rpc_error:
-                error = map_rpc_error(rpc_error, endpoint)
-            except Unavailable as exc:
-                error = exc
-            except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
-                if self._closed:
-                    raise _closed_error() from None
-                raise
+            except (grpc.RpcError, Unavailable, ValueError) as exc:
+                error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
             if interrupt is None:
                 if pause > 0:

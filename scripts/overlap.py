@@ -33,7 +33,7 @@ def table(cases: list[Case], results: list[Result]) -> str:
     among conch's, the largest in any run, and the closest a holder's child's death came to
     its successor's start (negative: after it)."""
     head = (
-        f"| {'case':36} | runs | overlapped | etcd early | largest (conch) | largest (any) |"
+        f"| {'case':42} | runs | overlapped | etcd early | largest (conch) | largest (any) |"
         f" closest | problems |"
     )
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
@@ -49,7 +49,7 @@ def table(cases: list[Case], results: list[Result]) -> str:
         clearances = [r.clearance for r in mine if r.clearance is not None]
         closest = f"{min(clearances):6.3f}s" if clearances else "      -"
         lines.append(
-            f"| {case.label:36} | {len(mine):4} | {len(conch):10} | {len(etcd):10} |"
+            f"| {case.label:42} | {len(mine):4} | {len(conch):10} | {len(etcd):10} |"
             f" {largest:14.3f}s | {any_run:12.3f}s | {closest} | {problems:8} |"
         )
     return "\n".join(lines)

@@ -422,7 +422,7 @@ class Result:
         return "etcd" if self.etcd_early else "conch"
 
     def summary(self) -> str:
-        line = f"{self.case.label:36} seed={self.seed} overlap={self.largest:.3f}s"
+        line = f"{self.case.label:42} seed={self.seed} overlap={self.largest:.3f}s"
         if self.clearance is not None:
             line += f" clearance={self.clearance:.3f}s"
         if self.windows:

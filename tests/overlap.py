@@ -393,6 +393,7 @@ class Result:
     fault_at: float = 0.0  # monotonic
     windows: list[Window] = field(default_factory=list)
     etcd_early: list[str] = field(default_factory=list)
+    etcd_notes: list[str] = field(default_factory=list)  # what else etcd did that cost a hold
     problems: list[str] = field(default_factory=list)
     timeline: list[tuple[float, str]] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
@@ -430,13 +431,15 @@ class Result:
             line += f" at +{w.start - self.fault_at:.2f}s ({','.join(w.who)}, peak {w.peak})"
         if self.etcd_early:
             line += " ETCD-EARLY"
+        if self.etcd_notes:
+            line += " ETCD-ELECTION"
         return line
 
     def report(self) -> str:
         """The summary, etcd's early expiries, the problems and the timeline (seconds from
         the fault)."""
         lines = [self.summary()]
-        lines += [f"  etcd: {e}" for e in self.etcd_early]
+        lines += [f"  etcd: {e}" for e in self.etcd_early + self.etcd_notes]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  {t - self.fault_at:+8.3f} {what}" for t, what in sorted(self.timeline)]
         return "\n".join(lines)
@@ -527,6 +530,7 @@ class _Run:
         self.waiters: list[Wrapper] = []
         self.target = 0
         self.healthy: list[int] = []
+        self.term_at_heal = 0
 
     def go(self) -> None:
         case, lab, result = self.case, self.lab, self.result
@@ -590,6 +594,7 @@ class _Run:
         finally:
             heal()
             result.timeline.append((time.monotonic(), "healed"))
+            self.term_at_heal = self._term()
 
     def _apply(self) -> Callable[[], None]:
         """Apply the case's fault; return what heals it."""
@@ -633,9 +638,22 @@ class _Run:
         released = time.monotonic()
         monitor.release()
         codes = {w: w.wait(EXIT_TIMEOUT) for w in self.wrappers}
+        # A member back from a partition with a higher raft term deposes the leader (etcd
+        # without pre-vote, 3.4's default): keepalives go unanswered meanwhile, and a
+        # waiter that held by then may lose its hold, failing closed. etcd's doing.
+        term = self._term()
+        elected = term > self.term_at_heal
+        if elected:
+            result.etcd_notes.append(
+                f"an election after the heal (raft term {self.term_at_heal} -> {term})"
+            )
         for wrapper, code in codes.items():
             expected = 70 if wrapper in self.holders else 0
-            if code != expected:
+            if code == expected:
+                continue
+            if elected and code == 70:
+                result.etcd_notes.append(f"conch {wrapper.label} lost its hold in that election")
+            else:
                 result.problems.append(f"conch {wrapper.label} exited {code}, not {expected}")
         children = monitor.children
         result.children = children
@@ -678,6 +696,10 @@ class _Run:
             timeline.append(
                 (window.start, f"OVERLAP {window.length:.3f}s, peak {window.peak}: {window.who}")
             )
+
+    def _term(self) -> int:
+        """The highest raft term the members report (Maintenance.Status, 1 s each)."""
+        return max((s.raftTerm for s in self.lab.cluster.statuses() if s is not None), default=0)
 
     def _keys_left(self) -> list[bytes]:
         """Keys of our semaphore still in etcd a TTL (and 10 s) after every conch exited."""

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -475,7 +475,8 @@ class Lab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _client(self, members: list[int]) -> Client:
+    def client(self, members: list[int]) -> Client:
+        """A Client of the members of these indexes, through the hub's tunnels."""
         tunnels = [self.cluster.tunnels[i] for i in members]
         return Client([Endpoint("127.0.0.1", t.port, False) for t in tunnels])
 
@@ -550,7 +551,7 @@ class _Run:
             result.problems.append(f"the waiters did not queue in {START_TIMEOUT:g}s")
             return
         leases = [w.lease() for w in self.wrappers]
-        with lab._client(self.healthy) as client:
+        with lab.client(self.healthy) as client:
             watch = LeaseWatch(client)
             watch.start([x for x in leases if x is not None])
             try:
@@ -705,7 +706,7 @@ class _Run:
         """Keys of our semaphore still in etcd a TTL (and 10 s) after every conch exited."""
         deadline = time.monotonic() + self.case.settings.ttl + 10
         left: list[bytes] = []
-        with self.lab._client([0, 1, 2]) as client:
+        with self.lab.client([0, 1, 2]) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
                     left = [i.key for i in kv.range_prefix(client, keys.name_prefix(self.name)).kvs]
@@ -782,9 +783,3 @@ def early_ends(
                 f"{promise - at:.3f}s before etcd's promise ({promise - origin:+.3f}s)"
             )
     return out
-
-
-@contextlib.contextmanager
-def lab(workdir: Path) -> Iterator[Lab]:
-    with Lab(workdir) as it:
-        yield it

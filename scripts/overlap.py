@@ -33,8 +33,8 @@ def table(cases: list[Case], results: list[Result]) -> str:
     among conch's, the largest in any run, and the closest a holder's child's death came to
     its successor's start (negative: after it)."""
     head = (
-        f"| {'case':36} | runs | overlapped | etcd early | largest (conch) | largest (any) |"
-        f" closest | problems |"
+        f"| {'case':42} | runs | overlapped | etcd early | largest (conch) | largest (any) |"
+        f" closest | etcd elections | problems |"
     )
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for case in cases:
@@ -42,15 +42,16 @@ def table(cases: list[Case], results: list[Result]) -> str:
         if not mine:
             continue
         conch = [r for r in mine if r.verdict == "conch"]
-        etcd = [r for r in mine if r.verdict == "etcd" or r.etcd_early]
+        etcd = [r for r in mine if r.etcd_early]
+        elections = sum(1 for r in mine if r.etcd_notes)
         largest = max((r.largest for r in conch), default=0.0)
         any_run = max(r.largest for r in mine)
         problems = sum(1 for r in mine if r.problems)
         clearances = [r.clearance for r in mine if r.clearance is not None]
         closest = f"{min(clearances):6.3f}s" if clearances else "      -"
         lines.append(
-            f"| {case.label:36} | {len(mine):4} | {len(conch):10} | {len(etcd):10} |"
-            f" {largest:14.3f}s | {any_run:12.3f}s | {closest} | {problems:8} |"
+            f"| {case.label:42} | {len(mine):4} | {len(conch):10} | {len(etcd):10} |"
+            f" {largest:14.3f}s | {any_run:12.3f}s | {closest} | {elections:14} | {problems:8} |"
         )
     return "\n".join(lines)
 
@@ -109,7 +110,7 @@ def main() -> int:
                 result = lab.run(case, seed)
                 with printing:
                     results.append(result)
-                    wanted = result.windows or result.etcd_early
+                    wanted = result.windows or result.etcd_early or result.etcd_notes
                     shown = result.report() if args.timelines and wanted else None
                     print(shown or result.summary(), flush=True)
                     for problem in [] if shown else result.problems:

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -393,6 +393,7 @@ class Result:
     fault_at: float = 0.0  # monotonic
     windows: list[Window] = field(default_factory=list)
     etcd_early: list[str] = field(default_factory=list)
+    etcd_notes: list[str] = field(default_factory=list)  # what else etcd did that cost a hold
     problems: list[str] = field(default_factory=list)
     timeline: list[tuple[float, str]] = field(default_factory=list)
     children: list[Child] = field(default_factory=list)
@@ -422,7 +423,7 @@ class Result:
         return "etcd" if self.etcd_early else "conch"
 
     def summary(self) -> str:
-        line = f"{self.case.label:36} seed={self.seed} overlap={self.largest:.3f}s"
+        line = f"{self.case.label:42} seed={self.seed} overlap={self.largest:.3f}s"
         if self.clearance is not None:
             line += f" clearance={self.clearance:.3f}s"
         if self.windows:
@@ -430,13 +431,15 @@ class Result:
             line += f" at +{w.start - self.fault_at:.2f}s ({','.join(w.who)}, peak {w.peak})"
         if self.etcd_early:
             line += " ETCD-EARLY"
+        if self.etcd_notes:
+            line += " ETCD-ELECTION"
         return line
 
     def report(self) -> str:
         """The summary, etcd's early expiries, the problems and the timeline (seconds from
         the fault)."""
         lines = [self.summary()]
-        lines += [f"  etcd: {e}" for e in self.etcd_early]
+        lines += [f"  etcd: {e}" for e in self.etcd_early + self.etcd_notes]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  {t - self.fault_at:+8.3f} {what}" for t, what in sorted(self.timeline)]
         return "\n".join(lines)
@@ -472,7 +475,8 @@ class Lab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _client(self, members: list[int]) -> Client:
+    def client(self, members: list[int]) -> Client:
+        """A Client of the members of these indexes, through the hub's tunnels."""
         tunnels = [self.cluster.tunnels[i] for i in members]
         return Client([Endpoint("127.0.0.1", t.port, False) for t in tunnels])
 
@@ -527,6 +531,7 @@ class _Run:
         self.waiters: list[Wrapper] = []
         self.target = 0
         self.healthy: list[int] = []
+        self.term_at_heal = 0
 
     def go(self) -> None:
         case, lab, result = self.case, self.lab, self.result
@@ -546,7 +551,7 @@ class _Run:
             result.problems.append(f"the waiters did not queue in {START_TIMEOUT:g}s")
             return
         leases = [w.lease() for w in self.wrappers]
-        with lab._client(self.healthy) as client:
+        with lab.client(self.healthy) as client:
             watch = LeaseWatch(client)
             watch.start([x for x in leases if x is not None])
             try:
@@ -590,6 +595,7 @@ class _Run:
         finally:
             heal()
             result.timeline.append((time.monotonic(), "healed"))
+            self.term_at_heal = self._term()
 
     def _apply(self) -> Callable[[], None]:
         """Apply the case's fault; return what heals it."""
@@ -633,9 +639,22 @@ class _Run:
         released = time.monotonic()
         monitor.release()
         codes = {w: w.wait(EXIT_TIMEOUT) for w in self.wrappers}
+        # A member back from a partition with a higher raft term deposes the leader (etcd
+        # without pre-vote, 3.4's default): keepalives go unanswered meanwhile, and a
+        # waiter that held by then may lose its hold, failing closed. etcd's doing.
+        term = self._term()
+        elected = term > self.term_at_heal
+        if elected:
+            result.etcd_notes.append(
+                f"an election after the heal (raft term {self.term_at_heal} -> {term})"
+            )
         for wrapper, code in codes.items():
             expected = 70 if wrapper in self.holders else 0
-            if code != expected:
+            if code == expected:
+                continue
+            if elected and code == 70:
+                result.etcd_notes.append(f"conch {wrapper.label} lost its hold in that election")
+            else:
                 result.problems.append(f"conch {wrapper.label} exited {code}, not {expected}")
         children = monitor.children
         result.children = children
@@ -679,11 +698,15 @@ class _Run:
                 (window.start, f"OVERLAP {window.length:.3f}s, peak {window.peak}: {window.who}")
             )
 
+    def _term(self) -> int:
+        """The highest raft term the members report (Maintenance.Status, 1 s each)."""
+        return max((s.raftTerm for s in self.lab.cluster.statuses() if s is not None), default=0)
+
     def _keys_left(self) -> list[bytes]:
         """Keys of our semaphore still in etcd a TTL (and 10 s) after every conch exited."""
         deadline = time.monotonic() + self.case.settings.ttl + 10
         left: list[bytes] = []
-        with self.lab._client([0, 1, 2]) as client:
+        with self.lab.client([0, 1, 2]) as client:
             while time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
                     left = [i.key for i in kv.range_prefix(client, keys.name_prefix(self.name)).kvs]
@@ -760,9 +783,3 @@ def early_ends(
                 f"{promise - at:.3f}s before etcd's promise ({promise - origin:+.3f}s)"
             )
     return out
-
-
-@contextlib.contextmanager
-def lab(workdir: Path) -> Iterator[Lab]:
-    with Lab(workdir) as it:
-        yield it

@@ -19,7 +19,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         fi
     done
     log=$(mktemp)
-    if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' >"$log" 2>&1; then
+    # the whole log only on failure; meanwhile each package's name as pip collects it
+    if ! .venv/bin/python -m pip install --disable-pip-version-check -e '.[dev]' 2>&1 | tee "$log" |
+        awk '/^Collecting /{n=$2; sub(/[<>=!~;[(].*/, "", n); printf "%s%s", (c++ ? " " : "   "), n; fflush()}
+             /^Installing collected/{printf "%sinstalling", (c++ ? " ... " : "   "); fflush()}
+             END{if (c) print ""}' >&2; then
         cat "$log" >&2
         rm -f "$log"
         exit 1

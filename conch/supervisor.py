@@ -485,7 +485,11 @@ class _Run:
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
         if isinstance(notice, WatchdogExited) and not notice.fired:
-            returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
+            # No grace: with the watchdog gone nothing else holds the deadline, and a conch
+            # frozen during a grace (found by the overlap harness: the wrapper stopped half a
+            # second after its watchdog's death) would leave the child running beside the
+            # next holder. SIGKILL at once.
+            returncode = self.terminate(job, child_running=True, kill_at=time.monotonic())
             _log_child_exit(pid, returncode, started)
             return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited while the child ran")
         reason = self._loss_reason(notice)

@@ -593,9 +593,10 @@ class _Run:
                     f"alive, {_started(monitor.children, 'w')} waiters' started"
                 )
         finally:
+            # The term before the heal: an election the heal sets off comes after it.
+            self.term_at_heal = self._term()
             heal()
             result.timeline.append((time.monotonic(), "healed"))
-            self.term_at_heal = self._term()
 
     def _apply(self) -> Callable[[], None]:
         """Apply the case's fault; return what heals it."""

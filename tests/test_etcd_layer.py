@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -376,3 +377,33 @@ def _answer_to(
 def _watch_endpoint(client: Client) -> Endpoint | None:
     stream = _hub_for(client)._stream
     return None if stream is None else stream.endpoint
+
+
+def test_a_watch_across_an_etcd_restart_is_heard_from_at_once(tmp_path: Path) -> None:
+    """etcd killed and back on its data: the shared Watch stream, re-opened while etcd was
+    down, broke before the hub had installed it; that end was dropped (an item for a stream
+    not yet the hub's) and the watch stayed silent until the progress probe, about 11 s
+    later. Now the watch either resumes or ends with the error at once, so its owner acts
+    on the put (or reads again) within moments of etcd's return."""
+    cluster = EtcdCluster(tmp_path / "etcd", size=1)
+    cluster.start()
+    try:
+        with cluster.client() as client:
+            notices: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
+            watch = Watch(client, b"/restart-probe", 0, notices.put, confirm=True)
+            assert notices.get(timeout=DEADLINE).created
+            member = cluster.members[0]
+            member.kill()
+            time.sleep(2.0)  # the outage itself: the hub tries to re-open meanwhile
+            member.start(cluster.initial_cluster)
+            cluster.wait_healthy()
+            back = time.monotonic()
+            kv.put(client, b"/restart-probe", b"v")
+            while True:
+                notice = notices.get(timeout=5.0)  # queue.Empty: silent (11 s before)
+                if notice.error is not None or notice.events:
+                    break
+            assert time.monotonic() - back < 5.0
+            watch.cancel()
+    finally:
+        cluster.stop()

@@ -169,6 +169,9 @@ class _Hub:
         self._probing = False
         self._idle_check = False
         self._opening = False  # a thread is opening the stream, outside the lock
+        # The end of a stream that broke while it was being opened, before it was installed:
+        # its reader starts with it, and an item for a stream not yet ours would be dropped.
+        self._early_end: tuple[BidiStream, EtcdError] | None = None
         client.on_failover(self._endpoint_failed)
 
     # -- watches come and go -----------------------------------------------------------
@@ -247,6 +250,12 @@ class _Hub:
             self._heard = time.monotonic()
             self._unanswered.clear()
             self._by_id.clear()
+            early, self._early_end = self._early_end, None
+            if early is not None and early[0] is stream:
+                # Broken before it was ours (etcd refused it, as while it restarts): resume
+                # now, not when the probe finds the stream silent, seconds later.
+                self._broken(stream, early[1])
+                return
             for watch in list(self._watches):
                 self._send_create(stream, watch)
             self._schedule_idle_check()  # every watch cancelled while it opened
@@ -272,7 +281,9 @@ class _Hub:
         notices: list[WatchNotice] = []
         with self._lock:
             if item.stream is not self._stream:
-                return  # a stream we already left
+                if self._opening and item.error is not None:
+                    self._early_end = (item.stream, item.error)  # _install will see it
+                return  # a stream we already left, or one not installed yet
             self._heard = time.monotonic()
             if item.error is not None:
                 self._broken(item.stream, item.error)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import TracebackType
@@ -54,13 +53,13 @@ from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff, check_timeout
 from conch.etcd.watch import WatchNotice
-from conch.hold import WITHDRAW_TIMEOUT
+from conch.hold import WITHDRAW_TIMEOUT, warn_hold_dropped
 from conch.identity import Identity
 from conch.listing import Record, listing
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
 from conch.semaphore import _EVENT_TYPES, REENTRY_BACKOFF_CAP, _enqueue_answer, _failure, _key_rev
-from conch.session import check_ttl, keepalive_margin
+from conch.session import check_ttl, keepalive_margin, warn_session_dropped
 from conch.timer import weakly
 
 T = TypeVar("T")
@@ -270,12 +269,7 @@ def _run_callback(callback: Callable[[str], object], reason: str) -> None:
 def _session_dropped(keeper: _Keeper) -> None:
     """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
     and revoke its lease on its loop (if the loop still runs; else it expires by its TTL)."""
-    warnings.warn(
-        f"conch.aio session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
+    warn_session_dropped("conch.aio", keeper.lease_id)
     etcd_aio.call_soon(keeper.loop, lambda: _spawn(keeper.loop, keeper.close(None)))
 
 
@@ -757,13 +751,7 @@ def _hold_dropped(
     watches: list[etcd_aio.LoopWatch],
 ) -> None:
     """A Hold was garbage-collected unreleased: warn, and release it on its loop."""
-    warnings.warn(
-        f"conch.aio hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
-        "release(); releasing it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+    warn_hold_dropped("conch.aio", key, revision)
 
     def give_back() -> None:
         _cancel_watches(watches)

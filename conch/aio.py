@@ -58,7 +58,14 @@ from conch.identity import Identity
 from conch.listing import Record, listing
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.semaphore import _EVENT_TYPES, REENTRY_BACKOFF_CAP, _enqueue_answer, _failure, _key_rev
+from conch.semaphore import (
+    _EVENT_TYPES,
+    REENTRY_BACKOFF_CAP,
+    _enqueue_answer,
+    _failure,
+    _key_rev,
+    log_acquired,
+)
 from conch.session import check_ttl, keepalive_margin, warn_session_dropped
 from conch.timer import weakly
 
@@ -1152,14 +1159,7 @@ class Semaphore:
         shared = driver.shared is not None
         session = driver.shared or driver.sessions.pop(outcome.lease_id)
         retire = [driver.watches.pop(w) for w in outcome.retire if w in driver.watches]
-        log.info(
-            "acquired",
-            name=self.name,
-            max=self.max,
-            rev=outcome.revision,
-            lease=f"{outcome.lease_id:x}",
-            waited=f"{time.monotonic() - driver.started:.3f}s",
-        )
+        log_acquired(self.name, self.max, outcome, driver.started)
         return Hold(self, session, outcome, retire, shared)
 
     async def _enqueue(

@@ -21,7 +21,7 @@ from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
-from conch.timer import Timer, timer_for
+from conch.timer import PerOwner, Timer, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -443,16 +443,7 @@ def _resumable(error: EtcdError) -> bool:
     return isinstance(error, (Unavailable, TokenInvalid))
 
 
-_hubs: weakref.WeakKeyDictionary[Client, _Hub] = weakref.WeakKeyDictionary()
-_hubs_lock = threading.Lock()
-
-
-def _hub_for(client: Client) -> _Hub:
-    with _hubs_lock:
-        hub = _hubs.get(client)
-        if hub is None:
-            hub = _hubs[client] = _Hub(client)
-        return hub
+_hub_for: PerOwner[Client, _Hub] = PerOwner(_Hub)
 
 
 def _refused(cancel_reason: str) -> bool:

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -78,14 +77,6 @@ def watchdog_of(holder: Conch) -> int:
         return 0
 
     return poll(find, what="the holder's watchdog")
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path / "cluster", size=3)
-    c.start()
-    yield c
-    c.stop()
 
 
 def leader_index(cluster: EtcdCluster) -> int:

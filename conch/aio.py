@@ -65,6 +65,8 @@ from conch.semaphore import (
     _failure,
     _key_rev,
     log_acquired,
+    log_note,
+    revision_to_count,
 )
 from conch.session import check_ttl, keepalive_margin, warn_session_dropped
 from conch.timer import weakly
@@ -981,17 +983,9 @@ class _Driver:
     async def _log(self, note: recipe.Note) -> None:
         """A Note as the log line the threaded face writes for it."""
         sema = self.sema
-        fields = dict(note.fields)
-        if note.event == "queued":
-            fields = {"max": sema.max, **fields}
-            if "ahead" not in fields:
-                ahead = await self._count_ahead(int(str(fields["rev"])))
-                if ahead is not None:
-                    fields.update(position=ahead + 1, ahead=ahead)
-        if note.event == "spread-busy":
-            fields = {"host": sema.identity.host, **fields}
-        emit = log.warning if note.warning else log.info
-        emit(note.event, name=sema.name, **fields)
+        revision = revision_to_count(note)
+        ahead = None if revision is None else await self._count_ahead(revision)
+        log_note(sema.name, sema.max, sema.identity.host, note, ahead)
 
     async def _count_ahead(self, revision: int) -> int | None:
         """How many keys are ahead of ours, for the ``queued`` line only (None if etcd does

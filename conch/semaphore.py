@@ -442,20 +442,14 @@ class _Wait:
 
     def _log(self, note: recipe.Note) -> None:
         sema = self.sema
-        fields = dict(note.fields)
-        if note.event == "queued":
-            fields = {"max": sema.max, **fields}
-            if "ahead" not in fields:
-                try:
-                    ahead = sema._count_ahead(int(fields["rev"]), self.interrupt)  # type: ignore[call-overload]
-                except (EtcdError, Interrupted):
-                    ahead = None
-                if ahead is not None:
-                    fields.update(position=ahead + 1, ahead=ahead)
-        if note.event == "spread-busy":
-            fields = {"host": sema.identity.host, **fields}
-        emit = log.warning if note.warning else log.info
-        emit(note.event, name=sema.name, **fields)
+        ahead = None
+        revision = revision_to_count(note)
+        if revision is not None:
+            try:
+                ahead = sema._count_ahead(revision, self.interrupt)
+            except (EtcdError, Interrupted):
+                ahead = None
+        log_note(sema.name, sema.max, sema.identity.host, note, ahead)
 
     # -- the outcome ---------------------------------------------------------------------
 
@@ -610,3 +604,25 @@ def log_acquired(name: str, max: int, outcome: recipe.Held, started: float) -> N
         lease=f"{outcome.lease_id:x}",
         waited=f"{time.monotonic() - started:.3f}s",
     )
+
+
+def revision_to_count(note: recipe.Note) -> int | None:
+    """Our key's revision when ``note`` is a ``queued`` line that does not say how many are
+    ahead (the face counts the keys ahead of it), else None."""
+    if note.event == "queued" and "ahead" not in note.fields:
+        return int(str(note.fields["rev"]))
+    return None
+
+
+def log_note(name: str, max: int, host: str, note: recipe.Note, ahead: int | None) -> None:
+    """``note`` as the log line both faces write for it: ``queued`` with ``max`` (and the
+    count ``ahead``, when one was made), ``spread-busy`` with our ``host``."""
+    fields = dict(note.fields)
+    if note.event == "queued":
+        fields = {"max": max, **fields}
+        if ahead is not None:
+            fields.update(position=ahead + 1, ahead=ahead)
+    if note.event == "spread-busy":
+        fields = {"host": host, **fields}
+    emit = log.warning if note.warning else log.info
+    emit(note.event, name=name, **fields)

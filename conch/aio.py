@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import TracebackType
@@ -54,13 +53,22 @@ from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff, check_timeout
 from conch.etcd.watch import WatchNotice
-from conch.hold import WITHDRAW_TIMEOUT
+from conch.hold import WITHDRAW_TIMEOUT, warn_hold_dropped
 from conch.identity import Identity
 from conch.listing import Record, listing
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.semaphore import _EVENT_TYPES, REENTRY_BACKOFF_CAP, _enqueue_answer, _failure, _key_rev
-from conch.session import check_ttl, keepalive_margin
+from conch.semaphore import (
+    _EVENT_TYPES,
+    REENTRY_BACKOFF_CAP,
+    _enqueue_answer,
+    _failure,
+    _key_rev,
+    log_acquired,
+    log_note,
+    revision_to_count,
+)
+from conch.session import check_ttl, keepalive_margin, warn_session_dropped
 from conch.timer import weakly
 
 T = TypeVar("T")
@@ -270,12 +278,7 @@ def _run_callback(callback: Callable[[str], object], reason: str) -> None:
 def _session_dropped(keeper: _Keeper) -> None:
     """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
     and revoke its lease on its loop (if the loop still runs; else it expires by its TTL)."""
-    warnings.warn(
-        f"conch.aio session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
+    warn_session_dropped("conch.aio", keeper.lease_id)
     etcd_aio.call_soon(keeper.loop, lambda: _spawn(keeper.loop, keeper.close(None)))
 
 
@@ -757,13 +760,7 @@ def _hold_dropped(
     watches: list[etcd_aio.LoopWatch],
 ) -> None:
     """A Hold was garbage-collected unreleased: warn, and release it on its loop."""
-    warnings.warn(
-        f"conch.aio hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
-        "release(); releasing it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+    warn_hold_dropped("conch.aio", key, revision)
 
     def give_back() -> None:
         _cancel_watches(watches)
@@ -986,17 +983,9 @@ class _Driver:
     async def _log(self, note: recipe.Note) -> None:
         """A Note as the log line the threaded face writes for it."""
         sema = self.sema
-        fields = dict(note.fields)
-        if note.event == "queued":
-            fields = {"max": sema.max, **fields}
-            if "ahead" not in fields:
-                ahead = await self._count_ahead(int(str(fields["rev"])))
-                if ahead is not None:
-                    fields.update(position=ahead + 1, ahead=ahead)
-        if note.event == "spread-busy":
-            fields = {"host": sema.identity.host, **fields}
-        emit = log.warning if note.warning else log.info
-        emit(note.event, name=sema.name, **fields)
+        revision = revision_to_count(note)
+        ahead = None if revision is None else await self._count_ahead(revision)
+        log_note(sema.name, sema.max, sema.identity.host, note, ahead)
 
     async def _count_ahead(self, revision: int) -> int | None:
         """How many keys are ahead of ours, for the ``queued`` line only (None if etcd does
@@ -1164,14 +1153,7 @@ class Semaphore:
         shared = driver.shared is not None
         session = driver.shared or driver.sessions.pop(outcome.lease_id)
         retire = [driver.watches.pop(w) for w in outcome.retire if w in driver.watches]
-        log.info(
-            "acquired",
-            name=self.name,
-            max=self.max,
-            rev=outcome.revision,
-            lease=f"{outcome.lease_id:x}",
-            waited=f"{time.monotonic() - driver.started:.3f}s",
-        )
+        log_acquired(self.name, self.max, outcome, driver.started)
         return Hold(self, session, outcome, retire, shared)
 
     async def _enqueue(

@@ -442,6 +442,18 @@ def _give_back(
     return True
 
 
+def warn_hold_dropped(face: str, key: bytes, revision: int) -> None:
+    """Warn (ResourceWarning, pointing at the caller's caller: the collector) and log that
+    a Hold of ``face`` ("conch" or "conch.aio") was dropped without release()."""
+    warnings.warn(
+        f"{face} hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
+        "release(); releasing it",
+        ResourceWarning,
+        stacklevel=3,
+    )
+    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+
+
 def _dropped(
     session: Session,
     client: Client,
@@ -452,13 +464,7 @@ def _dropped(
 ) -> None:
     """A Hold was garbage-collected unreleased: warn, as Python does for an unclosed file,
     and release it from the client's timer thread (not the collecting thread)."""
-    warnings.warn(
-        f"conch hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
-        "release(); releasing it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+    warn_hold_dropped("conch", key, revision)
 
     def give_back() -> None:
         _cancel_all(watches)

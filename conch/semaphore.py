@@ -442,20 +442,14 @@ class _Wait:
 
     def _log(self, note: recipe.Note) -> None:
         sema = self.sema
-        fields = dict(note.fields)
-        if note.event == "queued":
-            fields = {"max": sema.max, **fields}
-            if "ahead" not in fields:
-                try:
-                    ahead = sema._count_ahead(int(fields["rev"]), self.interrupt)  # type: ignore[call-overload]
-                except (EtcdError, Interrupted):
-                    ahead = None
-                if ahead is not None:
-                    fields.update(position=ahead + 1, ahead=ahead)
-        if note.event == "spread-busy":
-            fields = {"host": sema.identity.host, **fields}
-        emit = log.warning if note.warning else log.info
-        emit(note.event, name=sema.name, **fields)
+        ahead = None
+        revision = revision_to_count(note)
+        if revision is not None:
+            try:
+                ahead = sema._count_ahead(revision, self.interrupt)
+            except (EtcdError, Interrupted):
+                ahead = None
+        log_note(sema.name, sema.max, sema.identity.host, note, ahead)
 
     # -- the outcome ---------------------------------------------------------------------
 
@@ -465,14 +459,7 @@ class _Wait:
             raise _gave_up(sema, outcome, self.interrupt)
         session = self.session
         assert session is not None and session.lease_id == outcome.lease_id
-        log.info(
-            "acquired",
-            name=sema.name,
-            max=sema.max,
-            rev=outcome.revision,
-            lease=f"{outcome.lease_id:x}",
-            waited=f"{time.monotonic() - self.started:.3f}s",
-        )
+        log_acquired(sema.name, sema.max, outcome, self.started)
         retire = [self.watches.pop(w) for w in outcome.retire if w in self.watches]
         for watch in retire:
             del self.ids[watch]
@@ -604,3 +591,38 @@ def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
         kv.txn(client, [on_our_lease], [kv.op_delete(key)], [], timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
+
+
+def log_acquired(name: str, max: int, outcome: recipe.Held, started: float) -> None:
+    """The ``acquired`` line both faces log when a wait ends in a hold begun at ``started``
+    (a time.monotonic() reading)."""
+    log.info(
+        "acquired",
+        name=name,
+        max=max,
+        rev=outcome.revision,
+        lease=f"{outcome.lease_id:x}",
+        waited=f"{time.monotonic() - started:.3f}s",
+    )
+
+
+def revision_to_count(note: recipe.Note) -> int | None:
+    """Our key's revision when ``note`` is a ``queued`` line that does not say how many are
+    ahead (the face counts the keys ahead of it), else None."""
+    if note.event == "queued" and "ahead" not in note.fields:
+        return int(str(note.fields["rev"]))
+    return None
+
+
+def log_note(name: str, max: int, host: str, note: recipe.Note, ahead: int | None) -> None:
+    """``note`` as the log line both faces write for it: ``queued`` with ``max`` (and the
+    count ``ahead``, when one was made), ``spread-busy`` with our ``host``."""
+    fields = dict(note.fields)
+    if note.event == "queued":
+        fields = {"max": max, **fields}
+        if ahead is not None:
+            fields.update(position=ahead + 1, ahead=ahead)
+    if note.event == "spread-busy":
+        fields = {"host": host, **fields}
+    emit = log.warning if note.warning else log.info
+    emit(note.event, name=name, **fields)

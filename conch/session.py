@@ -147,16 +147,22 @@ class _Keeper:
         return True
 
 
+def warn_session_dropped(face: str, lease_id: int) -> None:
+    """Warn (ResourceWarning, pointing at the caller's caller: the collector) and log that
+    a Session of ``face`` ("conch" or "conch.aio") was dropped without close()."""
+    warnings.warn(
+        f"{face} session (lease {lease_id:x}) dropped without close(); revoking it",
+        ResourceWarning,
+        stacklevel=3,
+    )
+    log.warning("session-dropped", lease=f"{lease_id:x}")
+
+
 def _dropped(keeper: _Keeper) -> None:
     """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
     and revoke its lease from the client's timer thread (not the collecting thread, which
     may be anyone's)."""
-    warnings.warn(
-        f"conch session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
+    warn_session_dropped("conch", keeper.lease_id)
     keeper.stop.set()
     timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
 

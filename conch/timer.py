@@ -15,9 +15,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from conch import log
+
+OwnerT = TypeVar("OwnerT")
+ValueT = TypeVar("ValueT")
 
 # Seconds the thread stays up with nothing to do before it ends (the next call_later
 # starts it again): a client with no hold left costs no thread.
@@ -97,17 +100,29 @@ class Timer:
             del function, handle
 
 
-_timers: weakref.WeakKeyDictionary[object, Timer] = weakref.WeakKeyDictionary()
-_timers_lock = threading.Lock()
+class PerOwner(Generic[OwnerT, ValueT]):
+    """One ``make(owner)`` per owner, made on first use under a lock, gone with the owner
+    (held by weak reference): calling it with an owner returns that owner's one value."""
+
+    def __init__(self, make: Callable[[OwnerT], ValueT]) -> None:
+        self._make = make
+        self._made: weakref.WeakKeyDictionary[OwnerT, ValueT] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, owner: OwnerT) -> ValueT:
+        with self._lock:
+            value = self._made.get(owner)
+            if value is None:
+                value = self._made[owner] = self._make(owner)
+            return value
+
+
+_timers: PerOwner[object, Timer] = PerOwner(lambda _owner: Timer())
 
 
 def timer_for(owner: object) -> Timer:
     """The one Timer of ``owner`` (a Client), made on first use, gone with the owner."""
-    with _timers_lock:
-        timer = _timers.get(owner)
-        if timer is None:
-            timer = _timers[owner] = Timer()
-        return timer
+    return _timers(owner)
 
 
 def weakly(method: Callable[..., Any]) -> Callable[..., None]:

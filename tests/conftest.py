@@ -47,6 +47,15 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
 
 
 @pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A 3-member cluster of this test's own."""
+    c = EtcdCluster(tmp_path / "cluster", size=3)
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
 def client(etcd: EtcdCluster) -> Iterator[Client]:
     with etcd.client() as c:
         yield c

@@ -17,7 +17,7 @@ import pytest
 from conch.etcd import Client
 from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
-from tests.test_security import make_ca, make_cert, tls_cluster
+from tests.test_security import make_pki, tls_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = ("ENDPOINTS", "DIAL_TIMEOUT", "CACERT", "CERT", "KEY", "USER", "PASSWORD")
@@ -136,12 +136,7 @@ def test_the_debug_line_says_where_the_password_came_from_never_what_it_is(
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("openssl") is None:
         pytest.skip("needs openssl")
-    d = tmp_path_factory.mktemp("pki")
-    make_ca(d, "ca")
-    make_ca(d, "other-ca")
-    make_cert(d, "ca", "server", "IP:127.0.0.1,DNS:localhost")
-    make_cert(d, "ca", "client", "DNS:conch-client")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @pytest.fixture(scope="module")

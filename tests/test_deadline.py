@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -80,14 +79,6 @@ def watchdog_of(holder: Conch) -> int:
     return poll(find, what="the holder's watchdog")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path / "cluster", size=3)
-    c.start()
-    yield c
-    c.stop()
-
-
 def leader_index(cluster: EtcdCluster) -> int:
     """The member every member names leader (polled until they agree)."""
 
@@ -106,6 +97,24 @@ def leader_index(cluster: EtcdCluster) -> int:
         return ids.index(next(iter(leaders))) + 1  # + 1: 0 is falsy to poll
 
     return poll(agreed, what="one leader") - 1
+
+
+def _handover(
+    child: int, waiter_started: Path, capsys: pytest.CaptureFixture[str], frozen: str
+) -> tuple[float, float, float]:
+    """The handover after a freeze (``frozen`` says which), timed from now: prints when
+    ``child`` was seen dead and when the waiter's child started; returns (now, both)."""
+    frozen_at = time.time()
+    died = death_seen(child)
+    poll(waiter_started.exists, what="the waiter's child")
+    started = float(waiter_started.read_text())
+    with capsys.disabled():
+        print(
+            f"\n[measure] {frozen}: child dead "
+            f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
+            "the next holder's child started"
+        )
+    return frozen_at, died, started
 
 
 def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_freezes(
@@ -130,16 +139,9 @@ def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_f
         waiter = runner.start("sema", name, *flags, "--", *waiter_cmd, CONCH_ENDPOINTS=others)
         poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
         cluster.members[follower].pause()
-        frozen_at = time.time()
-        died = death_seen(child)
-        poll(waiter_started.exists, what="the waiter's child")
-        started = float(waiter_started.read_text())
-        with capsys.disabled():
-            print(
-                f"\n[measure] member frozen, TTL 6s, --kill-after 2.5s: child dead "
-                f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
-                "the next holder's child started"
-            )
+        _, died, started = _handover(
+            child, waiter_started, capsys, "member frozen, TTL 6s, --kill-after 2.5s"
+        )
         assert died < started, "the SIGTERM-deaf child overlapped the next holder's"
         assert waiter.wait() == 0
         assert holder.wait() == 70  # every call to the frozen member has a deadline
@@ -166,16 +168,9 @@ def test_the_watchdog_kills_a_frozen_wrappers_child_before_the_lease_expires(
     poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
     holder.signal(signal.SIGSTOP)
     try:
-        frozen_at = time.time()
-        died = death_seen(child)
-        poll(waiter_started.exists, what="the waiter's child")
-        started = float(waiter_started.read_text())
-        with capsys.disabled():
-            print(
-                f"\n[measure] wrapper frozen, TTL 3s, --kill-after 1s: child dead "
-                f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
-                "the next holder's child started"
-            )
+        frozen_at, died, started = _handover(
+            child, waiter_started, capsys, "wrapper frozen, TTL 3s, --kill-after 1s"
+        )
         assert died < started, "the frozen wrapper's child overlapped the next holder's"
         assert died - frozen_at < 3.0  # within the TTL of the last keepalive
     finally:

@@ -436,14 +436,6 @@ def test_frozen_wrapper_child_is_stopped_before_a_waiter_takes_over(
 # -- a 3-member cluster ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path / "cluster", size=3)
-    c.start()
-    yield c
-    c.stop()
-
-
 def cluster_runner(cluster: EtcdCluster, tmp_path: Path) -> Runner:
     return Runner(cluster, tmp_path)
 

@@ -83,14 +83,19 @@ def make_cert(d: Path, ca: str, name: str, san: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
+def make_pki(d: Path) -> Path:
+    """In ``d``: two CAs ("ca", "other-ca"), and a server (127.0.0.1, localhost) and a
+    client certificate signed by "ca"; returns ``d``."""
     make_ca(d, "ca")
     make_ca(d, "other-ca")
     make_cert(d, "ca", "server", "IP:127.0.0.1,DNS:localhost")
     make_cert(d, "ca", "client", "DNS:conch-client")
     return d
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def tls_cluster(base: Path, pki: Path, mutual: bool) -> EtcdCluster:

@@ -8,8 +8,6 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,14 +200,6 @@ def _events(box: queue.SimpleQueue[WatchNotice], count: int) -> list[tuple[int, 
         assert notice.error is None, notice.error
         seen.extend((e.type, e.kv.key) for e in notice.events)
     return seen
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    c = EtcdCluster(tmp_path / "cluster", size=3)
-    c.start()
-    yield c
-    c.stop()
 
 
 def test_the_shared_stream_follows_a_failover_of_calls_and_resumes_every_watch(

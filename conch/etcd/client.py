@@ -332,6 +332,22 @@ class Client:
         self.pid = os.getpid()
 
     @classmethod
+    def _to_dial(
+        cls,
+        endpoints: Sequence[Endpoint],
+        dial_timeout: float,
+        request_timeout: float,
+        tls: TLS | None,
+        credentials: Credentials | None,
+    ) -> Client:
+        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client
+        they dial with."""
+        check_timeout("dial_timeout", dial_timeout)
+        check_timeout("request_timeout", request_timeout)
+        _check_fork_support()
+        return cls(endpoints, request_timeout, tls, credentials)
+
+    @classmethod
     def connect(
         cls,
         endpoints: Sequence[Endpoint],
@@ -345,10 +361,7 @@ class Client:
         AuthenticationFailed. Writes nothing to etcd. Raises UsageError for a timeout that is
         not above 0 or is over 10 years, and in a process forked from one that used gRPC with
         its fork support off (its calls would hang)."""
-        check_timeout("dial_timeout", dial_timeout)
-        check_timeout("request_timeout", request_timeout)
-        _check_fork_support()
-        client = cls(endpoints, request_timeout, tls, credentials)
+        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
         try:
             if credentials is not None:
                 client.authenticate(timeout=dial_timeout)
@@ -374,10 +387,7 @@ class Client:
         """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
         else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
         the client before it propagates."""
-        check_timeout("dial_timeout", dial_timeout)
-        check_timeout("request_timeout", request_timeout)
-        _check_fork_support()
-        client = cls(endpoints, request_timeout, tls, credentials)
+        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
         try:
             if credentials is not None:
                 await client._authenticate_async(credentials, dial_timeout)

@@ -17,7 +17,7 @@ from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
 from conch.flag import Flag
-from conch.timer import Handle, Timer
+from conch.timer import Handle, PerOwner, Timer
 
 
 class Grant(NamedTuple):
@@ -374,17 +374,12 @@ class _Counts:
         self.received = 0
 
 
-_keepalives: weakref.WeakKeyDictionary[Client, KeepAlives] = weakref.WeakKeyDictionary()
-_keepalives_lock = threading.Lock()
+_keepalives: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
 
 
 def keepalives_for(client: Client) -> KeepAlives:
     """The one KeepAlives of ``client``, made on first use, gone with the client."""
-    with _keepalives_lock:
-        keepalives = _keepalives.get(client)
-        if keepalives is None:
-            keepalives = _keepalives[client] = KeepAlives(client)
-        return keepalives
+    return _keepalives(client)
 
 
 class KeepAlive:

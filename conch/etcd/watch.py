@@ -21,7 +21,7 @@ from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
 from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
-from conch.timer import Timer, timer_for
+from conch.timer import PerOwner, Timer, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -188,16 +188,7 @@ class _Hub:
             if self._resuming or self._opening:
                 return  # created when that stream is up
             self._opening = True
-        try:
-            stream = self._open()
-        except EtcdError as exc:
-            with self._lock:
-                self._opening = False
-                self._watches.discard(watch)
-                if self._watches:  # others came meanwhile: they wait for a retry
-                    self._retry_open(exc)
-            raise
-        self._install(stream)
+        self._install(self._open_or_retry(watch))
 
     def remove(self, watch: Watch) -> None:
         with self._lock:
@@ -241,6 +232,21 @@ class _Hub:
         if client is None:
             raise EtcdError("client is closed", "CANCELLED")
         return BidiStream(client, "watch", "Watch", self._on_item)
+
+    def _open_or_retry(self, withdraw: Watch | None) -> BidiStream:
+        """``_open``, by the thread that set ``_opening``. When that fails: ``withdraw`` (the
+        watch whose add failed, if any) is unregistered, the watches still registered (others
+        came meanwhile) wait for a retry, and the EtcdError is raised."""
+        try:
+            return self._open()
+        except EtcdError as exc:
+            with self._lock:
+                self._opening = False
+                if withdraw is not None:
+                    self._watches.discard(withdraw)
+                if self._watches:
+                    self._retry_open(exc)
+            raise
 
     def _install(self, stream: BidiStream) -> None:
         """Make the newly opened ``stream`` the hub's and create every watch on it."""
@@ -377,12 +383,8 @@ class _Hub:
                 return
             self._opening = True
         try:
-            stream = self._open()
-        except EtcdError as exc:
-            with self._lock:
-                self._opening = False
-                if self._watches:
-                    self._retry_open(exc)
+            stream = self._open_or_retry(None)
+        except EtcdError:
             return
         self._install(stream)
 
@@ -443,16 +445,7 @@ def _resumable(error: EtcdError) -> bool:
     return isinstance(error, (Unavailable, TokenInvalid))
 
 
-_hubs: weakref.WeakKeyDictionary[Client, _Hub] = weakref.WeakKeyDictionary()
-_hubs_lock = threading.Lock()
-
-
-def _hub_for(client: Client) -> _Hub:
-    with _hubs_lock:
-        hub = _hubs.get(client)
-        if hub is None:
-            hub = _hubs[client] = _Hub(client)
-        return hub
+_hub_for: PerOwner[Client, _Hub] = PerOwner(_Hub)
 
 
 def _refused(cancel_reason: str) -> bool:

@@ -103,6 +103,10 @@ class KeepAlives:
         # counts by lease ID.
         self._streams: dict[BidiStream, dict[int, _Counts]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
+        # Ends of streams that broke before they were registered: a stream's reader starts
+        # with it, on the opener thread, and its end can reach the timer thread before the
+        # stream itself does (a member that forgot our token refuses the stream at once).
+        self._early_ends: dict[BidiStream, EtcdError] = {}
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
         # Answers from the streams' readers, not yet handled on the timer thread.
@@ -199,6 +203,10 @@ class KeepAlives:
 
     def _opened(self, endpoint: Endpoint, opened: BidiStream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])
+        if isinstance(opened, BidiStream) and opened in self._early_ends:
+            # Ended before it was ours: a failed open, retried after a backoff. Kept, its
+            # keepalives would go unanswered until the deadline declared the session lost.
+            opened = self._early_ends.pop(opened)
         if isinstance(opened, BidiStream):
             if not self._leases:
                 opened.close()
@@ -216,7 +224,9 @@ class KeepAlives:
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
         if counts is None:
-            return  # a stream we already left
+            if item.error is not None and self._opening:
+                self._early_ends[item.stream] = item.error  # for _opened to find
+            return  # a stream we already left, or one not registered yet
         if item.error is not None:
             self._broken(item.stream, item.error)
             return

@@ -211,6 +211,7 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
     hold.release()
 
 
+@pytest.mark.alone
 def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_with_no_request(
     client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -364,6 +365,7 @@ def test_at_max_2_out_of_order_releases_hand_over_with_no_read_and_no_write_by_t
     assert sema_keys(client, name) == []
 
 
+@pytest.mark.alone
 def test_a_key_deleted_early_in_a_hold_that_waited_is_noticed_within_a_fraction_of_a_second(
     client: Client, name: str
 ) -> None:

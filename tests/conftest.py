@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
@@ -46,51 +45,42 @@ def poll(check: Callable[[], T], timeout: float = DEADLINE, what: str = "conditi
 # (tests/netns.py). Two things are arranged here:
 #
 # - ``@pytest.mark.alone``: a test that measures (a latency bound of a second or less, an
-#   event loop's stalls) does not share the machine with other tests of the run. Every test
-#   holds a shared lock for its whole run, fixtures included; an ``alone`` test holds it
-#   exclusively, so it starts once the tests running on other workers are done, and they
-#   start theirs after it.
+#   event loop's stalls, a race it must win by being prompt) does not share the machine with
+#   other tests of the run. scripts/test.sh runs the others on several workers
+#   (``--phase shared``), then these in one process (``--phase alone``).
 # - the files whose module-scoped fixture is a lab of several etcd members in network
 #   namespaces run on one worker each, so each lab is built once, not once per worker.
 
 ONE_WORKER_FILES = {"test_netfaults.py", "test_overlap.py"}
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=("all", "shared", "alone"),
+        default="all",
+        help="all tests (default); only those that can share the machine; only @alone ones",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers",
-        "alone: measures time, so runs with no other test of the run beside it (under xdist)",
+        "markers", "alone: measures time, so scripts/test.sh runs it with no other test beside it"
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    phase = config.getoption("--phase")
+    if phase != "all":
+        wanted = phase == "alone"
+        kept = [item for item in items if (item.get_closest_marker("alone") is not None) == wanted]
+        dropped = [item for item in items if item not in kept]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
     for item in items:
         if item.path.name in ONE_WORKER_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
-
-
-@pytest.fixture(autouse=True)
-def _share_the_machine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[None]:
-    """Under xdist: the run's readers/writer lock (flock(2), across the workers), taken
-    fairly: through a turnstile everyone passes, which an ``alone`` test keeps until it has
-    the lock to itself (no stream of shared holders starves it)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    base = tmp_path_factory.getbasetemp().parent  # the run's, above each worker's own
-    alone = request.node.get_closest_marker("alone") is not None
-    with (base / "turnstile").open("a") as turnstile, (base / "machine").open("a") as machine:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(machine, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

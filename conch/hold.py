@@ -20,22 +20,21 @@ from typing import TYPE_CHECKING
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
-from conch.errors import EtcdError, HoldLost
-from conch.etcd import kv
-from conch.etcd.client import Backoff, Client
-from conch.etcd.watch import Watch, WatchNotice
-from conch.flag import Flag
-from conch.recipe import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
-from conch.recipe import TOUCH_DELAY as TOUCH_DELAY  # seconds
-from conch.recipe import (
+from conch.core.guard import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
+from conch.core.guard import TOUCH_DELAY as TOUCH_DELAY  # seconds
+from conch.core.guard import (
     GuardVerdict,
-    KeyRev,
-    TouchOwed,
     guard_on_look,
     guard_on_notice,
     guard_on_touch,
     guard_plan,
 )
+from conch.core.waiter import KeyRev, TouchOwed
+from conch.errors import EtcdError, HoldLost
+from conch.etcd import kv
+from conch.etcd.client import Backoff, Client
+from conch.etcd.watch import Watch, WatchNotice
+from conch.flag import Flag
 from conch.session import Session
 from conch.timer import timer_for, weakly
 

@@ -28,7 +28,7 @@ holders and the ``window_size(N) - N`` waiters first in line (N + 1, at most 8).
 A release therefore wakes the waiters of the window and one behind it: constant work per
 release, whatever the length of the queue.
 
-The decisions are ``conch.recipe.Waiter``'s, a pure state machine; this module is its
+The decisions are ``conch.core.waiter.Waiter``'s, a pure state machine; this module is its
 threaded driver (``_Wait``): it executes the machine's actions with the etcd layer on the
 calling thread and feeds back the answers, the watch notices, the deadline and the losses.
 """
@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
-from conch import keys, log, recipe
+from conch import keys, log
+from conch.core import waiter
+from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
 from conch.errors import (
     Compacted,
     EtcdError,
@@ -60,7 +62,6 @@ from conch.etcd.watch import DELETE, Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold, delete_own_key, touch
 from conch.identity import Identity
-from conch.recipe import WINDOW_WAITERS_CAP, window_size
 from conch.session import Session, check_client, check_ttl
 
 __all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_size"]
@@ -229,7 +230,7 @@ class Semaphore:
 
 
 class _Wait:
-    """The threaded driver of one ``recipe.Waiter``: it executes the machine's actions on
+    """The threaded driver of one ``waiter.Waiter``: it executes the machine's actions on
     the calling thread (unary calls with the client's deadlines, ``interrupt`` ending their
     retries), and sleeps on one mailbox for what comes from elsewhere (watch notices from
     the client's stream reader, the session's loss, the interrupt) and for the deadline
@@ -257,7 +258,7 @@ class _Wait:
         self.told: set[object] = set()  # flags and the deadline already fed
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         on = (shared.lease_id, sema._key(shared)) if shared is not None else (None, None)
-        self.waiter = recipe.Waiter(sema.prefix, sema.max, backoff, key=on[1], lease_id=on[0])
+        self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key=on[1], lease_id=on[0])
 
     def run(self) -> Hold:
         """Drive the machine to its outcome: the Hold, or the exception it gives up with
@@ -265,44 +266,44 @@ class _Wait:
         self.interrupt.subscribe(self.box)
         if self.session is not None:
             self.session.lost.subscribe(self.box)
-        waiter = self.waiter
+        machine = self.machine
         try:
-            todo: deque[recipe.Action] = deque(waiter.start())
-            while waiter.outcome is None:
+            todo: deque[waiter.Action] = deque(machine.start())
+            while machine.outcome is None:
                 polled = self._poll()
                 if polled is not None:
-                    todo.extend(waiter.feed(polled))
+                    todo.extend(machine.feed(polled))
                     continue
                 answer = self._execute(todo.popleft()) if todo else self._next_input()
                 if answer is not None:
-                    todo.extend(waiter.feed(answer))
+                    todo.extend(machine.feed(answer))
             for action in todo:  # cancels of watches the hold does not retire
                 self._execute(action)
-            return self._outcome(waiter.outcome)
+            return self._outcome(machine.outcome)
         finally:
             self._clean_up()
 
     # -- inputs --------------------------------------------------------------------------
 
-    def _poll(self) -> recipe.Input | None:
+    def _poll(self) -> waiter.Input | None:
         """What must be fed at once, before the next action: an interrupt, our session's
         loss, the deadline (once each)."""
         if self.interrupt.is_set() and self.interrupt not in self.told:
             self.told.add(self.interrupt)
-            return recipe.Interrupt(self.interrupt.reason)
+            return waiter.Interrupt(self.interrupt.reason)
         session = self.session
         if session is not None and session.lost.is_set() and session.lost not in self.told:
             self.told.add(session.lost)
-            return recipe.SessionLost(str(session.lost.reason))
+            return waiter.SessionLost(str(session.lost.reason))
         if "deadline" not in self.told and self._late():
             self.told.add("deadline")
-            return recipe.DeadlineReached()
+            return waiter.DeadlineReached()
         return None
 
     def _late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _next_input(self) -> recipe.Input | None:
+    def _next_input(self) -> waiter.Input | None:
         """Sleep until a notice, a flag, the deadline or a pause's end."""
         over = self._pause_over()
         if over is not None:  # first: notices coming all the time must not starve a pause
@@ -318,7 +319,7 @@ class _Wait:
             return self._notice(item)
         return None  # a flag: _poll feeds it
 
-    def _pause_over(self) -> recipe.PauseOver | None:
+    def _pause_over(self) -> waiter.PauseOver | None:
         """The first pause whose time has come, if any."""
         now = time.monotonic()
         due = [(end, pause) for pause, end in self.pauses.items() if end <= now]
@@ -326,95 +327,95 @@ class _Wait:
             return None
         _, pause = min(due)
         del self.pauses[pause]
-        return recipe.PauseOver(pause)
+        return waiter.PauseOver(pause)
 
-    def _notice(self, notice: WatchNotice) -> recipe.Input | None:
+    def _notice(self, notice: WatchNotice) -> waiter.Input | None:
         watch_id = self.ids.get(notice.watch)
         if watch_id is None:
             return None  # a cancelled watch
         if notice.error is not None:
             compacted = isinstance(notice.error, Compacted)
-            return recipe.WatchBroken(watch_id, compacted, str(notice.error))
+            return waiter.WatchBroken(watch_id, compacted, str(notice.error))
         if notice.created:
-            return recipe.WatchCreated(watch_id, notice.revision)
-        events = [recipe.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
-        return recipe.WatchEvents(watch_id, events, notice.revision)
+            return waiter.WatchCreated(watch_id, notice.revision)
+        events = [waiter.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
+        return waiter.WatchEvents(watch_id, events, notice.revision)
 
     # -- actions -------------------------------------------------------------------------
 
-    def _execute(self, action: recipe.Action) -> recipe.Input | None:
+    def _execute(self, action: waiter.Action) -> waiter.Input | None:
         """Do ``action``; return its answer when it has one now."""
-        if isinstance(action, recipe.CancelWatch):
+        if isinstance(action, waiter.CancelWatch):
             watch = self.watches.pop(action.id, None)
             if watch is not None:
                 del self.ids[watch]
                 watch.cancel()
             return None
-        if isinstance(action, recipe.Pause):
+        if isinstance(action, waiter.Pause):
             left = remaining(self.deadline)
             seconds = action.seconds if left is None else min(action.seconds, left)
             self.pauses[action.id] = time.monotonic() + seconds
             return None
-        if isinstance(action, recipe.Note):
+        if isinstance(action, waiter.Note):
             self._log(action)
             return None
-        if isinstance(action, recipe.Withdraw):
+        if isinstance(action, waiter.Withdraw):
             self._withdraw(action)
-            return recipe.Withdrawn(action.id)
+            return waiter.Withdrawn(action.id)
         try:
             return self._call(action)
         except Interrupted:
             return None  # _poll feeds the interrupt next
         except EtcdError as exc:
-            return recipe.Failed(action.id, _failure(exc), str(exc), exc)
+            return waiter.Failed(action.id, _failure(exc), str(exc), exc)
 
-    def _call(self, action: recipe.Action) -> recipe.Input | None:
+    def _call(self, action: waiter.Action) -> waiter.Input | None:
         """The actions that call etcd. Raises EtcdError, Interrupted."""
         sema, interrupt = self.sema, self.interrupt
-        if isinstance(action, recipe.OpenSession):
+        if isinstance(action, waiter.OpenSession):
             session = Session(self.client, sema.ttl, interrupt)
             self.session = session
             session.lost.subscribe(self.box)
-            return recipe.SessionOpened(action.id, session.lease_id, sema._key(session))
-        if isinstance(action, recipe.SendEnqueue):
+            return waiter.SessionOpened(action.id, session.lease_id, sema._key(session))
+        if isinstance(action, waiter.SendEnqueue):
             value, response = sema._enqueue(action.key, action.lease_id, interrupt)
             return _enqueue_answer(action, response, value)
-        if isinstance(action, recipe.ReadStanding):
+        if isinstance(action, waiter.ReadStanding):
             response = sema._standing(action.key, action.revision, interrupt)
-            return recipe.StandingAnswer(
+            return waiter.StandingAnswer(
                 action.id,
                 int(response.header.revision),
                 [_key_rev(k) for k in response.responses[0].response_range.kvs],
                 [_key_rev(k) for k in response.responses[1].response_range.kvs],
             )
-        if isinstance(action, recipe.ReadKeys):
+        if isinstance(action, waiter.ReadKeys):
             reads = [rpc_pb2.RangeRequest(key=key) for key in action.keys]
             response = _read_together(self.client, reads, interrupt)
             found = [r.response_range.kvs for r in response.responses]
-            return recipe.KeysAnswer(
+            return waiter.KeysAnswer(
                 action.id,
                 int(response.header.revision),
                 [_key_rev(kvs[0]) if kvs else None for kvs in found],
             )
-        if isinstance(action, recipe.OpenWatch):
+        if isinstance(action, waiter.OpenWatch):
             self._open_watch(action)
             return None
-        if isinstance(action, recipe.Touch):
+        if isinstance(action, waiter.Touch):
             response = touch(
                 self.client, action.key, action.revision, action.value, action.lease_id, interrupt
             )
-            return recipe.TouchAnswer(
+            return waiter.TouchAnswer(
                 action.id, int(response.header.revision), bool(response.succeeded)
             )
-        if isinstance(action, recipe.CheckLease):
+        if isinstance(action, waiter.CheckLease):
             assert self.session is not None
             if not self.session.certainly_alive():
-                return recipe.LeaseAnswer(action.id, 0)
+                return waiter.LeaseAnswer(action.id, 0)
             ttl = lease.time_to_live(self.client, action.lease_id, WITHDRAW_TIMEOUT)
-            return recipe.LeaseAnswer(action.id, ttl)
+            return waiter.LeaseAnswer(action.id, ttl)
         raise AssertionError(f"unknown action {action!r}")  # pragma: no cover
 
-    def _open_watch(self, action: recipe.OpenWatch) -> None:
+    def _open_watch(self, action: waiter.OpenWatch) -> None:
         # From "now", not from the standing's revision + 1: etcd serves a watch that starts
         # in the past from a catch-up loop that runs every 100 ms, which would add up to
         # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
@@ -431,7 +432,7 @@ class _Wait:
         self.watches[action.id] = watch
         self.ids[watch] = action.id
 
-    def _withdraw(self, action: recipe.Withdraw) -> None:
+    def _withdraw(self, action: waiter.Withdraw) -> None:
         if action.revoke:
             session, self.session = self.session, None
             if session is not None and session.lease_id == action.lease_id:
@@ -440,7 +441,7 @@ class _Wait:
             return
         _withdraw(self.client, action.key, action.revision, action.lease_id)
 
-    def _log(self, note: recipe.Note) -> None:
+    def _log(self, note: waiter.Note) -> None:
         sema = self.sema
         ahead = None
         revision = revision_to_count(note)
@@ -453,9 +454,9 @@ class _Wait:
 
     # -- the outcome ---------------------------------------------------------------------
 
-    def _outcome(self, outcome: recipe.Outcome) -> Hold:
+    def _outcome(self, outcome: waiter.Outcome) -> Hold:
         sema = self.sema
-        if isinstance(outcome, recipe.GaveUp):
+        if isinstance(outcome, waiter.GaveUp):
             raise _gave_up(sema, outcome, self.interrupt)
         session = self.session
         assert session is not None and session.lease_id == outcome.lease_id
@@ -490,34 +491,34 @@ class _Wait:
         if session is None:
             return
         session.lost.unsubscribe(self.box)
-        if self.waiter.outcome is not None:
+        if self.machine.outcome is not None:
             return  # withdrawn by the machine (or held: the hold took the session)
         if self.shared:
-            _withdraw(self.client, self.waiter.key, self.waiter.revision, session.lease_id)
+            _withdraw(self.client, self.machine.key, self.machine.revision, session.lease_id)
         else:
             session.close(timeout=WITHDRAW_TIMEOUT)
 
 
-_EVENT_TYPES = {DELETE: recipe.EventType.DELETE, kv_pb2.Event.PUT: recipe.EventType.PUT}
+_EVENT_TYPES = {DELETE: waiter.EventType.DELETE, kv_pb2.Event.PUT: waiter.EventType.PUT}
 
 
-def _key_rev(item: kv.KeyValue) -> recipe.KeyRev:
-    return recipe.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+def _key_rev(item: kv.KeyValue) -> waiter.KeyRev:
+    return waiter.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
 
 
 def _enqueue_answer(
-    action: recipe.SendEnqueue, response: kv.TxnResponse, sent: bytes
-) -> recipe.EnqueueAnswer:
+    action: waiter.SendEnqueue, response: kv.TxnResponse, sent: bytes
+) -> waiter.EnqueueAnswer:
     revision = int(response.header.revision)
     if response.succeeded:
         heads = [h.key for h in response.responses[1].response_range.kvs]
-        return recipe.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+        return waiter.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
     found = response.responses[0].response_range.kvs
     if not found:
-        return recipe.EnqueueAnswer(action.id, revision, False)
+        return waiter.EnqueueAnswer(action.id, revision, False)
     ours = found[0].lease == action.lease_id
     value = found[0].value if ours else b""
-    return recipe.EnqueueAnswer(
+    return waiter.EnqueueAnswer(
         action.id, revision, False, value, existing=_key_rev(found[0]), existing_ours=ours
     )
 
@@ -532,7 +533,7 @@ def _read_together(
     try:
         return kv.txn(client, [], [kv.op_range(r) for r in reads], [], interrupt=interrupt)
     except EtcdError as exc:
-        if _failure(exc) != recipe.Failure.NO_SPACE:
+        if _failure(exc) != waiter.Failure.NO_SPACE:
             raise
     first = kv.range_(client, reads[0], interrupt=interrupt)
     at = int(first.header.revision)
@@ -549,30 +550,30 @@ def _read_together(
     )
 
 
-def _failure(exc: EtcdError) -> recipe.Failure:
+def _failure(exc: EtcdError) -> waiter.Failure:
     """The recipe's name for how a request failed."""
     if isinstance(exc, (Unavailable, Compacted)):
         # Compacted: a read pinned to a revision compaction just passed; read again.
-        return recipe.Failure.UNREACHABLE
+        return waiter.Failure.UNREACHABLE
     if isinstance(exc, LeaseNotFound):
-        return recipe.Failure.LEASE_NOT_FOUND
+        return waiter.Failure.LEASE_NOT_FOUND
     # etcd's space alarm (NOSPACE): "etcdserver: mvcc: database space exceeded".
     if exc.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(exc):
-        return recipe.Failure.NO_SPACE
-    return recipe.Failure.OTHER
+        return waiter.Failure.NO_SPACE
+    return waiter.Failure.OTHER
 
 
-def _gave_up(sema: Semaphore, outcome: recipe.GaveUp, interrupt: Flag) -> BaseException:
+def _gave_up(sema: Semaphore, outcome: waiter.GaveUp, interrupt: Flag) -> BaseException:
     """The exception a waiter that gave up raises."""
     reason = outcome.reason
-    if reason == recipe.Reason.NO_SLOT:
+    if reason == waiter.Reason.NO_SLOT:
         return NoSlot(f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})")
-    if reason == recipe.Reason.INTERRUPTED:
+    if reason == waiter.Reason.INTERRUPTED:
         return Interrupted(interrupt.reason)
-    if reason == recipe.Reason.SESSION_LOST:
+    if reason == waiter.Reason.SESSION_LOST:
         return SessionLost(outcome.detail)
     failed = outcome.cause
-    if isinstance(failed, recipe.Failed) and isinstance(failed.cause, BaseException):
+    if isinstance(failed, waiter.Failed) and isinstance(failed.cause, BaseException):
         return failed.cause  # etcd unreachable at the first session (69), or refused
     return EtcdError(outcome.detail)
 
@@ -593,7 +594,7 @@ def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
 
 
-def log_acquired(name: str, max: int, outcome: recipe.Held, started: float) -> None:
+def log_acquired(name: str, max: int, outcome: waiter.Held, started: float) -> None:
     """The ``acquired`` line both faces log when a wait ends in a hold begun at ``started``
     (a time.monotonic() reading)."""
     log.info(
@@ -606,7 +607,7 @@ def log_acquired(name: str, max: int, outcome: recipe.Held, started: float) -> N
     )
 
 
-def revision_to_count(note: recipe.Note) -> int | None:
+def revision_to_count(note: waiter.Note) -> int | None:
     """Our key's revision when ``note`` is a ``queued`` line that does not say how many are
     ahead (the face counts the keys ahead of it), else None."""
     if note.event == "queued" and "ahead" not in note.fields:
@@ -614,7 +615,7 @@ def revision_to_count(note: recipe.Note) -> int | None:
     return None
 
 
-def log_note(name: str, max: int, host: str, note: recipe.Note, ahead: int | None) -> None:
+def log_note(name: str, max: int, host: str, note: waiter.Note, ahead: int | None) -> None:
     """``note`` as the log line both faces write for it: ``queued`` with ``max`` (and the
     count ``ahead``, when one was made), ``spread-busy`` with our ``host``."""
     fields = dict(note.fields)

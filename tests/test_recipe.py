@@ -1,4 +1,4 @@
-"""The waiting recipe's state machine (conch/recipe.py), fed by hand: no etcd, no threads,
+"""The waiting recipe's state machine (conch/core/waiter.py), fed by hand: no etcd, no threads,
 no clock. Each test plays one path of docs/design.md's drawing and asserts the actions the
 machine asks for, in order. The same behaviours are tested against a real etcd in
 test_sema.py, test_library.py, test_sessions.py, test_failures.py and test_waiting.py."""
@@ -11,7 +11,8 @@ from typing import TypeVar
 
 import pytest
 
-from conch import recipe as r
+from conch.core import guard as g
+from conch.core import waiter as r
 from conch.etcd.client import Backoff
 
 PREFIX = b"/p/"
@@ -387,26 +388,26 @@ def test_backoff_is_jittered_capped_and_reproducible() -> None:
 
 
 def test_the_guard_plan_follows_what_the_hold_owes() -> None:
-    assert r.guard_plan(r.TouchOwed.NONE) == r.GuardPlan(False, None, r.GUARD_WATCH_DELAY)
-    assert r.guard_plan(r.TouchOwed.AT_ONCE) == r.GuardPlan(True, None, r.GUARD_WATCH_DELAY)
-    later = r.guard_plan(r.TouchOwed.LATER)
-    assert later == r.GuardPlan(False, r.TOUCH_DELAY, r.GUARD_WATCH_DELAY)
+    assert g.guard_plan(r.TouchOwed.NONE) == g.GuardPlan(False, None, g.GUARD_WATCH_DELAY)
+    assert g.guard_plan(r.TouchOwed.AT_ONCE) == g.GuardPlan(True, None, g.GUARD_WATCH_DELAY)
+    later = g.guard_plan(r.TouchOwed.LATER)
+    assert later == g.GuardPlan(False, g.TOUCH_DELAY, g.GUARD_WATCH_DELAY)
     assert later.touch_after is not None and later.touch_after > later.watch_after
 
 
 def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
-    v = r.GuardVerdict
-    assert r.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
-    assert r.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
-    assert r.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
-    assert r.guard_on_look(False, mine(10), 10) == v.WATCH
-    assert r.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
-    assert r.guard_on_look(False, None, 10) == v.LOST
-    assert r.guard_on_look(True, None, 10) == v.NOTHING
-    assert r.guard_on_touch(False, True) == v.WATCH
-    assert r.guard_on_touch(False, False) == v.LOST
-    assert r.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
-    assert r.guard_on_touch(True, False) == v.NOTHING
+    v = g.GuardVerdict
+    assert g.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
+    assert g.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
+    assert g.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
+    assert g.guard_on_look(False, mine(10), 10) == v.WATCH
+    assert g.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
+    assert g.guard_on_look(False, None, 10) == v.LOST
+    assert g.guard_on_look(True, None, 10) == v.NOTHING
+    assert g.guard_on_touch(False, True) == v.WATCH
+    assert g.guard_on_touch(False, False) == v.LOST
+    assert g.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
+    assert g.guard_on_touch(True, False) == v.NOTHING
 
 
 def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_watched() -> None:

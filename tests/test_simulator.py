@@ -1,5 +1,5 @@
 """The recipe's simulator (tests/sim): its model of etcd checked against a real etcd, then
-the recipe's machines (conch.recipe.Waiter) driven through seeded schedules with every
+the recipe's machines (conch.core.waiter.Waiter) driven through seeded schedules with every
 property checked at each step, and the checks themselves shown to catch known mistakes.
 
 A failing seed replays exactly: ``scripts/simulate.py --replay SEED`` prints its trace.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conch import recipe
+from conch.core import waiter as recipe
 from tests.etcd_server import EtcdCluster
 from tests.sim import variants
 from tests.sim.model import SimEtcd

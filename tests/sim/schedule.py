@@ -1,8 +1,8 @@
-"""The scheduler: many waiters' ``conch.recipe.Waiter`` machines against one ``SimEtcd``,
+"""The scheduler: many waiters' ``conch.core.waiter.Waiter`` machines against one ``SimEtcd``,
 interleaved by a seeded random schedule, with the recipe's properties checked at every step.
 
 A ``World`` is one semaphore (name, N) and the processes that acquire it. It is the driver
-the machines expect (conch/recipe.py's docstring), written over the model instead of gRPC:
+the machines expect (conch/core/waiter.py's docstring), written over the model instead of gRPC:
 each action a machine returns becomes a request *in flight*; the schedule decides, one step
 at a time, which thing happens next:
 
@@ -19,7 +19,7 @@ at a time, which thing happens next:
 
 Holders are the driver's part, as ``conch/hold.py`` does it: the touch the machine says is
 owed, retried while etcd is away, and the watch on its own key, each when and as the
-recipe's guard functions say (``conch.recipe.guard_plan``, ``guard_on_*``); the release
+recipe's guard functions say (``conch.guard.guard_plan``, ``guard_on_*``); the release
 (revoke a private lease, delete the key of a shared one). A holder's session is lost for it
 before etcd can expire the lease: conch's ``check()`` counts the TTL from when the last
 confirmed keepalive was *sent*, which is never after etcd restarted its countdown.
@@ -41,7 +41,8 @@ from typing import Any
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
-from conch import recipe as r
+from conch.core import guard as g
+from conch.core import waiter as r
 from tests.sim.model import ModelError, SimEtcd
 
 TTL = 5  # seconds: every session's lease
@@ -534,7 +535,7 @@ class World:
         proc.holding = True
         proc.held_at = held.held_at
         # The guard as conch/hold.py runs it, on the recipe's own decisions.
-        plan = r.guard_plan(held.touch)
+        plan = g.guard_plan(held.touch)
         if plan.touch_at_once:
             self._hold_touch(proc, at_once=True)
         if plan.touch_after is not None:
@@ -565,13 +566,13 @@ class World:
 
         def deliver(answer: Any) -> None:
             succeeded = answer.succeeded if isinstance(answer, r.TouchAnswer) else None
-            verdict = r.guard_on_touch(not proc.holding, succeeded)
-            if verdict == r.GuardVerdict.RETRY:
+            verdict = g.guard_on_touch(not proc.holding, succeeded)
+            if verdict == g.GuardVerdict.RETRY:
                 retry = functools.partial(self._hold_touch, proc, at_once)
                 self._timer(self._guard_pause(proc), proc, "guard", retry)
-            elif verdict == r.GuardVerdict.LOST:
+            elif verdict == g.GuardVerdict.LOST:
                 self._hold_lost(proc, "the touch found our key gone")
-            elif verdict == r.GuardVerdict.WATCH and at_once and GUARD not in proc.watches:
+            elif verdict == g.GuardVerdict.WATCH and at_once and GUARD not in proc.watches:
                 proc.held_at = max(proc.held_at, answer.revision)  # ours at the touch
 
         self.log(f"{proc.name} -> hold touch")
@@ -612,10 +613,10 @@ class World:
         broken)."""
         if ended:
             proc.watches.pop(GUARD, None)
-        verdict = r.guard_on_notice(not proc.holding, ended)
-        if verdict == r.GuardVerdict.LOST:
+        verdict = g.guard_on_notice(not proc.holding, ended)
+        if verdict == g.GuardVerdict.LOST:
             self._hold_lost(proc, "the guard saw our key deleted")
-        elif verdict == r.GuardVerdict.LOOK:
+        elif verdict == g.GuardVerdict.LOOK:
             self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
 
     def _guard_look(self, proc: Proc) -> None:
@@ -635,10 +636,10 @@ class World:
                 self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
                 return
             found = _keyrev(answer.kvs[0]) if answer.kvs else None
-            verdict = r.guard_on_look(not proc.holding, found, held.revision)
-            if verdict == r.GuardVerdict.LOST:
+            verdict = g.guard_on_look(not proc.holding, found, held.revision)
+            if verdict == g.GuardVerdict.LOST:
                 self._hold_lost(proc, "the guard found our key gone")
-            elif verdict == r.GuardVerdict.WATCH:
+            elif verdict == g.GuardVerdict.WATCH:
                 self._guard_watch(proc, int(answer.header.revision) + 1)
 
         self.requests += 1

@@ -1,4 +1,4 @@
-"""Variants of ``conch.recipe.Waiter`` for the simulator's own tests.
+"""Variants of ``conch.core.waiter.Waiter`` for the simulator's own tests.
 
 The *broken* ones each carry one known mistake; the simulator must catch every one of them
 (a property that no schedule can fail proves nothing).
@@ -6,7 +6,7 @@ The *broken* ones each carry one known mistake; the simulator must catch every o
 
 from __future__ import annotations
 
-from conch import recipe as r
+from conch.core import waiter as r
 
 
 class OverCounting(r.Waiter):

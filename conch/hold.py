@@ -29,7 +29,7 @@ from conch.core.guard import (
     guard_on_touch,
     guard_plan,
 )
-from conch.core.waiter import KeyRev, TouchOwed
+from conch.core.messages import KeyRev, TouchOwed
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client

@@ -44,7 +44,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch import keys, log
-from conch.core import waiter
+from conch.core import messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
 from conch.errors import (
     Compacted,
@@ -268,7 +268,7 @@ class _Wait:
             self.session.lost.subscribe(self.box)
         machine = self.machine
         try:
-            todo: deque[waiter.Action] = deque(machine.start())
+            todo: deque[messages.Action] = deque(machine.start())
             while machine.outcome is None:
                 polled = self._poll()
                 if polled is not None:
@@ -285,25 +285,25 @@ class _Wait:
 
     # -- inputs --------------------------------------------------------------------------
 
-    def _poll(self) -> waiter.Input | None:
+    def _poll(self) -> messages.Input | None:
         """What must be fed at once, before the next action: an interrupt, our session's
         loss, the deadline (once each)."""
         if self.interrupt.is_set() and self.interrupt not in self.told:
             self.told.add(self.interrupt)
-            return waiter.Interrupt(self.interrupt.reason)
+            return messages.Interrupt(self.interrupt.reason)
         session = self.session
         if session is not None and session.lost.is_set() and session.lost not in self.told:
             self.told.add(session.lost)
-            return waiter.SessionLost(str(session.lost.reason))
+            return messages.SessionLost(str(session.lost.reason))
         if "deadline" not in self.told and self._late():
             self.told.add("deadline")
-            return waiter.DeadlineReached()
+            return messages.DeadlineReached()
         return None
 
     def _late(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
-    def _next_input(self) -> waiter.Input | None:
+    def _next_input(self) -> messages.Input | None:
         """Sleep until a notice, a flag, the deadline or a pause's end."""
         over = self._pause_over()
         if over is not None:  # first: notices coming all the time must not starve a pause
@@ -319,7 +319,7 @@ class _Wait:
             return self._notice(item)
         return None  # a flag: _poll feeds it
 
-    def _pause_over(self) -> waiter.PauseOver | None:
+    def _pause_over(self) -> messages.PauseOver | None:
         """The first pause whose time has come, if any."""
         now = time.monotonic()
         due = [(end, pause) for pause, end in self.pauses.items() if end <= now]
@@ -327,95 +327,95 @@ class _Wait:
             return None
         _, pause = min(due)
         del self.pauses[pause]
-        return waiter.PauseOver(pause)
+        return messages.PauseOver(pause)
 
-    def _notice(self, notice: WatchNotice) -> waiter.Input | None:
+    def _notice(self, notice: WatchNotice) -> messages.Input | None:
         watch_id = self.ids.get(notice.watch)
         if watch_id is None:
             return None  # a cancelled watch
         if notice.error is not None:
             compacted = isinstance(notice.error, Compacted)
-            return waiter.WatchBroken(watch_id, compacted, str(notice.error))
+            return messages.WatchBroken(watch_id, compacted, str(notice.error))
         if notice.created:
-            return waiter.WatchCreated(watch_id, notice.revision)
-        events = [waiter.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
-        return waiter.WatchEvents(watch_id, events, notice.revision)
+            return messages.WatchCreated(watch_id, notice.revision)
+        events = [messages.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
+        return messages.WatchEvents(watch_id, events, notice.revision)
 
     # -- actions -------------------------------------------------------------------------
 
-    def _execute(self, action: waiter.Action) -> waiter.Input | None:
+    def _execute(self, action: messages.Action) -> messages.Input | None:
         """Do ``action``; return its answer when it has one now."""
-        if isinstance(action, waiter.CancelWatch):
+        if isinstance(action, messages.CancelWatch):
             watch = self.watches.pop(action.id, None)
             if watch is not None:
                 del self.ids[watch]
                 watch.cancel()
             return None
-        if isinstance(action, waiter.Pause):
+        if isinstance(action, messages.Pause):
             left = remaining(self.deadline)
             seconds = action.seconds if left is None else min(action.seconds, left)
             self.pauses[action.id] = time.monotonic() + seconds
             return None
-        if isinstance(action, waiter.Note):
+        if isinstance(action, messages.Note):
             self._log(action)
             return None
-        if isinstance(action, waiter.Withdraw):
+        if isinstance(action, messages.Withdraw):
             self._withdraw(action)
-            return waiter.Withdrawn(action.id)
+            return messages.Withdrawn(action.id)
         try:
             return self._call(action)
         except Interrupted:
             return None  # _poll feeds the interrupt next
         except EtcdError as exc:
-            return waiter.Failed(action.id, _failure(exc), str(exc), exc)
+            return messages.Failed(action.id, _failure(exc), str(exc), exc)
 
-    def _call(self, action: waiter.Action) -> waiter.Input | None:
+    def _call(self, action: messages.Action) -> messages.Input | None:
         """The actions that call etcd. Raises EtcdError, Interrupted."""
         sema, interrupt = self.sema, self.interrupt
-        if isinstance(action, waiter.OpenSession):
+        if isinstance(action, messages.OpenSession):
             session = Session(self.client, sema.ttl, interrupt)
             self.session = session
             session.lost.subscribe(self.box)
-            return waiter.SessionOpened(action.id, session.lease_id, sema._key(session))
-        if isinstance(action, waiter.SendEnqueue):
+            return messages.SessionOpened(action.id, session.lease_id, sema._key(session))
+        if isinstance(action, messages.SendEnqueue):
             value, response = sema._enqueue(action.key, action.lease_id, interrupt)
             return _enqueue_answer(action, response, value)
-        if isinstance(action, waiter.ReadStanding):
+        if isinstance(action, messages.ReadStanding):
             response = sema._standing(action.key, action.revision, interrupt)
-            return waiter.StandingAnswer(
+            return messages.StandingAnswer(
                 action.id,
                 int(response.header.revision),
                 [_key_rev(k) for k in response.responses[0].response_range.kvs],
                 [_key_rev(k) for k in response.responses[1].response_range.kvs],
             )
-        if isinstance(action, waiter.ReadKeys):
+        if isinstance(action, messages.ReadKeys):
             reads = [rpc_pb2.RangeRequest(key=key) for key in action.keys]
             response = _read_together(self.client, reads, interrupt)
             found = [r.response_range.kvs for r in response.responses]
-            return waiter.KeysAnswer(
+            return messages.KeysAnswer(
                 action.id,
                 int(response.header.revision),
                 [_key_rev(kvs[0]) if kvs else None for kvs in found],
             )
-        if isinstance(action, waiter.OpenWatch):
+        if isinstance(action, messages.OpenWatch):
             self._open_watch(action)
             return None
-        if isinstance(action, waiter.Touch):
+        if isinstance(action, messages.Touch):
             response = touch(
                 self.client, action.key, action.revision, action.value, action.lease_id, interrupt
             )
-            return waiter.TouchAnswer(
+            return messages.TouchAnswer(
                 action.id, int(response.header.revision), bool(response.succeeded)
             )
-        if isinstance(action, waiter.CheckLease):
+        if isinstance(action, messages.CheckLease):
             assert self.session is not None
             if not self.session.certainly_alive():
-                return waiter.LeaseAnswer(action.id, 0)
+                return messages.LeaseAnswer(action.id, 0)
             ttl = lease.time_to_live(self.client, action.lease_id, WITHDRAW_TIMEOUT)
-            return waiter.LeaseAnswer(action.id, ttl)
+            return messages.LeaseAnswer(action.id, ttl)
         raise AssertionError(f"unknown action {action!r}")  # pragma: no cover
 
-    def _open_watch(self, action: waiter.OpenWatch) -> None:
+    def _open_watch(self, action: messages.OpenWatch) -> None:
         # From "now", not from the standing's revision + 1: etcd serves a watch that starts
         # in the past from a catch-up loop that runs every 100 ms, which would add up to
         # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
@@ -432,7 +432,7 @@ class _Wait:
         self.watches[action.id] = watch
         self.ids[watch] = action.id
 
-    def _withdraw(self, action: waiter.Withdraw) -> None:
+    def _withdraw(self, action: messages.Withdraw) -> None:
         if action.revoke:
             session, self.session = self.session, None
             if session is not None and session.lease_id == action.lease_id:
@@ -441,7 +441,7 @@ class _Wait:
             return
         _withdraw(self.client, action.key, action.revision, action.lease_id)
 
-    def _log(self, note: waiter.Note) -> None:
+    def _log(self, note: messages.Note) -> None:
         sema = self.sema
         ahead = None
         revision = revision_to_count(note)
@@ -454,9 +454,9 @@ class _Wait:
 
     # -- the outcome ---------------------------------------------------------------------
 
-    def _outcome(self, outcome: waiter.Outcome) -> Hold:
+    def _outcome(self, outcome: messages.Outcome) -> Hold:
         sema = self.sema
-        if isinstance(outcome, waiter.GaveUp):
+        if isinstance(outcome, messages.GaveUp):
             raise _gave_up(sema, outcome, self.interrupt)
         session = self.session
         assert session is not None and session.lease_id == outcome.lease_id
@@ -499,26 +499,26 @@ class _Wait:
             session.close(timeout=WITHDRAW_TIMEOUT)
 
 
-_EVENT_TYPES = {DELETE: waiter.EventType.DELETE, kv_pb2.Event.PUT: waiter.EventType.PUT}
+_EVENT_TYPES = {DELETE: messages.EventType.DELETE, kv_pb2.Event.PUT: messages.EventType.PUT}
 
 
-def _key_rev(item: kv.KeyValue) -> waiter.KeyRev:
-    return waiter.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+def _key_rev(item: kv.KeyValue) -> messages.KeyRev:
+    return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
 
 
 def _enqueue_answer(
-    action: waiter.SendEnqueue, response: kv.TxnResponse, sent: bytes
-) -> waiter.EnqueueAnswer:
+    action: messages.SendEnqueue, response: kv.TxnResponse, sent: bytes
+) -> messages.EnqueueAnswer:
     revision = int(response.header.revision)
     if response.succeeded:
         heads = [h.key for h in response.responses[1].response_range.kvs]
-        return waiter.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+        return messages.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
     found = response.responses[0].response_range.kvs
     if not found:
-        return waiter.EnqueueAnswer(action.id, revision, False)
+        return messages.EnqueueAnswer(action.id, revision, False)
     ours = found[0].lease == action.lease_id
     value = found[0].value if ours else b""
-    return waiter.EnqueueAnswer(
+    return messages.EnqueueAnswer(
         action.id, revision, False, value, existing=_key_rev(found[0]), existing_ours=ours
     )
 
@@ -533,7 +533,7 @@ def _read_together(
     try:
         return kv.txn(client, [], [kv.op_range(r) for r in reads], [], interrupt=interrupt)
     except EtcdError as exc:
-        if _failure(exc) != waiter.Failure.NO_SPACE:
+        if _failure(exc) != messages.Failure.NO_SPACE:
             raise
     first = kv.range_(client, reads[0], interrupt=interrupt)
     at = int(first.header.revision)
@@ -550,30 +550,30 @@ def _read_together(
     )
 
 
-def _failure(exc: EtcdError) -> waiter.Failure:
+def _failure(exc: EtcdError) -> messages.Failure:
     """The recipe's name for how a request failed."""
     if isinstance(exc, (Unavailable, Compacted)):
         # Compacted: a read pinned to a revision compaction just passed; read again.
-        return waiter.Failure.UNREACHABLE
+        return messages.Failure.UNREACHABLE
     if isinstance(exc, LeaseNotFound):
-        return waiter.Failure.LEASE_NOT_FOUND
+        return messages.Failure.LEASE_NOT_FOUND
     # etcd's space alarm (NOSPACE): "etcdserver: mvcc: database space exceeded".
     if exc.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(exc):
-        return waiter.Failure.NO_SPACE
-    return waiter.Failure.OTHER
+        return messages.Failure.NO_SPACE
+    return messages.Failure.OTHER
 
 
-def _gave_up(sema: Semaphore, outcome: waiter.GaveUp, interrupt: Flag) -> BaseException:
+def _gave_up(sema: Semaphore, outcome: messages.GaveUp, interrupt: Flag) -> BaseException:
     """The exception a waiter that gave up raises."""
     reason = outcome.reason
-    if reason == waiter.Reason.NO_SLOT:
+    if reason == messages.Reason.NO_SLOT:
         return NoSlot(f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})")
-    if reason == waiter.Reason.INTERRUPTED:
+    if reason == messages.Reason.INTERRUPTED:
         return Interrupted(interrupt.reason)
-    if reason == waiter.Reason.SESSION_LOST:
+    if reason == messages.Reason.SESSION_LOST:
         return SessionLost(outcome.detail)
     failed = outcome.cause
-    if isinstance(failed, waiter.Failed) and isinstance(failed.cause, BaseException):
+    if isinstance(failed, messages.Failed) and isinstance(failed.cause, BaseException):
         return failed.cause  # etcd unreachable at the first session (69), or refused
     return EtcdError(outcome.detail)
 
@@ -594,7 +594,7 @@ def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
         log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
 
 
-def log_acquired(name: str, max: int, outcome: waiter.Held, started: float) -> None:
+def log_acquired(name: str, max: int, outcome: messages.Held, started: float) -> None:
     """The ``acquired`` line both faces log when a wait ends in a hold begun at ``started``
     (a time.monotonic() reading)."""
     log.info(
@@ -607,7 +607,7 @@ def log_acquired(name: str, max: int, outcome: waiter.Held, started: float) -> N
     )
 
 
-def revision_to_count(note: waiter.Note) -> int | None:
+def revision_to_count(note: messages.Note) -> int | None:
     """Our key's revision when ``note`` is a ``queued`` line that does not say how many are
     ahead (the face counts the keys ahead of it), else None."""
     if note.event == "queued" and "ahead" not in note.fields:
@@ -615,7 +615,7 @@ def revision_to_count(note: waiter.Note) -> int | None:
     return None
 
 
-def log_note(name: str, max: int, host: str, note: waiter.Note, ahead: int | None) -> None:
+def log_note(name: str, max: int, host: str, note: messages.Note, ahead: int | None) -> None:
     """``note`` as the log line both faces write for it: ``queued`` with ``max`` (and the
     count ``ahead``, when one was made), ``spread-busy`` with our ``host``."""
     fields = dict(note.fields)

@@ -164,7 +164,7 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
     run_driver = conch.aio.semaphore._Driver.run
     granted, go = asyncio.Event(), asyncio.Event()
 
-    async def held_back(driver: conch.aio.semaphore._Driver) -> conch.core.waiter.Outcome:
+    async def held_back(driver: conch.aio.semaphore._Driver) -> conch.core.messages.Outcome:
         outcome = await run_driver(driver)
         granted.set()
         await go.wait()

@@ -13,7 +13,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
-from conch.core import guard, waiter
+from conch.core import guard, messages
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
@@ -50,7 +50,7 @@ class Hold:
         self,
         sema: Semaphore,
         session: Session,
-        held: waiter.Held,
+        held: messages.Held,
         retire: list[etcd_aio.LoopWatch],
         shared: bool,
     ) -> None:
@@ -69,7 +69,7 @@ class Hold:
         self._released: asyncio.Future[bool] | None = None
         self._revoked_after_loss = False
         self._plan = guard.guard_plan(held.touch)
-        self._touch_value = held.value if held.touch != waiter.TouchOwed.NONE else None
+        self._touch_value = held.value if held.touch != messages.TouchOwed.NONE else None
         self._watches = retire  # the guard's: the waiting watch it retires, then its own
         self._held_at = held.held_at or held.revision
         self._watches_own_key = False  # the guard's own watch opened (or tried)
@@ -252,7 +252,7 @@ class Hold:
             self._later(self._backoff.next(), self._look_at_key)
             return
         found = response.kvs[0] if response.kvs else None
-        seen = None if found is None else waiter.KeyRev(found.key, found.create_revision, 0)
+        seen = None if found is None else messages.KeyRev(found.key, found.create_revision, 0)
         # Only a release makes the deletion no loss (a loss seen first is kept as it is).
         verdict = guard.guard_on_look(self._releasing, seen, self.revision)
         if verdict == guard.GuardVerdict.LOST:

@@ -16,7 +16,7 @@ from conch.aio.client import Client
 from conch.aio.hold import Hold, touch
 from conch.aio.session import Session
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
-from conch.core import waiter
+from conch.core import messages, waiter
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
@@ -59,7 +59,7 @@ class _Driver:
         self.sema = sema
         self.client = sema.client.sync
         self.loop = asyncio.get_running_loop()
-        self.inputs: asyncio.Queue[waiter.Input | _Lost] = asyncio.Queue()
+        self.inputs: asyncio.Queue[messages.Input | _Lost] = asyncio.Queue()
         self.interrupted = asyncio.Event()
         self.shared = session
         self.sessions: dict[int, Session] = {}  # private sessions opened, by lease
@@ -78,21 +78,21 @@ class _Driver:
     def interrupt(self) -> None:
         """From the awaiting coroutine's cancel: stop waiting (the machine withdraws)."""
         self.interrupted.set()  # ends the retries of a call under way
-        self.inputs.put_nowait(waiter.Interrupt("cancelled"))
+        self.inputs.put_nowait(messages.Interrupt("cancelled"))
 
-    async def run(self) -> waiter.Outcome:
+    async def run(self) -> messages.Outcome:
         machine = self.machine
         todo = collections.deque(machine.start())
         if self.timeout is not None:
             if self.timeout == 0:
-                todo.extend(machine.feed(waiter.DeadlineReached()))  # try once, do not wait
+                todo.extend(machine.feed(messages.DeadlineReached()))  # try once, do not wait
             else:
                 at = self.loop.time() + self.timeout
                 put = self.inputs.put_nowait
-                self.timers.append(self.loop.call_at(at, put, waiter.DeadlineReached()))
+                self.timers.append(self.loop.call_at(at, put, messages.DeadlineReached()))
         if self.shared is not None:
             self._subscribe(self.shared)
-        answer: waiter.Input | _Lost | None
+        answer: messages.Input | _Lost | None
         try:
             while machine.outcome is None or todo:
                 # What arrived meanwhile goes in first: a loss or an interrupt ends a wait
@@ -115,7 +115,7 @@ class _Driver:
             for forget in self.forget:
                 forget()
             outcome = machine.outcome
-            held = outcome if isinstance(outcome, waiter.Held) else None
+            held = outcome if isinstance(outcome, messages.Held) else None
             keep = set(held.retire) if held is not None else set()
             for watch_id in [w for w in self.watches if w not in keep]:
                 self.watches.pop(watch_id).cancel()
@@ -131,11 +131,11 @@ class _Driver:
                     *(s.close(WITHDRAW_TIMEOUT) for s in left), return_exceptions=True
                 )
 
-    def _feed(self, item: waiter.Input | _Lost) -> list[waiter.Action]:
+    def _feed(self, item: messages.Input | _Lost) -> list[messages.Action]:
         if isinstance(item, _Lost):
             if item.lease_id != self.current_lease:
                 return []  # a session we left
-            return self.machine.feed(waiter.SessionLost(item.reason))
+            return self.machine.feed(messages.SessionLost(item.reason))
         return self.machine.feed(item)
 
     def _subscribe(self, session: Session) -> None:
@@ -143,70 +143,70 @@ class _Driver:
         put = self.inputs.put_nowait
         self.forget.append(session._kept.add_listener(lambda reason: put(_Lost(lease_id, reason))))
 
-    async def _execute(self, action: waiter.Action) -> waiter.Input | None:
+    async def _execute(self, action: messages.Action) -> messages.Input | None:
         """Do ``action``; its answer (None: it has none, or arrives later on the queue)."""
-        if isinstance(action, waiter.Note):
+        if isinstance(action, messages.Note):
             await self._log(action)
             return None
-        if isinstance(action, waiter.CancelWatch):
+        if isinstance(action, messages.CancelWatch):
             watch = self.watches.pop(action.id, None)
             if watch is not None:
                 watch.cancel()
             return None
-        if isinstance(action, waiter.Pause):
+        if isinstance(action, messages.Pause):
             put = self.inputs.put_nowait
             self.timers.append(
-                self.loop.call_later(action.seconds, put, waiter.PauseOver(action.id))
+                self.loop.call_later(action.seconds, put, messages.PauseOver(action.id))
             )
             return None
-        if isinstance(action, waiter.OpenWatch):
+        if isinstance(action, messages.OpenWatch):
             return await self._open_watch(action)
         try:
             return await self._call(action)
         except errors.Interrupted:
             return None  # the interrupt, already queued, is fed next
         except EtcdError as exc:
-            return waiter.Failed(action.id, _failure(exc), str(exc), exc)
+            return messages.Failed(action.id, _failure(exc), str(exc), exc)
 
-    async def _call(self, action: waiter.Action) -> waiter.Input:
+    async def _call(self, action: messages.Action) -> messages.Input:
         sema, client = self.sema, self.client
-        if isinstance(action, waiter.OpenSession):
+        if isinstance(action, messages.OpenSession):
             session = await Session(sema.client, sema.ttl)._open(self.interrupted)
             self.sessions[session.lease_id] = session
             self.current_lease = session.lease_id
             self._subscribe(session)
-            return waiter.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
-        if isinstance(action, waiter.SendEnqueue):
+            return messages.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
+        if isinstance(action, messages.SendEnqueue):
             value, response = await sema._enqueue(action, self.interrupted)
             return _enqueue_answer(action, response, value)
-        if isinstance(action, waiter.ReadStanding):
+        if isinstance(action, messages.ReadStanding):
             return await sema._read_standing(action, self.interrupted)
-        if isinstance(action, waiter.ReadKeys):
+        if isinstance(action, messages.ReadKeys):
             reads = [kv.op_get(key) for key in action.keys]
             response = await etcd_aio.txn(client, [], reads, [], interrupt=self.interrupted)
             found = [r.response_range.kvs for r in response.responses]
             kvs = [_key_rev(k[0]) if k else None for k in found]
-            return waiter.KeysAnswer(action.id, int(response.header.revision), kvs)
-        if isinstance(action, waiter.Touch):
+            return messages.KeysAnswer(action.id, int(response.header.revision), kvs)
+        if isinstance(action, messages.Touch):
             touched = await touch(
                 client, action.key, action.revision, action.value, action.lease_id, self.interrupted
             )
-            return waiter.TouchAnswer(
+            return messages.TouchAnswer(
                 action.id, int(touched.header.revision), bool(touched.succeeded)
             )
-        if isinstance(action, waiter.CheckLease):
+        if isinstance(action, messages.CheckLease):
             if self.shared is not None and not self.shared.certainly_alive():
-                return waiter.LeaseAnswer(action.id, 0)
+                return messages.LeaseAnswer(action.id, 0)
             ttl = await etcd_aio.time_to_live(
                 client, action.lease_id, WITHDRAW_TIMEOUT, self.interrupted
             )
-            return waiter.LeaseAnswer(action.id, ttl)
-        if isinstance(action, waiter.Withdraw):
+            return messages.LeaseAnswer(action.id, ttl)
+        if isinstance(action, messages.Withdraw):
             await self._withdraw(action)
-            return waiter.Withdrawn(action.id)
+            return messages.Withdrawn(action.id)
         raise AssertionError(f"unknown action {action!r}")
 
-    async def _open_watch(self, action: waiter.OpenWatch) -> waiter.Input | None:
+    async def _open_watch(self, action: messages.OpenWatch) -> messages.Input | None:
         watch_id = action.id
         put = self.inputs.put_nowait
 
@@ -219,11 +219,11 @@ class _Driver:
                 self.client, on_notice, action.key, 0, end, only_deletes=action.prefix, confirm=True
             )
         except EtcdError as exc:
-            return waiter.Failed(watch_id, _failure(exc), str(exc), exc)
+            return messages.Failed(watch_id, _failure(exc), str(exc), exc)
         self.watches[watch_id] = watch
         return None
 
-    async def _withdraw(self, action: waiter.Withdraw) -> None:
+    async def _withdraw(self, action: messages.Withdraw) -> None:
         """Take our key out of the queue, best effort within WITHDRAW_TIMEOUT: a private
         session revoked, else our key deleted (by its create_revision, or, when our
         enqueue's outcome is unknown, if it is on our lease)."""
@@ -250,7 +250,7 @@ class _Driver:
         except EtcdError as exc:
             log.warning("withdraw-failed", name=self.sema.name, error=str(exc))
 
-    async def _log(self, note: waiter.Note) -> None:
+    async def _log(self, note: messages.Note) -> None:
         """A Note as the log line the threaded face writes for it."""
         sema = self.sema
         revision = revision_to_count(note)
@@ -268,19 +268,19 @@ class _Driver:
         except EtcdError:
             return None
 
-    def raise_for(self, outcome: waiter.GaveUp) -> None:
+    def raise_for(self, outcome: messages.GaveUp) -> None:
         """Raise what ``outcome`` means to the caller (as ``conch.Semaphore.acquire``)."""
         sema = self.sema
-        if outcome.reason == waiter.Reason.NO_SLOT:
+        if outcome.reason == messages.Reason.NO_SLOT:
             raise errors.NoSlot(
                 f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})"
             )
-        if outcome.reason == waiter.Reason.INTERRUPTED:
+        if outcome.reason == messages.Reason.INTERRUPTED:
             raise errors.Interrupted(outcome.detail)
-        if outcome.reason == waiter.Reason.SESSION_LOST:
+        if outcome.reason == messages.Reason.SESSION_LOST:
             raise errors.SessionLost(outcome.detail)
         failed = outcome.cause
-        if isinstance(failed, waiter.Failed) and isinstance(failed.cause, BaseException):
+        if isinstance(failed, messages.Failed) and isinstance(failed.cause, BaseException):
             raise failed.cause  # etcd unreachable at the first session (69), or refused
         raise EtcdError(outcome.detail)
 
@@ -290,15 +290,15 @@ def _pauses() -> Backoff:
     return Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
 
 
-def _watch_input(watch_id: int, notice: WatchNotice) -> waiter.Input:
+def _watch_input(watch_id: int, notice: WatchNotice) -> messages.Input:
     """A notice of watch ``watch_id`` as the machine's input."""
     if notice.error is not None:
         compacted = isinstance(notice.error, errors.Compacted)
-        return waiter.WatchBroken(watch_id, compacted, str(notice.error))
+        return messages.WatchBroken(watch_id, compacted, str(notice.error))
     if notice.created:
-        return waiter.WatchCreated(watch_id, notice.revision)
-    events = [waiter.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
-    return waiter.WatchEvents(watch_id, events, notice.revision)
+        return messages.WatchCreated(watch_id, notice.revision)
+    events = [messages.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
+    return messages.WatchEvents(watch_id, events, notice.revision)
 
 
 # -- the semaphore ------------------------------------------------------------------------
@@ -358,7 +358,7 @@ class _Acquiring:
 
 
 async def _release_if_granted(
-    sema: Semaphore, driver: _Driver, driving: asyncio.Task[waiter.Outcome]
+    sema: Semaphore, driver: _Driver, driving: asyncio.Task[messages.Outcome]
 ) -> None:
     """After an interrupted wait: release the hold if it came all the same. Run as a task of
     its own, so a second cancel cannot stop it between the grant and the release."""
@@ -416,10 +416,10 @@ class Semaphore:
             return keys.spread_key(self.name, self.max, self.identity.host)
         return keys.holder_key(self.name, self.max, lease_id)
 
-    def _hold_from(self, driver: _Driver, outcome: waiter.Outcome) -> Hold:
-        if isinstance(outcome, waiter.GaveUp):
+    def _hold_from(self, driver: _Driver, outcome: messages.Outcome) -> Hold:
+        if isinstance(outcome, messages.GaveUp):
             driver.raise_for(outcome)
-        assert isinstance(outcome, waiter.Held)
+        assert isinstance(outcome, messages.Held)
         shared = driver.shared is not None
         session = driver.shared or driver.sessions.pop(outcome.lease_id)
         retire = [driver.watches.pop(w) for w in outcome.retire if w in driver.watches]
@@ -427,7 +427,7 @@ class Semaphore:
         return Hold(self, session, outcome, retire, shared)
 
     async def _enqueue(
-        self, action: waiter.SendEnqueue, interrupt: asyncio.Event
+        self, action: messages.SendEnqueue, interrupt: asyncio.Event
     ) -> tuple[bytes, kv.TxnResponse]:
         """Step 1: put our key bound to the lease, create-if-absent, and read the first
         ``max`` keys in the same KV.Txn (else read the key found in our place), as
@@ -447,8 +447,8 @@ class Semaphore:
         return value, response
 
     async def _read_standing(
-        self, action: waiter.ReadStanding, interrupt: asyncio.Event
-    ) -> waiter.StandingAnswer:
+        self, action: messages.ReadStanding, interrupt: asyncio.Event
+    ) -> messages.StandingAnswer:
         """Steps 2-3: one read-only KV.Txn of two Ranges (keys only, up to our key's
         create_revision): the window ascending, our key and the one ahead descending."""
         common: dict[str, Any] = {
@@ -463,7 +463,7 @@ class Semaphore:
         reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
         response = await etcd_aio.txn(self.client.sync, [], reads, [], interrupt=interrupt)
         first, last = (r.response_range.kvs for r in response.responses)
-        return waiter.StandingAnswer(
+        return messages.StandingAnswer(
             action.id,
             int(response.header.revision),
             [_key_rev(k) for k in first],

@@ -1,5 +1,6 @@
 """Every decision of conch's protocol, without I/O: no sockets, no threads, no clock.
 
+``messages``: what the machines and drivers say to each other (inputs, actions, outcomes).
 ``waiter``: one acquire of one semaphore, as a state machine (inputs in, actions out).
 ``guard``: a held slot's guard (when to touch, when to watch, what a notice means).
 

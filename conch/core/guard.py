@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from conch.core.waiter import KeyRev, TouchOwed
+from conch.core.messages import KeyRev, TouchOwed
 
 # -- the hold's guard ----------------------------------------------------------------------
 # Once a slot is ours, the Hold (conch/hold.py, and the asyncio face's) guards it: it

@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=_Once,
         help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
         "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
-        "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
+        "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
         "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
         "as without a grace)",
     )
@@ -317,7 +317,7 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     if ka_found.source == "default":
         kill_after = default_kill_after(ttl, kill_after)
     else:
-        check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)

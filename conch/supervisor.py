@@ -104,6 +104,11 @@ REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D stat
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
+# Seconds the release after a loss is given at most, and never past the lease's earliest
+# expiry: an etcd that answers at all answers a LeaseRevoke within a round trip, and one that
+# does not (the usual cause of the loss) must not hold up conch's exit 70 (a systemd
+# Restart=, the next cron attempt). The slot then frees as the lease expires.
+RELEASE_AFTER_LOSS = 0.25
 
 # -- the deadline ---------------------------------------------------------------------------
 
@@ -150,16 +155,22 @@ def default_kill_after(ttl: float, asked: float = 5.0) -> float:
     return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 
-def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> None:
-    """Raise UsageError (exit 64) unless a grace of ``kill_after`` seconds fits a lease of
-    ``ttl`` seconds (``max_kill_after``); ``flag`` names it in the message."""
+def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> float:
+    """The grace to give (seconds): ``kill_after``, cut to ``max_kill_after(ttl)``. Raises
+    UsageError (exit 64) unless ``kill_after`` fits a lease of ``ttl`` seconds as the limit
+    is shown, to the hundredth of a second (the limit at 3 s is 1.2467 s, shown and accepted
+    as 1.25 s: a grace asked for exactly as the refusal prints it is never refused; the
+    3 ms it is cut by come off the SIGTERM's side, never the SIGKILL's); ``flag`` names it
+    in the message."""
     fits = max_kill_after(ttl)
-    if kill_after > fits:
+    shown = f"{fits:.2f}"
+    if kill_after > float(shown) + 1e-9:  # 1e-9: 5410ms parses as 5.410000000000001
         raise UsageError(
-            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {fits:.2f}s "
+            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {shown}s "
             "(TTL - TTL/3 - margins), so that the SIGKILL lands before the lease can "
             "expire; shorten it or raise the TTL"
         )
+    return min(kill_after, fits)
 
 
 class Outcome(enum.Enum):
@@ -243,7 +254,7 @@ def supervise(
     own threads and by the watchdog process: a pause of the whole process (SIGSTOP, a VM
     paused whole) stops the former, never the latter.
     """
-    check_kill_after(kill_after, sema.ttl)
+    kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:
@@ -503,6 +514,10 @@ class _Run:
         else:
             kill_at = self.grace_until()
         returncode = self.terminate(job, child_running=True, kill_at=kill_at)
+        # Before anything else, as after a child's exit; but a release that cannot get through
+        # (etcd frozen, quorum lost: the usual reason for a loss) is not waited for: past the
+        # lease's earliest expiry it can no longer free the slot sooner.
+        hold.release(log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS))
         _log_child_exit(pid, returncode, started)
         return exit_code(Outcome.LOST_WHILE_RUNNING)
 

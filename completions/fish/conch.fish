@@ -76,7 +76,7 @@ complete -c conch -n '_shtab_conch_using sema' -l ttl -x -d 'session lease TTL, 
 complete -c conch -n '_shtab_conch_using sema' -l wait -x -d 'wait at most DUR for a slot, then exit 75 (default: wait forever)'
 complete -c conch -n '_shtab_conch_using sema' -l nonblock -s n -d 'do not wait: exit 75 at once if no slot is free (--wait 0)'
 complete -c conch -n '_shtab_conch_using sema' -l spread -d 'at most one slot per host (key ends in the host name)'
-complete -c conch -n '_shtab_conch_using sema' -l kill-after -x -d 'SIGTERM -> SIGKILL escalation, planned back from the lease'"'"'s earliest expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at --ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long as without a grace)'
+complete -c conch -n '_shtab_conch_using sema' -l kill-after -x -d 'SIGTERM -> SIGKILL escalation, planned back from the lease'"'"'s earliest expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at --ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long as without a grace)'
 complete -c conch -n '_shtab_conch_using sema' -l record-args -d 'store the whole command line in the holder'"'"'s key, not only the program'"'"'s name (env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it'
 complete -c conch -n '_shtab_conch_using sema' -l who -d 'list holders and waiters (read-only); exit 0 if any, 1 if none'
 complete -c conch -n '_shtab_conch_using sema' -l json -d 'with --who: one JSON object per line'

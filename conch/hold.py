@@ -349,7 +349,7 @@ class Hold:
         try:
             timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
             if until is not None:
-                left = max(0.0, until - time.monotonic())
+                left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
                 timeout = left if timeout is None else min(timeout, left)
             self._revoked = _give_back(
                 self.session, self._client, self.key, self.revision, self._shared, timeout

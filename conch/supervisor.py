@@ -45,7 +45,7 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
-from conch.watchdog import Watchdog, WatchdogExited, without_credentials
+from conch.watchdog import Watchdog, WatchdogExited, WatchdogSilent, without_credentials
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
 # Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
@@ -495,14 +495,17 @@ class _Run:
             log.info("signal", signum=self.stop.reason, pid=pid)
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
-        if isinstance(notice, WatchdogExited) and not notice.fired:
+        if _watchdog_failed(notice) and not watchdog.fired:
             # No grace: with the watchdog gone nothing else holds the deadline, and a conch
             # frozen during a grace (found by the overlap harness: the wrapper stopped half a
             # second after its watchdog's death) would leave the child running beside the
-            # next holder. SIGKILL at once.
+            # next holder. SIGKILL at once. A silent watchdog is a dead one: stopped
+            # (SIGSTOP, a debugger), it would have let a conch frozen next run the child past
+            # its lease (17 s, seen), and SIGKILLed next, orphan it.
             returncode = self.terminate(job, child_running=True, kill_at=time.monotonic())
+            watchdog.kill()
             _log_child_exit(pid, returncode, started)
-            return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited while the child ran")
+            return _report(Outcome.WATCHDOG_FAILED, error=_watchdog_failure(notice))
         reason = self._loss_reason(notice)
         log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
         if notice is hold.lost and _slot_taken(hold):
@@ -517,7 +520,10 @@ class _Run:
         # Before anything else, as after a child's exit; but a release that cannot get through
         # (etcd frozen, quorum lost: the usual reason for a loss) is not waited for: past the
         # lease's earliest expiry it can no longer free the slot sooner.
-        hold.release(log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS))
+        if not self.watchdog.fired:  # else conch was the one frozen, not etcd
+            hold.release(
+                log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS)
+            )
         _log_child_exit(pid, returncode, started)
         return exit_code(Outcome.LOST_WHILE_RUNNING)
 
@@ -558,7 +564,13 @@ class _Run:
         return _stop_group(job, self.box, child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
-        """Whether ``notice``, come during a termination, calls for SIGKILL now."""
+        """Whether ``notice``, come during a termination, calls for SIGKILL now: our key
+        gone in etcd, or the watchdog gone or silent (nothing else would hold the deadline
+        should conch freeze in the grace)."""
+        if _watchdog_failed(notice) and not self.watchdog.fired:
+            log.error(Outcome.WATCHDOG_FAILED.value, error=_watchdog_failure(notice))
+            self.watchdog.kill()
+            return True
         return notice is self.hold.lost and _slot_taken(self.hold)
 
     def finish(self) -> None:
@@ -568,6 +580,19 @@ class _Run:
 
 
 STALLED = "wrapper stalled; the watchdog terminated the child"
+
+
+def _watchdog_failed(notice: object) -> bool:
+    """Whether ``notice`` says the watchdog died or stopped answering its probes."""
+    return (isinstance(notice, WatchdogExited) and not notice.fired) or isinstance(
+        notice, WatchdogSilent
+    )
+
+
+def _watchdog_failure(notice: object) -> str:
+    if isinstance(notice, WatchdogSilent):
+        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
+    return "the watchdog exited while the child ran"
 
 
 def _slot_taken(hold: Hold) -> bool:

@@ -10,10 +10,13 @@ start (its own ``date``, after the lease expired on the server and its key was d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +71,21 @@ def death_seen(pid: int, timeout: float = DEADLINE) -> float:
             raise AssertionError(f"pid {pid} still alive after {timeout}s")
         time.sleep(0.005)
     return time.time()
+
+
+def death_at(pid: int, timeout: float = DEADLINE) -> float:
+    """The wall-clock time ``pid`` was seen to exit, from a pidfd (readable the moment the
+    process has exited, zombie or not: no poll's lag between two processes' instants a few
+    milliseconds apart). Raises AssertionError if it runs on past ``timeout``."""
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise AssertionError(f"pid {pid} still alive after {timeout}s")
+        return time.time()
+    finally:
+        os.close(fd)
 
 
 def watchdog_of(holder: Conch) -> int:
@@ -436,3 +454,80 @@ def test_conch_exits_promptly_after_a_loss_when_quorum_is_lost(
         _exit_after_a_fault(runner, name, tmp_path, lose_quorum, "quorum lost", capsys, deaf)
     finally:
         runner.cleanup()
+
+
+# Seconds from the fault on the watchdog to the one on conch, where conch is to notice the
+# first: 0.5 s, as the overlap harness (a watchdog answers its probes within 0.1 s, probed
+# every 0.1 s). 0 for a conch SIGKILLed right behind its stopped watchdog: no time to notice,
+# the kernel's SIGCONT on conch's death is what wakes the watchdog.
+WATCHDOG_TO_CONCH = 0.5
+
+
+@pytest.mark.parametrize("run", [1, 2])
+@pytest.mark.parametrize(
+    ("on_watchdog", "on_conch"),
+    [
+        (signal.SIGKILL, signal.SIGSTOP),
+        (signal.SIGKILL, signal.SIGKILL),
+        (signal.SIGSTOP, signal.SIGSTOP),
+        (signal.SIGSTOP, signal.SIGKILL),
+    ],
+    ids=["watchdog-killed-conch-frozen", "watchdog-killed-conch-killed",
+         "watchdog-stopped-conch-frozen", "watchdog-stopped-conch-killed"],
+)  # fmt: skip
+def test_a_watchdog_killed_or_stopped_then_conch_frozen_or_killed_leaves_no_overlap_no_orphan(
+    conch: Runner,
+    name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    on_watchdog: signal.Signals,
+    on_conch: signal.Signals,
+    run: int,
+) -> None:
+    """The holder's watchdog SIGKILLed or SIGSTOPped, then conch itself frozen or
+    SIGKILLed, a waiter queued behind it: the SIGTERM-deaf child is dead before the
+    waiter's child starts, and dies at all (no orphan left running). Before, a stopped
+    watchdog went unnoticed: conch frozen next let the child run 17 s past its lease, conch
+    SIGKILLed next left it orphaned beside the next holder until the watchdog was resumed."""
+    cmd, pidfile = deaf_child(tmp_path)
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    flags = ("--max", "1", "--ttl", "3s", "--kill-after", "1s")
+    holder = conch.start("sema", name, *flags, "--", *cmd)
+    child = read_pid(pidfile)
+    waiter = conch.start("sema", name, *flags, "--", *waiter_cmd)
+    poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
+    watchdog = watchdog_of(holder)
+    delay = (
+        0.0 if (on_watchdog, on_conch) == (signal.SIGSTOP, signal.SIGKILL) else WATCHDOG_TO_CONCH
+    )
+    what = f"watchdog {on_watchdog.name}, conch {on_conch.name} {delay:g}s later (run {run})"
+    seen: list[float] = []
+    watcher = threading.Thread(target=lambda: seen.append(death_at(child)), daemon=True)
+    try:
+        watcher.start()  # from before the faults: the child may die between them
+        fault_at = time.time()
+        os.kill(watchdog, on_watchdog)
+        if delay:
+            time.sleep(delay)  # the fault's own timing, not a wait for anything
+        with contextlib.suppress(ProcessLookupError):  # it may have exited 70 already
+            holder.signal(on_conch)
+        watcher.join(DEADLINE + 5)
+        assert seen, f"the child {child} outlived its conch and watchdog: an orphan"
+        died = seen[0]
+        poll(waiter_started.exists, what="the waiter's child")
+        started = float(waiter_started.read_text())
+        with capsys.disabled():
+            print(
+                f"\n[measure] {what}: child dead {died - fault_at:.3f}s after the first fault, "
+                f"{started - died:.3f}s before the next holder's child started"
+            )
+        assert died < started, "the child overlapped the next holder's"
+    finally:
+        holder.signal(signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(watchdog, signal.SIGCONT)
+    code = holder.wait()
+    assert code == (-signal.SIGKILL if on_conch == signal.SIGKILL and code < 0 else 70), (
+        holder.log()
+    )
+    assert waiter.wait() == 0

@@ -8,11 +8,21 @@ import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 from conch import __version__, hints, log
-from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
+from conch.errors import (
+    ConchError,
+    Interrupted,
+    NoSlot,
+    Outcome,
+    Unavailable,
+    UsageError,
+    exit_code,
+    signalled,
+)
 from conch.etcd import ETCD_API_VERSION
 from conch.flag import Flag
 from conch.identity import Identity
@@ -148,7 +158,13 @@ _CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
         "FILE",
         "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
     ),
-    ("debug", ("--debug",), None, "also log where each connection setting came from"),
+    (
+        "debug",
+        ("--debug",),
+        None,
+        "also log where each connection setting came from, and the traceback of a failure "
+        "of conch's own (exit 70)",
+    ),
 )
 _GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
 
@@ -169,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="flock(1) for a whole cluster: run a command only while holding one of N "
         "slots of a semaphore counted across every machine sharing an etcd v3 cluster.",
         epilog="Exit codes: the child's (128+S if killed by signal S); 64 usage error; "
-        "69 etcd unreachable or no session; 70 hold lost while the child ran (child killed); "
+        "69 etcd unreachable or no session; 70 hold lost while the child ran (child killed), or "
+        "conch itself failed (child killed; one line, --debug for the traceback); "
         "75 no slot (--nonblock or --wait ran out); 126/127 command not executable / not found.",
     )
     parser.add_argument(
@@ -294,7 +311,7 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
         print(record.to_json() if args.json else record.to_text())
     sys.stdout.flush()
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
-    return 0 if held else 1
+    return exit_code(Outcome.LISTED if held else Outcome.NONE_HELD)
 
 
 class _RunSettings(NamedTuple):
@@ -604,14 +621,31 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         if not cmd:
             raise UsageError("missing command: conch sema NAME --max N -- CMD...")
         return _run(args, max_holders, cmd, settings, connection, exiting)
-    except UsageError as exc:
+    except Exception as exc:
+        return _ending(exc, debug="--debug" in words)
+    except KeyboardInterrupt:  # ^C while dialling, before signals are caught
+        return exit_code(Outcome.INTERRUPTED, signalled(signal.SIGINT))
+
+
+def _ending(exc: Exception, debug: bool) -> int:
+    """How conch ends on ``exc``, raised out of ``main``: its one line on stderr, and its
+    exit code (``exc.outcome`` for ours, through EXIT_CODES). Any other exception is a bug
+    of conch's: exit 70 (EX_SOFTWARE) with one line naming it, never a traceback unless
+    ``debug`` (``--debug``) asked for one; the child, if one ran, was SIGKILLed before the
+    exception left its supervision."""
+    if isinstance(exc, UsageError):
         print(f"conch: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Unavailable as exc:
+    elif isinstance(exc, Unavailable):
         log.error("unavailable", error=str(exc))
-        return exc.exit_code
-    except ConchError as exc:
+    elif isinstance(exc, ConchError):
         log.error("failed", error=str(exc))
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    else:
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        log.error(
+            Outcome.INTERNAL_ERROR.value,
+            error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+            **({} if debug else {"hint": "rerun with --debug for the traceback"}),
+        )
+        return exit_code(Outcome.INTERNAL_ERROR)
+    return exc.exit_code

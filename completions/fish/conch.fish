@@ -68,7 +68,7 @@ complete -c conch -n _shtab_conch_using -l insecure-skip-tls-verify -d 'trust wh
 complete -c conch -n _shtab_conch_using -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
 complete -c conch -n _shtab_conch_using -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
 complete -c conch -n _shtab_conch_using -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
-complete -c conch -n _shtab_conch_using -l debug -d 'also log where each connection setting came from'
+complete -c conch -n _shtab_conch_using -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 complete -c conch -n '_shtab_conch_using; and test $_shtab_conch_npos -eq 0' -a sema -d 'Run CMD only while holding one of N slots of the semaphore NAME, counted across every machine that shares the etcd cluster; kill CMD the moment the hold is lost. With --who, list the holders and waiters instead.'
 complete -c conch -n '_shtab_conch_using sema' -s h -l help -d 'show this help message and exit'
 complete -c conch -n '_shtab_conch_using sema' -l max -x -d 'capacity N >= 1 (required to run a command); part of the semaphore'"'"'s identity'
@@ -90,7 +90,7 @@ complete -c conch -n '_shtab_conch_using sema' -l insecure-skip-tls-verify -d 't
 complete -c conch -n '_shtab_conch_using sema' -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
 complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
 complete -c conch -n '_shtab_conch_using sema' -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
-complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from'
+complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 
 function _conch_after_dashdash
   contains -- -- (commandline -opc)

@@ -149,8 +149,10 @@ _CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
         "password",
         ("--password",),
         "PASSWORD",
-        "etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, "
-        "which stay out of argv",
+        "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads "
+        "nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) "
+        "in the environment can be read by every process of the same user, conch's job "
+        "included, in /proc/PID/environ",
     ),
     (
         "password_file",
@@ -214,10 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "lost. With --who, list the holders and waiters instead.",
         epilog="Durations are Go-style (500ms, 10s, 1.5s, 2m, 1h30m; a bare number is "
         "seconds). CONCH_HOST overrides the host name. The child gets CONCH_NAME, CONCH_REV "
-        "(fencing token), CONCH_LEASE and CONCH_MAX. State changes are logged to stderr as "
-        "key=value lines (-q: warnings and errors only). Exit codes: the child's; 64 usage; "
-        "69 etcd unreachable; 70 hold lost; 75 no slot; 126/127 cannot run / not found; "
-        "128+S signal S while queued.",
+        "(fencing token), CONCH_LEASE and CONCH_MAX, and none of conch's credentials: "
+        "CONCH_USER, CONCH_PASSWORD, CONCH_PASSWORD_FILE, CONCH_CERT, CONCH_KEY and their "
+        "ETCDCTL_ forms are removed, paths and secrets alike (the CA bundle and the "
+        "endpoints are passed on); a conch or etcdctl in the job needs its own. State changes "
+        "are logged to stderr as key=value lines (-q: warnings and errors only). Exit codes: "
+        "the child's; 64 usage; 69 etcd unreachable; 70 hold lost or conch failed; 75 no "
+        "slot; 126/127 cannot run / not found; 128+S signal S while queued.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
     sema.add_argument(

@@ -79,14 +79,21 @@ counts the watchdog's wake-up on a loaded host among what it covers): a watchdog
 answer that fast cannot be trusted to SIGKILL by the deadline either."""
 
 # conch's credentials, as conch and etcdctl read them from the environment (``CONCH_USER``
-# and ``ETCDCTL_USER`` may hold NAME:PASSWORD): the child and the watchdog start without
-# them, so no job conch runs can read the cluster's credentials.
+# and ``ETCDCTL_USER`` may hold NAME:PASSWORD), the paths to secrets among them alike (the
+# password file, the client certificate and its key): the child and the watchdog start
+# without them, so no job conch runs is handed the cluster's credentials. The CA bundle and
+# the endpoints, no secrets, are passed on. The same list as conch.settings'
+# CREDENTIAL_VARIABLES (not imported: this module stays light).
 CREDENTIALS = (
     "CONCH_USER",
     "CONCH_PASSWORD",
     "CONCH_PASSWORD_FILE",
+    "CONCH_CERT",
+    "CONCH_KEY",
     "ETCDCTL_USER",
     "ETCDCTL_PASSWORD",
+    "ETCDCTL_CERT",
+    "ETCDCTL_KEY",
 )
 
 

@@ -66,7 +66,7 @@ complete -c conch -n _shtab_conch_using -l cert -xka "(__fish_complete_path (com
 complete -c conch -n _shtab_conch_using -l key -xka "(__fish_complete_path (commandline -ct))" -d 'client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)'
 complete -c conch -n _shtab_conch_using -l insecure-skip-tls-verify -d 'trust whatever certificate etcd presents: encrypted, but open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)'
 complete -c conch -n _shtab_conch_using -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
-complete -c conch -n _shtab_conch_using -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
+complete -c conch -n _shtab_conch_using -l password -x -d 'etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, conch'"'"'s job included, in /proc/PID/environ'
 complete -c conch -n _shtab_conch_using -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
 complete -c conch -n _shtab_conch_using -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 complete -c conch -n '_shtab_conch_using; and test $_shtab_conch_npos -eq 0' -a sema -d 'Run CMD only while holding one of N slots of the semaphore NAME, counted across every machine that shares the etcd cluster; kill CMD the moment the hold is lost. With --who, list the holders and waiters instead.'
@@ -88,7 +88,7 @@ complete -c conch -n '_shtab_conch_using sema' -l cert -xka "(__fish_complete_pa
 complete -c conch -n '_shtab_conch_using sema' -l key -xka "(__fish_complete_path (commandline -ct))" -d 'client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)'
 complete -c conch -n '_shtab_conch_using sema' -l insecure-skip-tls-verify -d 'trust whatever certificate etcd presents: encrypted, but open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)'
 complete -c conch -n '_shtab_conch_using sema' -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
-complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
+complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, conch'"'"'s job included, in /proc/PID/environ'
 complete -c conch -n '_shtab_conch_using sema' -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
 complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from conch import etcd, hints, log, procs
+from conch.core.loss import Loss
 from conch.errors import (
     HoldLost,
     Interrupted,
@@ -545,11 +546,10 @@ def _watchdog_failure(notice: object) -> str:
 def _slot_taken(hold: Hold) -> bool:
     """Whether the hold's loss was seen in etcd itself: our key deleted while the session
     lives (the guard's watch, a guarded write), or our lease unknown to etcd (revoked, or
-    expired). Not an unanswered keepalive: the lease then lives until its expiry."""
-    session_lost = hold.session.lost
-    if not session_lost.is_set():
-        return True
-    return "revoked" in str(session_lost.reason)
+    expired). Not an unanswered keepalive: the lease then lives until its expiry. Decided
+    by the loss's LossReason (``LossReason.slot_taken``), never by its message."""
+    reason = Loss.of(hold.lost.reason)
+    return reason is not None and reason.slot_taken
 
 
 def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, hints, log
+from conch import __version__, hints, log, procs
 from conch.errors import (
     ConchError,
     Interrupted,
@@ -520,49 +520,13 @@ def run() -> NoReturn:
     """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
-    _reopen_closed_std_fds()
-    _undo_locale_coercion()
+    procs.prepare_command_process()
     _slow_grpc_polling()
-    # Started with SIGCHLD ignored (possible from a parent that ignores it and execs us),
-    # the kernel would reap the child itself and its status would be lost.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
-
-
-# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
-# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
-# in another locale under conch than without it.
-_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
-
-
-def _started_with(name: str) -> str | None:
-    """``name``'s value in the environment this process was started with (Linux's
-    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
-    value when that cannot be read."""
-    prefix = name.encode() + b"="
-    try:
-        with open("/proc/self/environ", "rb") as environ:
-            entries = environ.read().split(b"\0")
-    except OSError:
-        return os.environ.get(name)
-    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
-    return os.fsdecode(found[0]) if found else None
-
-
-def _undo_locale_coercion() -> None:
-    """The command's children get the environment it was started with: Python's own
-    LC_CTYPE goes (the caller's, if it had one, comes back). Only the command: a service
-    that embeds conch may have set LC_CTYPE itself."""
-    if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
-        given = _started_with("LC_CTYPE")
-        if given is None:
-            del os.environ["LC_CTYPE"]
-        else:
-            os.environ["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
 
 
 def _slow_grpc_polling() -> None:
@@ -575,21 +539,6 @@ def _slow_grpc_polling() -> None:
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
         grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-
-
-def _reopen_closed_std_fds() -> None:
-    """Started with stdin, stdout or stderr closed (cron's ``>&-``): point them at /dev/null,
-    so neither our logging nor the child's inherited fds land somewhere unexpected."""
-    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-            if getattr(sys, name) is None:
-                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
 
 
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:

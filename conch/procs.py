@@ -1,7 +1,8 @@
 """The POSIX plumbing under the supervision loop (``conch.supervisor``): the spawn (one
 ``posix_spawn`` in a new session), the reaper (which only reaps and tells: it makes no call to
 etcd), the /proc scans (our children, what escaped a job), and the job's termination (its
-process group and what left it, SIGTERM then SIGKILL). Linux; no etcd, no hold, no lease here.
+process group and what left it, SIGTERM then SIGKILL); and the command's own process set up
+before it runs (std fds, locale, SIGCHLD). Linux; no etcd, no hold, no lease here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import errno
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -473,3 +475,64 @@ def _await_exit(
         if hurry is not None and hurry(item):
             return None, time.monotonic()
     return returncode, deadline
+
+
+# -- the command's own process ---------------------------------------------------------------
+
+
+def prepare_command_process() -> None:
+    """What the ``conch`` command (never the library) sets up in its own process before
+    anything else: closed std fds reopened on /dev/null, Python's locale coercion undone for
+    the child's sake, and SIGCHLD at its default (started with it ignored, possible from a
+    parent that ignores it and execs us, the kernel would reap the child itself and its
+    status would be lost)."""
+    reopen_closed_std_fds()
+    undo_locale_coercion()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
+# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
+# in another locale under conch than without it.
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+
+
+def started_with(name: str) -> str | None:
+    """``name``'s value in the environment this process was started with (Linux's
+    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
+    value when that cannot be read."""
+    prefix = name.encode() + b"="
+    try:
+        with open("/proc/self/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+    except OSError:
+        return os.environ.get(name)
+    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
+    return os.fsdecode(found[0]) if found else None
+
+
+def undo_locale_coercion() -> None:
+    """The command's children get the environment it was started with: Python's own
+    LC_CTYPE goes (the caller's, if it had one, comes back). Only the command: a service
+    that embeds conch may have set LC_CTYPE itself."""
+    if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
+        given = started_with("LC_CTYPE")
+        if given is None:
+            del os.environ["LC_CTYPE"]
+        else:
+            os.environ["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
+
+
+def reopen_closed_std_fds() -> None:
+    """Started with stdin, stdout or stderr closed (cron's ``>&-``): point them at /dev/null,
+    so neither our logging nor the child's inherited fds land somewhere unexpected."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115

@@ -274,7 +274,7 @@ class _Driver:
         if outcome.reason == messages.Reason.NO_SLOT:
             raise errors.NoSlot.in_time(sema.name, sema.max, outcome.detail)
         if outcome.reason == messages.Reason.INTERRUPTED:
-            raise errors.Interrupted(outcome.detail)
+            raise errors.Interrupted(outcome.cause)
         if outcome.reason == messages.Reason.SESSION_LOST:
             raise errors.SessionLost(outcome.detail)
         failed = outcome.cause

@@ -137,7 +137,7 @@ class Compacted(EtcdError):
 
 
 class SessionLost(ConchError):
-    """The session's lease is no longer certainly alive (contract section 3)."""
+    """The session's lease is no longer certainly alive (docs/failure-semantics.md)."""
 
     outcome = Outcome.LOST_WHILE_RUNNING
 

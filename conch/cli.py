@@ -312,9 +312,16 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
                     max="?" if capacity is None else capacity,
                     hint="one name, several --max: these are separate semaphores",
                 )
-    for record in records:
-        print(record.to_json() if args.json else record.to_text())
-    sys.stdout.flush()
+    try:
+        for record in records:
+            print(record.to_json() if args.json else record.to_text())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `conch sema X --who | head -1`: the reader has gone. Quietly, with the status a
+        # tool killed by SIGPIPE has (ls, seq), and stdout on /dev/null so that the exit's
+        # own flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
     return exit_code(Outcome.LISTED if held else Outcome.NONE_HELD)
 

@@ -154,6 +154,17 @@ class NoSlot(ConchError):
 
     outcome = Outcome.NO_SLOT
 
+    @classmethod
+    def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
+        """The wait for ``name``[``max``] ran out; ``detail`` is the waiting machine's
+        account (``no free slot in time``, perhaps with ``: <cause>`` after it), said once:
+        ``no free slot of reports[2] in time: <cause>``."""
+        said = f"no free slot of {name}[{max}] in time"
+        head, _, cause = detail.partition(": ")
+        if head != "no free slot in time":
+            cause = detail
+        return cls(f"{said}: {cause}" if cause else said)
+
 
 class Interrupted(ConchError):
     """A signal asked us to stop while we were still queued; our waiter key is gone."""

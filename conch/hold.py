@@ -88,6 +88,7 @@ class Hold:
         self.revision = revision
         self.session = session
         self.lease_id = session.lease_id
+        self._since = time.monotonic()  # for the released line's hold time
         self.lost = Flag("hold-lost")
         self._client = sema.client
         self._shared = shared
@@ -334,7 +335,14 @@ class Hold:
             logged, self._logged = self._logged, True
         if not logged:
             extra = {"after": "loss"} if self._revoked_after_loss else {}
-            log.info("released", name=self.name, rev=self.revision, **extra, revoked=self._revoked)
+            log.info(
+                "released",
+                name=self.name,
+                rev=self.revision,
+                **extra,
+                held=f"{time.monotonic() - self._since:.3f}s",
+                revoked=self._revoked,
+            )
 
     def _revoke(self, until: float | None = None) -> None:
         """The release without its log line (the supervisor's reaper sends it the moment the

@@ -29,6 +29,7 @@ from conch.core.guard import (
     guard_on_touch,
     guard_plan,
 )
+from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.core.messages import KeyRev, TouchOwed
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
@@ -137,7 +138,7 @@ class Hold:
 
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
-            self.lost.set(f"session lost: {session_lost.reason}")
+            self.lost.set(session_loss(session_lost.reason))
 
     def _done(self) -> bool:
         """Nothing left to guard: released (or releasing), or lost."""
@@ -221,7 +222,7 @@ class Hold:
         )
         if not response.succeeded:
             if not self._releasing:
-                self.lost.set("our key was deleted (found by a guarded write)")
+                self.lost.set(KEY_GONE_WRITE)
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: our key (create_revision "
                 f"{self.revision}) is gone; the guarded write was not made"
@@ -263,7 +264,7 @@ class Hold:
         """From the watch stream's reader: our key deleted, or the watch ended."""
         verdict = guard_on_notice(self._done(), ended=notice.error is not None)
         if verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            self.lost.set(KEY_GONE)
         elif verdict == GuardVerdict.LOOK:
             self._later(self._backoff.next(), self._look_at_key)
 
@@ -278,7 +279,7 @@ class Hold:
         # Only a release makes the deletion no loss (a loss seen first is kept as it is).
         verdict = guard_on_look(self._releasing, seen, self.revision)
         if verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted")
+            self.lost.set(Loss(LossReason.KEY_DELETED, "our key was deleted"))
         elif verdict == GuardVerdict.WATCH:
             self._open_watch(response.header.revision + 1)
 
@@ -307,7 +308,7 @@ class Hold:
         if verdict == GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
         elif verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            self.lost.set(KEY_GONE)
         elif verdict == GuardVerdict.WATCH:
             return int(response.header.revision)
         return None
@@ -414,6 +415,14 @@ class Hold:
         ``future.result(timeout=hold.remaining() - margin)`` or
         ``done.wait(hold.remaining() - margin)``. Makes no etcd call."""
         return max(0.0, self.expires_at() - time.monotonic())
+
+
+def session_loss(said: object) -> Loss:
+    """The hold's loss for its session's loss ``said`` (a Loss): the same reason, the
+    message "session lost: ..."."""
+    if isinstance(said, Loss):
+        return said.within("session lost: ")
+    return Loss(LossReason.NO_KEEPALIVE, f"session lost: {said}")
 
 
 def _bytes(text: bytes | str) -> bytes:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from conch import etcd, hints, log
+from conch.core.loss import Loss
 from conch.errors import (
     EX_CANNOT_EXECUTE,
     EX_NOT_FOUND,
@@ -558,11 +559,10 @@ STALLED = "wrapper stalled; the watchdog terminated the child"
 def _slot_taken(hold: Hold) -> bool:
     """Whether the hold's loss was seen in etcd itself: our key deleted while the session
     lives (the guard's watch, a guarded write), or our lease unknown to etcd (revoked, or
-    expired). Not an unanswered keepalive: the lease then lives until its expiry."""
-    session_lost = hold.session.lost
-    if not session_lost.is_set():
-        return True
-    return "revoked" in str(session_lost.reason)
+    expired). Not an unanswered keepalive: the lease then lives until its expiry. Decided
+    by the loss's LossReason (``LossReason.slot_taken``), never by its message."""
+    reason = Loss.of(hold.lost.reason)
+    return reason is not None and reason.slot_taken
 
 
 def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:

@@ -251,7 +251,7 @@ class _Driver:
                 f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})"
             )
         if outcome.reason == messages.Reason.INTERRUPTED:
-            raise errors.Interrupted(outcome.detail)
+            raise errors.Interrupted(outcome.cause)
         if outcome.reason == messages.Reason.SESSION_LOST:
             raise errors.SessionLost(outcome.detail)
         failed = outcome.cause

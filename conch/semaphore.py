@@ -359,7 +359,13 @@ class _Wait:
         # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
         key, end, only_deletes = codec.watch_range(action)
         watch = Watch(
-            self.client, key, 0, self.box.put, end, only_deletes=only_deletes, confirm=True
+            self.client,
+            key,
+            0,
+            self.box.put,
+            range_end=end,
+            only_deletes=only_deletes,
+            confirm=True,
         )
         self.watches[action.id] = watch
         self.ids[watch] = action.id
@@ -439,9 +445,15 @@ class _Wait:
 def send(
     client: Client, call: codec.Call, interrupt: Flag | None = None, timeout: float | None = None
 ) -> Any:
-    """Send ``call`` (built by the codec) with ``client.call``: its response. Raises as
-    ``Client.call``."""
-    return client.call(call.service, call.method, call.request, timeout, interrupt=interrupt)
+    """Send ``call`` (built by the codec) with the etcd layer's call for it (``kv.txn``,
+    ``kv.range_``, else ``client.call``): its response. Raises as ``Client.call``."""
+    request = call.request
+    if isinstance(request, rpc_pb2.TxnRequest):
+        compare, success, failure = list(request.compare), list(request.success), request.failure
+        return kv.txn(client, compare, success, list(failure), timeout, interrupt)
+    if isinstance(request, rpc_pb2.RangeRequest):
+        return kv.range_(client, request, timeout, interrupt)
+    return client.call(call.service, call.method, request, timeout, interrupt=interrupt)
 
 
 def read_plan(client: Client, interrupt: Flag | None = None) -> codec.ReadPlan:

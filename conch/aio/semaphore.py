@@ -271,11 +271,15 @@ async def send(
     interrupt: asyncio.Event | None = None,
     timeout: float | None = None,
 ) -> Any:
-    """Send ``call`` (built by the codec) with ``Client.call_async``: its response. Raises
-    as ``Client.call_async``."""
-    return await client.call_async(
-        call.service, call.method, call.request, timeout, interrupt=interrupt
-    )
+    """``conch.semaphore.send``, awaited: ``call`` (built by the codec) by the etcd layer's
+    call for it (``etcd_aio.txn``, ``etcd_aio.range_``, else ``Client.call_async``)."""
+    request = call.request
+    if isinstance(request, rpc_pb2.TxnRequest):
+        compare, success, failure = list(request.compare), list(request.success), request.failure
+        return await etcd_aio.txn(client, compare, success, list(failure), timeout, interrupt)
+    if isinstance(request, rpc_pb2.RangeRequest):
+        return await etcd_aio.range_(client, request, timeout, interrupt)
+    return await client.call_async(call.service, call.method, request, timeout, interrupt=interrupt)
 
 
 async def read_plan(

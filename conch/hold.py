@@ -121,7 +121,11 @@ class Hold:
         self.lost.add_callback(weakly(self._warn_lost))
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        self._forget_session = session.lost.add_callback(weakly(self._session_lost))
+        forget_lost = session.lost.add_callback(weakly(self._session_lost))
+        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
+        # on; a hold cannot promise it is still ours).
+        forget_expired = session.on_expired(weakly(self._session_expired))
+        self._forget_session = undo_all(forget_lost, forget_expired)
         # A lost hold has nothing left to watch, released or not (the watch would otherwise
         # stay on the client's stream for as long as the Hold is kept).
         watches = self._watches
@@ -139,6 +143,10 @@ class Hold:
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
             self.lost.set(session_loss(session_lost.reason))
+
+    def _session_expired(self, loss: Loss) -> None:
+        if not self._releasing:
+            self.lost.set(loss)
 
     def _done(self) -> bool:
         """Nothing left to guard: released (or releasing), or lost."""
@@ -423,6 +431,16 @@ def session_loss(said: object) -> Loss:
     if isinstance(said, Loss):
         return said.within("session lost: ")
     return Loss(LossReason.NO_KEEPALIVE, f"session lost: {said}")
+
+
+def undo_all(*undos: Callable[[], object]) -> Callable[[], None]:
+    """One function that calls each of ``undos`` (subscriptions' removers)."""
+
+    def undo() -> None:
+        for each in undos:
+            each()
+
+    return undo
 
 
 def _bytes(text: bytes | str) -> bytes:

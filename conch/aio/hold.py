@@ -21,7 +21,7 @@ from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff
 from conch.etcd.watch import WatchNotice
-from conch.hold import WITHDRAW_TIMEOUT, session_loss, warn_hold_dropped
+from conch.hold import WITHDRAW_TIMEOUT, session_loss, undo_all, warn_hold_dropped
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
 from conch.timer import weakly
@@ -76,7 +76,11 @@ class Hold:
         self._watches_own_key = False  # the guard's own watch opened (or tried)
         self._backoff = Backoff()
         self._callbacks: list[Callable[[str], object]] = []
-        self._forget_session = session._kept.add_listener(weakly(self._session_lost))
+        forget_lost = session._kept.add_listener(weakly(self._session_lost))
+        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
+        # on; a hold cannot promise it is still ours).
+        forget_expired = session._kept.add_expiry_listener(weakly(self._session_expired))
+        self._forget_session = undo_all(forget_lost, forget_expired)
         self._finalizer = weakref.finalize(
             self, _hold_dropped, self._loop, session, self.key, self.revision, shared, retire
         )
@@ -88,6 +92,10 @@ class Hold:
     def _session_lost(self, reason: Loss) -> None:
         if not self._releasing:
             self._set_lost(session_loss(reason))
+
+    def _session_expired(self, loss: Loss) -> None:
+        if not self._releasing:
+            self._set_lost(loss)
 
     def _set_lost(self, reason: Loss) -> None:
         if self.lost.is_set():

@@ -91,6 +91,7 @@ class Hold:
         self.revision = revision
         self.session = session
         self.lease_id = session.lease_id
+        self._since = time.monotonic()  # for the released line's hold time
         self.lost = Flag("hold-lost")
         self._client = sema.client
         self._shared = shared
@@ -288,7 +289,7 @@ class Hold:
 
     # -- release ---------------------------------------------------------------------------
 
-    def release(self, log_it: bool = True) -> None:
+    def release(self, log_it: bool = True, until: float | None = None) -> None:
         """Give the slot back: on a session of its own, revoke the lease
         (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
         session, delete our key (KV.Txn comparing its create_revision). The waiter first in
@@ -297,17 +298,26 @@ class Hold:
         unreachable, and the exit must not wait on it. Thread-safe; returns once the revoke
         is over, whichever thread sent it. Logs ``released`` once: with ``log_it=False`` the
         log line is left to a later ``release()`` (the supervisor releases the moment the
-        child's group is gone, and logs once it has logged the child's exit)."""
-        self._revoke()
+        child's group is gone, and logs once it has logged the child's exit). ``until``: a
+        ``time.monotonic()`` instant past which the revoke is not waited for (the supervisor,
+        after a loss: past the lease's earliest expiry it can no longer help)."""
+        self._revoke(until)
         if not log_it:
             return
         with self._release_lock:
             logged, self._logged = self._logged, True
         if not logged:
             extra = {"after": "loss"} if self._revoked_after_loss else {}
-            log.info("released", name=self.name, rev=self.revision, **extra, revoked=self._revoked)
+            log.info(
+                "released",
+                name=self.name,
+                rev=self.revision,
+                **extra,
+                held=f"{time.monotonic() - self._since:.3f}s",
+                revoked=self._revoked,
+            )
 
-    def _revoke(self) -> None:
+    def _revoke(self, until: float | None = None) -> None:
         """The release without its log line (the supervisor's reaper sends it the moment the
         child's group is gone; the ``released`` line follows the ``child-exit`` one). A call
         while another thread revokes waits for that revoke to end."""
@@ -321,6 +331,9 @@ class Hold:
         self._revoked_after_loss = self.lost.is_set()
         try:
             timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+            if until is not None:
+                left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
+                timeout = left if timeout is None else min(timeout, left)
             self._revoked = _give_back(
                 self.session, self._client, self.key, self.revision, self._shared, timeout
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -68,6 +69,7 @@ class Hold:
         self.revision = held.revision
         self.session = session
         self.lease_id = held.lease_id
+        self._since = time.monotonic()  # for the released line's hold time
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
         self._client = sema.client
@@ -297,7 +299,14 @@ class Hold:
             _cancel_watches(self._watches)
             self._forget_session()
         extra = {"after": "loss"} if self._revoked_after_loss else {}
-        log.info("released", name=self.name, rev=self.revision, **extra, revoked=revoked)
+        log.info(
+            "released",
+            name=self.name,
+            rev=self.revision,
+            **extra,
+            held=f"{time.monotonic() - self._since:.3f}s",
+            revoked=revoked,
+        )
         return revoked
 
     async def __aenter__(self) -> Hold:

@@ -33,7 +33,7 @@ def cut_utf8(text: str, limit: int) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """Who holds or waits: the value at every key, one line of JSON (contract section 6)."""
+    """Who holds or waits: the value at every key, one line of JSON (docs/design.md)."""
 
     host: str
     pid: int

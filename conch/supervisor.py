@@ -181,7 +181,7 @@ def supervise(
     watchdog: Watchdog | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8,
+    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (README.md, "Exit codes";
     ``EXIT_CODES``).
 
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between

@@ -168,3 +168,74 @@ def test_unsubscribe_stops_the_events(
     unsubscribe()  # idempotent
     conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10).release()
     assert more == [] and len(events) == 2
+
+
+def test_the_otel_extra_makes_acquire_and_hold_spans(client: Client, name: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    import conch.otel
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    stop = conch.otel.instrument(provider)
+    try:
+        sema = conch.Semaphore(client, name, max=1, ttl=5)
+        with sema.acquire(timeout=10) as kept:
+            pass
+        with pytest.raises(conch.HoldLost), sema.acquire(timeout=10) as lost:
+            lease.revoke(client, lost.lease_id)
+            assert lost.lost.wait(20)
+    finally:
+        stop()
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["conch.acquire", "conch.hold"] * 2
+    acquire, hold = spans[0], spans[1]
+    assert acquire.attributes is not None and hold.attributes is not None
+    assert acquire.attributes["conch.name"] == name
+    assert acquire.attributes["conch.revision"] == kept.revision
+    assert hold.attributes["conch.lease"] == f"{kept.lease_id:x}"
+    assert acquire.end_time == hold.start_time
+    assert hold.status.status_code == StatusCode.UNSET
+    lost_span = spans[3]
+    assert lost_span.attributes is not None
+    assert lost_span.attributes["conch.revision"] == lost.revision
+    assert lost_span.status.status_code == StatusCode.ERROR
+    assert [e.name for e in lost_span.events] == ["conch.lost"]
+
+
+def test_the_prometheus_example_counts_waits_holds_and_losses(
+    etcd: EtcdCluster, client: Client, name: str
+) -> None:
+    import prometheus_client
+
+    from examples.prometheus_metrics import ConchMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+    stop = ConchMetrics(registry).install()
+
+    def value(metric: str, **labels: str) -> float | None:
+        return registry.get_sample_value(metric, {"name": name, **labels})
+
+    try:
+        sema = conch.Semaphore(client, name, max=1, ttl=5)
+        first = sema.acquire(timeout=10)
+        assert value("conch_holds") == 1
+        got: list[conch.Hold] = []
+        waiter = threading.Thread(target=lambda: got.append(sema.acquire(timeout=20)))
+        waiter.start()
+        poll(lambda: value("conch_queued_position") == 2, what="the waiter queued")
+        first.release()
+        waiter.join(30)
+        lease.revoke(client, got[0].lease_id)
+        assert got[0].lost.wait(20)
+        got[0].release()
+    finally:
+        stop()
+    assert value("conch_acquire_wait_seconds_count") == 2
+    assert value("conch_hold_seconds_count") == 2
+    assert value("conch_holds") == 0
+    assert value("conch_lost_total") == 1

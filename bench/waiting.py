@@ -649,13 +649,14 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, Path | None, str]]:
     for spec in args.checkout or [str(ROOT)]:
         where, _, label = spec.partition("=")
         path = Path(where).resolve()
-        if not (path / "conch" / "aio.py").is_file():
-            raise SystemExit(f"waiting.py: {path} is not a conch checkout (no conch/aio.py)")
+        if not any((path / "conch" / f).is_file() for f in ("aio.py", "aio/__init__.py")):
+            raise SystemExit(f"waiting.py: {path} is not a conch checkout (no conch.aio)")
         checkouts.append((path, label or checkout_label(path)))
     rows: list[tuple[str, str, Path | None, str]] = []
     for variant in (v for v in variants if v in CONCH_VARIANTS):
         for path, label in checkouts:
-            has_session = "class Session" in (path / "conch" / "aio.py").read_text()
+            aio = path / "conch" / "aio.py"
+            has_session = not aio.is_file() or "class Session" in aio.read_text()
             if variant == "aio-shared" and not has_session:
                 print(f"aio-shared skipped on {label}: its conch.aio has no Session", flush=True)
                 continue

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/simulate.py --seeds 20000 --start 3000   past CI's 3000 seeds
     .venv/bin/python scripts/simulate.py --replay 264                 one schedule's full trace
     --max N fixes the number of slots (else each seed draws 1 to 9); --variant NAME drives a
-    Waiter of tests/sim/variants.py instead of conch.recipe.Waiter.
+    Waiter of tests/sim/variants.py instead of conch.core.waiter.Waiter.
 
 Exits 0 when every schedule kept every property, 1 otherwise, listing each failing seed
 with the property it failed; a replay prints the trace and the failure, if any.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conch import recipe
+from conch.core import waiter as recipe
 from tests.sim import variants
 from tests.sim.schedule import PropertyFailed, run
 

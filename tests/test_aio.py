@@ -161,16 +161,16 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
     """The recipe grants the slot, then (before the hold reaches the awaiting coroutine) the
     task is cancelled: the hold must be released before the CancelledError leaves it."""
     holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
-    run_driver = conch.aio._Driver.run
+    run_driver = conch.aio.semaphore._Driver.run
     granted, go = asyncio.Event(), asyncio.Event()
 
-    async def held_back(driver: conch.aio._Driver) -> conch.recipe.Outcome:
+    async def held_back(driver: conch.aio.semaphore._Driver) -> conch.core.messages.Outcome:
         outcome = await run_driver(driver)
         granted.set()
         await go.wait()
         return outcome
 
-    monkeypatch.setattr(conch.aio._Driver, "run", held_back)
+    monkeypatch.setattr(conch.aio.semaphore._Driver, "run", held_back)
     entered: list[conch.aio.Hold] = []
 
     async def body(aclient: conch.aio.Client) -> None:

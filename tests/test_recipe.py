@@ -1,4 +1,4 @@
-"""The waiting recipe's state machine (conch/recipe.py), fed by hand: no etcd, no threads,
+"""The waiting recipe's state machine (conch/core/waiter.py), fed by hand: no etcd, no threads,
 no clock. Each test plays one path of docs/design.md's drawing and asserts the actions the
 machine asks for, in order. The same behaviours are tested against a real etcd in
 test_sema.py, test_library.py, test_sessions.py, test_failures.py and test_waiting.py."""
@@ -11,7 +11,9 @@ from typing import TypeVar
 
 import pytest
 
-from conch import recipe as r
+from conch.core import guard as g
+from conch.core import messages as m
+from conch.core import waiter as r
 from conch.etcd.client import Backoff
 
 PREFIX = b"/p/"
@@ -32,22 +34,22 @@ class FixedPauses:
         self.resets += 1
 
 
-def kr(name: str, create: int, mod: int | None = None) -> r.KeyRev:
-    return r.KeyRev(PREFIX + name.encode(), create, create if mod is None else mod)
+def kr(name: str, create: int, mod: int | None = None) -> m.KeyRev:
+    return m.KeyRev(PREFIX + name.encode(), create, create if mod is None else mod)
 
 
-def mine(create: int) -> r.KeyRev:
-    return r.KeyRev(ME, create, create)
+def mine(create: int) -> m.KeyRev:
+    return m.KeyRev(ME, create, create)
 
 
-def deleted(key: r.KeyRev, at: int) -> r.Event:
-    return r.Event(r.EventType.DELETE, r.KeyRev(key.key, key.create_revision, at))
+def deleted(key: m.KeyRev, at: int) -> m.Event:
+    return m.Event(m.EventType.DELETE, m.KeyRev(key.key, key.create_revision, at))
 
 
 A = TypeVar("A")
 
 
-def only(actions: Sequence[r.Action], kind: type[A]) -> A:
+def only(actions: Sequence[m.Action], kind: type[A]) -> A:
     (found,) = [a for a in actions if isinstance(a, kind)]
     return found
 
@@ -56,37 +58,37 @@ def state_of(waiter: r.Waiter) -> r.State:
     return waiter.state
 
 
-def kinds(actions: Sequence[r.Action]) -> list[type[r.Action]]:
-    return [type(a) for a in actions if not isinstance(a, r.Note)]
+def kinds(actions: Sequence[m.Action]) -> list[type[m.Action]]:
+    return [type(a) for a in actions if not isinstance(a, m.Note)]
 
 
-def private(max_holders: int = 1) -> tuple[r.Waiter, r.SendEnqueue]:
+def private(max_holders: int = 1) -> tuple[r.Waiter, m.SendEnqueue]:
     """A waiter on a private session, its session opened: it asks to enqueue."""
     waiter = r.Waiter(PREFIX, max_holders, FixedPauses())
     (opening,) = waiter.start()
-    assert isinstance(opening, r.OpenSession)
-    (enqueue,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
-    assert isinstance(enqueue, r.SendEnqueue) and enqueue.key == ME
+    assert isinstance(opening, m.OpenSession)
+    (enqueue,) = waiter.feed(m.SessionOpened(opening.id, LEASE, ME))
+    assert isinstance(enqueue, m.SendEnqueue) and enqueue.key == ME
     return waiter, enqueue
 
 
 def queued(
-    waiter: r.Waiter, enqueue: r.SendEnqueue, ahead: Sequence[r.KeyRev], at: int = 10
-) -> list[r.Action]:
+    waiter: r.Waiter, enqueue: m.SendEnqueue, ahead: Sequence[m.KeyRev], at: int = 10
+) -> list[m.Action]:
     """Our key created at ``at`` behind ``ahead`` (all in the window, or the window full):
     the actions after the standing read."""
-    (read,) = waiter.feed(r.EnqueueAnswer(enqueue.id, at, True, b"v", heads=[ahead[0].key]))
-    assert isinstance(read, r.ReadStanding) and read.revision == at
+    (read,) = waiter.feed(m.EnqueueAnswer(enqueue.id, at, True, b"v", heads=[ahead[0].key]))
+    assert isinstance(read, m.ReadStanding) and read.revision == at
     window_keys = r.window_size(waiter.max)
     window = [*ahead, mine(at)][:window_keys]
-    return waiter.feed(r.StandingAnswer(read.id, at, window, [mine(at), ahead[-1]]))
+    return waiter.feed(m.StandingAnswer(read.id, at, window, [mine(at), ahead[-1]]))
 
 
 def test_a_waiter_whose_key_is_among_the_first_n_at_its_creation_holds_and_owes_no_touch() -> None:
     waiter, enqueue = private(2)
-    actions = waiter.feed(r.EnqueueAnswer(enqueue.id, 7, True, b"v", heads=[kr("a", 3).key, ME]))
+    actions = waiter.feed(m.EnqueueAnswer(enqueue.id, 7, True, b"v", heads=[kr("a", 3).key, ME]))
     assert actions == []
-    assert waiter.outcome == r.Held(ME, LEASE, 7, 7, b"v", r.TouchOwed.NONE, ())
+    assert waiter.outcome == m.Held(ME, LEASE, 7, 7, b"v", m.TouchOwed.NONE, ())
     assert waiter.state == r.State.HELD
 
 
@@ -94,22 +96,22 @@ def test_in_the_window_it_watches_deletions_under_the_prefix_and_touches_once() 
     waiter, enqueue = private(1)
     actions = queued(waiter, enqueue, [kr("h", 3)])
     assert waiter.state == r.State.IN_WINDOW
-    assert kinds(actions) == [r.OpenWatch, r.Touch]
-    watch, touch = only(actions, r.OpenWatch), only(actions, r.Touch)
-    assert isinstance(watch, r.OpenWatch) and watch.key == PREFIX and watch.prefix
-    assert isinstance(touch, r.Touch) and (touch.key, touch.revision, touch.value) == (ME, 10, b"v")
-    assert waiter.feed(r.TouchAnswer(touch.id, 11, True)) == []
+    assert kinds(actions) == [m.OpenWatch, m.Touch]
+    watch, touch = only(actions, m.OpenWatch), only(actions, m.Touch)
+    assert isinstance(watch, m.OpenWatch) and watch.key == PREFIX and watch.prefix
+    assert isinstance(touch, m.Touch) and (touch.key, touch.revision, touch.value) == (ME, 10, b"v")
+    assert waiter.feed(m.TouchAnswer(touch.id, 11, True)) == []
 
 
 def test_the_release_event_itself_hands_the_slot_over_with_no_request() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    assert waiter.feed(r.WatchCreated(watch.id, 10)) == []  # nothing since the read: no gap
-    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
+    assert waiter.feed(m.WatchCreated(watch.id, 10)) == []  # nothing since the read: no gap
+    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 12)], 12))
     assert actions == []
     held = waiter.outcome
-    assert isinstance(held, r.Held)
+    assert isinstance(held, m.Held)
     assert (held.revision, held.held_at, held.retire) == (10, 12, (watch.id,))
 
 
@@ -117,19 +119,19 @@ def test_at_max_2_a_release_out_of_order_gives_the_slot_at_once() -> None:
     """N=2, holders A and B, we wait first in line: B leaves first, and that is enough."""
     waiter, enqueue = private(2)
     a, b = kr("a", 3), kr("b", 4)
-    watch = only(queued(waiter, enqueue, [a, b]), r.OpenWatch)
-    waiter.feed(r.WatchEvents(watch.id, [deleted(b, 12)], 12))
+    watch = only(queued(waiter, enqueue, [a, b]), m.OpenWatch)
+    waiter.feed(m.WatchEvents(watch.id, [deleted(b, 12)], 12))
     held = waiter.outcome
-    assert isinstance(held, r.Held) and held.held_at == 12
+    assert isinstance(held, m.Held) and held.held_at == 12
 
 
 def test_deletions_behind_us_and_puts_do_not_move_us_up() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     behind = kr("z", 20)
-    put = r.Event(r.EventType.PUT, kr("h", 3, 30))
-    assert waiter.feed(r.WatchEvents(watch.id, [deleted(behind, 21), put], 30)) == []
+    put = m.Event(m.EventType.PUT, kr("h", 3, 30))
+    assert waiter.feed(m.WatchEvents(watch.id, [deleted(behind, 21), put], 30)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
 
 
@@ -138,229 +140,229 @@ def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() 
     ahead = [kr("h", 3), kr("w1", 4), kr("w2", 5), kr("w3", 6)]
     actions = queued(waiter, enqueue, ahead)
     assert state_of(waiter) == r.State.BEHIND
-    watch = only(actions, r.OpenWatch)
-    assert isinstance(watch, r.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
-    assert not any(isinstance(a, r.Touch) for a in actions)
-    (read,) = waiter.feed(r.WatchEvents(watch.id, [r.Event(r.EventType.PUT, kr("w3", 6, 11))], 11))
-    assert isinstance(read, r.ReadStanding)  # the read first, the cancel after it
+    watch = only(actions, m.OpenWatch)
+    assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
+    assert not any(isinstance(a, m.Touch) for a in actions)
+    (read,) = waiter.feed(m.WatchEvents(watch.id, [m.Event(m.EventType.PUT, kr("w3", 6, 11))], 11))
+    assert isinstance(read, m.ReadStanding)  # the read first, the cancel after it
     window = [*ahead[1:3], ahead[3], mine(10)]
-    actions = waiter.feed(r.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
-    assert actions[0] == r.CancelWatch(watch.id)
+    actions = waiter.feed(m.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
+    assert actions[0] == m.CancelWatch(watch.id)
     assert waiter.state == r.State.IN_WINDOW
 
 
 @pytest.mark.parametrize(
-    ("max_holders", "owed"), [(1, r.TouchOwed.LATER), (2, r.TouchOwed.AT_ONCE)]
+    ("max_holders", "owed"), [(1, m.TouchOwed.LATER), (2, m.TouchOwed.AT_ONCE)]
 )
-def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: r.TouchOwed) -> None:
+def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: m.TouchOwed) -> None:
     """Its hold touches: at once at N > 1 (another holder may leave any moment), a little
     into the hold at N = 1. The watch that woke it is retired by the hold."""
     waiter, enqueue = private(max_holders)
     ahead = [kr(f"k{i}", 3 + i) for i in range(r.window_size(max_holders))]
-    watch = only(queued(waiter, enqueue, ahead), r.OpenWatch)
-    read = only(waiter.feed(r.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40)), r.ReadStanding)
+    watch = only(queued(waiter, enqueue, ahead), m.OpenWatch)
+    read = only(waiter.feed(m.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40)), m.ReadStanding)
     # Everyone ahead went at once: the read finds us holding.
-    assert waiter.feed(r.StandingAnswer(read.id, 40, [mine(10)], [mine(10)])) == []
+    assert waiter.feed(m.StandingAnswer(read.id, 40, [mine(10)], [mine(10)])) == []
     held = waiter.outcome
-    assert isinstance(held, r.Held)
+    assert isinstance(held, m.Held)
     assert (held.touch, held.retire, held.held_at) == (owed, (watch.id,), 40)
 
 
 def test_a_watch_created_after_a_change_is_caught_by_the_gap_check() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    (check,) = waiter.feed(r.WatchCreated(watch.id, 15))
-    assert isinstance(check, r.ReadKeys) and list(check.keys) == [holder.key, ME]
-    actions = waiter.feed(r.KeysAnswer(check.id, 15, [None, mine(10)]))  # the holder left
-    assert kinds(actions) == [r.ReadStanding, r.CancelWatch]
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
+    (check,) = waiter.feed(m.WatchCreated(watch.id, 15))
+    assert isinstance(check, m.ReadKeys) and list(check.keys) == [holder.key, ME]
+    actions = waiter.feed(m.KeysAnswer(check.id, 15, [None, mine(10)]))  # the holder left
+    assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
 
 
 def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
-    assert waiter.feed(r.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
+    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
+    assert waiter.feed(m.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW
 
 
 def test_a_broken_watch_reads_the_standing_again() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    actions = waiter.feed(r.WatchBroken(watch.id, compacted=True, detail="compacted"))
-    assert kinds(actions) == [r.ReadStanding]
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    actions = waiter.feed(m.WatchBroken(watch.id, compacted=True, detail="compacted"))
+    assert kinds(actions) == [m.ReadStanding]
 
 
 def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
-    assert kinds(actions) == [r.CancelWatch, r.Withdraw]
-    withdraw = only(actions, r.Withdraw)
-    assert isinstance(withdraw, r.Withdraw) and withdraw.revoke
-    actions = waiter.feed(r.Withdrawn(withdraw.id))
-    pause = only(actions, r.Pause)
-    assert any(isinstance(a, r.Note) and a.event == "requeue" for a in actions)
-    (opening,) = waiter.feed(r.PauseOver(pause.id))
-    assert isinstance(opening, r.OpenSession)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    assert kinds(actions) == [m.CancelWatch, m.Withdraw]
+    withdraw = only(actions, m.Withdraw)
+    assert isinstance(withdraw, m.Withdraw) and withdraw.revoke
+    actions = waiter.feed(m.Withdrawn(withdraw.id))
+    pause = only(actions, m.Pause)
+    assert any(isinstance(a, m.Note) and a.event == "requeue" for a in actions)
+    (opening,) = waiter.feed(m.PauseOver(pause.id))
+    assert isinstance(opening, m.OpenSession)
 
 
 def test_etcd_unreachable_for_a_moment_keeps_our_key_and_reads_again() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    read = only(waiter.feed(r.WatchBroken(watch.id, detail="stream gave up")), r.ReadStanding)
-    actions = waiter.feed(r.Failed(read.id, r.Failure.UNREACHABLE, "connection refused"))
-    assert kinds(actions) == [r.Pause]  # no withdraw, no new session
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    read = only(waiter.feed(m.WatchBroken(watch.id, detail="stream gave up")), m.ReadStanding)
+    actions = waiter.feed(m.Failed(read.id, m.Failure.UNREACHABLE, "connection refused"))
+    assert kinds(actions) == [m.Pause]  # no withdraw, no new session
     assert waiter.state == r.State.PAUSED
-    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
-    assert isinstance(again, r.ReadStanding) and (again.key, again.revision) == (ME, 10)
+    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    assert isinstance(again, m.ReadStanding) and (again.key, again.revision) == (ME, 10)
 
 
 def test_an_enqueue_unanswered_is_sent_again_and_finds_its_own_key() -> None:
     waiter, enqueue = private(1)
-    actions = waiter.feed(r.Failed(enqueue.id, r.Failure.UNREACHABLE, "timed out"))
-    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
-    assert isinstance(again, r.SendEnqueue) and again.key == ME
-    found = r.EnqueueAnswer(again.id, 12, False, b"old", existing=mine(9), existing_ours=True)
+    actions = waiter.feed(m.Failed(enqueue.id, m.Failure.UNREACHABLE, "timed out"))
+    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    assert isinstance(again, m.SendEnqueue) and again.key == ME
+    found = m.EnqueueAnswer(again.id, 12, False, b"old", existing=mine(9), existing_ours=True)
     (read,) = waiter.feed(found)
-    assert isinstance(read, r.ReadStanding) and read.revision == 9
+    assert isinstance(read, m.ReadStanding) and read.revision == 9
 
 
 def test_a_touch_refused_by_the_space_alarm_keeps_our_place_and_is_tried_again() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     actions = queued(waiter, enqueue, [holder])
-    watch, touch = only(actions, r.OpenWatch), only(actions, r.Touch)
-    actions = waiter.feed(r.Failed(touch.id, r.Failure.NO_SPACE, "database space exceeded"))
-    assert kinds(actions) == [r.Pause] and waiter.state == r.State.IN_WINDOW
-    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
-    assert isinstance(again, r.Touch)
-    waiter.feed(r.Failed(again.id, r.Failure.NO_SPACE, "database space exceeded"))
+    watch, touch = only(actions, m.OpenWatch), only(actions, m.Touch)
+    actions = waiter.feed(m.Failed(touch.id, m.Failure.NO_SPACE, "database space exceeded"))
+    assert kinds(actions) == [m.Pause] and waiter.state == r.State.IN_WINDOW
+    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    assert isinstance(again, m.Touch)
+    waiter.feed(m.Failed(again.id, m.Failure.NO_SPACE, "database space exceeded"))
     # Still in the window: the release's event hands over the slot all the same.
-    waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 12)], 12))
     held = waiter.outcome
-    assert isinstance(held, r.Held) and held.touch == r.TouchOwed.LATER
+    assert isinstance(held, m.Held) and held.touch == m.TouchOwed.LATER
 
 
 def test_a_lost_private_session_re_enters_at_the_back() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    actions = waiter.feed(r.SessionLost("keepalive failed"))
-    assert actions[0] == r.CancelWatch(watch.id)
-    withdraw = only(actions, r.Withdraw)
-    assert isinstance(withdraw, r.Withdraw) and withdraw.revoke
-    assert kinds(waiter.feed(r.Withdrawn(withdraw.id))) == [r.Pause]
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    actions = waiter.feed(m.SessionLost("keepalive failed"))
+    assert actions[0] == m.CancelWatch(watch.id)
+    withdraw = only(actions, m.Withdraw)
+    assert isinstance(withdraw, m.Withdraw) and withdraw.revoke
+    assert kinds(waiter.feed(m.Withdrawn(withdraw.id))) == [m.Pause]
     assert waiter.outcome is None
 
 
-def shared() -> tuple[r.Waiter, r.SendEnqueue]:
+def shared() -> tuple[r.Waiter, m.SendEnqueue]:
     waiter = r.Waiter(PREFIX, 1, FixedPauses(), key=ME, lease_id=LEASE)
     (enqueue,) = waiter.start()
-    assert isinstance(enqueue, r.SendEnqueue)
+    assert isinstance(enqueue, m.SendEnqueue)
     return waiter, enqueue
 
 
 def test_a_shared_session_lost_while_queued_withdraws_our_key_and_gives_up() -> None:
     waiter, enqueue = shared()
     queued(waiter, enqueue, [kr("h", 3)])
-    actions = waiter.feed(r.SessionLost("lease expired"))
-    withdraw = only(actions, r.Withdraw)
-    assert isinstance(withdraw, r.Withdraw) and not withdraw.revoke
+    actions = waiter.feed(m.SessionLost("lease expired"))
+    withdraw = only(actions, m.Withdraw)
+    assert isinstance(withdraw, m.Withdraw) and not withdraw.revoke
     assert (withdraw.key, withdraw.revision) == (ME, 10)
-    waiter.feed(r.Withdrawn(withdraw.id))
-    assert waiter.outcome == r.GaveUp(
-        r.Reason.SESSION_LOST, "session lost while queued: lease expired"
+    waiter.feed(m.Withdrawn(withdraw.id))
+    assert waiter.outcome == m.GaveUp(
+        m.Reason.SESSION_LOST, "session lost while queued: lease expired"
     )
 
 
 def test_a_shared_waiter_whose_key_went_checks_its_lease_before_re_entering() -> None:
     waiter, enqueue = shared()
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
-    check = only(actions, r.CheckLease)
-    actions = waiter.feed(r.LeaseAnswer(check.id, 7))  # deleted by hand; the lease lives
-    (again,) = waiter.feed(r.PauseOver(only(actions, r.Pause).id))
-    assert isinstance(again, r.SendEnqueue) and again.key == ME
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    check = only(actions, m.CheckLease)
+    actions = waiter.feed(m.LeaseAnswer(check.id, 7))  # deleted by hand; the lease lives
+    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    assert isinstance(again, m.SendEnqueue) and again.key == ME
 
 
 def test_a_shared_waiter_whose_lease_is_gone_gives_up() -> None:
     waiter, enqueue = shared()
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    check = only(waiter.feed(r.WatchEvents(watch.id, [deleted(mine(10), 12)], 12)), r.CheckLease)
-    withdraw = only(waiter.feed(r.LeaseAnswer(check.id, -1)), r.Withdraw)
-    waiter.feed(r.Withdrawn(withdraw.id))
-    assert isinstance(waiter.outcome, r.GaveUp)
-    assert waiter.outcome.reason == r.Reason.SESSION_LOST
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    check = only(waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12)), m.CheckLease)
+    withdraw = only(waiter.feed(m.LeaseAnswer(check.id, -1)), m.Withdraw)
+    waiter.feed(m.Withdrawn(withdraw.id))
+    assert isinstance(waiter.outcome, m.GaveUp)
+    assert waiter.outcome.reason == m.Reason.SESSION_LOST
 
 
 def test_nonblock_tries_once_then_withdraws() -> None:
     """The deadline reached before the first request: the enqueue and the read are made,
     the wait is not."""
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    opening = only(waiter.start(), r.OpenSession)
-    assert waiter.feed(r.DeadlineReached()) == []
-    enqueue = only(waiter.feed(r.SessionOpened(opening.id, LEASE, ME)), r.SendEnqueue)
+    opening = only(waiter.start(), m.OpenSession)
+    assert waiter.feed(m.DeadlineReached()) == []
+    enqueue = only(waiter.feed(m.SessionOpened(opening.id, LEASE, ME)), m.SendEnqueue)
     actions = queued(waiter, enqueue, [kr("h", 3)])
-    assert kinds(actions) == [r.Withdraw]
-    waiter.feed(r.Withdrawn(only(actions, r.Withdraw).id))
-    assert isinstance(waiter.outcome, r.GaveUp) and waiter.outcome.reason == r.Reason.NO_SLOT
+    assert kinds(actions) == [m.Withdraw]
+    waiter.feed(m.Withdrawn(only(actions, m.Withdraw).id))
+    assert isinstance(waiter.outcome, m.GaveUp) and waiter.outcome.reason == m.Reason.NO_SLOT
 
 
 def test_an_interrupt_while_waiting_cancels_the_watch_and_withdraws() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    actions = waiter.feed(r.Interrupt(15))
-    assert actions[0] == r.CancelWatch(watch.id) and kinds(actions) == [r.CancelWatch, r.Withdraw]
-    waiter.feed(r.Withdrawn(only(actions, r.Withdraw).id))
-    assert waiter.outcome == r.GaveUp(r.Reason.INTERRUPTED, "interrupted: 15", 15)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    actions = waiter.feed(m.Interrupt(15))
+    assert actions[0] == m.CancelWatch(watch.id) and kinds(actions) == [m.CancelWatch, m.Withdraw]
+    waiter.feed(m.Withdrawn(only(actions, m.Withdraw).id))
+    assert waiter.outcome == m.GaveUp(m.Reason.INTERRUPTED, "interrupted: 15", 15)
     assert waiter.state == r.State.DONE
 
 
 def test_no_session_at_all_gives_up_as_unavailable_with_nothing_to_withdraw() -> None:
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    opening = only(waiter.start(), r.OpenSession)
-    failed = r.Failed(opening.id, r.Failure.UNREACHABLE, "refused")
+    opening = only(waiter.start(), m.OpenSession)
+    failed = m.Failed(opening.id, m.Failure.UNREACHABLE, "refused")
     assert waiter.feed(failed) == []
-    assert waiter.outcome == r.GaveUp(r.Reason.UNAVAILABLE, "refused", failed)
+    assert waiter.outcome == m.GaveUp(m.Reason.UNAVAILABLE, "refused", failed)
 
 
 def test_a_lease_granted_after_the_wait_was_given_up_is_revoked() -> None:
     """An async driver: the grant was in flight when the interrupt came."""
     waiter = r.Waiter(PREFIX, 1, FixedPauses())
-    opening = only(waiter.start(), r.OpenSession)
-    assert waiter.feed(r.Interrupt("shutdown")) == []
-    assert isinstance(waiter.outcome, r.GaveUp)
-    (revoke,) = waiter.feed(r.SessionOpened(opening.id, LEASE, ME))
-    assert isinstance(revoke, r.Withdraw) and revoke.revoke and revoke.lease_id == LEASE
+    opening = only(waiter.start(), m.OpenSession)
+    assert waiter.feed(m.Interrupt("shutdown")) == []
+    assert isinstance(waiter.outcome, m.GaveUp)
+    (revoke,) = waiter.feed(m.SessionOpened(opening.id, LEASE, ME))
+    assert isinstance(revoke, m.Withdraw) and revoke.revoke and revoke.lease_id == LEASE
 
 
 def test_stale_answers_are_ignored() -> None:
     waiter, enqueue = private(1)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    (read,) = waiter.feed(r.WatchBroken(watch.id))[1:]
-    assert waiter.feed(r.WatchEvents(watch.id, [deleted(kr("h", 3), 12)], 12)) == []
-    assert waiter.feed(r.EnqueueAnswer(enqueue.id, 10, True, b"v")) == []
-    assert isinstance(read, r.ReadStanding) and waiter.outcome is None
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    (read,) = waiter.feed(m.WatchBroken(watch.id))[1:]
+    assert waiter.feed(m.WatchEvents(watch.id, [deleted(kr("h", 3), 12)], 12)) == []
+    assert waiter.feed(m.EnqueueAnswer(enqueue.id, 10, True, b"v")) == []
+    assert isinstance(read, m.ReadStanding) and waiter.outcome is None
 
 
 def test_spread_busy_waits_for_the_host_key_to_change_then_enqueues_again() -> None:
     waiter, enqueue = private(1)
     other = kr("host", 4)
-    actions = waiter.feed(r.EnqueueAnswer(enqueue.id, 9, False, existing=other))
+    actions = waiter.feed(m.EnqueueAnswer(enqueue.id, 9, False, existing=other))
     assert waiter.state == r.State.SPREAD_BUSY
-    watch = only(actions, r.OpenWatch)
-    assert isinstance(watch, r.OpenWatch) and (watch.key, watch.prefix) == (other.key, False)
-    actions = waiter.feed(r.WatchEvents(watch.id, [deleted(other, 11)], 11))
-    assert kinds(actions) == [r.SendEnqueue, r.CancelWatch]
+    watch = only(actions, m.OpenWatch)
+    assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (other.key, False)
+    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(other, 11)], 11))
+    assert kinds(actions) == [m.SendEnqueue, m.CancelWatch]
 
 
 def test_a_watch_confirmed_resets_the_backoff() -> None:
     pauses = FixedPauses()
     waiter = r.Waiter(PREFIX, 1, pauses, key=ME, lease_id=LEASE)
-    enqueue = only(waiter.start(), r.SendEnqueue)
-    watch = only(queued(waiter, enqueue, [kr("h", 3)]), r.OpenWatch)
-    waiter.feed(r.WatchCreated(watch.id, 10))
+    enqueue = only(waiter.start(), m.SendEnqueue)
+    watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
+    waiter.feed(m.WatchCreated(watch.id, 10))
     assert pauses.resets == 1
 
 
@@ -387,26 +389,26 @@ def test_backoff_is_jittered_capped_and_reproducible() -> None:
 
 
 def test_the_guard_plan_follows_what_the_hold_owes() -> None:
-    assert r.guard_plan(r.TouchOwed.NONE) == r.GuardPlan(False, None, r.GUARD_WATCH_DELAY)
-    assert r.guard_plan(r.TouchOwed.AT_ONCE) == r.GuardPlan(True, None, r.GUARD_WATCH_DELAY)
-    later = r.guard_plan(r.TouchOwed.LATER)
-    assert later == r.GuardPlan(False, r.TOUCH_DELAY, r.GUARD_WATCH_DELAY)
+    assert g.guard_plan(m.TouchOwed.NONE) == g.GuardPlan(False, None, g.GUARD_WATCH_DELAY)
+    assert g.guard_plan(m.TouchOwed.AT_ONCE) == g.GuardPlan(True, None, g.GUARD_WATCH_DELAY)
+    later = g.guard_plan(m.TouchOwed.LATER)
+    assert later == g.GuardPlan(False, g.TOUCH_DELAY, g.GUARD_WATCH_DELAY)
     assert later.touch_after is not None and later.touch_after > later.watch_after
 
 
 def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
-    v = r.GuardVerdict
-    assert r.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
-    assert r.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
-    assert r.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
-    assert r.guard_on_look(False, mine(10), 10) == v.WATCH
-    assert r.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
-    assert r.guard_on_look(False, None, 10) == v.LOST
-    assert r.guard_on_look(True, None, 10) == v.NOTHING
-    assert r.guard_on_touch(False, True) == v.WATCH
-    assert r.guard_on_touch(False, False) == v.LOST
-    assert r.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
-    assert r.guard_on_touch(True, False) == v.NOTHING
+    v = g.GuardVerdict
+    assert g.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
+    assert g.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
+    assert g.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
+    assert g.guard_on_look(False, mine(10), 10) == v.WATCH
+    assert g.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
+    assert g.guard_on_look(False, None, 10) == v.LOST
+    assert g.guard_on_look(True, None, 10) == v.NOTHING
+    assert g.guard_on_touch(False, True) == v.WATCH
+    assert g.guard_on_touch(False, False) == v.LOST
+    assert g.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
+    assert g.guard_on_touch(True, False) == v.NOTHING
 
 
 def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_watched() -> None:
@@ -414,10 +416,10 @@ def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_w
     in flight. The check's answer (that key absent) is no change any more."""
     waiter, enqueue = private(2)
     a, b, c = kr("a", 3), kr("b", 4), kr("c", 5)
-    watch = only(queued(waiter, enqueue, [a, b, c]), r.OpenWatch)
-    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
-    assert waiter.feed(r.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
-    assert waiter.feed(r.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
+    watch = only(queued(waiter, enqueue, [a, b, c]), m.OpenWatch)
+    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
+    assert waiter.feed(m.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
+    assert waiter.feed(m.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
 
 
@@ -428,16 +430,16 @@ def test_a_release_before_the_gap_check_answers_never_holds_a_key_gone_in_the_ga
     The release must not count before the answer: the waiter reads again, never holds."""
     waiter, enqueue = shared()
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
-    assert waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
+    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
+    assert waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
-    actions = waiter.feed(r.KeysAnswer(check.id, 16, [None, None]))  # both gone: ours in the gap
-    assert kinds(actions) == [r.ReadStanding, r.CancelWatch]
+    actions = waiter.feed(m.KeysAnswer(check.id, 16, [None, None]))  # both gone: ours in the gap
+    assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
     assert waiter.outcome is None
-    read = only(actions, r.ReadStanding)
-    actions = waiter.feed(r.StandingAnswer(read.id, 16, [], []))
-    assert isinstance(only(actions, r.CheckLease), r.CheckLease) and waiter.outcome is None
+    read = only(actions, m.ReadStanding)
+    actions = waiter.feed(m.StandingAnswer(read.id, 16, [], []))
+    assert isinstance(only(actions, m.CheckLease), m.CheckLease) and waiter.outcome is None
 
 
 def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answers() -> None:
@@ -445,13 +447,13 @@ def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answer
     the check answers, with no further request (its revision is the hold's)."""
     waiter, enqueue = private(1)
     holder = kr("h", 3)
-    watch = only(queued(waiter, enqueue, [holder]), r.OpenWatch)
-    check = only(waiter.feed(r.WatchCreated(watch.id, 15)), r.ReadKeys)
-    assert waiter.feed(r.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
+    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
+    assert waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None
-    assert waiter.feed(r.KeysAnswer(check.id, 16, [None, mine(10)])) == []
+    assert waiter.feed(m.KeysAnswer(check.id, 16, [None, mine(10)])) == []
     held = waiter.outcome
-    assert isinstance(held, r.Held)
+    assert isinstance(held, m.Held)
     assert (held.held_at, held.retire) == (16, (watch.id,))
 
 
@@ -460,58 +462,58 @@ def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
     waiter, enqueue = private(1)
     notes: list[str] = []
     for _ in range(3):
-        actions = waiter.feed(r.Failed(enqueue.id, r.Failure.NO_SPACE, "space"))
-        notes += [a.event for a in actions if isinstance(a, r.Note)]
-        enqueue = only(waiter.feed(r.PauseOver(only(actions, r.Pause).id)), r.SendEnqueue)
+        actions = waiter.feed(m.Failed(enqueue.id, m.Failure.NO_SPACE, "space"))
+        notes += [a.event for a in actions if isinstance(a, m.Note)]
+        enqueue = only(waiter.feed(m.PauseOver(only(actions, m.Pause).id)), m.SendEnqueue)
     assert notes == ["etcd-away"]
-    touch = only(queued(waiter, enqueue, [kr("h", 3)]), r.Touch)
+    touch = only(queued(waiter, enqueue, [kr("h", 3)]), m.Touch)
     for _ in range(3):
-        actions = waiter.feed(r.Failed(touch.id, r.Failure.NO_SPACE, "space"))
-        notes += [a.event for a in actions if isinstance(a, r.Note)]
-        touch = only(waiter.feed(r.PauseOver(only(actions, r.Pause).id)), r.Touch)
+        actions = waiter.feed(m.Failed(touch.id, m.Failure.NO_SPACE, "space"))
+        notes += [a.event for a in actions if isinstance(a, m.Note)]
+        touch = only(waiter.feed(m.PauseOver(only(actions, m.Pause).id)), m.Touch)
     assert notes == ["etcd-away", "touch-failed"]
 
 
 # -- any input at any moment ---------------------------------------------------------------
 
 
-def _answer(action: r.Action, rng: random.Random, keys: list[r.KeyRev]) -> r.Input | None:
+def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Input | None:
     """A plausible answer to ``action``, or a failure of it; None for what has none."""
-    if isinstance(action, (r.CancelWatch, r.Note)):
+    if isinstance(action, (m.CancelWatch, m.Note)):
         return None
     failure = rng.random() < 0.2
-    if failure and not isinstance(action, (r.Withdraw, r.Pause, r.OpenWatch)):
-        return r.Failed(action.id, rng.choice(list(r.Failure)), "fault")
+    if failure and not isinstance(action, (m.Withdraw, m.Pause, m.OpenWatch)):
+        return m.Failed(action.id, rng.choice(list(m.Failure)), "fault")
     revision = rng.randint(1, 50)
-    if isinstance(action, r.OpenSession):
-        return r.SessionOpened(action.id, LEASE, ME)
-    if isinstance(action, r.SendEnqueue):
+    if isinstance(action, m.OpenSession):
+        return m.SessionOpened(action.id, LEASE, ME)
+    if isinstance(action, m.SendEnqueue):
         created = rng.random() < 0.7
         heads = [k.key for k in rng.sample(keys, min(len(keys), 2))] + [ME] * rng.randint(0, 1)
         found = rng.choice([None, mine(9), kr("host", 4)])
-        return r.EnqueueAnswer(action.id, revision, created, b"v", heads, found, found == mine(9))
-    if isinstance(action, r.ReadStanding):
+        return m.EnqueueAnswer(action.id, revision, created, b"v", heads, found, found == mine(9))
+    if isinstance(action, m.ReadStanding):
         ahead = sorted(rng.sample(keys, rng.randint(0, len(keys))), key=lambda k: k.create_revision)
         me = [mine(action.revision)] if rng.random() < 0.9 else []
-        return r.StandingAnswer(action.id, revision, [*ahead, *me][:5], [*me, *ahead[-1:]])
-    if isinstance(action, r.ReadKeys):
-        return r.KeysAnswer(action.id, revision, [rng.choice([None, *keys]) for _ in action.keys])
-    if isinstance(action, r.Touch):
-        return r.TouchAnswer(action.id, revision, rng.random() < 0.8)
-    if isinstance(action, r.CheckLease):
-        return r.LeaseAnswer(action.id, rng.choice([-1, 5]))
-    if isinstance(action, r.Withdraw):
-        return r.Withdrawn(action.id)
-    if isinstance(action, r.Pause):
-        return r.PauseOver(action.id)
-    if isinstance(action, r.OpenWatch):
+        return m.StandingAnswer(action.id, revision, [*ahead, *me][:5], [*me, *ahead[-1:]])
+    if isinstance(action, m.ReadKeys):
+        return m.KeysAnswer(action.id, revision, [rng.choice([None, *keys]) for _ in action.keys])
+    if isinstance(action, m.Touch):
+        return m.TouchAnswer(action.id, revision, rng.random() < 0.8)
+    if isinstance(action, m.CheckLease):
+        return m.LeaseAnswer(action.id, rng.choice([-1, 5]))
+    if isinstance(action, m.Withdraw):
+        return m.Withdrawn(action.id)
+    if isinstance(action, m.Pause):
+        return m.PauseOver(action.id)
+    if isinstance(action, m.OpenWatch):
         if rng.random() < 0.5:
-            return r.WatchCreated(action.id, revision)
+            return m.WatchCreated(action.id, revision)
         if rng.random() < 0.1:
-            return r.WatchBroken(action.id)
+            return m.WatchBroken(action.id)
         key = rng.choice([*keys, mine(10)])
-        kind = rng.choice(list(r.EventType))
-        return r.WatchEvents(action.id, [r.Event(kind, key)], revision)
+        kind = rng.choice(list(m.EventType))
+        return m.WatchEvents(action.id, [m.Event(kind, key)], revision)
     raise AssertionError(action)
 
 
@@ -528,19 +530,19 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
     else:
         waiter = r.Waiter(PREFIX, max_holders, FixedPauses())
     pending = list(waiter.start())
-    outcome: r.Outcome | None = None
+    outcome: m.Outcome | None = None
     for _ in range(150):
         if pending and rng.random() < 0.7:
             answer = _answer(pending.pop(rng.randrange(len(pending))), rng, keys)
         else:
             answer = rng.choice(
                 [
-                    r.SessionLost("x"),
-                    r.DeadlineReached(),
-                    r.PauseOver(rng.randint(1, 40)),
-                    r.Withdrawn(rng.randint(1, 40)),
-                    r.WatchEvents(rng.randint(1, 40), [r.Event(r.EventType.DELETE, mine(10))], 9),
-                    r.Failed(rng.randint(1, 40), r.Failure.UNREACHABLE),
+                    m.SessionLost("x"),
+                    m.DeadlineReached(),
+                    m.PauseOver(rng.randint(1, 40)),
+                    m.Withdrawn(rng.randint(1, 40)),
+                    m.WatchEvents(rng.randint(1, 40), [m.Event(m.EventType.DELETE, mine(10))], 9),
+                    m.Failed(rng.randint(1, 40), m.Failure.UNREACHABLE),
                     None,
                 ]
             )
@@ -550,14 +552,14 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
             assert waiter.outcome is outcome, "the outcome changed"
         outcome = waiter.outcome
         assert waiter.state in (r.State.HELD, r.State.DONE) or outcome is None
-    pending += waiter.feed(r.Interrupt(2))
+    pending += waiter.feed(m.Interrupt(2))
     for _ in range(20):
         if waiter.outcome is not None:
             break
-        withdraws = [a for a in pending if isinstance(a, r.Withdraw)]
-        pending = [a for a in pending if not isinstance(a, r.Withdraw)]
+        withdraws = [a for a in pending if isinstance(a, m.Withdraw)]
+        pending = [a for a in pending if not isinstance(a, m.Withdraw)]
         for withdraw in withdraws:
-            pending += waiter.feed(r.Withdrawn(withdraw.id))
+            pending += waiter.feed(m.Withdrawn(withdraw.id))
         if not withdraws and pending:
             answer = _answer(pending.pop(0), rng, keys)
             if answer is not None:

@@ -1,4 +1,4 @@
-"""Variants of ``conch.recipe.Waiter`` for the simulator's own tests.
+"""Variants of ``conch.core.waiter.Waiter`` for the simulator's own tests.
 
 The *broken* ones each carry one known mistake; the simulator must catch every one of them
 (a property that no schedule can fail proves nothing).
@@ -6,7 +6,8 @@ The *broken* ones each carry one known mistake; the simulator must catch every o
 
 from __future__ import annotations
 
-from conch import recipe as r
+from conch.core import messages as m
+from conch.core import waiter as r
 
 
 class OverCounting(r.Waiter):
@@ -20,8 +21,8 @@ class NoGapCheck(r.Waiter):
     """Trusts its watch from "now" and never reads the keys again once etcd confirms it,
     so a change between its read and the watch's start is missed (liveness)."""
 
-    def _on_watch(self, event: r.WatchCreated | r.WatchEvents | r.WatchBroken) -> list[r.Action]:
-        if isinstance(event, r.WatchCreated):
+    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+        if isinstance(event, m.WatchCreated):
             return []
         return super()._on_watch(event)
 
@@ -29,8 +30,8 @@ class NoGapCheck(r.Waiter):
 class NoRewatch(r.Waiter):
     """Ignores a broken or compacted watch: sleeps on without one (liveness)."""
 
-    def _on_watch(self, event: r.WatchCreated | r.WatchEvents | r.WatchBroken) -> list[r.Action]:
-        if isinstance(event, r.WatchBroken):
+    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+        if isinstance(event, m.WatchBroken):
             return []
         return super()._on_watch(event)
 
@@ -38,7 +39,7 @@ class NoRewatch(r.Waiter):
 class NoWithdraw(r.Waiter):
     """Gives up without taking its key out or closing its session (nothing left behind)."""
 
-    def _withdraw(self) -> list[r.Action]:
+    def _withdraw(self) -> list[m.Action]:
         self.state = r.State.WITHDRAWING
         return self._after_withdraw()
 

@@ -1,0 +1,79 @@
+"""The asyncio face's client: a conch.etcd Client for coroutines."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conch.aio.session import _Keeper
+from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
+from conch.etcd import client as etcd_client
+
+# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
+
+# -- the client ---------------------------------------------------------------------------
+
+
+class Client:
+    """An etcd client for coroutines. ``sync`` is the ``conch.etcd.Client`` under it, whose
+    channels, watch stream and endpoints both faces share (its blocking calls must not run
+    on the loop). ``await client.close()`` (or leaving ``async with``) revokes the leases of
+    the coroutine sessions still open on it (at most CLOSE_REVOKE_TIMEOUT seconds in all),
+    then closes the channels."""
+
+    def __init__(self, sync: etcd_client.Client) -> None:
+        self.sync = sync
+        self._keepers: set[_Keeper] = set()
+
+    async def close(self) -> None:
+        keepers, self._keepers = list(self._keepers), set()
+        if keepers:
+            timeout = etcd_client.CLOSE_REVOKE_TIMEOUT
+            await asyncio.gather(*(k.close(timeout) for k in keepers), return_exceptions=True)
+        self.sync.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class connect:  # a function to its callers: ``async with connect(...)``
+    """``async with connect(endpoints, ...) as client`` (or ``client = await connect(...)``):
+    a Client dialled within ``dial_timeout`` seconds, closed when the block ends. Arguments
+    and errors as ``conch.connect`` (UsageError, Unavailable, AuthenticationFailed); the
+    dial (Maintenance.Status, or Auth.Authenticate with credentials) is awaited, and a
+    cancel ends it at once."""
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        dial_timeout: float = 5.0,
+        request_timeout: float = 5.0,
+        tls: etcd_client.TLS | None = None,
+        credentials: etcd_client.Credentials | None = None,
+    ) -> None:
+        self._args = (endpoints, dial_timeout, request_timeout, tls, credentials)
+        self._client: Client | None = None
+
+    async def _connect(self) -> Client:
+        endpoints, dial_timeout, request_timeout, tls, credentials = self._args
+        parsed = etcd_client.parse_endpoints(endpoints)
+        sync = await etcd_client.Client.connect_async(
+            parsed, dial_timeout, request_timeout, tls, credentials
+        )
+        return Client(sync)
+
+    def __await__(self) -> Generator[Any, None, Client]:
+        return self._connect().__await__()
+
+    async def __aenter__(self) -> Client:
+        self._client = await self._connect()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()

@@ -1,0 +1,391 @@
+"""What conch's machines and their drivers say to each other: etcd's data as the machines
+see it, the inputs a driver feeds, the actions a machine asks for, and the outcomes.
+
+Plain frozen records, no behaviour: ``conch.core.waiter`` decides with them, the codec
+(``conch.core.codec``) turns actions into etcd requests and responses into inputs, and each
+face executes them.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+# -- what the machine knows of etcd's data -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyRev:
+    """One key as a Range (keys only) or a watch event shows it: its create_revision ranks
+    it in the queue, its mod_revision changes with every put (a touch)."""
+
+    key: bytes
+    create_revision: int
+    mod_revision: int
+
+
+class EventType(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One watch event: a put or a deletion of ``kv.key`` at ``kv.mod_revision`` (for a
+    deletion, etcd reports the deletion's revision as mod_revision)."""
+
+    type: EventType
+    kv: KeyRev
+
+
+class Failure(enum.Enum):
+    """How a request failed, as the recipe needs to tell them apart."""
+
+    UNREACHABLE = "unreachable"  # no answer in time, connection refused, no leader
+    NO_SPACE = "no-space"  # etcd's space alarm: writes refused, reads and deletes served
+    LEASE_NOT_FOUND = "lease-not-found"  # our lease expired or was revoked
+    OTHER = "other"  # anything else (permission denied, ...): given up, not retried
+
+
+# -- inputs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """Answer to ``OpenSession``: the new lease and our key on it."""
+
+    id: int
+    lease_id: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class EnqueueAnswer:
+    """Answer to ``SendEnqueue`` (one KV.Txn: create-if-absent put of our key, and a Range of
+    the first N keys by create_revision; else a Range of the key found).
+
+    ``revision``: the response header's. ``created``: the put happened; ``heads`` are then
+    the first N keys (our key among them: we hold at ``revision``). Else ``existing`` is
+    the key found in our place (None: deleted between compare and read) and
+    ``existing_ours`` whether it is on our lease (an earlier attempt of ours went through).
+    ``value``: what our key holds (written, or found ours)."""
+
+    id: int
+    revision: int
+    created: bool
+    value: bytes = b""
+    heads: Sequence[bytes] = ()
+    existing: KeyRev | None = None
+    existing_ours: bool = False
+
+
+@dataclass(frozen=True)
+class StandingAnswer:
+    """Answer to ``ReadStanding`` (one read-only KV.Txn of two Ranges, keys only, both with
+    max_create_revision = our key's): ``window`` the first ``window_size(N)`` keys
+    ascending, ``mine_and_prev`` the last two descending (ours first, if still there)."""
+
+    id: int
+    revision: int
+    window: Sequence[KeyRev]
+    mine_and_prev: Sequence[KeyRev]
+
+
+@dataclass(frozen=True)
+class KeysAnswer:
+    """Answer to ``ReadKeys``: each key in the order asked, None when absent."""
+
+    id: int
+    revision: int
+    kvs: Sequence[KeyRev | None]
+
+
+@dataclass(frozen=True)
+class TouchAnswer:
+    """Answer to ``Touch``: ``succeeded`` false when our key is gone (compare failed)."""
+
+    id: int
+    revision: int
+    succeeded: bool
+
+
+@dataclass(frozen=True)
+class LeaseAnswer:
+    """Answer to ``CheckLease`` (Lease.LeaseTimeToLive): ``ttl`` seconds left, <= 0 gone."""
+
+    id: int
+    ttl: int
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    """``Withdraw`` is over (confirmed or not: it is best effort, the lease expires anyway)."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request (``id``) failed; ``detail`` says how, for the log; ``cause`` is the
+    driver's own (an exception), handed back in GaveUp.cause."""
+
+    id: int
+    failure: Failure
+    detail: str = ""
+    cause: object = None
+
+
+@dataclass(frozen=True)
+class WatchCreated:
+    """etcd confirmed watch ``id``: it covers the revisions after ``revision``."""
+
+    id: int
+    revision: int
+
+
+@dataclass(frozen=True)
+class WatchEvents:
+    """Watch ``id`` delivered ``events`` (in revision order); ``revision``: the header's."""
+
+    id: int
+    events: Sequence[Event]
+    revision: int
+
+
+@dataclass(frozen=True)
+class WatchBroken:
+    """Watch ``id`` ended: its start revision was compacted, or its stream gave up."""
+
+    id: int
+    compacted: bool = False
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PauseOver:
+    """The ``Pause`` with this id has run its length."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class DeadlineReached:
+    """The caller's time to wait ran out (``timeout=0``: at once; we still try once)."""
+
+
+@dataclass(frozen=True)
+class SessionLost:
+    """The session's lease is no longer certainly alive (the keepalive's verdict)."""
+
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """The caller asked us to stop waiting (a signal, a cancelled task)."""
+
+    reason: object = None
+
+
+Input: TypeAlias = (
+    SessionOpened
+    | EnqueueAnswer
+    | StandingAnswer
+    | KeysAnswer
+    | TouchAnswer
+    | LeaseAnswer
+    | Withdrawn
+    | Failed
+    | WatchCreated
+    | WatchEvents
+    | WatchBroken
+    | PauseOver
+    | DeadlineReached
+    | SessionLost
+    | Interrupt
+)
+
+
+# -- actions -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Grant a new lease and keep it alive (private session only). Answer: SessionOpened,
+    or Failed (UNREACHABLE: no session could be established)."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class SendEnqueue:
+    """KV.Txn: if ``key``'s create_revision is 0, put it (the driver's identity value, bound
+    to ``lease_id``) and Range the first N keys by create_revision (keys only); else Range
+    ``key``. Answer: EnqueueAnswer."""
+
+    id: int
+    key: bytes
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class ReadStanding:
+    """The standing read of our ``key`` created at ``revision`` (see StandingAnswer)."""
+
+    id: int
+    key: bytes
+    revision: int
+
+
+@dataclass(frozen=True)
+class ReadKeys:
+    """One read-only KV.Txn of a Range per key (closing the gap between a read and a watch's
+    creation). Answer: KeysAnswer."""
+
+    id: int
+    keys: Sequence[bytes]
+
+
+@dataclass(frozen=True)
+class OpenWatch:
+    """Watch.Watch from now (etcd's ``created`` answer is wanted: WatchCreated): with
+    ``prefix``, the deletions (NOPUT filter) under the semaphore's prefix ``key``; else
+    every change of the one ``key``. Answers: WatchCreated, WatchEvents, WatchBroken; or
+    Failed at once when the watch cannot be opened."""
+
+    id: int
+    key: bytes
+    prefix: bool
+
+
+@dataclass(frozen=True)
+class CancelWatch:
+    """Stop watch ``id`` (no answer)."""
+
+    id: int
+
+
+@dataclass(frozen=True)
+class Touch:
+    """Re-put our ``key`` (``value``, on ``lease_id``) if its create_revision is still
+    ``revision`` (KV.Txn): the change wakes the waiter behind. Answer: TouchAnswer."""
+
+    id: int
+    key: bytes
+    revision: int
+    value: bytes
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class CheckLease:
+    """Lease.LeaseTimeToLive of ``lease_id``. Answer: LeaseAnswer (or Failed)."""
+
+    id: int
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class Withdraw:
+    """Take our key out of the queue, best effort (WITHDRAW_TIMEOUT): with ``revoke``,
+    revoke ``lease_id`` (a private session: its close); else delete ``key`` by a KV.Txn
+    comparing its create_revision with ``revision``, or when ``revision`` is 0 (our enqueue's
+    outcome unknown) comparing its lease with ``lease_id``. Answer: Withdrawn."""
+
+    id: int
+    key: bytes
+    revision: int
+    lease_id: int
+    revoke: bool
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Wait ``seconds`` (cut short by the deadline or an interrupt, which the driver feeds
+    then), then feed PauseOver(id)."""
+
+    id: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Note:
+    """A log line: ``event`` with ``fields``; ``warning`` for the ones an operator should
+    see in quiet mode too. No answer."""
+
+    event: str
+    fields: Mapping[str, object] = field(default_factory=dict)
+    warning: bool = False
+
+
+Action: TypeAlias = (
+    OpenSession
+    | SendEnqueue
+    | ReadStanding
+    | ReadKeys
+    | OpenWatch
+    | CancelWatch
+    | Touch
+    | CheckLease
+    | Withdraw
+    | Pause
+    | Note
+)
+
+
+# -- outcomes ------------------------------------------------------------------------------
+
+
+class TouchOwed(enum.Enum):
+    """What the new holder owes the waiter behind it, which may be asleep watching our key."""
+
+    NONE = "none"  # we touched while waiting, or held from our key's creation
+    AT_ONCE = "at-once"  # N > 1: another holder may leave any moment; touch now
+    LATER = "later"  # N = 1: touch a little into the hold (hold.TOUCH_DELAY)
+
+
+@dataclass(frozen=True)
+class Held:
+    """We hold a slot: ``revision`` is our key's create_revision (the fencing token),
+    ``held_at`` a revision at which it was seen holding. ``retire``: ids of watches left
+    open (the one that woke us: cancel it off the handoff's path). ``lease_id`` and ``key``
+    as held (a private session may have been re-opened on the way)."""
+
+    key: bytes
+    lease_id: int
+    revision: int
+    held_at: int
+    value: bytes
+    touch: TouchOwed
+    retire: Sequence[int] = ()
+
+
+class Reason(enum.Enum):
+    """Why a waiter gave up; our key is gone (withdrawn) in every case."""
+
+    NO_SLOT = "no-slot"  # the deadline came first (NoSlot, exit 75)
+    INTERRUPTED = "interrupted"  # Interrupt (Interrupted, exit 128 + signal)
+    SESSION_LOST = "session-lost"  # a shared session was lost (SessionLost)
+    UNAVAILABLE = "unavailable"  # no session could be established at all (exit 69)
+    REFUSED = "refused"  # etcd refused a request for good (Failure.OTHER)
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """We do not hold, and our key is withdrawn: ``reason`` and a line for people.
+    ``cause``: Interrupt.reason for INTERRUPTED, the Failed input for UNAVAILABLE and
+    REFUSED (its own ``cause`` is the driver's exception)."""
+
+    reason: Reason
+    detail: str = ""
+    cause: object = None
+
+    @property
+    def interrupt(self) -> object:
+        """``cause`` under its first name."""
+        return self.cause
+
+
+Outcome: TypeAlias = Held | GaveUp

@@ -15,7 +15,8 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
+from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.stream import BidiStream, StreamItem
 from conch.flag import Flag
 from conch.timer import Handle, PerOwner, Timer
 

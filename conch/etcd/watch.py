@@ -20,7 +20,8 @@ from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
+from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.stream import BidiStream, StreamItem
 from conch.timer import PerOwner, Timer, timer_for
 
 PUT = kv_pb2.Event.PUT

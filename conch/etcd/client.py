@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -472,24 +472,30 @@ class Client:
         self,
         service: str,
         method: str,
-        requests: Iterator[Any],
+        requests: Iterator[Any] | AsyncIterator[Any],
         timeout: float | None = None,
         token: str | None = None,
         endpoint: Endpoint | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[Endpoint, Any]:
         """Open a bidirectional stream on ``endpoint`` (default: the current one) with
-        ``token`` (by default ``token(timeout)``); the caller owns failover and, when the
+        ``token`` (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that
+        running loop, whose caller brings the token); the caller owns failover and, when the
         stream ends with TokenInvalid, ``invalidate_token(token)``. Streams ask for
         ``hasleader``: etcd then ends them when the member loses its leader (partitioned from
         the quorum), instead of leaving them silent."""
-        token = token or self.token(timeout)
+        import grpc.aio
+
+        if loop is None:
+            token = token or self.token(timeout)
         metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
         endpoint = self.endpoint if endpoint is None else endpoint
-        stub = getattr(self._stubs_for(endpoint), service)
+        stub = getattr(self._stubs_for(endpoint, loop), service)
         try:
             # The call is both the handle to cancel and the iterator of responses.
             return endpoint, getattr(stub, method)(requests, metadata=metadata)
-        except ValueError:  # gRPC's "Cannot invoke RPC on closed channel!"
+        # gRPC's "Cannot invoke RPC on closed channel!", or grpc.aio's UsageError
+        except (ValueError, grpc.aio.UsageError):
             if self._closed:
                 raise _closed_error() from None
             raise

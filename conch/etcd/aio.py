@@ -231,18 +231,20 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     answer: asyncio.Future[lease.Outcome] = loop.create_future()
     keepalives = _keepalives(client)
     if isinstance(keepalives, LoopKeepAlives):
+        # Its deadline is a timer of this loop: no thread that could be late to watch for.
         keepalives.refresh(lease_id, deadline, lambda outcome: _settle(answer, outcome))
+        outcome = await answer
     else:
 
         def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
             call_soon(loop, _settle, answer, outcome)
 
         keepalives.refresh(lease_id, deadline, done)
-    left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
-    try:
-        outcome = await asyncio.wait_for(answer, left)
-    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-        raise Unavailable("keepalive: no answer in time") from None
+        left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
+        try:
+            outcome = await asyncio.wait_for(answer, left)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            raise Unavailable("keepalive: no answer in time") from None
     if isinstance(outcome, EtcdError):
         raise outcome
     return outcome

@@ -39,10 +39,10 @@ from conch.etcd.endpoints import (
     Stubs,
     check_fork_support,
     check_timeout,
-    closed_loop_channel,
     loop_native,
     parse_endpoints,
 )
+from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.etcd.retry import Attempts, Backoff
 from conch.etcd.status import map_rpc_error
 from conch.flag import Flag
@@ -208,7 +208,7 @@ class Client:
             s.channel.close()
         for loop, table in by_loop.items():
             for s in table.values():
-                _close_loop_channel(loop, s.channel)
+                close_loop_channel(loop, s.channel)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -239,7 +239,7 @@ class Client:
             closed = self._closed
             stubs = None if closed else self._table(loop).setdefault(endpoint, dialled)
         if stubs is not dialled:
-            _close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
+            close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
         if stubs is None:
             raise _closed_error()
         return stubs
@@ -253,7 +253,7 @@ class Client:
         if table is None:
             for ended in [other for other in self._loop_stubs if other.is_closed()]:
                 for s in self._loop_stubs.pop(ended).values():
-                    _close_loop_channel(ended, s.channel)
+                    close_loop_channel(ended, s.channel)
             table = self._loop_stubs[loop] = {}
         return table
 
@@ -412,6 +412,9 @@ class Client:
         loop = asyncio.get_running_loop()
         native = loop_native()
         attempts = Attempts(self, timeout)
+        turn = admission(loop).admit()
+        if turn is not None:
+            await turn
         while True:
             endpoint, attempt = attempts.next()
             error: EtcdError
@@ -421,7 +424,7 @@ class Client:
                 if not _authenticating:
                     token = await self.token_async(max(0.001, attempts.left()))
                 if not native:
-                    return await _settled(
+                    return await settled(
                         getattr(stub, method).future(
                             request, timeout=attempt, metadata=_metadata(token)
                         )
@@ -503,61 +506,6 @@ class Client:
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("token", token),)
-
-
-def _close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:
-    """Close a grpc.aio ``channel`` bound to ``loop``, from any thread. Its close cancels
-    its calls, which must happen on their loop: there, or (a loop that has ended) as far as
-    it can without it; gRPC destroys a channel left open when it is collected."""
-    import asyncio
-
-    def close() -> None:
-        closed_loop_channel(channel)
-        closing = channel.close()  # a coroutine that awaits nothing without a grace
-        try:
-            closing.send(None)
-        except StopIteration:
-            return
-        except RuntimeError:  # the loop ended: its calls cannot be cancelled on it
-            return
-        closing.close()
-
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop or not loop.is_running():
-        close()
-    else:
-        with contextlib.suppress(RuntimeError):  # closed meanwhile
-            loop.call_soon_threadsafe(close)
-
-
-async def _settled(call: grpc.Future[Any]) -> Any:
-    """Await a blocking stub's ``.future()`` call on the running loop: its done-callback
-    (on gRPC's thread) wakes the loop with ``call_soon_threadsafe``. Returns its response or
-    raises its grpc.RpcError; a cancel of the awaiting task cancels the call."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def wake(_call: grpc.Future[Any]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(_set_done, done)
-
-    call.add_done_callback(wake)
-    try:
-        await done
-    except asyncio.CancelledError:
-        call.cancel()
-        raise
-    return call.result()
-
-
-def _set_done(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)
 
 
 def _closed_error() -> EtcdError:

@@ -186,6 +186,9 @@ class KeepAlives:
         ask.asked[stream] = counts.sent  # the index its answer will have
         counts.sent += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
+        client = self._client_ref()
+        if client is None or len(client.endpoints) < 2:
+            return  # no other member to ask: the answer, a broken stream or the deadline
         left = ask.deadline - time.monotonic()
         self._ask_again(ask, min(ASK_ANOTHER_AFTER, left / 2))
 
@@ -426,6 +429,17 @@ class LoopKeepAlives(KeepAlives):
         except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
             opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
         self._opened(endpoint, opened)
+
+    def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
+        self._start(_Ask(lease_id, deadline, done))  # on the loop already
+
+    def forget(self, lease_id: int) -> None:
+        """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable: its
+        coroutine awaits no timer of its own."""
+        ask = self._asks.get(lease_id)
+        self._forget(lease_id)
+        if ask is not None:
+            ask.done(Unavailable("keepalive: the lease is no longer kept alive here"))
 
     def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over
         self._on_item(item)

@@ -473,6 +473,22 @@ class LoopHub(_Hub):
             raise Unavailable("watch: no auth token at hand yet")
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 
+    def _resume(self) -> None:
+        """As ``_Hub._resume``, once the auth token is at hand: fetching it (a stale one was
+        what broke the stream, as under a burst of auth changes) is no failed open."""
+        client = self._client_ref()
+        if client is None or client.token_at_hand():
+            super()._resume()
+            return
+        fetching = self._loop.create_task(client.token_async())
+        fetching.add_done_callback(self._token_fetched)
+
+    def _token_fetched(self, fetching: asyncio.Task[str | None]) -> None:
+        # Fetched or not: without a token the open fails, counted, and backs off.
+        if not fetching.cancelled():
+            fetching.exception()  # retrieved: the open reports what it means
+        super()._resume()
+
     def _endpoint_failed(self, failed: Endpoint) -> None:
         """From whichever thread failed over (a threaded face's call may): on the loop."""
         try:

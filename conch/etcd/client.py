@@ -42,9 +42,9 @@ from conch.etcd.endpoints import (
     loop_native,
     parse_endpoints,
 )
+from conch.etcd.grpc_errors import map_rpc_error
 from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.etcd.retry import Attempts, Backoff
-from conch.etcd.status import map_rpc_error
 from conch.flag import Flag
 
 if TYPE_CHECKING:

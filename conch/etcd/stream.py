@@ -16,7 +16,7 @@ import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.status import map_rpc_error
+from conch.etcd.grpc_errors import map_rpc_error
 
 if TYPE_CHECKING:
     import asyncio

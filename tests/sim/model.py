@@ -2,7 +2,7 @@
 
 Pure Python, no I/O, no threads, no wall clock: requests and responses are the etcd API's own
 protobuf messages (``conchpb``), so one operation sequence runs against this model and a
-real etcd unchanged (``tests/test_simulator.py`` does, so the model cannot drift from
+real etcd unchanged (``tests/test_model.py`` does, so the model cannot drift from
 etcd unnoticed). The simulator's scheduler (``tests/sim/schedule.py``) decides when a
 request is applied, when its response arrives or is lost, when a watch notice is
 delivered, and when the model's clock moves.
@@ -26,8 +26,6 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
   keys_only drops values, count_only drops kvs (api-reference "RangeRequest"). With a
   sort_target but no sort_order (and no revision filter), etcd takes ``limit`` + 1 keys in
   key order first and sorts only those (found by the comparison test; etcd's v3_server.go).
-  A read at an older revision is not modelled (the recipe never does it): a Range with
-  ``revision`` set raises NotImplementedError rather than answer wrongly.
 * **KV.Txn**: every compare (create_revision, mod_revision, version, lease, value; EQUAL,
   NOT_EQUAL, GREATER, LESS) on the key as it is; a key that does not exist compares as
   zeros, and any compare on its value fails (learning/api.md, "Transaction"). Then the
@@ -52,18 +50,41 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
   catch up with the progress of the key-value store"). Compaction does not change the
   revision. (learning/api.md, "Compact".)
 * **The space alarm** (op-guide/maintenance.md, "Space quota": "the cluster goes into a
-  limited-operation maintenance mode which only accepts key reads and deletes"): with
-  ``nospace`` set, a Put, a LeaseGrant and a Txn with a put in either branch fail with
-  "mvcc: database space exceeded" and change nothing; reads, deletes, revokes and
-  keepalives go through.
+  limited-operation maintenance mode which only accepts key reads and deletes"), as a
+  member whose backend has grown to its ``--quota-backend-bytes`` has it: with ``nospace``
+  set, a Put, a LeaseGrant and a Txn with a put in either branch (even the one not taken)
+  fail with "mvcc: database space exceeded" and change nothing; a Range, a DeleteRange, a
+  revoke, a keepalive, a watch and a compaction go through. A Txn without a put depends on
+  the release (``quota_refuses_reads``, found by the comparison test, which fills a real
+  backend): etcd's gRPC layer weighs each Put, Txn and LeaseGrant against the quota first
+  (v3rpc/quota.go: the backend's size plus the request's cost, 0 for a Txn without a put,
+  must stay under the quota), so at the quota it refuses a Txn that only reads or only
+  deletes too, until 3.4.20 and 3.5.7 let requests that cost nothing through (etcd PRs
+  14254 and 14884, "Allow non mutating requests pass through quotaKVServer when NOSPACE").
+  etcd 3.5.1 refuses them, 3.4.23 serves them.
+* **Reads at a revision**: a Range with ``revision`` R answers the keys as they were at R
+  (count, filters and sort as for a current read), with the current revision in its
+  header; R below the compaction fails "required revision has been compacted", R above
+  the current one "required revision is a future revision" (learning/api.md, "Range").
 * **Unreachable** (``reachable`` False): every request fails with UNAVAILABLE and changes
   nothing; lease countdowns go on (etcd does not stop the clock for a client it cannot
   hear, learning/api.md "Lease API"). A watch notice that was sent is lost only by a broken
-  watch, which the scheduler decides (``break_watch``). A restart or a new leader
-  (``promote``) starts every lease's countdown again (etcd's lessor, Promote).
+  watch, which the scheduler decides (``break_watch``).
+* **A member restart** (``stop`` then ``start``): while the member is down nothing is
+  answered and no lease expires (no lessor runs); once it is back, its keys, leases and
+  revision are as they were, and every lease's countdown starts again from its TTL (etcd's
+  lessor, Promote, on becoming leader: "refreshes the expiries of all leases"; real etcd
+  adds an election timeout on top, which the model leaves out), so a lease outlives an
+  outage longer than its TTL. ``promote`` alone is a new leader elected.
+* **A lost answer**: a write applied whose answer never reaches the client is applied once
+  and only once; sending it again meets what it did (a create-if-absent finds its key).
 
-Not modelled: members and leader changes (one linearizable store stands for the cluster),
-historical reads, auth, request size limits, watch fragmenting and progress notices.
+Not modelled: several members (one linearizable store stands for the cluster), auth,
+request size limits, watch fragmenting and progress notices.
+
+``tests/test_model.py`` runs each rule above, as the operation sequences of
+``tests/sim/scenarios.py``, against this model and a real etcd (3.5.1, and 3.4 with
+``CONCH_TEST_ETCD=/usr/bin/etcd``) and requires the same answers.
 """
 
 from __future__ import annotations
@@ -71,6 +92,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -83,6 +105,14 @@ NODELETE = rpc_pb2.WatchCreateRequest.NODELETE
 # etcd's default minimum lease TTL: 3/2 of the election timeout (1 s by default), rounded
 # up to whole seconds (etcdserver's minTTL). A grant below it gets it instead.
 MIN_TTL = 2
+JUNK = b"/junk"  # where the conformance scenarios write until the backend is full
+
+
+def refuses_reads_at_quota(version: str) -> bool:
+    """Whether etcd ``version`` ("3.5.1") refuses a Txn without a put once its backend is
+    at the quota: before 3.4.20 in 3.4, before 3.5.7 in 3.5 (none of 3.6 does)."""
+    release = tuple(int(part) for part in version.split(".")[:3])
+    return release < (3, 4, 20) or (3, 5) <= release < (3, 5, 7)
 
 
 class ModelError(Exception):
@@ -159,17 +189,25 @@ class SimEtcd:
     and returning the API's protobuf messages; an error etcd would answer raises
     ModelError. ``reachable`` and ``nospace`` are the faults a request can meet."""
 
-    def __init__(self, lease_ids: Iterable[int] | None = None) -> None:
+    def __init__(
+        self, lease_ids: Iterable[int] | None = None, quota_refuses_reads: bool = True
+    ) -> None:
+        """``quota_refuses_reads``: at the space quota, a Txn without a put is refused too
+        (etcd before 3.4.20 and 3.5.7, ``refuses_reads_at_quota``)."""
+        self.quota_refuses_reads = quota_refuses_reads
         self.revision = 1
         self.compact_revision = 0
         self.kvs: dict[bytes, kv_pb2.KeyValue] = {}
         self.leases: dict[int, Lease] = {}
         self.history: list[tuple[int, list[kv_pb2.Event]]] = []  # (revision, its events)
+        # Each key's versions: (revision, the key as of it, None once deleted), oldest first.
+        self.versions: dict[bytes, list[tuple[int, kv_pb2.KeyValue | None]]] = {}
         self.watches: dict[int, ModelWatch] = {}
         self.deleted_at: dict[bytes, int] = {}  # each key's last deletion (for the checks)
         self.now = 0.0
         self.reachable = True
         self.nospace = False
+        self.down = False  # the member is stopped: nothing answered, no lease expires
         self._next_lease = iter(lease_ids) if lease_ids is not None else None
         self._lease_counter = 0x7E57_0000
         self._watch_counter = 0
@@ -178,8 +216,10 @@ class SimEtcd:
 
     def advance(self, seconds: float) -> None:
         """Move the clock on; leases whose countdown ran out expire, each in a revision of
-        its own, in the order they ran out (then by ID)."""
+        its own, in the order they ran out (then by ID); none while the member is down."""
         self.now += seconds
+        if self.down:
+            return
         due = sorted((le.expires, le.id) for le in self.leases.values() if le.expires <= self.now)
         for _, lease_id in due:
             self._revoke(lease_id)
@@ -189,6 +229,34 @@ class SimEtcd:
         del lease_id
         self.advance(ttl)
 
+    def let_run(self, lease_id: int, seconds: int) -> None:
+        """Let the lease's countdown run ``seconds`` on (no keepalive); as ``RealEtcd``'s."""
+        del lease_id
+        self.advance(seconds)
+
+    def restart(self, down_for: float) -> None:
+        """The member killed, down ``down_for`` seconds, started again with its data."""
+        self.stop()
+        self.advance(down_for)
+        self.start()
+
+    def fill_space(self) -> None:
+        """Junk written outside the semaphores until the backend is at its quota."""
+        self.put(rpc_pb2.PutRequest(key=JUNK, value=b"x"))
+        self.nospace = True
+
+    def clear_space(self) -> None:
+        """The operator's way out: the junk deleted, compacted away, the alarm disarmed."""
+        self.delete_range(rpc_pb2.DeleteRangeRequest(key=JUNK))
+        self.compact(self.revision)
+        self.nospace = False
+
+    def answer_lost(self, method: str, request: Any) -> None:
+        """Send ``request`` to the RPC ``method`` (``txn``, ``lease_revoke``, ...) and lose
+        its answer: applied, and the client told DEADLINE_EXCEEDED."""
+        getattr(self, method)(request)
+        raise ModelError("DEADLINE_EXCEEDED", "answer lost")
+
     def promote(self) -> None:
         """A member becomes leader (etcd restarted, or a new leader elected): every lease's
         countdown starts again from now, as etcd's lessor does on promotion (Promote
@@ -196,6 +264,15 @@ class SimEtcd:
         an outage shorter than their TTL."""
         for lease in self.leases.values():
             lease.expires = self.now + lease.ttl
+
+    def stop(self) -> None:
+        """The member stops (killed): unreachable, and its lessor with it."""
+        self.down, self.reachable = True, False
+
+    def start(self) -> None:
+        """The member is back, with its data, and leads again (``promote``)."""
+        self.down, self.reachable = False, True
+        self.promote()
 
     def set_nospace(self, on: bool) -> None:
         """Raise or clear the space alarm."""
@@ -232,8 +309,8 @@ class SimEtcd:
 
     def txn(self, request: rpc_pb2.TxnRequest) -> rpc_pb2.TxnResponse:
         self._check_reachable()
-        if self.nospace and _txn_puts(request):
-            raise no_space()  # refused whichever branch the compares would take
+        if self.nospace and (self.quota_refuses_reads or _txn_puts(request)):
+            raise no_space()  # whichever branch the compares would take
         changes: list[kv_pb2.Event] = []
         response = self._txn(request, changes)
         self._commit(changes)
@@ -259,6 +336,12 @@ class SimEtcd:
         ]
         self.compact_revision = revision
         self.history = [(rev, events) for rev, events in self.history if rev >= revision]
+        for key, versions in list(self.versions.items()):
+            kept = [i for i, (rev, _) in enumerate(versions) if rev <= revision]
+            if kept:
+                del versions[: kept[-1]]  # the version in force at the compaction stays
+            if versions == [versions[0]] and versions[0][1] is None:
+                del self.versions[key]
         for watch in behind:
             self._cancel_compacted(watch)
         return rpc_pb2.CompactionResponse(header=self._header())
@@ -413,17 +496,15 @@ class SimEtcd:
         self.revision += 1
         self.history.append((self.revision, changes))
 
-    def _range(
-        self, request: rpc_pb2.RangeRequest, pending: dict[bytes, kv_pb2.KeyValue] | None = None
-    ) -> rpc_pb2.RangeResponse:
+    def _range(self, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
         if request.revision:
             if request.revision < self.compact_revision:
                 raise compacted()
             if request.revision > self.revision:
                 raise future_revision()
-            if request.revision != self.revision:
-                raise NotImplementedError("the model keeps no history for reads in the past")
-        store = self.kvs if pending is None else pending
+        store = self.kvs
+        if request.revision and request.revision != self.revision:
+            store = self._store_at(request.revision)
         found = [kv for key, kv in store.items() if in_range(key, request.key, request.range_end)]
         count = len(found)
         found = [kv for kv in found if _passes_filters(kv, request)]
@@ -458,6 +539,19 @@ class SimEtcd:
                 out.ClearField("value")
         return response
 
+    def _store_at(self, revision: int) -> dict[bytes, kv_pb2.KeyValue]:
+        """The keys as they were at ``revision`` (at or after the compaction)."""
+        store = {}
+        for key, versions in self.versions.items():
+            found = None
+            for rev, kv in versions:
+                if rev > revision:
+                    break
+                found = kv
+            if found is not None:
+                store[key] = found
+        return store
+
     def _check_leases(self, puts: Sequence[rpc_pb2.PutRequest]) -> None:
         for put in puts:
             if put.ignore_value or put.ignore_lease:
@@ -482,6 +576,7 @@ class SimEtcd:
         if request.lease:
             self.leases[request.lease].keys.add(request.key)
         self.kvs[request.key] = kv
+        self.versions.setdefault(request.key, []).append((revision, kv))
         changes.append(kv_pb2.Event(type=PUT, kv=kv))
         return prev
 
@@ -499,6 +594,7 @@ class SimEtcd:
             self.leases[prev.lease].keys.discard(key)
         tombstone = kv_pb2.KeyValue(key=key, mod_revision=revision)
         self.deleted_at[key] = revision
+        self.versions[key].append((revision, None))
         changes.append(kv_pb2.Event(type=DELETE, kv=tombstone))
         return prev
 

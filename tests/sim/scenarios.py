@@ -1,5 +1,5 @@
 """Operation sequences run against the model and a real etcd alike; each returns what it
-observed, normalised (revisions, ranks, outcomes), so ``tests/test_simulator.py`` can require
+observed, normalised (revisions, ranks, outcomes), so ``tests/test_model.py`` can require
 the two to agree. Every sequence starts on an empty etcd at revision 1."""
 
 from __future__ import annotations
@@ -34,7 +34,11 @@ class Etcd(Protocol):
     def watch_create(self, request: rpc_pb2.WatchCreateRequest) -> int: ...
     def watch_next(self, watch_id: int, revisions: int = 1) -> rpc_pb2.WatchResponse | None: ...
     def watch_cancel(self, watch_id: int) -> None: ...
-    def set_nospace(self, on: bool) -> None: ...
+    def let_run(self, lease_id: int, seconds: int) -> None: ...
+    def restart(self, down_for: float) -> None: ...
+    def fill_space(self) -> None: ...
+    def clear_space(self) -> None: ...
+    def answer_lost(self, method: str, request: Any) -> None: ...
 
 
 Observed = list[Any]
@@ -242,42 +246,139 @@ def watches_and_compaction(etcd: Etcd) -> Observed:
 
 
 def space_alarm(etcd: Etcd) -> Observed:
-    """Under NOSPACE, puts, lease grants and any Txn with a put (even in the branch not
-    taken) are refused and change nothing; reads, deletes, keepalives and revokes go through."""
+    """With the backend at its quota: puts, lease grants and every Txn (a touch whose put
+    is in the branch not taken, a withdraw that only deletes, a read-only Txn) are refused
+    and change nothing; a Range (at the current revision, or pinned to an earlier one), a
+    DeleteRange, a keepalive and a revoke go through. Once the junk is gone and the alarm
+    disarmed, a put goes through again. Revisions are counted from the one the junk left."""
     seen: Observed = []
     etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=0xB1, TTL=60))
     etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=0xB2, TTL=60))
     etcd.put(rpc_pb2.PutRequest(key=P + b"a", value=b"1", lease=0xB1))
     etcd.put(rpc_pb2.PutRequest(key=P + b"b", value=b"1", lease=0xB2))
     etcd.put(rpc_pb2.PutRequest(key=P + b"c", value=b"1"))
-    etcd.set_nospace(True)
-    try:
-        seen.append(error_(lambda: etcd.put(rpc_pb2.PutRequest(key=P + b"d")).header.revision))
-        seen.append(error_(lambda: etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=60)).TTL))
-        touch_not_taken = rpc_pb2.TxnRequest(
-            compare=[create_is(P + b"a", 0)], success=[], failure=[put(P + b"a")]
-        )
-        seen.append(error_(lambda: txn_(etcd.txn(touch_not_taken))))
-        withdraw = rpc_pb2.TxnRequest(
-            compare=[create_is(P + b"c", 4)],
-            success=[
-                rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=P + b"c"))
-            ],
-        )
-        seen.append(error_(lambda: txn_(etcd.txn(withdraw))))
+    etcd.fill_space()
+    base = int(etcd.range(rpc_pb2.RangeRequest(key=P)).header.revision)
+
+    def at(revision: int) -> int:
+        return int(revision) - base
+
+    seen.append(error_(lambda: at(etcd.put(rpc_pb2.PutRequest(key=P + b"d")).header.revision)))
+    seen.append(error_(lambda: etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=60)).TTL))
+    touch_not_taken = rpc_pb2.TxnRequest(
+        compare=[create_is(P + b"a", 0)], success=[], failure=[put(P + b"a")]
+    )
+    seen.append(error_(lambda: txn_(etcd.txn(touch_not_taken))[1:]))
+    withdraw = rpc_pb2.TxnRequest(
+        compare=[create_is(P + b"c", 4)],
+        success=[rpc_pb2.RequestOp(request_delete_range=rpc_pb2.DeleteRangeRequest(key=P + b"c"))],
+    )
+    seen.append(error_(lambda: txn_(etcd.txn(withdraw))[1:]))
+    read_only = rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_range=queue_range())])
+    seen.append(error_(lambda: txn_(etcd.txn(read_only))[1:]))
+    read = etcd.range(queue_range())
+    seen.append((at(read.header.revision), *range_(read)[1:]))
+    seen.append(etcd.lease_keepalive(rpc_pb2.LeaseKeepAliveRequest(ID=0xB1)).TTL)
+    deleted = etcd.delete_range(rpc_pb2.DeleteRangeRequest(key=P + b"c"))
+    seen.append((at(deleted.header.revision), deleted.deleted))
+    seen.append(at(etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=0xB1)).header.revision))
+    # the standing read's fallback: Ranges pinned to the revision of the first
+    for pinned in (base, base + 1):
+        read = etcd.range(queue_range(revision=pinned))
+        seen.append((at(read.header.revision), *range_(read)[1:]))
+    read = etcd.range(queue_range())
+    seen.append((at(read.header.revision), *range_(read)[1:]))
+    etcd.clear_space()
+    seen.append(at(etcd.put(rpc_pb2.PutRequest(key=P + b"d")).header.revision))
+    answer = etcd.txn(read_only)
+    seen.append(
+        (answer.succeeded, [bytes(kv.key) for kv in answer.responses[0].response_range.kvs])
+    )
+    return seen
+
+
+def reads_at_a_revision(etcd: Etcd) -> Observed:
+    """A Range pinned to a past revision sees the keys as they were then (deleted ones,
+    earlier values, keys since created left out), its count too, under the current
+    revision's header; at the compaction's revision it still answers, below it not."""
+    seen: Observed = []
+    etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=0xC1, TTL=60))
+    for i in range(3):
+        etcd.put(rpc_pb2.PutRequest(key=P + b"%d" % i, value=b"a", lease=0xC1 if i else 0))
+    etcd.put(rpc_pb2.PutRequest(key=P + b"0", value=b"b"))  # 5
+    etcd.delete_range(rpc_pb2.DeleteRangeRequest(key=P + b"1"))  # 6
+    etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=0xC1))  # 7: the key 2 goes
+    etcd.put(rpc_pb2.PutRequest(key=P + b"3", value=b"a"))  # 8
+    for revision in range(1, 9):
         seen.append(
-            txn_(
-                etcd.txn(
-                    rpc_pb2.TxnRequest(success=[rpc_pb2.RequestOp(request_range=queue_range())])
-                )
-            )
+            range_(etcd.range(rpc_pb2.RangeRequest(key=P, range_end=END, revision=revision)))
         )
-        seen.append(etcd.lease_keepalive(rpc_pb2.LeaseKeepAliveRequest(ID=0xB1)).TTL)
-        seen.append(etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=0xB1)).header.revision)
-        seen.append(range_(etcd.range(queue_range())))
-    finally:
-        etcd.set_nospace(False)
-    seen.append(etcd.put(rpc_pb2.PutRequest(key=P + b"d")).header.revision)
+    seen.append(range_(etcd.range(queue_range(revision=4, limit=2))))
+    seen.append(
+        range_(etcd.range(queue_range(revision=5, sort_order=rpc_pb2.RangeRequest.DESCEND)))
+    )
+    etcd.compact(6)
+    seen.append(error_(lambda: range_(etcd.range(queue_range(revision=5)))))
+    seen.append(range_(etcd.range(queue_range(revision=6))))
+    seen.append(range_(etcd.range(queue_range(revision=7))))
+    return seen
+
+
+def lost_answers(etcd: Etcd) -> Observed:
+    """A write whose answer is lost was applied, once: the enqueue sent again finds our
+    key on our lease (the failure branch, the revision unmoved); a touch sent again still
+    compares equal on our create_revision; a revoke whose answer was lost took the key."""
+    seen: Observed = []
+    lease = 0xD1
+    etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=lease, TTL=60))
+    key = P + b"%x" % lease
+    request = rpc_pb2.TxnRequest(
+        compare=[create_is(key, 0)],
+        success=[put(key, b"me", lease), rpc_pb2.RequestOp(request_range=queue_range(limit=2))],
+        failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))],
+    )
+    seen.append(error_(lambda: etcd.answer_lost("txn", request)))
+    seen.append(txn_(etcd.txn(request)))
+    touch = rpc_pb2.TxnRequest(compare=[create_is(key, 2)], success=[put(key, b"me", lease)])
+    seen.append(error_(lambda: etcd.answer_lost("txn", touch)))
+    seen.append(txn_(etcd.txn(touch)))
+    seen.append(range_(etcd.range(rpc_pb2.RangeRequest(key=key))))
+    revoke = rpc_pb2.LeaseRevokeRequest(ID=lease)
+    seen.append(error_(lambda: etcd.answer_lost("lease_revoke", revoke)))
+    seen.append(error_(lambda: etcd.lease_revoke(revoke).header.revision))
+    seen.append(range_(etcd.range(queue_range())))
+    return seen
+
+
+def member_restart(etcd: Etcd) -> Observed:
+    """A member killed and started again on its data keeps its keys, leases and revision;
+    every lease's countdown starts again, so one whose TTL is shorter than the outage
+    survives it, and one that had run down is back at its TTL; a watch from the revision
+    before the outage sees what came after."""
+    seen: Observed = []
+    long, short = 0xE1, 0xE2
+    etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=long, TTL=30))
+    etcd.put(rpc_pb2.PutRequest(key=P + b"long", value=b"1", lease=long))
+    etcd.let_run(long, 3)
+    before = etcd.lease_time_to_live(rpc_pb2.LeaseTimeToLiveRequest(ID=long)).TTL
+    etcd.lease_grant(rpc_pb2.LeaseGrantRequest(ID=short, TTL=5))
+    etcd.put(rpc_pb2.PutRequest(key=P + b"short", value=b"1", lease=short))
+    revision = etcd.range(rpc_pb2.RangeRequest(key=P)).header.revision
+    etcd.restart(down_for=6.0)  # longer than the short lease's TTL
+    seen.append(etcd.range(rpc_pb2.RangeRequest(key=P)).header.revision - revision)
+    after = etcd.lease_time_to_live(rpc_pb2.LeaseTimeToLiveRequest(ID=long)).TTL
+    seen.append(("countdown started again", after > before, after >= 27))
+    seen.append(
+        ("short lease", etcd.lease_time_to_live(rpc_pb2.LeaseTimeToLiveRequest(ID=short)).TTL > 0)
+    )
+    seen.append(range_(etcd.range(queue_range()))[1:])
+    etcd.put(rpc_pb2.PutRequest(key=P + b"after", value=b"1"))
+    watch = etcd.watch_create(
+        rpc_pb2.WatchCreateRequest(key=P, range_end=END, start_revision=revision + 1)
+    )
+    seen.append(events_(etcd.watch_next(watch))[:2])
+    seen.append(events_(etcd.watch_next(watch)))
+    etcd.watch_cancel(watch)
     return seen
 
 
@@ -286,4 +387,7 @@ SCENARIOS: dict[str, Callable[[Etcd], Observed]] = {
     "leases_go_with_their_keys": leases_go_with_their_keys,
     "watches_and_compaction": watches_and_compaction,
     "space_alarm": space_alarm,
+    "reads_at_a_revision": reads_at_a_revision,
+    "lost_answers": lost_answers,
+    "member_restart": member_restart,
 }

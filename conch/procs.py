@@ -532,7 +532,12 @@ def reopen_closed_std_fds() -> None:
         except OSError:
             null = os.open(os.devnull, os.O_RDWR)
             if null != fd:
-                os.dup2(null, fd)
+                os.dup2(null, fd)  # inheritable, as dup2 makes it
                 os.close(null)
+            else:
+                # os.open's descriptor is close-on-exec (PEP 446): landed on the closed
+                # std fd itself, it would be closed again in the child, whose first open()
+                # would then take it (its stderr written into its own output file).
+                os.set_inheritable(fd, True)
             if getattr(sys, name) is None:
                 setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115

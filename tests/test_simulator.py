@@ -100,6 +100,9 @@ def test_the_schedules_explore_every_input_and_fault() -> None:
         "world.nospace",
         "world.compact",
         "world.break",
+        "release.3.5.1",
+        "release.3.5.7",
+        "release.3.4.23",
     ):
         assert counts[needed] >= 3, f"{needed}: {counts[needed]} in 200 schedules"
 

@@ -55,7 +55,7 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
   set, a Put, a LeaseGrant and a Txn with a put in either branch (even the one not taken)
   fail with "mvcc: database space exceeded" and change nothing; a Range, a DeleteRange, a
   revoke, a keepalive, a watch and a compaction go through. A Txn without a put depends on
-  the release (``quota_refuses_reads``, found by the comparison test, which fills a real
+  the release (``version``; found by the comparison test, which fills a real
   backend): etcd's gRPC layer weighs each Put, Txn and LeaseGrant against the quota first
   (v3rpc/quota.go: the backend's size plus the request's cost, 0 for a Txn without a put,
   must stay under the quota), so at the quota it refuses a Txn that only reads or only
@@ -189,12 +189,11 @@ class SimEtcd:
     and returning the API's protobuf messages; an error etcd would answer raises
     ModelError. ``reachable`` and ``nospace`` are the faults a request can meet."""
 
-    def __init__(
-        self, lease_ids: Iterable[int] | None = None, quota_refuses_reads: bool = True
-    ) -> None:
-        """``quota_refuses_reads``: at the space quota, a Txn without a put is refused too
-        (etcd before 3.4.20 and 3.5.7, ``refuses_reads_at_quota``)."""
-        self.quota_refuses_reads = quota_refuses_reads
+    def __init__(self, lease_ids: Iterable[int] | None = None, version: str = "3.5.1") -> None:
+        """``version``: the etcd release modelled, where releases differ (the space alarm,
+        ``refuses_reads_at_quota``), and what Maintenance.Status answers."""
+        self.version = version
+        self.quota_refuses_reads = refuses_reads_at_quota(version)
         self.revision = 1
         self.compact_revision = 0
         self.kvs: dict[bytes, kv_pb2.KeyValue] = {}
@@ -345,6 +344,13 @@ class SimEtcd:
         for watch in behind:
             self._cancel_compacted(watch)
         return rpc_pb2.CompactionResponse(header=self._header())
+
+    # -- Maintenance -------------------------------------------------------------------------
+
+    def status(self) -> rpc_pb2.StatusResponse:
+        """Maintenance.Status: the release, and the member's view of the store."""
+        self._check_reachable()
+        return rpc_pb2.StatusResponse(header=self._header(), version=self.version, leader=1)
 
     # -- Lease -------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ VERBOSITY = "GRPC_VERBOSITY"
 
 def main() -> None:
     """Import the command line and run it. An interrupt during the ~100 ms of imports (nothing
-    has been sent to etcd yet) exits 130 quietly instead of with a traceback.
+    has been sent to etcd yet) exits 130 (``Outcome.INTERRUPTED``) quietly instead of with a
+    traceback.
 
     The command sets two of gRPC's settings for its own process, before grpc loads, each only
     when its environment does not set it already. The library never does this: a library
@@ -38,7 +39,11 @@ def main() -> None:
         conch.etcd.FORK_SUPPORT_OFF = fork_support_off
         from conch.cli import run
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        import signal
+
+        from conch.errors import Outcome, exit_code, signalled  # light: no grpc
+
+        raise SystemExit(exit_code(Outcome.INTERRUPTED, signalled(signal.SIGINT))) from None
     finally:
         if quieted:
             del os.environ[VERBOSITY]

@@ -16,6 +16,7 @@ import time
 # Seconds a frozen wrapper's SIGTERM comes after the one a live wrapper would send at the
 # same deadline: the two never both reach the child's cleanup. The SIGKILL is not delayed.
 TERM_LAG = 0.2
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Seconds the watchdog waits, after goodbye, for conch to close the pipe before it exits:
 # conch says goodbye as it releases the slot, and this process's exit would compete with
 # the next holder's start for the CPU; conch closes the pipe once its release is out.
@@ -97,10 +98,34 @@ def terminate(pgids: "set[int]", kill_at: float) -> None:
     os._exit(0)
 
 
+def wake_when_conch_dies() -> None:
+    """Have the kernel send us SIGCONT when conch dies (PR_SET_PDEATHSIG): a watchdog
+    stopped by someone's SIGSTOP (conch fails one that stops answering, but a conch
+    SIGKILLed right after it has no time to) resumes the moment conch is gone, finds the end
+    of its pipe and terminates the child. SIGCONT to a process that runs does nothing, so
+    the signal sent when the thread that started us ends, conch living on, is harmless.
+    Before the ``R``: no child starts without it. Best effort off Linux."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
+    except (ImportError, OSError, AttributeError):
+        pass
+
+
+def answer() -> None:
+    """conch's probe: say we read it (conch fails a watchdog that does not, in time)."""
+    try:
+        os.write(1, b"A")
+    except OSError:
+        pass
+
+
 def main() -> None:
     kill_after = float(sys.argv[1])
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
+    wake_when_conch_dies()
     os.write(1, b"R")  # running: conch starts no child before it reads this
     pipe = Pipe()
     # "e MARGIN EXPIRY NAME=VALUE...": a child with these environment entries is about to
@@ -124,6 +149,8 @@ def main() -> None:
             break  # the deadline (conch frozen), or conch died
         if words[0] == b"x":
             leave(pipe)
+        elif words[0] == b"p":  # conch's probe: answered at once
+            answer()
         elif words[0] == b"h":  # "h EXPIRY": a keepalive confirmed, the lease lives longer
             expiry = max(expiry, float(words[1]))
         elif words[0] == b"a":  # "a PGID": the child runs in that group

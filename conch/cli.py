@@ -8,11 +8,21 @@ import os
 import re
 import signal
 import sys
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, hints, log
-from conch.errors import ConchError, Interrupted, NoSlot, Unavailable, UsageError
+from conch import __version__, hints, log, procs
+from conch.errors import (
+    ConchError,
+    Interrupted,
+    NoSlot,
+    Outcome,
+    Unavailable,
+    UsageError,
+    exit_code,
+    signalled,
+)
 from conch.etcd import ETCD_API_VERSION
 from conch.flag import Flag
 from conch.identity import Identity
@@ -139,8 +149,10 @@ _CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
         "password",
         ("--password",),
         "PASSWORD",
-        "etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, "
-        "which stay out of argv",
+        "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads "
+        "nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) "
+        "in the environment can be read by every process of the same user, conch's job "
+        "included, in /proc/PID/environ",
     ),
     (
         "password_file",
@@ -148,7 +160,13 @@ _CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
         "FILE",
         "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
     ),
-    ("debug", ("--debug",), None, "also log where each connection setting came from"),
+    (
+        "debug",
+        ("--debug",),
+        None,
+        "also log where each connection setting came from, and the traceback of a failure "
+        "of conch's own (exit 70)",
+    ),
 )
 _GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
 
@@ -169,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="flock(1) for a whole cluster: run a command only while holding one of N "
         "slots of a semaphore counted across every machine sharing an etcd v3 cluster.",
         epilog="Exit codes: the child's (128+S if killed by signal S); 64 usage error; "
-        "69 etcd unreachable or no session; 70 hold lost while the child ran (child killed); "
+        "69 etcd unreachable or no session; 70 hold lost while the child ran (child killed), or "
+        "conch itself failed (child killed; one line, --debug for the traceback); "
         "75 no slot (--nonblock or --wait ran out); 126/127 command not executable / not found.",
     )
     parser.add_argument(
@@ -197,10 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
         "lost. With --who, list the holders and waiters instead.",
         epilog="Durations are Go-style (500ms, 10s, 1.5s, 2m, 1h30m; a bare number is "
         "seconds). CONCH_HOST overrides the host name. The child gets CONCH_NAME, CONCH_REV "
-        "(fencing token), CONCH_LEASE and CONCH_MAX. State changes are logged to stderr as "
-        "key=value lines (-q: warnings and errors only). Exit codes: the child's; 64 usage; "
-        "69 etcd unreachable; 70 hold lost; 75 no slot; 126/127 cannot run / not found; "
-        "128+S signal S while queued.",
+        "(fencing token), CONCH_LEASE and CONCH_MAX, and none of conch's credentials: "
+        "CONCH_USER, CONCH_PASSWORD, CONCH_PASSWORD_FILE, CONCH_CERT, CONCH_KEY and their "
+        "ETCDCTL_ forms are removed, paths and secrets alike (the CA bundle and the "
+        "endpoints are passed on); a conch or etcdctl in the job needs its own. State changes "
+        "are logged to stderr as key=value lines (-q: warnings and errors only). Exit codes: "
+        "the child's; 64 usage; 69 etcd unreachable; 70 hold lost or conch failed; 75 no "
+        "slot; 126/127 cannot run / not found; 128+S signal S while queued.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
     sema.add_argument(
@@ -240,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=_Once,
         help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
         "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
-        "--ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
+        "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
         "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
         "as without a grace)",
     )
@@ -290,11 +312,18 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
                     max="?" if capacity is None else capacity,
                     hint="one name, several --max: these are separate semaphores",
                 )
-    for record in records:
-        print(record.to_json() if args.json else record.to_text())
-    sys.stdout.flush()
+    try:
+        for record in records:
+            print(record.to_json() if args.json else record.to_text())
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `conch sema X --who | head -1`: the reader has gone. Quietly, with the status a
+        # tool killed by SIGPIPE has (ls, seq), and stdout on /dev/null so that the exit's
+        # own flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
-    return 0 if held else 1
+    return exit_code(Outcome.LISTED if held else Outcome.NONE_HELD)
 
 
 class _RunSettings(NamedTuple):
@@ -317,7 +346,7 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     if ka_found.source == "default":
         kill_after = default_kill_after(ttl, kill_after)
     else:
-        check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
@@ -498,49 +527,13 @@ def run() -> NoReturn:
     """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
-    _reopen_closed_std_fds()
-    _undo_locale_coercion()
+    procs.prepare_command_process()
     _slow_grpc_polling()
-    # Started with SIGCHLD ignored (possible from a parent that ignores it and execs us),
-    # the kernel would reap the child itself and its status would be lost.
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
-
-
-# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
-# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
-# in another locale under conch than without it.
-_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
-
-
-def _started_with(name: str) -> str | None:
-    """``name``'s value in the environment this process was started with (Linux's
-    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
-    value when that cannot be read."""
-    prefix = name.encode() + b"="
-    try:
-        with open("/proc/self/environ", "rb") as environ:
-            entries = environ.read().split(b"\0")
-    except OSError:
-        return os.environ.get(name)
-    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
-    return os.fsdecode(found[0]) if found else None
-
-
-def _undo_locale_coercion() -> None:
-    """The command's children get the environment it was started with: Python's own
-    LC_CTYPE goes (the caller's, if it had one, comes back). Only the command: a service
-    that embeds conch may have set LC_CTYPE itself."""
-    if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
-        given = _started_with("LC_CTYPE")
-        if given is None:
-            del os.environ["LC_CTYPE"]
-        else:
-            os.environ["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
 
 
 def _slow_grpc_polling() -> None:
@@ -553,21 +546,6 @@ def _slow_grpc_polling() -> None:
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
         grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-
-
-def _reopen_closed_std_fds() -> None:
-    """Started with stdin, stdout or stderr closed (cron's ``>&-``): point them at /dev/null,
-    so neither our logging nor the child's inherited fds land somewhere unexpected."""
-    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
-        try:
-            os.fstat(fd)
-        except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-            if getattr(sys, name) is None:
-                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115
 
 
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
@@ -604,14 +582,31 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         if not cmd:
             raise UsageError("missing command: conch sema NAME --max N -- CMD...")
         return _run(args, max_holders, cmd, settings, connection, exiting)
-    except UsageError as exc:
+    except Exception as exc:
+        return _ending(exc, debug="--debug" in words)
+    except KeyboardInterrupt:  # ^C while dialling, before signals are caught
+        return exit_code(Outcome.INTERRUPTED, signalled(signal.SIGINT))
+
+
+def _ending(exc: Exception, debug: bool) -> int:
+    """How conch ends on ``exc``, raised out of ``main``: its one line on stderr, and its
+    exit code (``exc.outcome`` for ours, through EXIT_CODES). Any other exception is a bug
+    of conch's: exit 70 (EX_SOFTWARE) with one line naming it, never a traceback unless
+    ``debug`` (``--debug``) asked for one; the child, if one ran, was SIGKILLed before the
+    exception left its supervision."""
+    if isinstance(exc, UsageError):
         print(f"conch: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except Unavailable as exc:
+    elif isinstance(exc, Unavailable):
         log.error("unavailable", error=str(exc))
-        return exc.exit_code
-    except ConchError as exc:
+    elif isinstance(exc, ConchError):
         log.error("failed", error=str(exc))
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    else:
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        log.error(
+            Outcome.INTERNAL_ERROR.value,
+            error=f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__,
+            **({} if debug else {"hint": "rerun with --debug for the traceback"}),
+        )
+        return exit_code(Outcome.INTERNAL_ERROR)
+    return exc.exit_code

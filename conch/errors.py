@@ -1,31 +1,99 @@
-"""conch's exceptions, and the one table that maps them to exit codes (contract section 8)."""
+"""conch's exceptions, and the one table that maps every way conch ends to its exit code
+(contract section 8): each ending is an ``Outcome``, ``EXIT_CODES`` maps it to a code, and
+``exit_code`` reads the table. Nothing else in conch spells an exit number."""
 
 from __future__ import annotations
 
+import enum
+
 EX_USAGE = 64
 EX_UNAVAILABLE = 69
-EX_SOFTWARE = 70  # the hold was lost while the child ran
+EX_SOFTWARE = 70  # the hold was lost while the child ran, or conch itself failed
 EX_TEMPFAIL = 75  # no slot
 EX_CANNOT_EXECUTE = 126
 EX_NOT_FOUND = 127
+_SIGNALLED = 128  # + S: a process ended by signal S, as a shell reports it
+
+
+class Outcome(enum.Enum):
+    """How conch ends (the value: the event its log line is named for, where it has one)."""
+
+    CHILD_EXITED = "child-exited"  # the child ran to its end while the hold was kept
+    SIGNAL = "signal"  # a stop signal to conch while the child ran: the child terminated
+    LOST_WHILE_RUNNING = "lost"  # the hold was lost (or its deadline came): child killed
+    NOT_FOUND = "child-not-found"  # the command was not found: nothing ran
+    CANNOT_EXECUTE = "child-cannot-execute"  # found, but could not be executed
+    WATCHDOG_FAILED = "watchdog-failed"  # no watchdog, or it died or went silent
+    INTERNAL_ERROR = "internal-error"  # a bug of conch's (raised): the child SIGKILLed first
+    USAGE = "usage"  # bad flag, name, duration, credentials: nothing written to etcd
+    UNAVAILABLE = "unavailable"  # etcd unreachable, or no session
+    NO_SLOT = "timeout"  # --nonblock, or --wait ran out: our waiter key is gone
+    INTERRUPTED = "interrupted"  # a stop signal while queued: our waiter key is gone
+    LISTED = "listed"  # --who: someone holds a slot
+    NONE_HELD = "none-held"  # --who: nobody does
+
+
+# The one table (contract section 8). None: the status given with the outcome (the child's,
+# as a shell reports it; 128 + S for a signal S to a queued conch: ``signalled(S)``).
+EXIT_CODES: dict[Outcome, int | None] = {
+    Outcome.CHILD_EXITED: None,
+    Outcome.SIGNAL: None,
+    Outcome.LOST_WHILE_RUNNING: EX_SOFTWARE,
+    Outcome.NOT_FOUND: EX_NOT_FOUND,
+    Outcome.CANNOT_EXECUTE: EX_CANNOT_EXECUTE,
+    Outcome.WATCHDOG_FAILED: EX_SOFTWARE,
+    Outcome.INTERNAL_ERROR: EX_SOFTWARE,
+    Outcome.USAGE: EX_USAGE,
+    Outcome.UNAVAILABLE: EX_UNAVAILABLE,
+    Outcome.NO_SLOT: EX_TEMPFAIL,
+    Outcome.INTERRUPTED: None,
+    Outcome.LISTED: 0,
+    Outcome.NONE_HELD: 1,
+}
+
+
+def exit_code(outcome: Outcome, status: int | None = None) -> int:
+    """The exit code of ``outcome`` (EXIT_CODES); ``status``: the one to give where the
+    table says None (the child's, or ``signalled(S)``)."""
+    code = EXIT_CODES[outcome]
+    if code is not None:
+        return code
+    assert status is not None, outcome
+    return status
+
+
+def signalled(signum: int) -> int:
+    """The status of a process ended by signal ``signum``, as a shell reports it."""
+    return _SIGNALLED + signum
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: the code, or 128 + S if killed by signal S."""
+    return returncode if returncode >= 0 else signalled(-returncode)
 
 
 class ConchError(Exception):
-    """Base of every error conch raises on purpose. ``exit_code`` is what the CLI exits with."""
+    """Base of every error conch raises on purpose. ``outcome`` is how the command ends on
+    it, ``exit_code`` what it exits with (EXIT_CODES)."""
 
-    exit_code = EX_SOFTWARE
+    outcome = Outcome.INTERNAL_ERROR
+    status: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.outcome, self.status)
 
 
 class UsageError(ConchError):
     """Bad input from the caller: flag, name, duration, capacity, missing command."""
 
-    exit_code = EX_USAGE
+    outcome = Outcome.USAGE
 
 
 class EtcdError(ConchError):
     """etcd answered with an error conch does not handle itself; ``code``: gRPC status name."""
 
-    exit_code = EX_UNAVAILABLE
+    outcome = Outcome.UNAVAILABLE
 
     def __init__(self, message: str, code: str = "UNKNOWN") -> None:
         super().__init__(message)
@@ -49,7 +117,7 @@ class PermissionDenied(EtcdError):
 class AuthenticationFailed(EtcdError):
     """etcd refused the user name or password: the caller's credentials are wrong."""
 
-    exit_code = EX_USAGE
+    outcome = Outcome.USAGE
 
 
 class TokenInvalid(EtcdError):
@@ -69,30 +137,43 @@ class Compacted(EtcdError):
 
 
 class SessionLost(ConchError):
-    """The session's lease is no longer certainly alive (contract section 3)."""
+    """The session's lease is no longer certainly alive (docs/failure-semantics.md)."""
 
-    exit_code = EX_SOFTWARE
+    outcome = Outcome.LOST_WHILE_RUNNING
 
 
 class HoldLost(ConchError):
     """The hold is no longer certainly ours: the session's lease was lost (or its last
     confirmed keepalive is older than the TTL), or our key was seen deleted."""
 
-    exit_code = EX_SOFTWARE
+    outcome = Outcome.LOST_WHILE_RUNNING
 
 
 class NoSlot(ConchError):
     """No slot was free in time (``--nonblock`` or ``--wait`` ran out); our waiter key is gone."""
 
-    exit_code = EX_TEMPFAIL
+    outcome = Outcome.NO_SLOT
+
+    @classmethod
+    def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
+        """The wait for ``name``[``max``] ran out; ``detail`` is the waiting machine's
+        account (``no free slot in time``, perhaps with ``: <cause>`` after it), said once:
+        ``no free slot of reports[2] in time: <cause>``."""
+        said = f"no free slot of {name}[{max}] in time"
+        head, _, cause = detail.partition(": ")
+        if head != "no free slot in time":
+            cause = detail
+        return cls(f"{said}: {cause}" if cause else said)
 
 
 class Interrupted(ConchError):
     """A signal asked us to stop while we were still queued; our waiter key is gone."""
+
+    outcome = Outcome.INTERRUPTED
 
     def __init__(self, signum: object) -> None:
         self.signum = signum if isinstance(signum, int) else 0
         # A library's interrupt Flag may carry a reason of its own ("shutdown"): say it.
         said = f"signal {signum}" if isinstance(signum, int) else str(signum or "interrupt")
         super().__init__(f"interrupted by {said}")
-        self.exit_code = 128 + self.signum
+        self.status = signalled(self.signum)

@@ -29,6 +29,7 @@ from conch.core.guard import (
     guard_on_touch,
     guard_plan,
 )
+from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.core.messages import KeyRev, TouchOwed
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
@@ -87,6 +88,7 @@ class Hold:
         self.revision = revision
         self.session = session
         self.lease_id = session.lease_id
+        self._since = time.monotonic()  # for the released line's hold time
         self.lost = Flag("hold-lost")
         self._client = sema.client
         self._shared = shared
@@ -137,7 +139,7 @@ class Hold:
 
     def _session_lost(self, session_lost: Flag) -> None:
         if not self._releasing:
-            self.lost.set(f"session lost: {session_lost.reason}")
+            self.lost.set(session_loss(session_lost.reason))
 
     def _done(self) -> bool:
         """Nothing left to guard: released (or releasing), or lost."""
@@ -221,7 +223,7 @@ class Hold:
         )
         if not response.succeeded:
             if not self._releasing:
-                self.lost.set("our key was deleted (found by a guarded write)")
+                self.lost.set(KEY_GONE_WRITE)
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: our key (create_revision "
                 f"{self.revision}) is gone; the guarded write was not made"
@@ -263,7 +265,7 @@ class Hold:
         """From the watch stream's reader: our key deleted, or the watch ended."""
         verdict = guard_on_notice(self._done(), ended=notice.error is not None)
         if verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            self.lost.set(KEY_GONE)
         elif verdict == GuardVerdict.LOOK:
             self._later(self._backoff.next(), self._look_at_key)
 
@@ -278,7 +280,7 @@ class Hold:
         # Only a release makes the deletion no loss (a loss seen first is kept as it is).
         verdict = guard_on_look(self._releasing, seen, self.revision)
         if verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted")
+            self.lost.set(Loss(LossReason.KEY_DELETED, "our key was deleted"))
         elif verdict == GuardVerdict.WATCH:
             self._open_watch(response.header.revision + 1)
 
@@ -307,14 +309,14 @@ class Hold:
         if verdict == GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
         elif verdict == GuardVerdict.LOST:
-            self.lost.set("our key was deleted (lease revoked or expired, or by hand)")
+            self.lost.set(KEY_GONE)
         elif verdict == GuardVerdict.WATCH:
             return int(response.header.revision)
         return None
 
     # -- release ---------------------------------------------------------------------------
 
-    def release(self, log_it: bool = True) -> None:
+    def release(self, log_it: bool = True, until: float | None = None) -> None:
         """Give the slot back: on a session of its own, revoke the lease
         (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
         session, delete our key (KV.Txn comparing its create_revision). The waiter first in
@@ -323,17 +325,26 @@ class Hold:
         unreachable, and the exit must not wait on it. Thread-safe; returns once the revoke
         is over, whichever thread sent it. Logs ``released`` once: with ``log_it=False`` the
         log line is left to a later ``release()`` (the supervisor releases the moment the
-        child's group is gone, and logs once it has logged the child's exit)."""
-        self._revoke()
+        child's group is gone, and logs once it has logged the child's exit). ``until``: a
+        ``time.monotonic()`` instant past which the revoke is not waited for (the supervisor,
+        after a loss: past the lease's earliest expiry it can no longer help)."""
+        self._revoke(until)
         if not log_it:
             return
         with self._release_lock:
             logged, self._logged = self._logged, True
         if not logged:
             extra = {"after": "loss"} if self._revoked_after_loss else {}
-            log.info("released", name=self.name, rev=self.revision, **extra, revoked=self._revoked)
+            log.info(
+                "released",
+                name=self.name,
+                rev=self.revision,
+                **extra,
+                held=f"{time.monotonic() - self._since:.3f}s",
+                revoked=self._revoked,
+            )
 
-    def _revoke(self) -> None:
+    def _revoke(self, until: float | None = None) -> None:
         """The release without its log line (the supervisor's reaper sends it the moment the
         child's group is gone; the ``released`` line follows the ``child-exit`` one). A call
         while another thread revokes waits for that revoke to end."""
@@ -346,6 +357,9 @@ class Hold:
         self._revoked_after_loss = self.lost.is_set()
         try:
             timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+            if until is not None:
+                left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
+                timeout = left if timeout is None else min(timeout, left)
             self._revoked = _give_back(
                 self.session, self._client, self.key, self.revision, self._shared, timeout
             )
@@ -414,6 +428,14 @@ class Hold:
         ``future.result(timeout=hold.remaining() - margin)`` or
         ``done.wait(hold.remaining() - margin)``. Makes no etcd call."""
         return max(0.0, self.expires_at() - time.monotonic())
+
+
+def session_loss(said: object) -> Loss:
+    """The hold's loss for its session's loss ``said`` (a Loss): the same reason, the
+    message "session lost: ..."."""
+    if isinstance(said, Loss):
+        return said.within("session lost: ")
+    return Loss(LossReason.NO_KEEPALIVE, f"session lost: {said}")
 
 
 def _bytes(text: bytes | str) -> bytes:

@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 CMD_MAX_BYTES = 256
 
@@ -23,7 +23,7 @@ def default_host() -> str:
 
 
 def _utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def cut_utf8(text: str, limit: int) -> str:
@@ -33,7 +33,7 @@ def cut_utf8(text: str, limit: int) -> str:
 
 @dataclass(frozen=True)
 class Identity:
-    """Who holds or waits: the value at every key, one line of JSON (contract section 6)."""
+    """Who holds or waits: the value at every key, one line of JSON (docs/design.md)."""
 
     host: str
     pid: int

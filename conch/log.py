@@ -9,6 +9,16 @@ shows the warnings and errors on stderr and drops the rest. The command sends ev
 stderr as it is (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
 ``set_debug(True)`` adds the DEBUG lines (where each setting came from).
 Logging never raises: a closed stderr must not kill a supervisor.
+
+Each record also carries its fields as attributes (``logging``'s ``extra``), so a structured
+handler (python-json-logger, structlog's stdlib bridge, an OpenTelemetry log handler) emits
+them as fields, not as text to parse: ``conch_event`` (``acquired``), then each field under
+its own name (``rev``, ``lease``, ``waited``, ...), values as in the line (durations are
+strings such as ``"1.204s"``). A field whose name is one of ``logging.LogRecord``'s own
+attributes (``name``: the semaphore's) is given as ``conch_<field>`` (``conch_name``).
+``conch_fields`` has them all under their own names, in one dict. Every transition is also
+handed, as a typed event, to the callbacks subscribed in ``conch.events``, whatever the
+logging level or ``--quiet``.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
@@ -66,12 +77,39 @@ def _line(level: str, event: str, fields: dict[str, object]) -> str:
     return "conch: " + " ".join(parts)
 
 
+# What a LogRecord already has (and makeRecord refuses to overwrite), or a formatter adds.
+_RESERVED = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+def _extra(event: str, fields: dict[str, object]) -> dict[str, object]:
+    extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
+    for key, value in fields.items():
+        extra[f"conch_{key}" if key in _RESERVED else key] = value
+    return extra
+
+
 def _emit(level: int, name: str, event: str, fields: dict[str, object]) -> None:
-    if LOGGER.isEnabledFor(level):
-        # An embedder's handler that raises must not kill the conch thread that logs (the
-        # keepalive thread is the one that declares a lost session).
+    # An embedder's handler or hook that raises must not kill the conch thread that logs
+    # (the keepalive thread is the one that declares a lost session).
+    if _hooks is not None:
         with contextlib.suppress(Exception):
-            LOGGER.log(level, _line(name, event, fields))
+            _hooks(event, fields)
+    if level == logging.INFO and _quiet:
+        return
+    if LOGGER.isEnabledFor(level):
+        with contextlib.suppress(Exception):
+            LOGGER.log(level, _line(name, event, fields), extra=_extra(event, fields))
+
+
+# conch.events' dispatcher, set when its first callback is subscribed: the one place every
+# transition passes, so neither face has code of its own for the hooks.
+_hooks: Callable[[str, dict[str, object]], None] | None = None
+
+
+def set_hooks(dispatch: Callable[[str, dict[str, object]], None] | None) -> None:
+    """For ``conch.events`` only: ``dispatch(event, fields)`` for every line, logged or not."""
+    global _hooks
+    _hooks = dispatch
 
 
 def debug(event: str, **fields: object) -> None:
@@ -79,8 +117,7 @@ def debug(event: str, **fields: object) -> None:
 
 
 def info(event: str, **fields: object) -> None:
-    if not _quiet:
-        _emit(logging.INFO, "info", event, fields)
+    _emit(logging.INFO, "info", event, fields)
 
 
 def warning(event: str, **fields: object) -> None:

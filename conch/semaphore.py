@@ -567,7 +567,7 @@ def _gave_up(sema: Semaphore, outcome: messages.GaveUp, interrupt: Flag) -> Base
     """The exception a waiter that gave up raises."""
     reason = outcome.reason
     if reason == messages.Reason.NO_SLOT:
-        return NoSlot(f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})")
+        return NoSlot.in_time(sema.name, sema.max, outcome.detail)
     if reason == messages.Reason.INTERRUPTED:
         return Interrupted(interrupt.reason)
     if reason == messages.Reason.SESSION_LOST:

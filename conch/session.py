@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 
 from conch import log
+from conch.core.loss import LEASE_GONE, Loss, LossReason
 from conch.errors import EtcdError, LeaseNotFound, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
@@ -109,10 +110,10 @@ class _Keeper:
             self.keepalives.forget(self.lease_id)  # closed while it was under way
             return
         if isinstance(outcome, LeaseNotFound):
-            self.declare_lost("lease expired or was revoked")
+            self.declare_lost(LEASE_GONE)
             return
         if isinstance(outcome, EtcdError):
-            self.declare_lost(f"keepalive failed: {outcome}")
+            self.declare_lost(Loss(LossReason.NO_KEEPALIVE, f"keepalive failed: {outcome}"))
             return
         # etcd restarted the countdown when it received the keepalive, after we sent it.
         self.alive_until = sent + outcome
@@ -124,7 +125,7 @@ class _Keeper:
             except Exception as exc:  # one embedder's bug must not end the others' calls
                 log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
 
-    def declare_lost(self, reason: str) -> None:
+    def declare_lost(self, reason: Loss) -> None:
         if self.stop.is_set():
             return
         self.keepalives.forget(self.lease_id)

@@ -129,14 +129,20 @@ class Connection(NamedTuple):
 
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
-# The variables this module may read a credential from: a password, a password file, or a
-# user given as NAME:PASSWORD. For whoever starts processes that must not see them.
+# The variables this module may read a credential from: a password, a password file, a
+# user given as NAME:PASSWORD, or the paths of the client certificate and its key (a path to
+# a secret is treated as the secret: all removed, none passed on). For whoever starts
+# processes that must not see them.
 CREDENTIAL_VARIABLES = (
     "CONCH_USER",
     "CONCH_PASSWORD",
     "CONCH_PASSWORD_FILE",
+    "CONCH_CERT",
+    "CONCH_KEY",
     "ETCDCTL_USER",
     "ETCDCTL_PASSWORD",
+    "ETCDCTL_CERT",
+    "ETCDCTL_KEY",
 )
 
 

@@ -1,11 +1,11 @@
 """The supervision loop (contract section 7): acquire, run the child, child exit or loss,
 terminate, release. Written once; the CLI and embedders call ``supervise``.
 
-Read as ``flock.c`` reads: every way a round can end is an ``Outcome``, and ``EXIT_CODES`` is
-the one table from outcomes to exit codes. The file's parts, in order: the deadline and the
-outcomes; the supervision itself (one round: watchdog, hold, spawn, wait, terminate,
-report); the signals conch takes; the spawn; the reaper (which only reaps and tells: it makes
-no call to etcd); the /proc scans; the job and its termination.
+Read as ``flock.c`` reads: every way a round can end is an ``Outcome``, mapped to its exit
+code by ``conch.errors.EXIT_CODES``, the one table. The file's parts, in order: the deadline;
+the supervision itself (one round: watchdog, hold, spawn, wait, terminate, report); the
+signals conch takes. The POSIX plumbing under it (the spawn, the reaper, the /proc scans, the
+job and its termination) is ``conch.procs``.
 
 The deadline. While the child runs, the lease's earliest expiry E (``Session.alive_until``:
 the send time of the last keepalive etcd answered, plus the TTL it granted; etcd restarts
@@ -19,45 +19,43 @@ SIGTERM. The watchdog holds the same deadline for a wrapper that is frozen or de
 from __future__ import annotations
 
 import contextlib
-import enum
-import errno
 import os
 import queue
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
 
-from conch import etcd, hints, log
+from conch import etcd, hints, log, procs
+from conch.core.loss import Loss
 from conch.errors import (
-    EX_CANNOT_EXECUTE,
-    EX_NOT_FOUND,
-    EX_SOFTWARE,
-    EX_TEMPFAIL,
     HoldLost,
     Interrupted,
+    Outcome,
     UsageError,
+    exit_code,
+    exit_status,
 )
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
+from conch.procs import (
+    REAP_AFTER_KILL,
+    ChildExit,
+    _child_exited,
+    _group_alive,
+    _Job,
+    _kill_group,
+    _on_exit,
+    _reap_lock,
+    _stop_group,
+    adopt_orphans,
+    spawn,
+)
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
-from conch.watchdog import Watchdog, WatchdogExited, without_credentials
+from conch.watchdog import Watchdog, WatchdogExited, WatchdogSilent, without_credentials
 
-_adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
-# Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
-# it has just spawned (holding it) also looks for what escaped.
-_reap_lock = threading.RLock()
-# Set when we start a process: the adopting reaper, idle for want of children, looks again at
-# once instead of after GROUP_POLL (a child that exits within it was noticed up to 50 ms late).
-_spawned = threading.Event()
-_claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
-# Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
-# reaped by Popen stays: its start time tells it from a later process with its pid).
-_beside_jobs: dict[int, int] = {}
+__all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
 # Every signal whose default action ends the process, that can be caught, and that is sent to
 # ask a process to stop (a user, a terminal's ^C or ^\, a timer, a CPU limit): each stops conch
@@ -93,17 +91,17 @@ STOP_SIGNALS: tuple[int, ...] = (
 # job, which ignores SIGINT and SIGQUIT): whoever started us said they must not stop us. Not
 # SIGTERM: it is how conch, and its watchdog, stop the child.
 KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
-GROUP_POLL = 0.05  # seconds between checks that a process group is empty
-SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 # What only this child, and what it starts, carries in its environment: how the watchdog finds
 # them while it does not know the child's process group yet.
 _MARKS = ("CONCH_LEASE", "CONCH_REV")
-GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zombies may stay)
-REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
+# Seconds the release after a loss is given at most, and never past the lease's earliest
+# expiry: an etcd that answers at all answers a LeaseRevoke within a round trip, and one that
+# does not (the usual cause of the loss) must not hold up conch's exit 70 (a systemd
+# Restart=, the next cron attempt). The slot then frees as the lease expires.
+RELEASE_AFTER_LOSS = 0.25
 
 # -- the deadline ---------------------------------------------------------------------------
 
@@ -150,59 +148,22 @@ def default_kill_after(ttl: float, asked: float = 5.0) -> float:
     return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 
-def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> None:
-    """Raise UsageError (exit 64) unless a grace of ``kill_after`` seconds fits a lease of
-    ``ttl`` seconds (``max_kill_after``); ``flag`` names it in the message."""
+def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> float:
+    """The grace to give (seconds): ``kill_after``, cut to ``max_kill_after(ttl)``. Raises
+    UsageError (exit 64) unless ``kill_after`` fits a lease of ``ttl`` seconds as the limit
+    is shown, to the hundredth of a second (the limit at 3 s is 1.2467 s, shown and accepted
+    as 1.25 s: a grace asked for exactly as the refusal prints it is never refused; the
+    3 ms it is cut by come off the SIGTERM's side, never the SIGKILL's); ``flag`` names it
+    in the message."""
     fits = max_kill_after(ttl)
-    if kill_after > fits:
+    shown = f"{fits:.2f}"
+    if kill_after > float(shown) + 1e-9:  # 1e-9: 5410ms parses as 5.410000000000001
         raise UsageError(
-            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {fits:.2f}s "
+            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {shown}s "
             "(TTL - TTL/3 - margins), so that the SIGKILL lands before the lease can "
             "expire; shorten it or raise the TTL"
         )
-
-
-class Outcome(enum.Enum):
-    """How one round of the supervision ended."""
-
-    CHILD_EXITED = "child-exited"  # the child ran to its end while the hold was kept
-    LOST_BEFORE_START = "lost-before-start"  # nothing ran: the slot is queued for again
-    LOST_WHILE_RUNNING = "lost"  # the hold was lost (or its deadline came): child killed
-    SIGNAL = "signal"  # a stop signal to conch: the child was terminated
-    NOT_FOUND = "child-not-found"  # the command was not found: nothing ran
-    CANNOT_EXECUTE = "child-cannot-execute"  # found, but could not be executed
-    WATCHDOG_FAILED = "watchdog-failed"  # no watchdog, or it died: no child, or child killed
-    INTERNAL_ERROR = "internal-error"  # a bug of conch's (raised): the child is SIGKILLed
-
-
-# The one table from outcomes to exit codes (contract section 8). None: the child's own
-# status, as a shell reports it (128 + S for a child killed by signal S).
-EXIT_CODES: dict[Outcome, int | None] = {
-    Outcome.CHILD_EXITED: None,
-    Outcome.SIGNAL: None,
-    # Not an exit of its own: supervise() queues again, and exits 75 once --wait runs out.
-    Outcome.LOST_BEFORE_START: EX_TEMPFAIL,
-    Outcome.LOST_WHILE_RUNNING: EX_SOFTWARE,
-    Outcome.NOT_FOUND: EX_NOT_FOUND,
-    Outcome.CANNOT_EXECUTE: EX_CANNOT_EXECUTE,
-    Outcome.WATCHDOG_FAILED: EX_SOFTWARE,
-    Outcome.INTERNAL_ERROR: EX_SOFTWARE,
-}
-
-
-def exit_code(outcome: Outcome, status: int | None = None) -> int:
-    """The exit code of ``outcome`` (EXIT_CODES); ``status``: the child's, where it is the
-    code."""
-    code = EXIT_CODES[outcome]
-    if code is not None:
-        return code
-    assert status is not None
-    return status
-
-
-@dataclass(frozen=True)
-class _ChildExit:
-    returncode: int
+    return min(kill_after, fits)
 
 
 _DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
@@ -220,7 +181,7 @@ def supervise(
     watchdog: Watchdog | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (contract section 8,
+    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (README.md, "Exit codes";
     ``EXIT_CODES``).
 
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
@@ -243,7 +204,7 @@ def supervise(
     own threads and by the watchdog process: a pause of the whole process (SIGSTOP, a VM
     paused whole) stops the former, never the latter.
     """
-    check_kill_after(kill_after, sema.ttl)
+    kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:
@@ -285,7 +246,7 @@ def _hold_and_run(
         # After the release: the watchdog's exit does not compete with the next holder's
         # start, and conch does not exit before it (an outer conch, our subreaper, would
         # find it re-parented to it and stop it as a process escaped from its job).
-        watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not _adopting)
+        watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
 
 
 def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -310,9 +271,7 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     Raises OSError as Watchdog does."""
     with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
         watchdog = Watchdog(kill_after, environ)
-        if _adopting and (stat := _stat(watchdog.pid)) is not None:
-            _beside_jobs[watchdog.pid] = stat.started
-    _spawned.set()
+        procs.beside_jobs(watchdog.pid)
     return watchdog
 
 
@@ -467,7 +426,7 @@ class _Run:
         ]
         notice = self._first_notice()
         job = _Job(pid)
-        if isinstance(notice, _ChildExit):
+        if isinstance(notice, ChildExit):
             if not job.alive():
                 # The next holder waits for this revoke: it goes before anything else.
                 hold.release(log_it=False)
@@ -484,14 +443,17 @@ class _Run:
             log.info("signal", signum=self.stop.reason, pid=pid)
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
-        if isinstance(notice, WatchdogExited) and not notice.fired:
+        if _watchdog_failed(notice) and not watchdog.fired:
             # No grace: with the watchdog gone nothing else holds the deadline, and a conch
             # frozen during a grace (found by the overlap harness: the wrapper stopped half a
             # second after its watchdog's death) would leave the child running beside the
-            # next holder. SIGKILL at once.
+            # next holder. SIGKILL at once. A silent watchdog is a dead one: stopped
+            # (SIGSTOP, a debugger), it would have let a conch frozen next run the child past
+            # its lease (17 s, seen), and SIGKILLed next, orphan it.
             returncode = self.terminate(job, child_running=True, kill_at=time.monotonic())
+            watchdog.kill()
             _log_child_exit(pid, returncode, started)
-            return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited while the child ran")
+            return _report(Outcome.WATCHDOG_FAILED, error=_watchdog_failure(notice))
         reason = self._loss_reason(notice)
         log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
         if notice is hold.lost and _slot_taken(hold):
@@ -503,11 +465,18 @@ class _Run:
         else:
             kill_at = self.grace_until()
         returncode = self.terminate(job, child_running=True, kill_at=kill_at)
+        # Before anything else, as after a child's exit; but a release that cannot get through
+        # (etcd frozen, quorum lost: the usual reason for a loss) is not waited for: past the
+        # lease's earliest expiry it can no longer free the slot sooner.
+        if not self.watchdog.fired:  # else conch was the one frozen, not etcd
+            hold.release(
+                log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS)
+            )
         _log_child_exit(pid, returncode, started)
         return exit_code(Outcome.LOST_WHILE_RUNNING)
 
     def _first_notice(self) -> object:
-        """The first of: the child's exit (a _ChildExit), the hold's loss or ``stop`` (the
+        """The first of: the child's exit (a ChildExit), the hold's loss or ``stop`` (the
         Flag), the watchdog's end (a WatchdogExited), or _DEADLINE when the SIGTERM planned
         back from the lease's earliest expiry is due (no keepalive confirmed in time: the
         expiry is read again at each wake, as keepalives move it on)."""
@@ -543,7 +512,13 @@ class _Run:
         return _stop_group(job, self.box, child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
-        """Whether ``notice``, come during a termination, calls for SIGKILL now."""
+        """Whether ``notice``, come during a termination, calls for SIGKILL now: our key
+        gone in etcd, or the watchdog gone or silent (nothing else would hold the deadline
+        should conch freeze in the grace)."""
+        if _watchdog_failed(notice) and not self.watchdog.fired:
+            log.error(Outcome.WATCHDOG_FAILED.value, error=_watchdog_failure(notice))
+            self.watchdog.kill()
+            return True
         return notice is self.hold.lost and _slot_taken(self.hold)
 
     def finish(self) -> None:
@@ -555,14 +530,26 @@ class _Run:
 STALLED = "wrapper stalled; the watchdog terminated the child"
 
 
+def _watchdog_failed(notice: object) -> bool:
+    """Whether ``notice`` says the watchdog died or stopped answering its probes."""
+    return (isinstance(notice, WatchdogExited) and not notice.fired) or isinstance(
+        notice, WatchdogSilent
+    )
+
+
+def _watchdog_failure(notice: object) -> str:
+    if isinstance(notice, WatchdogSilent):
+        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
+    return "the watchdog exited while the child ran"
+
+
 def _slot_taken(hold: Hold) -> bool:
     """Whether the hold's loss was seen in etcd itself: our key deleted while the session
     lives (the guard's watch, a guarded write), or our lease unknown to etcd (revoked, or
-    expired). Not an unanswered keepalive: the lease then lives until its expiry."""
-    session_lost = hold.session.lost
-    if not session_lost.is_set():
-        return True
-    return "revoked" in str(session_lost.reason)
+    expired). Not an unanswered keepalive: the lease then lives until its expiry. Decided
+    by the loss's LossReason (``LossReason.slot_taken``), never by its message."""
+    reason = Loss.of(hold.lost.reason)
+    return reason is not None and reason.slot_taken
 
 
 def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
@@ -578,11 +565,6 @@ def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
 
 
 # -- signals ---------------------------------------------------------------------------------
-
-
-def exit_status(returncode: int) -> int:
-    """A Popen return code as a shell reports it: the code, or 128 + S if killed by signal S."""
-    return returncode if returncode >= 0 else 128 - returncode
 
 
 @contextlib.contextmanager
@@ -627,418 +609,3 @@ def _refuse_suspend(signum: int, frame: object) -> None:
         signum=signum,
         reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
     )
-
-
-# -- the spawn -------------------------------------------------------------------------------
-
-# Signals to reset to their default in the child: an ignored signal stays ignored across exec,
-# and Python starts with these ignored (a child would see EPIPE where a shell's pipelines
-# expect to die by SIGPIPE). glibc's posix_spawn also leaves its two reserved signals (32, 33,
-# below SIGRTMIN, unusable by programs) ignored in the child; nothing can reset those.
-_RESET_SIGNALS = tuple(
-    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
-)
-
-
-def _inherited_fds() -> list[int]:
-    """Our inheritable descriptors above stderr (Python's own are never inheritable)."""
-    fds = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                if int(name) > 2 and os.get_inheritable(int(name)):
-                    fds.append(int(name))
-    return fds
-
-
-def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
-    """Start ``argv`` (searched on PATH) in a new session and process group, with stdin,
-    stdout and stderr only (as ``subprocess``'s ``close_fds``); return its pid. One
-    ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
-    failed exec (FileNotFoundError, PermissionError, other OSError). A file the kernel
-    cannot execute (ENOEXEC: a script without a ``#!`` line) is run by /bin/sh, as
-    ``execvp(3)``, and so ``flock(1)``, do."""
-    closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
-
-    def start(path: str, args: list[str], search: bool = False) -> int:
-        launch = os.posix_spawnp if search else os.posix_spawn
-        return launch(
-            path,
-            args,
-            env,
-            file_actions=closes,
-            setsid=True,
-            setsigmask=(),  # nothing blocked
-            setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
-        )
-
-    try:
-        return start(argv[0], list(argv), search=True)
-    except OSError as exc:
-        if exc.errno != errno.ENOEXEC:
-            raise
-    # Search again, the way execvp(3) does, and give the file that says ENOEXEC to the shell
-    # (an earlier one on PATH may have been skipped: ENOENT from a missing #! interpreter).
-    denied = False
-    for path in _candidates(argv[0]):
-        try:
-            return start(path, list(argv))
-        except OSError as exc:
-            if exc.errno == errno.ENOEXEC:
-                return start(SHELL, [SHELL, path, *argv[1:]])
-            if exc.errno not in _SEARCH_ON:
-                raise
-            denied = denied or exc.errno == errno.EACCES
-    if denied:
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
-    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
-
-
-# Errors on one PATH entry after which execvp(3) tries the next one.
-_SEARCH_ON = {
-    errno.EACCES,
-    errno.ENOENT,
-    errno.ESTALE,
-    errno.ENOTDIR,
-    errno.ENODEV,
-    errno.ETIMEDOUT,
-}
-
-
-def _candidates(name: str) -> list[str]:
-    """The paths execvp(3) tries for ``name``, in order (an empty PATH entry is the current
-    directory)."""
-    if "/" in name:
-        return [name]
-    return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
-
-
-# -- the reaper ------------------------------------------------------------------------------
-
-
-def adopt_orphans() -> bool:
-    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) and start
-    one thread that reaps every child it has: what a supervised child leaves behind is
-    re-parented to us instead of PID 1, and reaped the moment it dies. Without it, a process
-    of the child's group that died of our SIGTERM is a zombie until PID 1 reaps it (late
-    where PID 1 is slow, never where it does not reap), and a zombie still counts as a
-    member of the group: the slot stays held until ``kill_after`` runs out. Process-wide:
-    only for a process that waits for no children of its own (the ``conch`` command); the
-    statuses of children ``run_child`` did not start are dropped, and SIGCHLD is set back to
-    its default if ignored (the kernel would reap them itself). Idempotent. Returns whether
-    it worked."""
-    global _adopting
-    with _reap_lock:
-        if _adopting:
-            return True
-        if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
-            try:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            except ValueError:  # not the main thread: waitpid() per child copes
-                return False
-        try:
-            import ctypes
-
-            prctl = ctypes.CDLL(None, use_errno=True).prctl
-            _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            _adopting = False
-        if _adopting:
-            threading.Thread(target=_reap_all, name="conch-reap", daemon=True).start()
-        return _adopting
-
-
-def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
-    """Call ``callback(wait_status)`` from a reaping thread once our child ``pid`` exits: the
-    process-wide one after ``adopt_orphans()`` (call with ``_reap_lock`` held since before
-    the child existed), else a thread of its own blocked in waitpid on that pid alone."""
-    if _adopting:
-        _claimed[pid] = callback
-        _spawned.set()
-        return
-
-    def wait() -> None:
-        try:
-            _, status = os.waitpid(pid, 0)  # retried by Python on EINTR (PEP 475)
-        except ChildProcessError:
-            # Reaped by the kernel (SIGCHLD ignored) or by someone else's waitpid: the
-            # child is gone and its status lost. 0, as subprocess reports it then.
-            log.warning("child-status-lost", pid=pid)
-            status = 0
-        _call_back(callback, status)
-
-    threading.Thread(target=wait, name="conch-reap", daemon=True).start()
-
-
-def _reap_all() -> None:
-    """The adopting reaper: reap each child as it exits, and every other one that has exited
-    by then too (what died with a supervised child is no member of its group any more when
-    its callback looks), then call the callbacks of the claimed ones. With no child at all,
-    look again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
-    while True:
-        try:
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
-        except ChildProcessError:
-            # A start after the waitid above sets it; one before is seen by the next waitid.
-            _spawned.wait(GROUP_POLL)
-            _spawned.clear()
-            continue
-        done: list[tuple[Callable[[int], None], int]] = []
-        with _reap_lock:
-            while True:
-                try:
-                    reaped, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if reaped == 0:
-                    break
-                _beside_jobs.pop(reaped, None)
-                callback = _claimed.pop(reaped, None)
-                if callback is not None:
-                    done.append((callback, status))
-        for callback, status in done:
-            _call_back(callback, status)
-
-
-def _call_back(callback: Callable[[int], None], status: int) -> None:
-    """Run a child's exit callback; one that raises is logged, and the reaper reaps on."""
-    try:
-        callback(status)
-    except Exception as exc:
-        log.error("callback-failed", flag="child-exit", error=repr(exc))
-
-
-def _child_exited(pid: int, status: int, box: Mailbox) -> None:
-    """From the reaping thread: tell the supervisor, which releases the hold the moment it
-    finds the child's group gone (a thread switch later: the reaper makes no call to etcd,
-    so that a slow etcd never holds up the reaping of other children)."""
-    box.put(_ChildExit(os.waitstatus_to_exitcode(status)))
-
-
-# -- /proc -----------------------------------------------------------------------------------
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _orphans() -> dict[int, _Stat]:
-    """What jobs left outside their process groups: our children that conch did not start
-    (re-parented to us, their subreaper, as their parents died). Zombies count: they are
-    reaped a moment later. Empty unless ``adopt_orphans()`` worked (without it they go to
-    another reaper, out of our sight)."""
-    if not _adopting:
-        return {}
-    # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
-    # that parent (or an ancestor of it) is then a child of ours, in view until reaped.
-    with _reap_lock:
-        return {
-            pid: stat
-            for pid, stat in _children().items()
-            if pid not in _claimed and _beside_jobs.get(pid) != stat.started
-        }
-
-
-_PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_CHILDREN
-_children_files: bool | None = None  # whether this kernel has them; None: not looked yet
-
-
-def _children() -> dict[int, _Stat]:
-    """Our children, zombies included. Read from each of our threads'
-    ``children`` file where the kernel has them (a read per thread, a few more per child),
-    else from every /proc/PID/stat on the machine (about 20 µs a process: 3 ms for 150,
-    measured on a 2-core VM)."""
-    global _children_files
-    if _children_files is None:
-        _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))
-    if _children_files:
-        for _ in range(3):
-            pids = _children_of_threads()
-            if pids is not None:
-                return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
-    me, found = os.getpid(), {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (stat := _stat(int(name))) is not None and stat.ppid == me:
-            found[int(name)] = stat
-    return found
-
-
-def _children_of_threads() -> set[int] | None:
-    """The pids in our threads' ``children`` files; None if a thread ended meanwhile (its
-    children moved to another thread, perhaps one already read)."""
-    found: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            found.update(int(pid) for pid in _read(_PER_THREAD_CHILDREN.format(tid)).split())
-        except FileNotFoundError:
-            return None
-    return found
-
-
-def _read(path: str) -> bytes:
-    """A /proc file's content (os calls: a third of the cost of ``open()`` here)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-class _Stat(NamedTuple):
-    """What /proc/PID/stat says of a process."""
-
-    ppid: int
-    pgid: int
-    zombie: bool
-    started: int  # clock ticks after boot
-
-
-def _stat(pid: int) -> _Stat | None:
-    """/proc/``pid``/stat; None once the process is gone."""
-    try:
-        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-        return _Stat(int(fields[1]), int(fields[2]), fields[0] == b"Z", int(fields[19]))
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _command_line(pid: int) -> str:
-    """What ``ps`` shows for ``pid``: its arguments, else (a zombie) its name in brackets."""
-    with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            text = cmdline.read(256).replace(b"\0", b" ").strip()
-        if text:
-            return text.decode(errors="replace")
-        with open(f"/proc/{pid}/comm", "rb") as comm:
-            return f"[{comm.read().strip().decode(errors='replace')}]"
-    return "?"
-
-
-# -- the job and its termination --------------------------------------------------------------
-
-
-class _Job:
-    """The child's process group ``pgid`` and what the child left outside it, re-parented
-    to us (``setsid cmd &``, a daemon's double fork): the slot is ours until all of it is
-    gone. Each process that escaped is named once in an ``escaped`` warning, and gets what
-    the group was last sent, also when it reaches us after that (its parent died of it)."""
-
-    def __init__(self, pgid: int) -> None:
-        self.pgid = pgid
-        self._known: set[int] = set()
-        self._sent: int | None = None
-
-    def alive(self) -> bool:
-        """Whether anything of the job is left: a member of the group, or an escaped process
-        (new ones are logged, and sent the last signal)."""
-        orphans = self._escaped()
-        return _group_alive(self.pgid) or bool(orphans)
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the group and to every process that escaped it (the whole group of
-        one that leads a group of its own: what it started in turn)."""
-        self._sent = sig
-        _signal_group(self.pgid, sig)
-        for pid, stat in self._escaped().items():
-            _signal_escaped(pid, stat.pgid, sig)
-
-    def _escaped(self) -> dict[int, _Stat]:
-        orphans = _orphans()
-        for pid, stat in orphans.items():
-            # In the group: signalled with it. A zombie: gone, but for its reaping.
-            if stat.pgid == self.pgid or stat.zombie or pid in self._known:
-                continue
-            self._known.add(pid)
-            log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
-            if self._sent is not None:
-                _signal_escaped(pid, stat.pgid, self._sent)
-        return orphans
-
-
-def _signal_escaped(pid: int, pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if pgid == pid:
-            # It leads a group, in a session of its own or the child's: only processes
-            # of the job can be in it, what it started in turn.
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL the group and what escaped it, and give them a moment (GONE_AFTER_KILL) to
-    be gone; never raises (it runs on the way out of an error, which must stay the one
-    reported)."""
-    with contextlib.suppress(Exception):
-        job = _Job(pgid)
-        job.signal(signal.SIGKILL)
-        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _stop_group(
-    job: _Job,
-    box: Mailbox,
-    child_running: bool,
-    kill_at: float,
-    hurry: Callable[[object], bool] | None = None,
-) -> int | None:
-    """SIGTERM the job (its group and what escaped it); SIGKILL whatever is left of it at
-    ``kill_at`` (``time.monotonic()``): at once, without SIGTERM, if that has passed, and
-    as soon as a notice comes for which ``hurry(notice)`` is true. Waits for the child (if
-    ``child_running``) to be reaped; returns its return code."""
-    returncode = None if child_running else 0
-    if time.monotonic() < kill_at:
-        job.signal(signal.SIGTERM)
-        log.info("term-sent", pgid=job.pgid)
-        returncode, kill_at = _await_exit(box, kill_at, returncode, hurry)
-        _await_gone(job, kill_at)
-    if returncode is None or job.alive():
-        job.signal(signal.SIGKILL)
-        log.warning("kill-sent", pgid=job.pgid)
-        returncode, _ = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
-        # A SIGKILLed process is still running its exit (closing files, dropping locks,
-        # freeing memory): the slot stays ours until it is gone, within a bound.
-        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
-    return returncode if child_running else None
-
-
-def _await_gone(job: _Job, deadline: float) -> None:
-    """Poll until nothing of ``job`` is left or ``deadline`` passes (grandchildren are not
-    ours to wait() on)."""
-    while job.alive() and time.monotonic() < deadline:
-        time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
-
-
-def _await_exit(
-    box: Mailbox,
-    deadline: float,
-    returncode: int | None,
-    hurry: Callable[[object], bool] | None = None,
-) -> tuple[int | None, float]:
-    """Wait for the child's exit notice until ``deadline``; other notices are dropped, but
-    one for which ``hurry(notice)`` is true ends the wait at once. Returns the return code
-    (None: not reaped in time) and the deadline (now, if hurried)."""
-    while returncode is None:
-        try:
-            item = box.get(timeout=remaining(deadline))
-        except queue.Empty:
-            break
-        if isinstance(item, _ChildExit):
-            return item.returncode, deadline
-        if hurry is not None and hurry(item):
-            return None, time.monotonic()
-    return returncode, deadline

@@ -21,6 +21,8 @@ Linux, so conch's instants are the watchdog's):
   /proc/PID/environ standing in for the group;
 * ``a PGID``: the child's process group;
 * ``h EXPIRY`` after every confirmed keepalive: the lease's new earliest expiry;
+* ``p`` (a probe, every PROBE_INTERVAL while the child runs): answered ``A`` on its stdout
+  at once; a watchdog that has not answered within ANSWER_TIMEOUT is failed as a dead one;
 * ``x`` (goodbye): conch itself is done with the child: exit quietly once conch closes the
   pipe (at most a fifth of a second later);
 * ``s KILL_AT`` (stand-by): conch is terminating the group itself (after a loss, a signal,
@@ -34,8 +36,11 @@ Linux, so conch's instants are the watchdog's):
 * end of file after the expect line (conch died): SIGTERM the group at once, SIGKILL it
   KILL_AFTER later, or at EXPIRY - MARGIN if that comes first.
 
-The watchdog's own end shows as the end of its stdout: conch watches it while the child
-runs, and fails closed when its watchdog is gone (see ``conch.supervisor``).
+The watchdog's own end shows as the end of its stdout, its silence as a probe unanswered:
+conch watches both while the child runs, and fails closed when its watchdog is gone or
+stopped (see ``conch.supervisor``). The kernel wakes a stopped watchdog when conch dies
+(``PR_SET_PDEATHSIG`` with SIGCONT), so that a conch SIGKILLed before it could notice the
+silence still leaves its child to the watchdog.
 """
 
 from __future__ import annotations
@@ -61,16 +66,34 @@ _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
 READY = b"R"  # what the watchdog writes to its stdout once it runs
 FIRED = b"F"  # ... and when it terminates the group
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
+PROBE = b"p\n"  # conch's probe, on the watchdog's pipe
+ANSWER = b"A"  # ... and the watchdog's answer, on its stdout
+PROBE_INTERVAL = 0.1
+"""Seconds from one answered probe to the next, while the child runs. With ANSWER_TIMEOUT,
+how soon a watchdog stopped (SIGSTOP, a debugger, a freezer) is noticed: a conch that is
+frozen or killed later than that finds its child already dead."""
+ANSWER_TIMEOUT = 0.1
+"""Seconds within which the watchdog must answer a probe, else it is failed as a dead one
+(the child SIGKILLed at once, exit 70). Well under the deadline's margin (0.25 s, which
+counts the watchdog's wake-up on a loaded host among what it covers): a watchdog that cannot
+answer that fast cannot be trusted to SIGKILL by the deadline either."""
 
 # conch's credentials, as conch and etcdctl read them from the environment (``CONCH_USER``
-# and ``ETCDCTL_USER`` may hold NAME:PASSWORD): the child and the watchdog start without
-# them, so no job conch runs can read the cluster's credentials.
+# and ``ETCDCTL_USER`` may hold NAME:PASSWORD), the paths to secrets among them alike (the
+# password file, the client certificate and its key): the child and the watchdog start
+# without them, so no job conch runs is handed the cluster's credentials. The CA bundle and
+# the endpoints, no secrets, are passed on. The same list as conch.settings'
+# CREDENTIAL_VARIABLES (not imported: this module stays light).
 CREDENTIALS = (
     "CONCH_USER",
     "CONCH_PASSWORD",
     "CONCH_PASSWORD_FILE",
+    "CONCH_CERT",
+    "CONCH_KEY",
     "ETCDCTL_USER",
     "ETCDCTL_PASSWORD",
+    "ETCDCTL_CERT",
+    "ETCDCTL_KEY",
 )
 
 
@@ -84,6 +107,13 @@ class WatchdogExited(NamedTuple):
     dismissed it; ``fired``: whether it had terminated the child's group first."""
 
     fired: bool
+
+
+class WatchdogSilent(NamedTuple):
+    """Put into the supervisor's mailbox when the watchdog has not answered a probe within
+    ``after`` seconds (ANSWER_TIMEOUT): stopped, or too starved to keep the deadline."""
+
+    after: float
 
 
 class Watchdog:
@@ -144,30 +174,54 @@ class Watchdog:
         assert self._process.stdout is not None
         return self._process.stdout.fileno()
 
-    def _readable(self, timeout: float) -> bool:
+    def _readable(self, timeout: float | None) -> bool:
         """Whether the watchdog's stdout has a byte (or its end) within ``timeout`` seconds
-        (poll, not select: an embedding service may hold more than 1024 descriptors)."""
+        (None: however long it takes; poll, not select: an embedding service may hold more
+        than 1024 descriptors)."""
         poller = select.poll()
         poller.register(self._stdout(), select.POLLIN)
-        return bool(poller.poll(timeout * 1000))
+        return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def watch(self, box: Mailbox) -> None:
-        """From now on (after ``ready()``), put a WatchdogExited into ``box`` the moment the
-        watchdog process ends, unless it was dismissed first: its stdout's end, read by a
-        thread of its own (the kernel closes it as the process exits, however it dies)."""
+        """From now on (after ``ready()``), probe the watchdog every PROBE_INTERVAL and put
+        a WatchdogSilent into ``box`` the first time it does not answer within
+        ANSWER_TIMEOUT, and a WatchdogExited the moment it ends (its stdout's end: the
+        kernel closes it as the process exits, however it dies), unless it was dismissed
+        first. One thread of its own does both. A heartbeat needs no answer of its own: the
+        watchdog reads its pipe in order, so the answer to the next probe acknowledges it."""
         self._reader = threading.Thread(
-            target=self._read_to_end, args=(box,), name="conch-watchdog", daemon=True
+            target=self._probe_and_read, args=(box,), name="conch-watchdog", daemon=True
         )
         self._reader.start()
 
-    def _read_to_end(self, box: Mailbox) -> None:
+    def _probe_and_read(self, box: Mailbox) -> None:
+        sent: float | None = None  # when the probe not answered yet went out
+        next_probe = time.monotonic()
+        silent = False
         while True:
+            wait = None
+            if not silent and not self._dismissed:
+                if sent is None and time.monotonic() >= next_probe:
+                    self._send(PROBE)  # dropped if the pipe is full: then unanswered
+                    sent = time.monotonic()
+                until = next_probe if sent is None else sent + ANSWER_TIMEOUT
+                wait = until - time.monotonic()
+            # Once more before the verdict: a thread of ours woken late (the GIL) must not
+            # take an answer that came in time for a late one.
+            if not self._readable(wait) and not self._readable(0):
+                if sent is not None and time.monotonic() - sent >= ANSWER_TIMEOUT:
+                    silent = True
+                    if not self._dismissed:
+                        box.put(WatchdogSilent(ANSWER_TIMEOUT))
+                continue
             try:
                 chunk = os.read(self._stdout(), 64)
             except (OSError, ValueError):  # closed under us: close() gave up waiting
                 chunk = b""
             if FIRED in chunk:
                 self._fired = True
+            if ANSWER in chunk and sent is not None:
+                sent, next_probe = None, time.monotonic() + PROBE_INTERVAL
             if not chunk:
                 break
         self._exited.set()
@@ -210,6 +264,12 @@ class Watchdog:
         with self._lock:
             if not self._dismissed:
                 self._send(f"s {kill_at:.6f}\n".encode())
+
+    def kill(self) -> None:
+        """SIGKILL the watchdog process (one failed for its silence: stopped, it would
+        otherwise wake one day and act on a process group long gone)."""
+        with contextlib.suppress(OSError):
+            self._process.kill()
 
     def dismiss(self) -> None:
         """conch is done with the child: the watchdog exits without killing anything, once

@@ -19,7 +19,9 @@ the waiters' children run and the holders' are dead (or a cap):
 * ``wrapper-frozen``: the holding conch processes SIGSTOPped (not their children or
   watchdogs);
 * ``watchdog-killed``: each holder's watchdog SIGKILLed, and half a second later its conch
-  SIGSTOPped.
+  SIGSTOPped;
+* ``watchdog-stopped``: each holder's watchdog SIGSTOPped, and half a second later its conch
+  SIGSTOPped (both resumed at the heal).
 
 Each fault is run at ``--ttl 10s --kill-after 5s`` and ``--ttl 3s --kill-after 1s`` (and
 ``--ttl 10s`` with conch's own ``--kill-after``), at N = 1 and N = 3; the member faults with
@@ -77,7 +79,14 @@ CHILD = (
     "s.recv(1)\n"
 )
 
-FAULTS = ("member-frozen", "cut-both", "cut-peers", "wrapper-frozen", "watchdog-killed")
+FAULTS = (
+    "member-frozen",
+    "cut-both",
+    "cut-peers",
+    "wrapper-frozen",
+    "watchdog-killed",
+    "watchdog-stopped",
+)
 MEMBER_FAULTS = ("member-frozen", "cut-both", "cut-peers")
 ROLES = ("leader", "follower")
 POLL = 0.1  # seconds between two LeaseTimeToLive polls of one lease
@@ -615,21 +624,24 @@ class _Run:
                 net.cut_both(node, other)
             return net.heal
         conchs = [c.conch_pid for c in self.monitor.children if c.label.startswith("h")]
-        if fault == "watchdog-killed":
+        dogs: list[int] = []
+        if fault in ("watchdog-killed", "watchdog-stopped"):
+            sig = signal.SIGKILL if fault == "watchdog-killed" else signal.SIGSTOP
             for pid in conchs:
                 dog = _watchdog_of(pid)
                 if dog is None:
                     result.problems.append(f"no watchdog found for conch {pid}")
                     continue
-                os.kill(dog, signal.SIGKILL)
-                result.timeline.append((time.monotonic(), f"watchdog {dog} of {pid} SIGKILLed"))
+                os.kill(dog, sig)
+                dogs.append(dog)
+                result.timeline.append((time.monotonic(), f"watchdog {dog} of {pid} {sig.name}"))
             time.sleep(WATCHDOG_TO_FREEZE)
         for pid in conchs:
             os.kill(pid, signal.SIGSTOP)
             result.timeline.append((time.monotonic(), f"conch {pid} SIGSTOPped"))
 
         def resume() -> None:
-            for pid in conchs:
+            for pid in conchs + (dogs if fault == "watchdog-stopped" else []):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
 

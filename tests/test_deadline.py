@@ -10,10 +10,15 @@ start (its own ``date``, after the lease expired on the server and its key was d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
+import select
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +29,8 @@ from conch.errors import UsageError
 from conch.etcd import Client, kv, lease
 from conch.etcd.client import Endpoint
 from conch.flag import Flag
-from conch.supervisor import deadline_margin, max_kill_after, supervise
+from conch.settings import parse_duration
+from conch.supervisor import check_kill_after, deadline_margin, max_kill_after, supervise
 from tests.conftest import DEADLINE, Conch, Runner, alive, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
@@ -36,6 +42,13 @@ def deaf_child(tmp_path: Path) -> tuple[list[str], Path]:
         f"trap '' TERM; echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; "
         "while :; do sleep 0.05; done"
     )
+    return ["sh", "-c", script], pidfile
+
+
+def obeying_child(tmp_path: Path) -> tuple[list[str], Path]:
+    """A child that records its pid and dies of SIGTERM; its argv and the pid file."""
+    pidfile = tmp_path / "obeying.pid"
+    script = f"echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; while :; do sleep 0.05; done"
     return ["sh", "-c", script], pidfile
 
 
@@ -58,6 +71,21 @@ def death_seen(pid: int, timeout: float = DEADLINE) -> float:
             raise AssertionError(f"pid {pid} still alive after {timeout}s")
         time.sleep(0.005)
     return time.time()
+
+
+def death_at(pid: int, timeout: float = DEADLINE) -> float:
+    """The wall-clock time ``pid`` was seen to exit, from a pidfd (readable the moment the
+    process has exited, zombie or not: no poll's lag between two processes' instants a few
+    milliseconds apart). Raises AssertionError if it runs on past ``timeout``."""
+    fd = os.pidfd_open(pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise AssertionError(f"pid {pid} still alive after {timeout}s")
+        return time.time()
+    finally:
+        os.close(fd)
 
 
 def watchdog_of(holder: Conch) -> int:
@@ -245,6 +273,30 @@ def test_a_kill_after_that_cannot_fit_the_ttl_is_a_usage_error(
     assert (code, err) == (0, "")
 
 
+@pytest.mark.parametrize("ttl", [3, 4, 7, 10, 20])
+def test_the_longest_grace_is_accepted_exactly_as_the_refusal_prints_it(ttl: int) -> None:
+    """The refusal says "at most X s"; X itself is accepted. Before, the limit was rounded
+    up in the message: --ttl 3s --kill-after 1.25s was refused "at most 1.25s" (the limit
+    is 1.2467 s), --ttl 10s --kill-after 5.41s "at most 5.41s" (5.4067 s)."""
+    with pytest.raises(UsageError) as refused:
+        check_kill_after(ttl, ttl, "--kill-after")
+    [shown] = re.findall(r"at most ([0-9.]+)s", str(refused.value))
+    for text in (f"{shown}s", f"{float(shown) * 1000:g}ms"):
+        given = parse_duration("--kill-after", text)
+        assert check_kill_after(given, ttl) == min(given, max_kill_after(ttl))
+
+
+def test_the_documented_longest_graces_are_accepted_by_the_command(
+    conch: Runner, name: str
+) -> None:
+    """1.25 s at --ttl 3s and 5.41 s at 10 s, as the contract and the help give them."""
+    for ttl, grace in (("3s", "1.25s"), ("10s", "5.41s")):
+        code, _, err = conch.run(
+            "sema", name, "--max", "1", "--ttl", ttl, "--kill-after", grace, "-q", "--", "true"
+        )
+        assert (code, err) == (0, "")
+
+
 def test_supervise_refuses_a_kill_after_that_cannot_fit_the_ttl(client: Client, name: str) -> None:
     sema = conch.Semaphore(client, name, max=1, ttl=3)
     with pytest.raises(UsageError, match="does not fit"):
@@ -312,3 +364,170 @@ def test_hold_deadline_bounds_asyncio_work_to_the_lease(tmp_path: Path, name: st
     finally:
         solo.members[0].resume()
         solo.stop()
+
+
+def exit_seen(holder: Conch, timeout: float = DEADLINE) -> tuple[int, float]:
+    """Poll (every 5 ms) until ``holder`` has exited; its code and the wall-clock time of the
+    first poll that saw it gone: no earlier than its exit."""
+    deadline = time.monotonic() + timeout
+    while (code := holder.process.poll()) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"conch {holder.pid} still running after {timeout}s")
+        time.sleep(0.005)
+    return code, time.time()
+
+
+# What "promptly" means for an exit after a loss (contract section 7): measured from the
+# child's death as seen by a 5 ms poll, so a few ms of it are the poll's own.
+PROMPT_EXIT = 0.5
+
+
+def _exit_after_a_fault(
+    runner: Runner,
+    name: str,
+    tmp_path: Path,
+    fault: Callable[[], None],
+    what: str,
+    capsys: pytest.CaptureFixture[str],
+    deaf: bool,
+) -> None:
+    """A child (``deaf`` to SIGTERM: dead at the SIGKILL, E - margin; else at the SIGTERM,
+    --kill-after earlier) of a holder at --ttl 3s --kill-after 1s; ``fault`` cuts the holder
+    from etcd: conch exits 70 within PROMPT_EXIT of the child's death, however long its
+    release would take against an etcd that does not answer."""
+    cmd, pidfile = deaf_child(tmp_path) if deaf else obeying_child(tmp_path)
+    what += ", child deaf to SIGTERM" if deaf else ", child obeys SIGTERM"
+    holder = runner.start(
+        "sema", name, "--max", "1", "--ttl", "3s", "--kill-after", "1s", "--", *cmd
+    )
+    child = read_pid(pidfile)
+    poll(lambda: "event=child-start" in holder.log(), what="child start logged")
+    fault()
+    fault_at = time.time()  # in effect: the second member stopped, or etcd frozen
+    died = death_seen(child)
+    code, exited = exit_seen(holder)
+    with capsys.disabled():
+        print(
+            f"\n[measure] {what}, TTL 3s, --kill-after 1s: child dead {died - fault_at:.3f}s "
+            f"after the fault, conch exited {exited - fault_at:.3f}s after it "
+            f"({exited - died:.3f}s after the child's death)"
+        )
+    assert code == 70, holder.log()
+    assert exited - died < PROMPT_EXIT, holder.log()
+
+
+@pytest.mark.parametrize("deaf", [True, False], ids=["deaf", "obeying"])
+def test_conch_exits_promptly_after_a_loss_when_etcd_is_frozen(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str], deaf: bool
+) -> None:
+    """etcd frozen (SIGSTOP): the release after the loss cannot get through, and helps no
+    one once the lease can expire. Before, conch waited for it past the lease's earliest
+    expiry: it exited 6.2-7.2 s into the fault, the child dead since 1.2-2.1 s."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    runner = Runner(solo, tmp_path)
+    try:
+        freeze = solo.members[0].pause
+        _exit_after_a_fault(runner, name, tmp_path, freeze, "etcd frozen", capsys, deaf)
+    finally:
+        solo.members[0].resume()
+        runner.cleanup()
+        solo.stop()
+
+
+@pytest.mark.parametrize("deaf", [True, False], ids=["deaf", "obeying"])
+def test_conch_exits_promptly_after_a_loss_when_quorum_is_lost(
+    cluster: EtcdCluster,
+    name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    deaf: bool,
+) -> None:
+    """Two of three members stopped: the one left answers nothing that needs the leader."""
+
+    def lose_quorum() -> None:
+        cluster.members[1].stop()
+        cluster.members[2].stop()
+
+    runner = Runner(cluster, tmp_path)
+    try:
+        _exit_after_a_fault(runner, name, tmp_path, lose_quorum, "quorum lost", capsys, deaf)
+    finally:
+        runner.cleanup()
+
+
+# Seconds from the fault on the watchdog to the one on conch, where conch is to notice the
+# first: 0.5 s, as the overlap harness (a watchdog answers its probes within 0.1 s, probed
+# every 0.1 s). 0 for a conch SIGKILLed right behind its stopped watchdog: no time to notice,
+# the kernel's SIGCONT on conch's death is what wakes the watchdog.
+WATCHDOG_TO_CONCH = 0.5
+
+
+@pytest.mark.parametrize("run", [1, 2])
+@pytest.mark.parametrize(
+    ("on_watchdog", "on_conch"),
+    [
+        (signal.SIGKILL, signal.SIGSTOP),
+        (signal.SIGKILL, signal.SIGKILL),
+        (signal.SIGSTOP, signal.SIGSTOP),
+        (signal.SIGSTOP, signal.SIGKILL),
+    ],
+    ids=["watchdog-killed-conch-frozen", "watchdog-killed-conch-killed",
+         "watchdog-stopped-conch-frozen", "watchdog-stopped-conch-killed"],
+)  # fmt: skip
+def test_a_watchdog_killed_or_stopped_then_conch_frozen_or_killed_leaves_no_overlap_no_orphan(
+    conch: Runner,
+    name: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    on_watchdog: signal.Signals,
+    on_conch: signal.Signals,
+    run: int,
+) -> None:
+    """The holder's watchdog SIGKILLed or SIGSTOPped, then conch itself frozen or
+    SIGKILLed, a waiter queued behind it: the SIGTERM-deaf child is dead before the
+    waiter's child starts, and dies at all (no orphan left running). Before, a stopped
+    watchdog went unnoticed: conch frozen next let the child run 17 s past its lease, conch
+    SIGKILLed next left it orphaned beside the next holder until the watchdog was resumed."""
+    cmd, pidfile = deaf_child(tmp_path)
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    flags = ("--max", "1", "--ttl", "3s", "--kill-after", "1s")
+    holder = conch.start("sema", name, *flags, "--", *cmd)
+    child = read_pid(pidfile)
+    waiter = conch.start("sema", name, *flags, "--", *waiter_cmd)
+    poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
+    watchdog = watchdog_of(holder)
+    delay = (
+        0.0 if (on_watchdog, on_conch) == (signal.SIGSTOP, signal.SIGKILL) else WATCHDOG_TO_CONCH
+    )
+    what = f"watchdog {on_watchdog.name}, conch {on_conch.name} {delay:g}s later (run {run})"
+    seen: list[float] = []
+    watcher = threading.Thread(target=lambda: seen.append(death_at(child)), daemon=True)
+    try:
+        watcher.start()  # from before the faults: the child may die between them
+        fault_at = time.time()
+        os.kill(watchdog, on_watchdog)
+        if delay:
+            time.sleep(delay)  # the fault's own timing, not a wait for anything
+        with contextlib.suppress(ProcessLookupError):  # it may have exited 70 already
+            holder.signal(on_conch)
+        watcher.join(DEADLINE + 5)
+        assert seen, f"the child {child} outlived its conch and watchdog: an orphan"
+        died = seen[0]
+        poll(waiter_started.exists, what="the waiter's child")
+        started = float(waiter_started.read_text())
+        with capsys.disabled():
+            print(
+                f"\n[measure] {what}: child dead {died - fault_at:.3f}s after the first fault, "
+                f"{started - died:.3f}s before the next holder's child started"
+            )
+        assert died < started, "the child overlapped the next holder's"
+    finally:
+        holder.signal(signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(watchdog, signal.SIGCONT)
+    code = holder.wait()
+    assert code == (-signal.SIGKILL if on_conch == signal.SIGKILL and code < 0 else 70), (
+        holder.log()
+    )
+    assert waiter.wait() == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import conch
 from conch.etcd import kv
@@ -11,7 +11,7 @@ from tests.conftest import Gate, Runner, poll, sema_keys, who_json
 
 
 def _ago(seconds: float) -> str:
-    when = datetime.now(timezone.utc) - timedelta(seconds=seconds)
+    when = datetime.now(UTC) - timedelta(seconds=seconds)
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 

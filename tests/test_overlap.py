@@ -51,8 +51,9 @@ CASES = [
     # the watchdog's deadline, for a wrapper that cannot act
     Case("wrapper-frozen", None, DEFAULT, 1),
     Case("wrapper-frozen", None, SHORT, 3),
-    # a dead watchdog noticed before the wrapper freezes
+    # a dead watchdog noticed before the wrapper freezes, and a stopped one (its probe)
     Case("watchdog-killed", None, SHORT, 1),
+    Case("watchdog-stopped", None, SHORT, 1),
     # a minority member that still answers clients, N = 3
     Case("cut-peers", "follower", SHORT, 3),
 ]

@@ -446,9 +446,15 @@ def test_supervise_starts_the_child_from_the_environment_it_is_given(
 
     envfile = tmp_path / "env"
     environ = {"PATH": "/usr/bin:/bin", "GIVEN": "yes", "CONCH_PASSWORD": PASSWORD}
+    # Paths to secrets go as the secrets do; the CA bundle, no secret, is passed on.
+    paths = ("CONCH_PASSWORD_FILE", "CONCH_CERT", "CONCH_KEY", "ETCDCTL_CERT", "ETCDCTL_KEY")
+    environ.update({path: f"/etc/conch/{path.lower()}" for path in paths})
+    environ["CONCH_CACERT"] = "/etc/conch/ca.pem"
     sema = Semaphore(client, name, 1, 5)
     cmd = ["sh", "-c", f"env > {envfile}"]
     assert supervise(sema, cmd, None, 1.0, Flag("stop"), environ=environ) == 0
     names = {line.split("=", 1)[0] for line in envfile.read_text().splitlines()}
     assert {"GIVEN", "CONCH_REV"} <= names
     assert "CONCH_PASSWORD" not in names and "HOME" not in names
+    assert not names & set(paths)
+    assert "CONCH_CACERT" in names

@@ -276,7 +276,7 @@ def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
 # own) and a child of its own, and prints what each way of listing its children finds.
 LIST_CHILDREN = """
 import os, signal, subprocess, time
-from conch import supervisor
+from conch import procs as supervisor
 assert supervisor.adopt_orphans()
 subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 os.system("(setsid sleep 30 >/dev/null 2>&1 &)")
@@ -312,7 +312,7 @@ def test_both_ways_of_listing_our_children_agree() -> None:
 # how long its exit took to reach the callback, GROUP_POLL set far above any scheduling delay.
 FIRST_CHILD = """
 import queue, time
-from conch import supervisor
+from conch import procs as supervisor
 supervisor.GROUP_POLL = 15.0
 assert supervisor.adopt_orphans()
 time.sleep(0.2)  # the reaper has looked and found no child
@@ -339,7 +339,7 @@ def test_the_reaper_notices_a_first_child_at_once() -> None:
 
 REAPER_SURVIVES = """
 import os, sys, threading
-from conch import supervisor
+from conch import procs as supervisor
 assert supervisor.adopt_orphans()
 done = threading.Event()
 
@@ -365,3 +365,55 @@ def test_the_reaper_survives_an_exit_callback_that_raises() -> None:
     )
     assert result.stdout.strip() == "reaped", result.stderr
     assert "event=callback-failed" in result.stderr
+
+
+# Runs conch with one of its internals replaced by one that raises: a fault of conch's own,
+# where a test cannot reach into the process otherwise. Used as Runner.start's launcher, it
+# gets the command line that would run conch ("python -m conch ARGS") as its arguments.
+FAULTY = """
+import os, sys, time
+from conch import cli, supervisor
+
+def injected(self):
+    deadline = time.monotonic() + 30  # once the child has said it runs
+    while not os.path.exists(os.environ["FAULT_AFTER"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise RuntimeError("injected fault")
+
+supervisor._Run._first_notice = injected  # right after the child's start
+sys.argv = ["conch", *sys.argv[4:]]
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_a_fault_of_conchs_own_exits_70_with_one_line_and_the_child_dead(
+    conch: Runner, name: str, tmp_path: Path, debug: bool
+) -> None:
+    """An exception no part of conch expects, raised while the child runs: the child is
+    SIGKILLed, the slot released, and conch exits 70 (EX_SOFTWARE) with one line naming the
+    exception and how to see its traceback; with --debug, the traceback too. Before, the
+    traceback was printed and conch exited 1, a code a caller could not tell from the
+    child's own."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    pidfile = tmp_path / "child.pid"
+    child_cmd = ["sh", "-c", f"echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; sleep 600"]
+    flags = ["-q", *(["--debug"] if debug else [])]
+    proc = conch.start(
+        "sema", name, "--max", "1", *flags, "--", *child_cmd,
+        launcher=[sys.executable, str(script)], FAULT_AFTER=str(pidfile),
+    )  # fmt: skip
+    assert proc.wait() == 70
+    child = int(pidfile.read_text())
+    assert not alive(child), "the child outlived conch's failure"
+    lines = proc.log().splitlines()
+    last = lines[-1]
+    assert "event=internal-error" in last and "RuntimeError: injected fault" in last, lines
+    if debug:
+        assert "Traceback (most recent call last)" in proc.log()
+    else:
+        assert lines == [last], lines  # one line, no traceback
+        assert "rerun with --debug for the traceback" in last
+    with conch.etcd.client() as client:
+        assert sema_keys(client, name) == []

@@ -212,3 +212,15 @@ def test_every_variable_a_password_is_read_from_is_listed_as_a_credential() -> N
         assert connection.credentials.password == secret
         left = {k: v for k, v in environ.items() if k not in CREDENTIAL_VARIABLES}
         assert resolve(ConnectionFlags(), left).credentials is None
+
+
+def test_the_child_and_the_watchdog_lose_every_credential_variable_the_settings_read() -> None:
+    """One list, kept twice (conch.watchdog imports nothing heavy): the password file and the
+    client certificate and key paths are removed with the secrets, the CA bundle is not."""
+    from conch.settings import CREDENTIAL_VARIABLES
+    from conch.watchdog import CREDENTIALS
+
+    assert set(CREDENTIALS) == set(CREDENTIAL_VARIABLES)
+    for prefix in ("CONCH_", "ETCDCTL_"):
+        assert {prefix + "CERT", prefix + "KEY"} <= set(CREDENTIALS)
+        assert prefix + "CACERT" not in CREDENTIALS

@@ -66,9 +66,9 @@ complete -c conch -n _shtab_conch_using -l cert -xka "(__fish_complete_path (com
 complete -c conch -n _shtab_conch_using -l key -xka "(__fish_complete_path (commandline -ct))" -d 'client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)'
 complete -c conch -n _shtab_conch_using -l insecure-skip-tls-verify -d 'trust whatever certificate etcd presents: encrypted, but open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)'
 complete -c conch -n _shtab_conch_using -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
-complete -c conch -n _shtab_conch_using -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
+complete -c conch -n _shtab_conch_using -l password -x -d 'etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, conch'"'"'s job included, in /proc/PID/environ'
 complete -c conch -n _shtab_conch_using -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
-complete -c conch -n _shtab_conch_using -l debug -d 'also log where each connection setting came from'
+complete -c conch -n _shtab_conch_using -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 complete -c conch -n '_shtab_conch_using; and test $_shtab_conch_npos -eq 0' -a sema -d 'Run CMD only while holding one of N slots of the semaphore NAME, counted across every machine that shares the etcd cluster; kill CMD the moment the hold is lost. With --who, list the holders and waiters instead.'
 complete -c conch -n '_shtab_conch_using sema' -s h -l help -d 'show this help message and exit'
 complete -c conch -n '_shtab_conch_using sema' -l max -x -d 'capacity N >= 1 (required to run a command); part of the semaphore'"'"'s identity'
@@ -76,7 +76,7 @@ complete -c conch -n '_shtab_conch_using sema' -l ttl -x -d 'session lease TTL, 
 complete -c conch -n '_shtab_conch_using sema' -l wait -x -d 'wait at most DUR for a slot, then exit 75 (default: wait forever)'
 complete -c conch -n '_shtab_conch_using sema' -l nonblock -s n -d 'do not wait: exit 75 at once if no slot is free (--wait 0)'
 complete -c conch -n '_shtab_conch_using sema' -l spread -d 'at most one slot per host (key ends in the host name)'
-complete -c conch -n '_shtab_conch_using sema' -l kill-after -x -d 'SIGTERM -> SIGKILL escalation, planned back from the lease'"'"'s earliest expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at --ttl 3s, 5.4s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long as without a grace)'
+complete -c conch -n '_shtab_conch_using sema' -l kill-after -x -d 'SIGTERM -> SIGKILL escalation, planned back from the lease'"'"'s earliest expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at --ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long as without a grace)'
 complete -c conch -n '_shtab_conch_using sema' -l record-args -d 'store the whole command line in the holder'"'"'s key, not only the program'"'"'s name (env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it'
 complete -c conch -n '_shtab_conch_using sema' -l who -d 'list holders and waiters (read-only); exit 0 if any, 1 if none'
 complete -c conch -n '_shtab_conch_using sema' -l json -d 'with --who: one JSON object per line'
@@ -88,9 +88,9 @@ complete -c conch -n '_shtab_conch_using sema' -l cert -xka "(__fish_complete_pa
 complete -c conch -n '_shtab_conch_using sema' -l key -xka "(__fish_complete_path (commandline -ct))" -d 'client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)'
 complete -c conch -n '_shtab_conch_using sema' -l insecure-skip-tls-verify -d 'trust whatever certificate etcd presents: encrypted, but open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)'
 complete -c conch -n '_shtab_conch_using sema' -l user -x -d 'etcd user (env CONCH_USER, ETCDCTL_USER)'
-complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer env CONCH_PASSWORD (or ETCDCTL_PASSWORD) or --password-file, which stay out of argv'
+complete -c conch -n '_shtab_conch_using sema' -l password -x -d 'etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, conch'"'"'s job included, in /proc/PID/environ'
 complete -c conch -n '_shtab_conch_using sema' -l password-file -xka "(__fish_complete_path (commandline -ct))" -d 'read the etcd password from FILE (env CONCH_PASSWORD_FILE)'
-complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from'
+complete -c conch -n '_shtab_conch_using sema' -l debug -d 'also log where each connection setting came from, and the traceback of a failure of conch'"'"'s own (exit 70)'
 
 function _conch_after_dashdash
   contains -- -- (commandline -opc)

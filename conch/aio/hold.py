@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
@@ -14,13 +15,14 @@ from conch import log
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
 from conch.core import guard, messages
+from conch.core.loss import CLOSED, KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff
 from conch.etcd.watch import WatchNotice
-from conch.hold import WITHDRAW_TIMEOUT, warn_hold_dropped
+from conch.hold import WITHDRAW_TIMEOUT, session_loss, warn_hold_dropped
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
 from conch.timer import weakly
@@ -60,8 +62,9 @@ class Hold:
         self.revision = held.revision
         self.session = session
         self.lease_id = held.lease_id
+        self._since = time.monotonic()  # for the released line's hold time
         self.lost = asyncio.Event()
-        self.reason: str | None = None
+        self.reason: Loss | None = None
         self._client = sema.client
         self._shared = shared
         self._loop = asyncio.get_running_loop()
@@ -84,11 +87,11 @@ class Hold:
 
     # -- loss --------------------------------------------------------------------------
 
-    def _session_lost(self, reason: str) -> None:
+    def _session_lost(self, reason: Loss) -> None:
         if not self._releasing:
-            self._set_lost(f"session lost: {reason}")
+            self._set_lost(session_loss(reason))
 
-    def _set_lost(self, reason: str) -> None:
+    def _set_lost(self, reason: Loss) -> None:
         if self.lost.is_set():
             return
         self.reason = reason
@@ -103,7 +106,7 @@ class Hold:
         """Call ``callback(reason)`` on the loop once the hold is lost (soon, if it already
         is). It must not block; its result is ignored."""
         if self.lost.is_set():
-            self._loop.call_soon(run_callback, callback, self.reason or "")
+            self._loop.call_soon(run_callback, callback, self.reason or CLOSED)
         else:
             self._callbacks.append(callback)
 
@@ -171,7 +174,7 @@ class Hold:
         response = await etcd_aio.txn(self._client.sync, compare, [op], [], timeout)
         if not response.succeeded:
             if not self._releasing:
-                self._set_lost("our key was deleted (found by a guarded write)")
+                self._set_lost(KEY_GONE_WRITE)
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: our key (create_revision "
                 f"{self.revision}) is gone; the guarded write was not made"
@@ -241,7 +244,7 @@ class Hold:
         """On the loop: our key deleted, or the watch ended."""
         verdict = guard.guard_on_notice(self._done(), ended=notice.error is not None)
         if verdict == guard.GuardVerdict.LOST:
-            self._set_lost("our key was deleted (lease revoked or expired, or by hand)")
+            self._set_lost(KEY_GONE)
         elif verdict == guard.GuardVerdict.LOOK:
             self._later(self._backoff.next(), self._look_at_key)
 
@@ -256,7 +259,7 @@ class Hold:
         # Only a release makes the deletion no loss (a loss seen first is kept as it is).
         verdict = guard.guard_on_look(self._releasing, seen, self.revision)
         if verdict == guard.GuardVerdict.LOST:
-            self._set_lost("our key was deleted")
+            self._set_lost(Loss(LossReason.KEY_DELETED, "our key was deleted"))
         elif verdict == guard.GuardVerdict.WATCH:
             await self._open_watch(response.header.revision + 1)
 
@@ -278,7 +281,7 @@ class Hold:
         if verdict == guard.GuardVerdict.RETRY:
             self._later(self._backoff.next(), retry)
         elif verdict == guard.GuardVerdict.LOST:
-            self._set_lost("our key was deleted (lease revoked or expired, or by hand)")
+            self._set_lost(KEY_GONE)
         elif verdict == guard.GuardVerdict.WATCH and response is not None:
             return int(response.header.revision)
         return None
@@ -310,7 +313,14 @@ class Hold:
             _cancel_watches(self._watches)
             self._forget_session()
         extra = {"after": "loss"} if self._revoked_after_loss else {}
-        log.info("released", name=self.name, rev=self.revision, **extra, revoked=revoked)
+        log.info(
+            "released",
+            name=self.name,
+            rev=self.revision,
+            **extra,
+            held=f"{time.monotonic() - self._since:.3f}s",
+            revoked=revoked,
+        )
         return revoked
 
     async def __aenter__(self) -> Hold:

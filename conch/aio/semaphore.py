@@ -272,11 +272,9 @@ class _Driver:
         """Raise what ``outcome`` means to the caller (as ``conch.Semaphore.acquire``)."""
         sema = self.sema
         if outcome.reason == messages.Reason.NO_SLOT:
-            raise errors.NoSlot(
-                f"no free slot of {sema.name}[{sema.max}] in time ({outcome.detail})"
-            )
+            raise errors.NoSlot.in_time(sema.name, sema.max, outcome.detail)
         if outcome.reason == messages.Reason.INTERRUPTED:
-            raise errors.Interrupted(outcome.detail)
+            raise errors.Interrupted(outcome.cause)
         if outcome.reason == messages.Reason.SESSION_LOST:
             raise errors.SessionLost(outcome.detail)
         failed = outcome.cause

@@ -11,6 +11,7 @@ from typing import Any
 from conch import errors, log
 from conch.aio.client import Client
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
+from conch.core.loss import CLOSED, LEASE_GONE, Loss, LossReason
 from conch.errors import EtcdError, LeaseNotFound
 from conch.etcd import aio as etcd_aio
 
@@ -31,10 +32,10 @@ class _Keeper:
         self.interval = ttl / 3
         self.alive_until = alive_until
         self.lost = asyncio.Event()
-        self.reason: str | None = None
+        self.reason: Loss | None = None
         self.closed = False
         self.revoked: asyncio.Future[bool] | None = None
-        self.listeners: dict[object, Callable[[str], None]] = {}
+        self.listeners: dict[object, Callable[[Loss], None]] = {}
         self.loop = asyncio.get_running_loop()
         self.task = self.loop.create_task(self.run())
         client._keepers.add(self)
@@ -51,10 +52,10 @@ class _Keeper:
                 try:
                     ttl = await etcd_aio.keepalive(client, self.lease_id, deadline)
                 except LeaseNotFound:
-                    self.declare_lost("lease expired or was revoked")
+                    self.declare_lost(LEASE_GONE)
                     return
                 except EtcdError as exc:
-                    self.declare_lost(f"keepalive failed: {exc}")
+                    self.declare_lost(Loss(LossReason.NO_KEEPALIVE, f"keepalive failed: {exc}"))
                     return
                 self.alive_until = sent + ttl
                 next_send = sent + self.interval
@@ -63,7 +64,7 @@ class _Keeper:
             # client's keepalive stream no longer counts this lease among those it serves.
             etcd_aio.forget_lease(client, self.lease_id)
 
-    def declare_lost(self, reason: str) -> None:
+    def declare_lost(self, reason: Loss) -> None:
         if self.closed or self.lost.is_set():
             return
         self.reason = reason
@@ -73,12 +74,12 @@ class _Keeper:
             if listener is not None:
                 run_callback(listener, reason)
 
-    def add_listener(self, listener: Callable[[str], None]) -> Callable[[], None]:
+    def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
         already); returns a function that removes it."""
         key = object()
         if self.lost.is_set():
-            self.loop.call_soon(run_callback, listener, self.reason or "")
+            self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
         else:
             self.listeners[key] = listener
 
@@ -110,7 +111,7 @@ class _Keeper:
         return True
 
 
-def run_callback(callback: Callable[[str], object], reason: str) -> None:
+def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
     try:
         callback(reason)
     except Exception as exc:  # one embedder's bug must not silence the others
@@ -203,8 +204,9 @@ class Session:
         return self._kept.lost
 
     @property
-    def reason(self) -> str | None:
-        """Why the session was lost; None while it is not."""
+    def reason(self) -> Loss | None:
+        """Why the session was lost (a Loss: its message, and its ``reason``, a
+        LossReason); None while it is not."""
         return self._kept.reason
 
     @property

@@ -193,7 +193,7 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
     try:
         outcome = await asyncio.wait_for(answer, left)
-    except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+    except TimeoutError:
         raise Unavailable("keepalive: no answer in time") from None
     if isinstance(outcome, EtcdError):
         raise outcome

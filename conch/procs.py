@@ -1,0 +1,538 @@
+"""The POSIX plumbing under the supervision loop (``conch.supervisor``): the spawn (one
+``posix_spawn`` in a new session), the reaper (which only reaps and tells: it makes no call to
+etcd), the /proc scans (our children, what escaped a job), and the job's termination (its
+process group and what left it, SIGTERM then SIGKILL); and the command's own process set up
+before it runs (std fds, locale, SIGCHLD). Linux; no etcd, no hold, no lease here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from conch import log
+from conch.flag import Mailbox, remaining
+
+_adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
+# Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
+# it has just spawned (holding it) also looks for what escaped.
+_reap_lock = threading.RLock()
+# Set when we start a process: the adopting reaper, idle for want of children, looks again at
+# once instead of after GROUP_POLL (a child that exits within it was noticed up to 50 ms late).
+_spawned = threading.Event()
+_claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
+# Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
+# reaped by Popen stays: its start time tells it from a later process with its pid).
+_beside_jobs: dict[int, int] = {}
+
+GROUP_POLL = 0.05  # seconds between checks that a process group is empty
+SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
+PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zombies may stay)
+REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """Put into the supervisor's mailbox by the reaper: the child exited (a Popen return
+    code)."""
+
+    returncode: int
+
+
+# -- the spawn -------------------------------------------------------------------------------
+
+# Signals to reset to their default in the child: an ignored signal stays ignored across exec,
+# and Python starts with these ignored (a child would see EPIPE where a shell's pipelines
+# expect to die by SIGPIPE). glibc's posix_spawn also leaves its two reserved signals (32, 33,
+# below SIGRTMIN, unusable by programs) ignored in the child; nothing can reset those.
+_RESET_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
+)
+
+
+def _inherited_fds() -> list[int]:
+    """Our inheritable descriptors above stderr (Python's own are never inheritable)."""
+    fds = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if int(name) > 2 and os.get_inheritable(int(name)):
+                    fds.append(int(name))
+    return fds
+
+
+def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
+    """Start ``argv`` (searched on PATH) in a new session and process group, with stdin,
+    stdout and stderr only (as ``subprocess``'s ``close_fds``); return its pid. One
+    ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
+    failed exec (FileNotFoundError, PermissionError, other OSError). A file the kernel
+    cannot execute (ENOEXEC: a script without a ``#!`` line) is run by /bin/sh, as
+    ``execvp(3)``, and so ``flock(1)``, do."""
+    closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
+
+    def start(path: str, args: list[str], search: bool = False) -> int:
+        launch = os.posix_spawnp if search else os.posix_spawn
+        return launch(
+            path,
+            args,
+            env,
+            file_actions=closes,
+            setsid=True,
+            setsigmask=(),  # nothing blocked
+            setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
+        )
+
+    try:
+        return start(argv[0], list(argv), search=True)
+    except OSError as exc:
+        if exc.errno != errno.ENOEXEC:
+            raise
+    # Search again, the way execvp(3) does, and give the file that says ENOEXEC to the shell
+    # (an earlier one on PATH may have been skipped: ENOENT from a missing #! interpreter).
+    denied = False
+    for path in _candidates(argv[0]):
+        try:
+            return start(path, list(argv))
+        except OSError as exc:
+            if exc.errno == errno.ENOEXEC:
+                return start(SHELL, [SHELL, path, *argv[1:]])
+            if exc.errno not in _SEARCH_ON:
+                raise
+            denied = denied or exc.errno == errno.EACCES
+    if denied:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+
+
+# Errors on one PATH entry after which execvp(3) tries the next one.
+_SEARCH_ON = {
+    errno.EACCES,
+    errno.ENOENT,
+    errno.ESTALE,
+    errno.ENOTDIR,
+    errno.ENODEV,
+    errno.ETIMEDOUT,
+}
+
+
+def _candidates(name: str) -> list[str]:
+    """The paths execvp(3) tries for ``name``, in order (an empty PATH entry is the current
+    directory)."""
+    if "/" in name:
+        return [name]
+    return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
+
+
+def adopting() -> bool:
+    """Whether ``adopt_orphans()`` worked: every child of this process is ours to reap."""
+    return _adopting
+
+
+def beside_jobs(pid: int) -> None:
+    """Our child ``pid`` (a watchdog), just started with ``_reap_lock`` held, is no part of
+    any job: the adopting reaper reaps it without taking it for a process that escaped one."""
+    if _adopting and (stat := _stat(pid)) is not None:
+        _beside_jobs[pid] = stat.started
+    _spawned.set()
+
+
+# -- the reaper ------------------------------------------------------------------------------
+
+
+def adopt_orphans() -> bool:
+    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) and start
+    one thread that reaps every child it has: what a supervised child leaves behind is
+    re-parented to us instead of PID 1, and reaped the moment it dies. Without it, a process
+    of the child's group that died of our SIGTERM is a zombie until PID 1 reaps it (late
+    where PID 1 is slow, never where it does not reap), and a zombie still counts as a
+    member of the group: the slot stays held until ``kill_after`` runs out. Process-wide:
+    only for a process that waits for no children of its own (the ``conch`` command); the
+    statuses of children ``run_child`` did not start are dropped, and SIGCHLD is set back to
+    its default if ignored (the kernel would reap them itself). Idempotent. Returns whether
+    it worked."""
+    global _adopting
+    with _reap_lock:
+        if _adopting:
+            return True
+        if signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            except ValueError:  # not the main thread: waitpid() per child copes
+                return False
+        try:
+            import ctypes
+
+            prctl = ctypes.CDLL(None, use_errno=True).prctl
+            _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            _adopting = False
+        if _adopting:
+            threading.Thread(target=_reap_all, name="conch-reap", daemon=True).start()
+        return _adopting
+
+
+def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
+    """Call ``callback(wait_status)`` from a reaping thread once our child ``pid`` exits: the
+    process-wide one after ``adopt_orphans()`` (call with ``_reap_lock`` held since before
+    the child existed), else a thread of its own blocked in waitpid on that pid alone."""
+    if _adopting:
+        _claimed[pid] = callback
+        _spawned.set()
+        return
+
+    def wait() -> None:
+        try:
+            _, status = os.waitpid(pid, 0)  # retried by Python on EINTR (PEP 475)
+        except ChildProcessError:
+            # Reaped by the kernel (SIGCHLD ignored) or by someone else's waitpid: the
+            # child is gone and its status lost. 0, as subprocess reports it then.
+            log.warning("child-status-lost", pid=pid)
+            status = 0
+        _call_back(callback, status)
+
+    threading.Thread(target=wait, name="conch-reap", daemon=True).start()
+
+
+def _reap_all() -> None:
+    """The adopting reaper: reap each child as it exits, and every other one that has exited
+    by then too (what died with a supervised child is no member of its group any more when
+    its callback looks), then call the callbacks of the claimed ones. With no child at all,
+    look again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
+    while True:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
+        except ChildProcessError:
+            # A start after the waitid above sets it; one before is seen by the next waitid.
+            _spawned.wait(GROUP_POLL)
+            _spawned.clear()
+            continue
+        done: list[tuple[Callable[[int], None], int]] = []
+        with _reap_lock:
+            while True:
+                try:
+                    reaped, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if reaped == 0:
+                    break
+                _beside_jobs.pop(reaped, None)
+                callback = _claimed.pop(reaped, None)
+                if callback is not None:
+                    done.append((callback, status))
+        for callback, status in done:
+            _call_back(callback, status)
+
+
+def _call_back(callback: Callable[[int], None], status: int) -> None:
+    """Run a child's exit callback; one that raises is logged, and the reaper reaps on."""
+    try:
+        callback(status)
+    except Exception as exc:
+        log.error("callback-failed", flag="child-exit", error=repr(exc))
+
+
+def _child_exited(pid: int, status: int, box: Mailbox) -> None:
+    """From the reaping thread: tell the supervisor, which releases the hold the moment it
+    finds the child's group gone (a thread switch later: the reaper makes no call to etcd,
+    so that a slow etcd never holds up the reaping of other children)."""
+    box.put(ChildExit(os.waitstatus_to_exitcode(status)))
+
+
+# -- /proc -----------------------------------------------------------------------------------
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _orphans() -> dict[int, _Stat]:
+    """What jobs left outside their process groups: our children that conch did not start
+    (re-parented to us, their subreaper, as their parents died). Zombies count: they are
+    reaped a moment later. Empty unless ``adopt_orphans()`` worked (without it they go to
+    another reaper, out of our sight)."""
+    if not _adopting:
+        return {}
+    # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
+    # that parent (or an ancestor of it) is then a child of ours, in view until reaped.
+    with _reap_lock:
+        return {
+            pid: stat
+            for pid, stat in _children().items()
+            if pid not in _claimed and _beside_jobs.get(pid) != stat.started
+        }
+
+
+_PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_CHILDREN
+_children_files: bool | None = None  # whether this kernel has them; None: not looked yet
+
+
+def _children() -> dict[int, _Stat]:
+    """Our children, zombies included. Read from each of our threads'
+    ``children`` file where the kernel has them (a read per thread, a few more per child),
+    else from every /proc/PID/stat on the machine (about 20 µs a process: 3 ms for 150,
+    measured on a 2-core VM)."""
+    global _children_files
+    if _children_files is None:
+        _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))
+    if _children_files:
+        for _ in range(3):
+            pids = _children_of_threads()
+            if pids is not None:
+                return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
+    me, found = os.getpid(), {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and (stat := _stat(int(name))) is not None and stat.ppid == me:
+            found[int(name)] = stat
+    return found
+
+
+def _children_of_threads() -> set[int] | None:
+    """The pids in our threads' ``children`` files; None if a thread ended meanwhile (its
+    children moved to another thread, perhaps one already read)."""
+    found: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            found.update(int(pid) for pid in _read(_PER_THREAD_CHILDREN.format(tid)).split())
+        except FileNotFoundError:
+            return None
+    return found
+
+
+def _read(path: str) -> bytes:
+    """A /proc file's content (os calls: a third of the cost of ``open()`` here)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class _Stat(NamedTuple):
+    """What /proc/PID/stat says of a process."""
+
+    ppid: int
+    pgid: int
+    zombie: bool
+    started: int  # clock ticks after boot
+
+
+def _stat(pid: int) -> _Stat | None:
+    """/proc/``pid``/stat; None once the process is gone."""
+    try:
+        fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+        return _Stat(int(fields[1]), int(fields[2]), fields[0] == b"Z", int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _command_line(pid: int) -> str:
+    """What ``ps`` shows for ``pid``: its arguments, else (a zombie) its name in brackets."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            text = cmdline.read(256).replace(b"\0", b" ").strip()
+        if text:
+            return text.decode(errors="replace")
+        with open(f"/proc/{pid}/comm", "rb") as comm:
+            return f"[{comm.read().strip().decode(errors='replace')}]"
+    return "?"
+
+
+# -- the job and its termination --------------------------------------------------------------
+
+
+class _Job:
+    """The child's process group ``pgid`` and what the child left outside it, re-parented
+    to us (``setsid cmd &``, a daemon's double fork): the slot is ours until all of it is
+    gone. Each process that escaped is named once in an ``escaped`` warning, and gets what
+    the group was last sent, also when it reaches us after that (its parent died of it)."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self._known: set[int] = set()
+        self._sent: int | None = None
+
+    def alive(self) -> bool:
+        """Whether anything of the job is left: a member of the group, or an escaped process
+        (new ones are logged, and sent the last signal)."""
+        orphans = self._escaped()
+        return _group_alive(self.pgid) or bool(orphans)
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the group and to every process that escaped it (the whole group of
+        one that leads a group of its own: what it started in turn)."""
+        self._sent = sig
+        _signal_group(self.pgid, sig)
+        for pid, stat in self._escaped().items():
+            _signal_escaped(pid, stat.pgid, sig)
+
+    def _escaped(self) -> dict[int, _Stat]:
+        orphans = _orphans()
+        for pid, stat in orphans.items():
+            # In the group: signalled with it. A zombie: gone, but for its reaping.
+            if stat.pgid == self.pgid or stat.zombie or pid in self._known:
+                continue
+            self._known.add(pid)
+            log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
+            if self._sent is not None:
+                _signal_escaped(pid, stat.pgid, self._sent)
+        return orphans
+
+
+def _signal_escaped(pid: int, pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if pgid == pid:
+            # It leads a group, in a session of its own or the child's: only processes
+            # of the job can be in it, what it started in turn.
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the group and what escaped it, and give them a moment (GONE_AFTER_KILL) to
+    be gone; never raises (it runs on the way out of an error, which must stay the one
+    reported)."""
+    with contextlib.suppress(Exception):
+        job = _Job(pgid)
+        job.signal(signal.SIGKILL)
+        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def _stop_group(
+    job: _Job,
+    box: Mailbox,
+    child_running: bool,
+    kill_at: float,
+    hurry: Callable[[object], bool] | None = None,
+) -> int | None:
+    """SIGTERM the job (its group and what escaped it); SIGKILL whatever is left of it at
+    ``kill_at`` (``time.monotonic()``): at once, without SIGTERM, if that has passed, and
+    as soon as a notice comes for which ``hurry(notice)`` is true. Waits for the child (if
+    ``child_running``) to be reaped; returns its return code."""
+    returncode = None if child_running else 0
+    if time.monotonic() < kill_at:
+        job.signal(signal.SIGTERM)
+        log.info("term-sent", pgid=job.pgid)
+        returncode, kill_at = _await_exit(box, kill_at, returncode, hurry)
+        _await_gone(job, kill_at)
+    if returncode is None or job.alive():
+        job.signal(signal.SIGKILL)
+        log.warning("kill-sent", pgid=job.pgid)
+        returncode, _ = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
+        # A SIGKILLed process is still running its exit (closing files, dropping locks,
+        # freeing memory): the slot stays ours until it is gone, within a bound.
+        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
+    return returncode if child_running else None
+
+
+def _await_gone(job: _Job, deadline: float) -> None:
+    """Poll until nothing of ``job`` is left or ``deadline`` passes (grandchildren are not
+    ours to wait() on)."""
+    while job.alive() and time.monotonic() < deadline:
+        time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
+
+
+def _await_exit(
+    box: Mailbox,
+    deadline: float,
+    returncode: int | None,
+    hurry: Callable[[object], bool] | None = None,
+) -> tuple[int | None, float]:
+    """Wait for the child's exit notice until ``deadline``; other notices are dropped, but
+    one for which ``hurry(notice)`` is true ends the wait at once. Returns the return code
+    (None: not reaped in time) and the deadline (now, if hurried)."""
+    while returncode is None:
+        try:
+            item = box.get(timeout=remaining(deadline))
+        except queue.Empty:
+            break
+        if isinstance(item, ChildExit):
+            return item.returncode, deadline
+        if hurry is not None and hurry(item):
+            return None, time.monotonic()
+    return returncode, deadline
+
+
+# -- the command's own process ---------------------------------------------------------------
+
+
+def prepare_command_process() -> None:
+    """What the ``conch`` command (never the library) sets up in its own process before
+    anything else: closed std fds reopened on /dev/null, Python's locale coercion undone for
+    the child's sake, and SIGCHLD at its default (started with it ignored, possible from a
+    parent that ignores it and execs us, the kernel would reap the child itself and its
+    status would be lost)."""
+    reopen_closed_std_fds()
+    undo_locale_coercion()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
+# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
+# in another locale under conch than without it.
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+
+
+def started_with(name: str) -> str | None:
+    """``name``'s value in the environment this process was started with (Linux's
+    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
+    value when that cannot be read."""
+    prefix = name.encode() + b"="
+    try:
+        with open("/proc/self/environ", "rb") as environ:
+            entries = environ.read().split(b"\0")
+    except OSError:
+        return os.environ.get(name)
+    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
+    return os.fsdecode(found[0]) if found else None
+
+
+def undo_locale_coercion() -> None:
+    """The command's children get the environment it was started with: Python's own
+    LC_CTYPE goes (the caller's, if it had one, comes back). Only the command: a service
+    that embeds conch may have set LC_CTYPE itself."""
+    if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
+        given = started_with("LC_CTYPE")
+        if given is None:
+            del os.environ["LC_CTYPE"]
+        else:
+            os.environ["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
+
+
+def reopen_closed_std_fds() -> None:
+    """Started with stdin, stdout or stderr closed (cron's ``>&-``): point them at /dev/null,
+    so neither our logging nor the child's inherited fds land somewhere unexpected."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115

@@ -23,14 +23,17 @@ from conch import log
 from conch.core.guard import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
 from conch.core.guard import TOUCH_DELAY as TOUCH_DELAY  # seconds
 from conch.core.guard import (
-    GuardVerdict,
-    guard_on_look,
-    guard_on_notice,
-    guard_on_touch,
-    guard_plan,
+    GuardAction,
+    GuardAfter,
+    GuardLook,
+    GuardLost,
+    GuardMachine,
+    GuardStep,
+    GuardTouch,
+    GuardWatch,
 )
-from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
-from conch.core.messages import KeyRev, TouchOwed
+from conch.core.loss import Loss, LossReason
+from conch.core.messages import KeyRev, Note, TouchOwed
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
@@ -101,20 +104,12 @@ class Hold:
         if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
-        self._plan = guard_plan(touch)
+        self._guard = GuardMachine(touch, revision, held_at, Backoff())
         # What our key says, written again by the touch.
         self._touch_value = value if touch != TouchOwed.NONE else None
         # The guard's watches (the waiting watch it retires, then its own): a list the
         # finalizer can cancel without reaching the Hold.
         self._watches: list[Watch] = list(retire)
-        # A revision at which our key was seen ours and holding: the guard watches from there
-        # (from our create_revision, after a long wait, etcd would replay all that history
-        # to the watch, or refuse it as compacted).
-        self._held_at = held_at or revision
-        self._guard_started = False
-        self._watches_own_key = False  # the guard's own watch opened (or tried)
-        self._touch_failing = False  # "touch-failed" said for the failures in a row now
-        self._backoff = Backoff()
         self._timer = timer_for(self._client)
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
@@ -122,7 +117,11 @@ class Hold:
         self.lost.add_callback(weakly(self._warn_lost))
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        self._forget_session = session.lost.add_callback(weakly(self._session_lost))
+        forget_lost = session.lost.add_callback(weakly(self._session_lost))
+        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
+        # on; a hold cannot promise it is still ours).
+        forget_expired = session.on_expired(weakly(self._session_expired))
+        self._forget_session = undo_all(forget_lost, forget_expired)
         # A lost hold has nothing left to watch, released or not (the watch would otherwise
         # stay on the client's stream for as long as the Hold is kept).
         watches = self._watches
@@ -131,30 +130,48 @@ class Hold:
             self, _dropped, session, self._client, key, revision, shared, self._watches
         )
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
-        if self._plan.touch_at_once:
-            # Another holder may leave any moment: the waiter behind us must be watching
-            # for it, so it must learn now, not once the guard starts (after the
-            # supervisor's spawn), that it is in the window.
-            self._later(0, self._touch_at_once)
+        self._execute(self._guard.made())
 
     def _session_lost(self, session_lost: Flag) -> None:
-        if not self._releasing:
-            self.lost.set(session_loss(session_lost.reason))
+        self._execute(self._guard.session_lost(session_loss(session_lost.reason)))
+
+    def _session_expired(self, loss: Loss) -> None:
+        self._execute(self._guard.session_expired(loss))
+
+    @property
+    def _guard_started(self) -> bool:
+        return self._guard.started
 
     def _done(self) -> bool:
         """Nothing left to guard: released (or releasing), or lost."""
-        return self._releasing or self.lost.is_set()
+        return self._releasing or self._guard.done
 
-    def _later(self, delay: float, step: Callable[[], None]) -> None:
-        """Run the guard's ``step`` (a bound method) ``delay`` seconds from now on the
-        timer thread, unless the Hold is gone or done by then."""
-        call = weakly(step)
+    def _execute(self, actions: list[GuardAction]) -> None:
+        """Run the guard's ``actions``: timers on the client's timer thread (reaching the
+        Hold weakly), calls to etcd as blocking calls there."""
+        for action in actions:
+            if isinstance(action, GuardAfter):
+                self._later(action.seconds, action.step)
+            elif isinstance(action, GuardTouch):
+                self._touch(action.step)
+            elif isinstance(action, GuardWatch):
+                self._open_watch(action.start)
+            elif isinstance(action, GuardLook):
+                self._look_at_key()
+            elif isinstance(action, GuardLost):
+                self.lost.set(action.loss)
+            else:
+                log_guard_note(self.name, action)
+
+    def _later(self, delay: float, step: GuardStep) -> None:
+        """Feed ``step`` to the guard ``delay`` seconds from now on the timer thread, unless
+        the Hold is gone or done by then."""
         ref = weakref.ref(self)
 
         def run() -> None:
             hold = ref()
             if hold is not None and not hold._done():
-                call()
+                hold._execute(hold._guard.step(step))
 
         self._timer.call_later(delay, run)
 
@@ -164,10 +181,10 @@ class Hold:
         starting the child. Until then, a loss is noticed
         late, never missed: the hold subscribes to the session's loss first."""
         with self._release_lock:
-            if self._guard_started or self._releasing:
+            if self._releasing:
                 return
-            self._guard_started = True
-        self._later(self._plan.watch_after, self._watch_own_key)
+            actions = self._guard.start()
+        self._execute(actions)
 
     def _warn_lost(self, lost: Flag) -> None:
         if self._warn_on_loss:
@@ -222,40 +239,21 @@ class Hold:
             self._client, [kv.create_revision_is(self.key, self.revision)], [op], [], timeout
         )
         if not response.succeeded:
-            if not self._releasing:
-                self.lost.set(KEY_GONE_WRITE)
+            self._execute(self._guard.write_refused())
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: our key (create_revision "
                 f"{self.revision}) is gone; the guarded write was not made"
             )
         return int(response.header.revision)
 
-    # -- the guard's steps (timer thread, and the watch's deliver) ------------------------
-
-    def _touch_at_once(self) -> None:
-        touched = self._touch(retry=self._touch_at_once)
-        if touched is not None and not self._watches_own_key:
-            # Ours at the touch: nothing before it to replay.
-            self._held_at = max(self._held_at, touched)
-
-    def _touch_due(self) -> None:
-        self._touch(retry=self._touch_due)
-
-    def _watch_own_key(self) -> None:
-        """Retire the waiting watch and watch our key for deletion; a max-1 hold that
-        waited touches its key TOUCH_DELAY into the hold."""
-        touch_after = self._plan.touch_after
-        if touch_after is not None:
-            self._later(touch_after - self._plan.watch_after, self._touch_due)
-        self._watches_own_key = True
-        self._open_watch(self._held_at + 1)
+    # -- the guard's calls (timer thread, and the watch's deliver) ------------------------
 
     def _open_watch(self, start: int) -> None:
         _cancel_all(self._watches)
         try:
             watch = Watch(self._client, self.key, start, weakly(self._on_notice), only_deletes=True)
         except EtcdError:
-            self._later(self._backoff.next(), self._look_at_key)
+            self._execute(self._guard.watch_failed())
             return
         self._watches.append(watch)
         if self._done():  # released or lost while it opened
@@ -263,56 +261,31 @@ class Hold:
 
     def _on_notice(self, notice: WatchNotice) -> None:
         """From the watch stream's reader: our key deleted, or the watch ended."""
-        verdict = guard_on_notice(self._done(), ended=notice.error is not None)
-        if verdict == GuardVerdict.LOST:
-            self.lost.set(KEY_GONE)
-        elif verdict == GuardVerdict.LOOK:
-            self._later(self._backoff.next(), self._look_at_key)
+        self._execute(self._guard.notice(ended=notice.error is not None))
 
     def _look_at_key(self) -> None:
         try:
             response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
         except EtcdError:
-            self._later(self._backoff.next(), self._look_at_key)
+            self._execute(self._guard.look_failed())
             return
         found = response.kvs[0] if response.kvs else None
         seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
-        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
-        verdict = guard_on_look(self._releasing, seen, self.revision)
-        if verdict == GuardVerdict.LOST:
-            self.lost.set(Loss(LossReason.KEY_DELETED, "our key was deleted"))
-        elif verdict == GuardVerdict.WATCH:
-            self._open_watch(response.header.revision + 1)
+        self._execute(self._guard.looked(seen, int(response.header.revision)))
 
-    def _touch(self, retry: Callable[[], None]) -> int | None:
+    def _touch(self, step: GuardStep) -> None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
-        waiter behind us, which watches our key. Retried with backoff while etcd is away;
-        returns the touch's revision, or None when there is nothing more to do now
-        (released, lost, the compare failed: our key is gone and ``lost`` is set, or a
-        ``retry`` is scheduled)."""
+        waiter behind us, which watches our key."""
         assert self._touch_value is not None
         try:
             response = touch(
                 self._client, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
-            # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
-            # Said once per run of failures: the alarm may last hours.
-            if not self._touch_failing:
-                log.warning("touch-failed", name=self.name, error=str(exc))
-            self._touch_failing = True
-            succeeded = None
-        else:
-            self._touch_failing = False
-            succeeded = bool(response.succeeded)
-        verdict = guard_on_touch(self._releasing, succeeded)
-        if verdict == GuardVerdict.RETRY:
-            self._later(self._backoff.next(), retry)
-        elif verdict == GuardVerdict.LOST:
-            self.lost.set(KEY_GONE)
-        elif verdict == GuardVerdict.WATCH:
-            return int(response.header.revision)
-        return None
+            self._execute(self._guard.touch_failed(step, str(exc)))
+            return
+        answer = self._guard.touched(step, int(response.header.revision), bool(response.succeeded))
+        self._execute(answer)
 
     # -- release ---------------------------------------------------------------------------
 
@@ -350,6 +323,7 @@ class Hold:
         while another thread revokes waits for that revoke to end."""
         with self._release_lock:
             releasing, self._releasing = self._releasing, True
+            self._guard.release()
         if releasing:
             self._released.wait()
             return
@@ -436,6 +410,22 @@ def session_loss(said: object) -> Loss:
     if isinstance(said, Loss):
         return said.within("session lost: ")
     return Loss(LossReason.NO_KEEPALIVE, f"session lost: {said}")
+
+
+def log_guard_note(name: str, note: Note) -> None:
+    """Log a guard's Note (``touch-failed``...) for the semaphore ``name``."""
+    emit = log.warning if note.warning else log.info
+    emit(note.event, name=name, **note.fields)
+
+
+def undo_all(*undos: Callable[[], object]) -> Callable[[], None]:
+    """One function that calls each of ``undos`` (subscriptions' removers)."""
+
+    def undo() -> None:
+        for each in undos:
+            each()
+
+    return undo
 
 
 def _bytes(text: bytes | str) -> bytes:

@@ -39,28 +39,25 @@ import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from conchpb.etcdserverpb import rpc_pb2
-from conchpb.mvccpb import kv_pb2
 
 from conch import keys, log
-from conch.core import messages, waiter
+from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
 from conch.errors import (
-    Compacted,
     EtcdError,
     Interrupted,
-    LeaseNotFound,
     NoSlot,
     SessionLost,
-    Unavailable,
     UsageError,
 )
-from conch.etcd import kv, lease
+from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
-from conch.etcd.watch import DELETE, Watch, WatchNotice
+from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag, Mailbox, remaining
-from conch.hold import WITHDRAW_TIMEOUT, Hold, delete_own_key, touch
+from conch.hold import WITHDRAW_TIMEOUT, Hold
 from conch.identity import Identity
 from conch.session import Session, check_client, check_ttl
 
@@ -172,61 +169,21 @@ class Semaphore:
         return keys.holder_key(self.name, self.max, session.lease_id)
 
     def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, kv.TxnResponse]:
-        """Step 1: put our key bound to the lease, create-if-absent, and read the first
-        ``max`` keys in the same KV.Txn (else read the key found in our place). Returns
-        the response and the value we sent."""
+        """Step 1 (``codec.enqueue_call``): put our key bound to the lease, create-if-absent,
+        and read the first ``max`` keys in the same KV.Txn (else read the key found in our
+        place). Returns the value we sent and the response."""
         value = self.identity.entering().to_json()
-        return value, kv.txn(
-            self.client,
-            [kv.create_revision_is(key, 0)],
-            [kv.op_put(key, value, lease_id), kv.op_range(self._heads_request())],
-            [kv.op_get(key)],
-            interrupt=interrupt,
+        call = codec.enqueue_call(
+            messages.SendEnqueue(0, key, lease_id), self.prefix, self.max, value
         )
+        response: kv.TxnResponse = send(self.client, call, interrupt)
+        return value, response
 
-    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-        """Steps 2-3: one read-only KV.Txn of two ranges, so both see one revision (keys
-        only): the window up to our key (``window_size(max)`` keys ascending by
-        create_revision, none created after ours), and our key with the one just ahead."""
-        window = kv.prefix_request(
-            self.prefix,
-            limit=window_size(self.max),
-            keys_only=True,
-            max_create_revision=revision,
-            sort_target=kv.CREATE,
-            sort_order=kv.ASCEND,
-        )
-        mine_and_prev = kv.prefix_request(
-            self.prefix,
-            limit=2,
-            keys_only=True,
-            max_create_revision=revision,
-            sort_target=kv.CREATE,
-            sort_order=kv.DESCEND,
-        )
-        return _read_together(self.client, [window, mine_and_prev], interrupt)
-
-    def _heads_request(self) -> rpc_pb2.RangeRequest:
-        """The first ``max`` keys by create_revision (the holders), keys only."""
-        return kv.prefix_request(
-            self.prefix,
-            limit=self.max,
-            keys_only=True,
-            sort_target=kv.CREATE,
-            sort_order=kv.ASCEND,
-        )
-
-    def _count_ahead(self, revision: int, interrupt: Flag) -> int:
-        """How many keys are ahead of ours (for the ``queued`` log line only; etcd's count
-        ignores the create_revision filter, so this reads the keys ahead once)."""
-        response = kv.range_prefix(
-            self.client,
-            self.prefix,
-            interrupt=interrupt,
-            keys_only=True,
-            max_create_revision=revision - 1,
-        )
-        return len(response.kvs)
+    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> codec.Together:
+        """Steps 2-3 (``codec.standing_reads``): the window, and our key with the one just
+        ahead, seen at one revision, read by the plan for the endpoint's etcd release."""
+        reads = codec.standing_reads(messages.ReadStanding(0, key, revision), self.prefix, self.max)
+        return read_together(self.client, reads, read_plan(self.client, interrupt), interrupt)
 
 
 class _Wait:
@@ -333,13 +290,7 @@ class _Wait:
         watch_id = self.ids.get(notice.watch)
         if watch_id is None:
             return None  # a cancelled watch
-        if notice.error is not None:
-            compacted = isinstance(notice.error, Compacted)
-            return messages.WatchBroken(watch_id, compacted, str(notice.error))
-        if notice.created:
-            return messages.WatchCreated(watch_id, notice.revision)
-        events = [messages.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
-        return messages.WatchEvents(watch_id, events, notice.revision)
+        return codec.watch_input(watch_id, notice)
 
     # -- actions -------------------------------------------------------------------------
 
@@ -367,7 +318,7 @@ class _Wait:
         except Interrupted:
             return None  # _poll feeds the interrupt next
         except EtcdError as exc:
-            return messages.Failed(action.id, _failure(exc), str(exc), exc)
+            return codec.failed(action.id, exc)
 
     def _call(self, action: messages.Action) -> messages.Input | None:
         """The actions that call etcd. Raises EtcdError, Interrupted."""
@@ -379,34 +330,21 @@ class _Wait:
             return messages.SessionOpened(action.id, session.lease_id, sema._key(session))
         if isinstance(action, messages.SendEnqueue):
             value, response = sema._enqueue(action.key, action.lease_id, interrupt)
-            return _enqueue_answer(action, response, value)
+            return codec.enqueue_answer(action, response, value)
         if isinstance(action, messages.ReadStanding):
-            response = sema._standing(action.key, action.revision, interrupt)
-            return messages.StandingAnswer(
-                action.id,
-                int(response.header.revision),
-                [_key_rev(k) for k in response.responses[0].response_range.kvs],
-                [_key_rev(k) for k in response.responses[1].response_range.kvs],
+            return codec.standing_answer(
+                action, sema._standing(action.key, action.revision, interrupt)
             )
         if isinstance(action, messages.ReadKeys):
-            reads = [rpc_pb2.RangeRequest(key=key) for key in action.keys]
-            response = _read_together(self.client, reads, interrupt)
-            found = [r.response_range.kvs for r in response.responses]
-            return messages.KeysAnswer(
-                action.id,
-                int(response.header.revision),
-                [_key_rev(kvs[0]) if kvs else None for kvs in found],
-            )
+            plan = read_plan(self.client, interrupt)
+            read = read_together(self.client, codec.keys_reads(action), plan, interrupt)
+            return codec.keys_answer(action, read)
         if isinstance(action, messages.OpenWatch):
             self._open_watch(action)
             return None
         if isinstance(action, messages.Touch):
-            response = touch(
-                self.client, action.key, action.revision, action.value, action.lease_id, interrupt
-            )
-            return messages.TouchAnswer(
-                action.id, int(response.header.revision), bool(response.succeeded)
-            )
+            call = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
+            return codec.touch_answer(action, send(self.client, call, interrupt))
         if isinstance(action, messages.CheckLease):
             assert self.session is not None
             if not self.session.certainly_alive():
@@ -419,14 +357,14 @@ class _Wait:
         # From "now", not from the standing's revision + 1: etcd serves a watch that starts
         # in the past from a catch-up loop that runs every 100 ms, which would add up to
         # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
-        end = kv.prefix_end(action.key) if action.prefix else b""
+        key, end, only_deletes = codec.watch_range(action)
         watch = Watch(
             self.client,
-            action.key,
+            key,
             0,
             self.box.put,
             range_end=end,
-            only_deletes=action.prefix,
+            only_deletes=only_deletes,
             confirm=True,
         )
         self.watches[action.id] = watch
@@ -439,7 +377,7 @@ class _Wait:
                 session.lost.unsubscribe(self.box)
                 session.close(timeout=WITHDRAW_TIMEOUT)
             return
-        _withdraw(self.client, action.key, action.revision, action.lease_id)
+        _withdraw(self.client, action)
 
     def _log(self, note: messages.Note) -> None:
         sema = self.sema
@@ -447,7 +385,8 @@ class _Wait:
         revision = revision_to_count(note)
         if revision is not None:
             try:
-                ahead = sema._count_ahead(revision, self.interrupt)
+                request = codec.count_ahead_request(sema.prefix, revision)
+                ahead = len(kv.range_(self.client, request, interrupt=self.interrupt).kvs)
             except (EtcdError, Interrupted):
                 ahead = None
         log_note(sema.name, sema.max, sema.identity.host, note, ahead)
@@ -494,73 +433,48 @@ class _Wait:
         if self.machine.outcome is not None:
             return  # withdrawn by the machine (or held: the hold took the session)
         if self.shared:
-            _withdraw(self.client, self.machine.key, self.machine.revision, session.lease_id)
+            machine = self.machine
+            _withdraw(
+                self.client,
+                messages.Withdraw(0, machine.key, machine.revision, session.lease_id, False),
+            )
         else:
             session.close(timeout=WITHDRAW_TIMEOUT)
 
 
-_EVENT_TYPES = {DELETE: messages.EventType.DELETE, kv_pb2.Event.PUT: messages.EventType.PUT}
+def send(
+    client: Client, call: codec.Call, interrupt: Flag | None = None, timeout: float | None = None
+) -> Any:
+    """Send ``call`` (built by the codec) with the etcd layer's call for it (``kv.txn``,
+    ``kv.range_``, else ``client.call``): its response. Raises as ``Client.call``."""
+    request = call.request
+    if isinstance(request, rpc_pb2.TxnRequest):
+        compare, success, failure = list(request.compare), list(request.success), request.failure
+        return kv.txn(client, compare, success, list(failure), timeout, interrupt)
+    if isinstance(request, rpc_pb2.RangeRequest):
+        return kv.range_(client, request, timeout, interrupt)
+    return client.call(call.service, call.method, request, timeout, interrupt=interrupt)
 
 
-def _key_rev(item: kv.KeyValue) -> messages.KeyRev:
-    return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+def read_plan(client: Client, interrupt: Flag | None = None) -> codec.ReadPlan:
+    """How to read Ranges together from the endpoint ``client`` calls now: the codec's
+    plan for its etcd release (Maintenance.Status, asked once per endpoint)."""
+    return codec.read_plan(status.server_version(client, interrupt))
 
 
-def _enqueue_answer(
-    action: messages.SendEnqueue, response: kv.TxnResponse, sent: bytes
-) -> messages.EnqueueAnswer:
-    revision = int(response.header.revision)
-    if response.succeeded:
-        heads = [h.key for h in response.responses[1].response_range.kvs]
-        return messages.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
-    found = response.responses[0].response_range.kvs
-    if not found:
-        return messages.EnqueueAnswer(action.id, revision, False)
-    ours = found[0].lease == action.lease_id
-    value = found[0].value if ours else b""
-    return messages.EnqueueAnswer(
-        action.id, revision, False, value, existing=_key_rev(found[0]), existing_ours=ours
-    )
-
-
-def _read_together(
-    client: Client, reads: list[rpc_pb2.RangeRequest], interrupt: Flag
-) -> kv.TxnResponse:
-    """Several Ranges seen at one revision: one read-only KV.Txn. Under the space alarm
-    etcd refuses every Txn, read-only ones too, once its database is over its quota (the
-    quota gate costs a Txn by its size, whatever its ops), while KV.Range is still served:
-    then the first Range, and the others pinned to its revision, answered as one Txn."""
-    try:
-        return kv.txn(client, [], [kv.op_range(r) for r in reads], [], interrupt=interrupt)
-    except EtcdError as exc:
-        if _failure(exc) != messages.Failure.NO_SPACE:
-            raise
-    first = kv.range_(client, reads[0], interrupt=interrupt)
-    at = int(first.header.revision)
-    answers = [first]
-    for read in reads[1:]:
-        pinned = rpc_pb2.RangeRequest()
-        pinned.CopyFrom(read)
-        pinned.revision = at
-        answers.append(kv.range_(client, pinned, interrupt=interrupt))
-    return rpc_pb2.TxnResponse(
-        header=first.header,
-        succeeded=True,
-        responses=[rpc_pb2.ResponseOp(response_range=a) for a in answers],
-    )
-
-
-def _failure(exc: EtcdError) -> messages.Failure:
-    """The recipe's name for how a request failed."""
-    if isinstance(exc, (Unavailable, Compacted)):
-        # Compacted: a read pinned to a revision compaction just passed; read again.
-        return messages.Failure.UNREACHABLE
-    if isinstance(exc, LeaseNotFound):
-        return messages.Failure.LEASE_NOT_FOUND
-    # etcd's space alarm (NOSPACE): "etcdserver: mvcc: database space exceeded".
-    if exc.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(exc):
-        return messages.Failure.NO_SPACE
-    return messages.Failure.OTHER
+def read_together(
+    client: Client, reads: list[rpc_pb2.RangeRequest], plan: codec.ReadPlan, interrupt: Flag
+) -> codec.Together:
+    """Ranges seen at one revision, read by ``plan`` (``codec.ReadTogether`` decides, also
+    to go on with pinned Ranges when etcd's space alarm refuses the read-only Txn). Raises
+    EtcdError, Interrupted."""
+    read = codec.ReadTogether(reads, plan)
+    while (call := read.next_call()) is not None:
+        try:
+            read.answer(send(client, call, interrupt))
+        except EtcdError as exc:
+            read.refused(exc)
+    return read.result
 
 
 def _gave_up(sema: Semaphore, outcome: messages.GaveUp, interrupt: Flag) -> BaseException:
@@ -578,20 +492,14 @@ def _gave_up(sema: Semaphore, outcome: messages.GaveUp, interrupt: Flag) -> Base
     return EtcdError(outcome.detail)
 
 
-def _withdraw(client: Client, key: bytes, revision: int, lease_id: int) -> None:
-    """Delete our key from a shared session (its lease lives on), best effort: if etcd
-    cannot be reached it stays until the session ends. ``revision`` 0: our enqueue's
-    outcome is unknown (etcd went away mid-call), so the key goes if it is on our lease."""
+def _withdraw(client: Client, action: messages.Withdraw) -> None:
+    """Delete our key from a shared session (its lease lives on), best effort within
+    WITHDRAW_TIMEOUT (``codec.withdraw_call``): if etcd cannot be reached it stays until
+    the session ends."""
     try:
-        if revision:
-            delete_own_key(client, key, revision, WITHDRAW_TIMEOUT)
-            return
-        on_our_lease = rpc_pb2.Compare(
-            result=rpc_pb2.Compare.EQUAL, target=rpc_pb2.Compare.LEASE, key=key, lease=lease_id
-        )
-        kv.txn(client, [on_our_lease], [kv.op_delete(key)], [], timeout=WITHDRAW_TIMEOUT)
+        send(client, codec.withdraw_call(action), timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
-        log.warning("withdraw-failed", name=key.decode(errors="replace"), error=str(exc))
+        log.warning("withdraw-failed", name=action.key.decode(errors="replace"), error=str(exc))
 
 
 def log_acquired(name: str, max: int, outcome: messages.Held, started: float) -> None:

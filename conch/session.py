@@ -17,27 +17,25 @@ import weakref
 from collections.abc import Callable
 
 from conch import log
-from conch.core.loss import LEASE_GONE, Loss, LossReason
+from conch.core.loss import Loss
+from conch.core.session import (
+    SEND_GRID as SEND_GRID,  # seconds; named here too
+)
+from conch.core.session import (
+    Expired,
+    SendKeepalive,
+    SessionAction,
+    SessionMachine,
+    WakeAt,
+)
+from conch.core.session import (
+    keepalive_margin as keepalive_margin,  # seconds; named here too
+)
 from conch.errors import EtcdError, LeaseNotFound, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
 from conch.timer import Handle, timer_for
-
-
-def keepalive_margin(ttl: float) -> float:
-    """The grace, in seconds, beyond one keepalive interval before an unanswered keepalive
-    counts as loss: small next to the TTL, so the child is stopped well before the lease
-    can expire on the server."""
-    return min(1.0, ttl / 6)
-
-
-# Keepalives go out at most this much (or an eighth of the interval) before they are due,
-# on a grid of that step: the sessions of a client then send, and etcd answers, in bursts
-# that the keepalive thread handles in one wake-up each (200 sessions of 10 s: 15-21 ms/s
-# of CPU against 26-30 sent each on its own time). Early is safe: the lease is refreshed
-# sooner, and each keepalive's deadline counts from when it was sent.
-SEND_GRID = 0.5  # seconds
 
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 
@@ -55,23 +53,24 @@ def check_client(client: object) -> None:
 
 
 class _Keeper:
-    """The lease, its keepalive schedule and its loss: everything the keepalives need, and
-    nothing that keeps the Session alive.
+    """The lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
+    the loss decision), executed: everything the keepalives need, and nothing that keeps
+    the Session alive.
 
     Its steps run on the client's keepalive thread (``lease.KeepAlives.timer``), shared by
     every session of the client: a session costs no thread. That thread makes no call that
     waits on etcd, so one session's slow step (a guard's Range, a revoke) never holds back
     another's loss."""
 
-    def __init__(self, client: Client, lease_id: int, ttl: int, alive_until: float) -> None:
+    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.client = client
         self.lease_id = lease_id
         self.ttl = ttl
-        self.interval = ttl / 3
-        self.margin = keepalive_margin(ttl)
-        self.alive_until = alive_until
+        self.machine = SessionMachine(ttl, granted_at)
+        self.interval = self.machine.interval
         self.lost = Flag("session-lost")
         self.listeners: list[Callable[[], None]] = []
+        self.expiry_listeners: list[Callable[[Loss], None]] = []
         self.stop = threading.Event()
         self.keepalives = lease.keepalives_for(client)
         self._next: Handle | None = None
@@ -79,51 +78,59 @@ class _Keeper:
         # left behind goes at once instead of after the TTL.
         self.forget_client = client.on_close(self.client_closing)
 
+    @property
+    def alive_until(self) -> float:
+        return self.machine.alive_until
+
     def client_closing(self, seconds: float) -> None:
         if not self.stop.is_set():
             self.close(seconds)
 
     def start(self) -> None:
-        """Schedule the first keepalive one interval from now. Raises RuntimeError when the
-        keepalive thread cannot be started."""
-        self.send_at(time.monotonic() + self.interval)
+        """Schedule the first keepalive one interval from the grant. Raises RuntimeError
+        when the keepalive thread cannot be started."""
+        self.execute(self.machine.start())
 
-    def send_at(self, due: float) -> None:
-        """Schedule the next keepalive for ``due`` (``time.monotonic()``), on SEND_GRID."""
-        step = min(SEND_GRID, self.interval / 8)
-        self._next = self.keepalives.timer.call_later(
-            due - due % step - time.monotonic(), self.send
-        )
+    def execute(self, actions: list[SessionAction]) -> None:
+        """Run the machine's ``actions`` (on the keepalive thread, but for ``start``)."""
+        for action in actions:
+            if isinstance(action, WakeAt):
+                if self._next is not None:
+                    self._next.cancel()
+                delay = action.at - time.monotonic()
+                self._next = self.keepalives.timer.call_later(delay, self.wake)
+            elif isinstance(action, SendKeepalive):
+                self.send(action.deadline)
+            elif isinstance(action, Expired):
+                for listener in tuple(self.expiry_listeners):
+                    _call(listener, action.loss)
+            else:
+                self.declare_lost(action.loss)
 
-    def send(self) -> None:
-        """One keepalive, answered by one interval plus the margin from now, or loss."""
-        if self.stop.is_set():
-            return
+    def send(self, deadline: float) -> None:
         sent = time.monotonic()
-        deadline = sent + self.interval + self.margin
         self.keepalives.refresh(
             self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
         )
+
+    def wake(self) -> None:
+        if not self.stop.is_set():
+            self.execute(self.machine.wake(time.monotonic()))
 
     def answered(self, sent: float, outcome: lease.Outcome) -> None:
         if self.stop.is_set():
             self.keepalives.forget(self.lease_id)  # closed while it was under way
             return
         if isinstance(outcome, LeaseNotFound):
-            self.declare_lost(LEASE_GONE)
+            self.execute(self.machine.lease_gone())
             return
         if isinstance(outcome, EtcdError):
-            self.declare_lost(Loss(LossReason.NO_KEEPALIVE, f"keepalive failed: {outcome}"))
+            self.execute(self.machine.unanswered(time.monotonic()))
             return
-        # etcd restarted the countdown when it received the keepalive, after we sent it.
-        self.alive_until = sent + outcome
         # Scheduled before the listeners run, so that none of them can stop the keepalives.
-        self.send_at(sent + self.interval)
+        self.execute(self.machine.answered(sent, outcome))
         for listener in tuple(self.listeners):
-            try:
-                listener()
-            except Exception as exc:  # one embedder's bug must not end the others' calls
-                log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
+            _call(listener)
 
     def declare_lost(self, reason: Loss) -> None:
         if self.stop.is_set():
@@ -133,6 +140,7 @@ class _Keeper:
 
     def close(self, timeout: float | None) -> bool:
         self.stop.set()
+        self.machine.close()
         if self._next is not None:
             self._next.cancel()
         self.forget_client()
@@ -146,6 +154,13 @@ class _Keeper:
             # meanwhile changes nothing (``stop`` is set).
             self.keepalives.forget(self.lease_id)
         return True
+
+
+def _call(listener: Callable[..., None], *args: object) -> None:
+    try:
+        listener(*args)
+    except Exception as exc:  # one embedder's bug must not end the others' calls
+        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
 
 
 def warn_session_dropped(face: str, lease_id: int) -> None:
@@ -174,9 +189,13 @@ class Session:
     LeaseKeepAlive stream, which every session of the client shares, from the client's
     keepalive thread (no thread per session).
 
-    ``lost`` (a Flag) is set the moment it is no longer certain the lease is alive: etcd
-    answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no answer comes
-    within one interval plus ``keepalive_margin``. Its ``reason`` says which. ``close()``
+    ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
+    TTL <= 0: expired or revoked); its ``reason`` is a ``conch.core.loss.Loss`` (a str, with
+    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered (etcd away) is
+    sent again, with backoff, and loses nothing by itself: until ``alive_until`` the lease
+    is alive for sure, and past it unconfirmed the holds on the session are lost
+    (``on_expired``) while the session itself, and a waiter's place on it, lives on until
+    etcd says otherwise (``conch.core.session`` has the rule). ``close()``
     (or leaving the ``with`` block) revokes the lease, so every key on it goes at once.
     Raises Unavailable (or another EtcdError) when LeaseGrant fails, Interrupted when
     ``interrupt`` is set while it retries.
@@ -202,7 +221,7 @@ class Session:
         granted = lease.grant(client, ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives a grant or keepalive, which is after
         # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
-        self._keeper = _Keeper(client, granted.id, granted.ttl, asked + granted.ttl)
+        self._keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.lease_id = granted.id
         self.ttl = granted.ttl
         self.interval = self._keeper.interval
@@ -240,11 +259,14 @@ class Session:
             time.monotonic() < keeper.alive_until
         )
 
-    @property
-    def silence_limit(self) -> float:
-        """Seconds without a confirmed keepalive after which a live session would surely have
-        declared itself lost (two intervals plus two margins): the watchdog's deadline."""
-        return 2 * self.interval + 2 * keepalive_margin(self.ttl)
+    def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
+        """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
+        confirmed since (``loss``: LossReason.NO_KEEPALIVE): the lease may be gone, or may
+        live on through an outage of etcd; a hold on the session is lost then. It runs on
+        the client's keepalive thread and must not block. Returns a function that removes
+        it."""
+        self._keeper.expiry_listeners.append(listener)
+        return lambda: self._keeper.expiry_listeners.remove(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has

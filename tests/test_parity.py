@@ -14,11 +14,14 @@ import contextlib
 import functools
 import gc
 import logging
+import re
 import sys
 import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
@@ -670,3 +673,89 @@ def test_closing_the_client_revokes_the_leases_still_open_on_it(
         run(face, scenario)
     assert sema_keys(client, name) == []
     assert time.monotonic() - started < 15
+
+
+# -- etcd's space alarm (NOSPACE) ----------------------------------------------------------
+
+QUOTA = "--quota-backend-bytes=4194304"  # 4 MiB: filled in a second
+
+
+@pytest.fixture
+def small_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A one-member etcd of this test's own with a small space quota, filled by the test."""
+    cluster = EtcdCluster(tmp_path / "small", extra=[QUOTA])
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def fill_until_refused(client: Client) -> None:
+    """Write junk until etcd raises its space alarm ("database space exceeded")."""
+    blob = b"x" * 256 * 1024
+    for i in range(200):
+        try:
+            kv.put(client, f"/fill/{i}".encode(), blob)
+        except conch.EtcdError as exc:
+            assert "database space exceeded" in str(exc), exc
+            return
+    raise AssertionError("etcd's quota never refused a write")
+
+
+HOLD_FOR = 0.6  # seconds each waiter holds (the job's length): over the holder's TOUCH_DELAY
+
+
+def test_under_the_space_alarm_six_waiters_behind_a_holder_all_hold_in_order(
+    face: Face, small_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder and six waiters queued at max=1, then etcd's space alarm (writes refused,
+    Ranges served, read-only Txns refused too), then the holder releases: the waiter at the
+    head holds from the release's event; the ones behind the window, woken by their
+    predecessor's deletion, read their standing as Ranges pinned to one revision; the
+    touches (the waiters' and the new holders') are refused and retried, and lose nothing.
+    All six hold in the order they queued, with no re-entry and no hold lost. Before, the
+    asyncio face's standing read had no fallback: two held, the other four logged
+    ``etcd-away`` until their timeout (NoSlot)."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(small_etcd)
+
+    async def scenario(fclient: Any) -> None:
+        with small_etcd.client() as client:
+            holder = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+            waiting: list[asyncio.Future[Any]] = []
+            for queued in range(2, 8):
+                sema = here.semaphore(fclient, name, max=1, ttl=30)
+                waiting.append(asyncio.ensure_future(here.acquire(sema, timeout=40)))
+                await _poll(functools.partial(_count_is, client, name, queued), "queued")
+            order = revisions(client, name)[1:]
+            await asyncio.to_thread(fill_until_refused, client)
+            caplog.clear()
+            await here.release(holder)
+            held = []
+            for each in waiting:
+                hold = await asyncio.wait_for(each, DEADLINE)
+                held.append(hold.revision)
+                await asyncio.sleep(HOLD_FOR)  # the job
+                await here.check(hold)
+                await here.release(hold)
+            assert held == order
+            await _poll(lambda: sema_keys(client, name) == [], "every key gone")
+
+    run_at(here, scenario)
+    events = set(re.findall(r"event=([\w-]+)", caplog.text))
+    assert events == {"acquired", "released", "touch-failed"}, events
+
+
+def _count_is(client: Client, name: str, count: int) -> bool:
+    return len(sema_keys(client, name)) == count
+
+
+def run_at(here: Face, scenario: Callable[[Any], Awaitable[None]]) -> None:
+    """``run`` with a client of ``here`` (a face at another etcd), and threads enough for
+    the threaded face's blocking calls (each on a thread) to all wait at once."""
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(32))
+        async with here.connect() as fclient:
+            await scenario(fclient)
+
+    asyncio.run(main())

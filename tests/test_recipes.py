@@ -84,6 +84,14 @@ def parse(raw: bytes) -> tuple[int, dict[str, str], str]:
     for line in lines[1:]:
         key, _, value = line.partition(":")
         headers[key.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        chunks, rest = [], body
+        while rest:
+            size, _, rest = rest.partition("\r\n")
+            length = int(size, 16)
+            chunks.append(rest[:length])
+            rest = rest[length + 2 :] if length else ""
+        body = "".join(chunks)
     return status, headers, body
 
 
@@ -97,10 +105,10 @@ def example_env(etcd: EtcdCluster, name: str, **extra: str) -> dict[str, str]:
     }
 
 
-def uvicorn(target: str, env: dict[str, str], log: Path) -> Served:
+def uvicorn(target: str, env: dict[str, str], log: Path, lifespan: str = "on") -> Served:
     port = free_port()
     argv = [sys.executable, "-m", "uvicorn", target, "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--http", "h11", "--lifespan", "on"]
+    argv += ["--port", str(port), "--http", "h11", "--lifespan", lifespan]
     argv += ["--timeout-graceful-shutdown", "1", "--log-level", "warning"]
     return Served(argv, env, log, port)
 
@@ -175,3 +183,143 @@ def test_fastapi_answers_503_to_queued_requests_on_shutdown_and_leaves_no_key(
     assert code in (0, -signal.SIGTERM)
     assert took < 20
     assert "Exception in ASGI application" not in fastapi_server.log.read_text()
+
+
+# -- Django ----------------------------------------------------------------------------
+
+
+def test_django_sync_view_answers_the_token_and_503_on_no_slot(
+    etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in example_env(etcd, name, CONCH_EXAMPLE_WAIT="0.3").items():
+        monkeypatch.setenv(key, value)
+    from django.test import Client as DjangoClient
+
+    import examples.django_app  # noqa: F401  (configures Django)
+
+    browser = DjangoClient()
+    ok = browser.get("/call")
+    assert ok.status_code == 200 and json.loads(ok.content)["token"] > 0
+    with conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10):
+        busy = browser.get("/call")
+    assert busy.status_code == 503 and busy["Retry-After"] == "1"
+    assert sema_keys(client, name, 1) == []
+
+
+def test_django_runserver_serves_the_sync_view(
+    etcd: EtcdCluster, name: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "examples/django_app.py", "runserver", "--noreload", str(port)]
+    served = Served(argv, example_env(etcd, name), tmp_path / "runserver.log", port)
+    try:
+        status, _, body = served.get("/call")
+        assert status == 200 and json.loads(body)["token"] > 0, body
+    finally:
+        served.kill()
+
+
+def test_django_asgi_view_withdraws_a_request_whose_client_disconnects(
+    etcd: EtcdCluster, client: Client, name: str, tmp_path: Path
+) -> None:
+    served = uvicorn(
+        "examples.django_app:asgi_app",
+        example_env(etcd, name, CONCH_EXAMPLE_WAIT="30"),
+        tmp_path / "uvicorn.log",
+        lifespan="off",  # Django's ASGI handler has no lifespan
+    )
+    try:
+        status, _, body = served.get("/acall")
+        assert status == 200 and json.loads(body)["token"] > 0, body
+        with conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10):
+            socks = [served.request("/acall") for _ in range(3)]
+            poll(lambda: len(sema_keys(client, name, 1)) == 4, what="every request queued")
+            socks[2].close()
+            poll(lambda: len(sema_keys(client, name, 1)) == 3, what="the abandoned withdrawn")
+        assert [parse(answer(sock))[0] for sock in socks[:2]] == [200, 200]
+        poll(lambda: sema_keys(client, name, 1) == [], what="nothing left")
+    finally:
+        served.kill()
+
+
+# -- Celery ----------------------------------------------------------------------------
+
+
+def test_celery_prefork_workers_hold_at_most_max_slots(
+    etcd: EtcdCluster, client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefork worker of 3 processes (each connects in worker_process_init), 8 tasks on
+    one slot: every task ran, one at a time, each with its own rising fencing token."""
+    journal = tmp_path / "journal"
+    env = example_env(
+        etcd,
+        name,
+        CONCH_EXAMPLE_BROKER_DIR=str(tmp_path / "broker"),
+        CONCH_EXAMPLE_JOURNAL=str(journal),
+        CONCH_EXAMPLE_WAIT="30",
+    )
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = [sys.executable, "-m", "celery", "-A", "examples.celery_app", "worker"]
+    argv += ["--pool", "prefork", "--concurrency", "3", "--loglevel", "warning"]
+    log = tmp_path / "celery.log"
+    with log.open("wb") as out:
+        worker = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    try:
+        import examples.celery_app as tasks
+
+        results = [tasks.call_backend.delay(str(i)) for i in range(8)]
+        tokens = [result.get(timeout=120) for result in results]
+        assert len(set(tokens)) == 8
+        lines = [line.split() for line in journal.read_text().splitlines()]
+        assert len(lines) == 16
+        inside = 0
+        for _, what, _, _ in sorted(lines, key=lambda line: float(line[0])):
+            inside += 1 if what == "start" else -1
+            assert inside in (0, 1), lines
+        in_order = sorted(lines, key=lambda line: float(line[0]))
+        starts = [int(rev) for _, what, _, rev in in_order if what == "start"]
+        assert starts == sorted(starts)  # one slot: each holder's token above the last
+        assert sema_keys(client, name, 1) == []
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        try:
+            worker.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        print(log.read_text(errors="replace"))
+
+
+# -- gunicorn --------------------------------------------------------------------------
+
+
+def test_gunicorn_preloaded_workers_each_connect_their_own_client(
+    etcd: EtcdCluster, client: Client, name: str, tmp_path: Path
+) -> None:
+    """gunicorn --preload, 3 sync workers (examples/gunicorn_conf.py): the workers serve
+    (a worker on the master's client would raise at once), NoSlot is a 503, and a graceful
+    stop leaves no key."""
+    port = free_port()
+    argv = [sys.executable, "-m", "gunicorn", "-c", "examples/gunicorn_conf.py"]
+    argv += ["examples.django_app:wsgi_app"]
+    env = example_env(etcd, name, CONCH_EXAMPLE_BIND=f"127.0.0.1:{port}", CONCH_EXAMPLE_WAIT="0.3")
+    served = Served(argv, env, tmp_path / "gunicorn.log", port)
+    try:
+        answers = [served.get("/call") for _ in range(12)]
+        assert all(status == 200 for status, _, _ in answers), answers
+        assert len({json.loads(body)["token"] for _, _, body in answers}) == 12
+        with conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10):
+            status, headers, _ = served.get("/call")
+        assert status == 503 and headers["retry-after"] == "1"
+        assert served.stop() == 0
+        assert sema_keys(client, name, 1) == []
+    finally:
+        served.kill()

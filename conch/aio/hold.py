@@ -7,7 +7,7 @@ import time
 import weakref
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -15,14 +15,21 @@ from conch import log
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
 from conch.core import guard, messages
-from conch.core.loss import CLOSED, KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
+from conch.core.guard import GuardAction, GuardMachine, GuardStep
+from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import kv
 from conch.etcd.client import Backoff
 from conch.etcd.watch import WatchNotice
-from conch.hold import WITHDRAW_TIMEOUT, session_loss, warn_hold_dropped
+from conch.hold import (
+    WITHDRAW_TIMEOUT,
+    log_guard_note,
+    session_loss,
+    undo_all,
+    warn_hold_dropped,
+)
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
 from conch.timer import weakly
@@ -71,14 +78,15 @@ class Hold:
         self._releasing = False
         self._released: asyncio.Future[bool] | None = None
         self._revoked_after_loss = False
-        self._plan = guard.guard_plan(held.touch)
+        self._guard = GuardMachine(held.touch, held.revision, held.held_at, Backoff())
         self._touch_value = held.value if held.touch != messages.TouchOwed.NONE else None
         self._watches = retire  # the guard's: the waiting watch it retires, then its own
-        self._held_at = held.held_at or held.revision
-        self._watches_own_key = False  # the guard's own watch opened (or tried)
-        self._backoff = Backoff()
         self._callbacks: list[Callable[[str], object]] = []
-        self._forget_session = session._kept.add_listener(weakly(self._session_lost))
+        forget_lost = session._kept.add_listener(weakly(self._session_lost))
+        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
+        # on; a hold cannot promise it is still ours).
+        forget_expired = session._kept.add_expiry_listener(weakly(self._session_expired))
+        self._forget_session = undo_all(forget_lost, forget_expired)
         self._finalizer = weakref.finalize(
             self, _hold_dropped, self._loop, session, self.key, self.revision, shared, retire
         )
@@ -88,8 +96,10 @@ class Hold:
     # -- loss --------------------------------------------------------------------------
 
     def _session_lost(self, reason: Loss) -> None:
-        if not self._releasing:
-            self._set_lost(session_loss(reason))
+        self._execute(self._guard.session_lost(session_loss(reason)))
+
+    def _session_expired(self, loss: Loss) -> None:
+        self._execute(self._guard.session_expired(loss))
 
     def _set_lost(self, reason: Loss) -> None:
         if self.lost.is_set():
@@ -173,8 +183,7 @@ class Hold:
         compare = [kv.create_revision_is(self.key, self.revision)]
         response = await etcd_aio.txn(self._client.sync, compare, [op], [], timeout)
         if not response.succeeded:
-            if not self._releasing:
-                self._set_lost(KEY_GONE_WRITE)
+            self._execute(self._guard.write_refused())
             raise HoldLost(
                 f"hold of {self.name}[{self.max}] lost: our key (create_revision "
                 f"{self.revision}) is gone; the guarded write was not made"
@@ -184,48 +193,42 @@ class Hold:
     # -- the guard (loop timers; the Hold reached weakly) ------------------------------
 
     def _done(self) -> bool:
-        return self._releasing or self.lost.is_set()
+        return self._releasing or self._guard.done
 
-    def _later(self, delay: float, step: Callable[[], Any]) -> None:
-        """Run the guard's ``step`` (a bound method; a coroutine function is run as a task)
-        ``delay`` seconds from now, unless the Hold is gone or done by then."""
-        method = weakref.WeakMethod(step)
+    def _execute(self, actions: list[GuardAction]) -> None:
+        """Run the guard's ``actions`` on the loop: timers as ``call_later``, calls to etcd
+        as tasks (reaching the Hold weakly)."""
+        for action in actions:
+            if isinstance(action, guard.GuardAfter):
+                self._later(action.seconds, action.step)
+            elif isinstance(action, guard.GuardTouch):
+                spawn(self._loop, self._touch(action.step))
+            elif isinstance(action, guard.GuardWatch):
+                spawn(self._loop, self._open_watch(action.start))
+            elif isinstance(action, guard.GuardLook):
+                spawn(self._loop, self._look_at_key())
+            elif isinstance(action, guard.GuardLost):
+                self._set_lost(action.loss)
+            else:
+                log_guard_note(self.name, action)
+
+    def _later(self, delay: float, step: GuardStep) -> None:
+        """Feed ``step`` to the guard ``delay`` seconds from now, unless the Hold is gone or
+        done by then."""
         ref = weakref.ref(self)
-        loop = self._loop
 
         def run() -> None:
-            hold, bound = ref(), method()
-            if hold is None or bound is None or hold._done():
-                return
-            result = bound()
-            if asyncio.iscoroutine(result):
-                spawn(loop, result)
+            hold = ref()
+            if hold is not None and not hold._done():
+                hold._execute(hold._guard.step(step))
 
-        loop.call_later(delay, run)
+        self._loop.call_later(delay, run)
 
     def _start_guard(self) -> None:
-        """The guard's schedule (``guard.guard_plan``, as the threaded Hold's): the touch
-        owed at once, the watch on our key a moment in, a later touch at max 1."""
-        if self._plan.touch_at_once:
-            # Another holder may leave any moment: the waiter behind us must be watching
-            # for it, so it must learn now that it is in the window.
-            self._later(0, self._touch_at_once)
-        self._later(self._plan.watch_after, self._watch_own_key)
-
-    async def _touch_at_once(self) -> None:
-        touched = await self._touch(retry=self._touch_at_once)
-        if touched is not None and not self._watches_own_key:
-            self._held_at = max(self._held_at, touched)  # ours at the touch: nothing before
-
-    async def _touch_due(self) -> None:
-        await self._touch(retry=self._touch_due)
-
-    async def _watch_own_key(self) -> None:
-        touch_after = self._plan.touch_after
-        if touch_after is not None:
-            self._later(touch_after - self._plan.watch_after, self._touch_due)
-        self._watches_own_key = True
-        await self._open_watch(self._held_at + 1)
+        """The guard's schedule (``GuardMachine``, as the threaded Hold's): the touch owed at
+        once, the watch on our key a moment in, a later touch at max 1."""
+        self._execute(self._guard.made())
+        self._execute(self._guard.start())
 
     async def _open_watch(self, start: int) -> None:
         _cancel_watches(self._watches)
@@ -234,7 +237,7 @@ class Hold:
                 self._client.sync, weakly(self._on_notice), self.key, start, only_deletes=True
             )
         except EtcdError:
-            self._later(self._backoff.next(), self._look_at_key)
+            self._execute(self._guard.watch_failed())
             return
         self._watches.append(watch)
         if self._done():  # released or lost while it opened
@@ -242,49 +245,31 @@ class Hold:
 
     def _on_notice(self, notice: WatchNotice) -> None:
         """On the loop: our key deleted, or the watch ended."""
-        verdict = guard.guard_on_notice(self._done(), ended=notice.error is not None)
-        if verdict == guard.GuardVerdict.LOST:
-            self._set_lost(KEY_GONE)
-        elif verdict == guard.GuardVerdict.LOOK:
-            self._later(self._backoff.next(), self._look_at_key)
+        self._execute(self._guard.notice(ended=notice.error is not None))
 
     async def _look_at_key(self) -> None:
         try:
             response = await etcd_aio.range_(self._client.sync, rpc_pb2.RangeRequest(key=self.key))
         except EtcdError:
-            self._later(self._backoff.next(), self._look_at_key)
+            self._execute(self._guard.look_failed())
             return
         found = response.kvs[0] if response.kvs else None
         seen = None if found is None else messages.KeyRev(found.key, found.create_revision, 0)
-        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
-        verdict = guard.guard_on_look(self._releasing, seen, self.revision)
-        if verdict == guard.GuardVerdict.LOST:
-            self._set_lost(Loss(LossReason.KEY_DELETED, "our key was deleted"))
-        elif verdict == guard.GuardVerdict.WATCH:
-            await self._open_watch(response.header.revision + 1)
+        self._execute(self._guard.looked(seen, int(response.header.revision)))
 
-    async def _touch(self, retry: Callable[[], Any]) -> int | None:
+    async def _touch(self, step: GuardStep) -> None:
         """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes
-        the waiter behind us. Retried with backoff while etcd is away or refuses writes;
-        the touch's revision, or None (done, lost, or a retry scheduled)."""
+        the waiter behind us."""
         assert self._touch_value is not None
-        response = None
         try:
             response = await touch(
                 self._client.sync, self.key, self.revision, self._touch_value, self.lease_id
             )
         except EtcdError as exc:
-            # etcd away, or refusing writes (its space alarm): the hold is not lost for that.
-            log.warning("touch-failed", name=self.name, error=str(exc))
-        succeeded = None if response is None else bool(response.succeeded)
-        verdict = guard.guard_on_touch(self._releasing, succeeded)
-        if verdict == guard.GuardVerdict.RETRY:
-            self._later(self._backoff.next(), retry)
-        elif verdict == guard.GuardVerdict.LOST:
-            self._set_lost(KEY_GONE)
-        elif verdict == guard.GuardVerdict.WATCH and response is not None:
-            return int(response.header.revision)
-        return None
+            self._execute(self._guard.touch_failed(step, str(exc)))
+            return
+        answer = self._guard.touched(step, int(response.header.revision), bool(response.succeeded))
+        self._execute(answer)
 
     # -- release -----------------------------------------------------------------------
 
@@ -297,6 +282,7 @@ class Hold:
         cancel while it runs waits for it to end, then propagates. Logs ``released``."""
         if self._released is None:
             self._releasing = True
+            self._guard.release()
             self._finalizer.detach()
             self._revoked_after_loss = self.lost.is_set()
             self._released = self._loop.create_task(self._give_back())

@@ -13,30 +13,20 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import errors, keys, log
 from conch.aio.client import Client
-from conch.aio.hold import Hold, touch
+from conch.aio.hold import Hold
 from conch.aio.session import Session
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
-from conch.core import messages, waiter
+from conch.core import codec, messages, waiter
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-from conch.etcd import kv
+from conch.etcd import client as etcd_client
+from conch.etcd import status
 from conch.etcd.client import Backoff, check_timeout
 from conch.etcd.watch import WatchNotice
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
-
-# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.semaphore import (
-    _EVENT_TYPES,
-    REENTRY_BACKOFF_CAP,
-    _enqueue_answer,
-    _failure,
-    _key_rev,
-    log_acquired,
-    log_note,
-    revision_to_count,
-)
+from conch.semaphore import REENTRY_BACKOFF_CAP, log_acquired, log_note, revision_to_count
 from conch.session import check_ttl
 
 # -- the driver of the recipe -------------------------------------------------------------
@@ -166,7 +156,7 @@ class _Driver:
         except errors.Interrupted:
             return None  # the interrupt, already queued, is fed next
         except EtcdError as exc:
-            return messages.Failed(action.id, _failure(exc), str(exc), exc)
+            return codec.failed(action.id, exc)
 
     async def _call(self, action: messages.Action) -> messages.Input:
         sema, client = self.sema, self.client
@@ -177,23 +167,20 @@ class _Driver:
             self._subscribe(session)
             return messages.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, messages.SendEnqueue):
-            value, response = await sema._enqueue(action, self.interrupted)
-            return _enqueue_answer(action, response, value)
+            value = sema.identity.entering().to_json()
+            call = codec.enqueue_call(action, sema.prefix, sema.max, value)
+            return codec.enqueue_answer(action, await self._send(call), value)
         if isinstance(action, messages.ReadStanding):
             return await sema._read_standing(action, self.interrupted)
         if isinstance(action, messages.ReadKeys):
-            reads = [kv.op_get(key) for key in action.keys]
-            response = await etcd_aio.txn(client, [], reads, [], interrupt=self.interrupted)
-            found = [r.response_range.kvs for r in response.responses]
-            kvs = [_key_rev(k[0]) if k else None for k in found]
-            return messages.KeysAnswer(action.id, int(response.header.revision), kvs)
+            reads = codec.keys_reads(action)
+            plan = await read_plan(client, self.interrupted)
+            return codec.keys_answer(
+                action, await read_together(client, reads, plan, self.interrupted)
+            )
         if isinstance(action, messages.Touch):
-            touched = await touch(
-                client, action.key, action.revision, action.value, action.lease_id, self.interrupted
-            )
-            return messages.TouchAnswer(
-                action.id, int(touched.header.revision), bool(touched.succeeded)
-            )
+            call = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
+            return codec.touch_answer(action, await self._send(call))
         if isinstance(action, messages.CheckLease):
             if self.shared is not None and not self.shared.certainly_alive():
                 return messages.LeaseAnswer(action.id, 0)
@@ -206,20 +193,23 @@ class _Driver:
             return messages.Withdrawn(action.id)
         raise AssertionError(f"unknown action {action!r}")
 
+    async def _send(self, call: codec.Call) -> Any:
+        return await send(self.client, call, self.interrupted)
+
     async def _open_watch(self, action: messages.OpenWatch) -> messages.Input | None:
         watch_id = action.id
         put = self.inputs.put_nowait
 
         def on_notice(notice: WatchNotice) -> None:  # on the loop
-            put(_watch_input(watch_id, notice))
+            put(codec.watch_input(watch_id, notice))
 
-        end = kv.prefix_end(action.key) if action.prefix else b""
+        key, end, only_deletes = codec.watch_range(action)
         try:
             watch = await etcd_aio.LoopWatch.open(
-                self.client, on_notice, action.key, 0, end, only_deletes=action.prefix, confirm=True
+                self.client, on_notice, key, 0, end, only_deletes=only_deletes, confirm=True
             )
         except EtcdError as exc:
-            return messages.Failed(watch_id, _failure(exc), str(exc), exc)
+            return codec.failed(watch_id, exc)
         self.watches[watch_id] = watch
         return None
 
@@ -233,20 +223,7 @@ class _Driver:
                 await session.close(WITHDRAW_TIMEOUT)
             return
         try:
-            if action.revision:
-                await etcd_aio.delete_own_key(
-                    self.client, action.key, action.revision, WITHDRAW_TIMEOUT
-                )
-                return
-            on_our_lease = rpc_pb2.Compare(
-                result=rpc_pb2.Compare.EQUAL,
-                target=rpc_pb2.Compare.LEASE,
-                key=action.key,
-                lease=action.lease_id,
-            )
-            await etcd_aio.txn(
-                self.client, [on_our_lease], [kv.op_delete(action.key)], [], WITHDRAW_TIMEOUT
-            )
+            await send(self.client, codec.withdraw_call(action), timeout=WITHDRAW_TIMEOUT)
         except EtcdError as exc:
             log.warning("withdraw-failed", name=self.sema.name, error=str(exc))
 
@@ -260,9 +237,7 @@ class _Driver:
     async def _count_ahead(self, revision: int) -> int | None:
         """How many keys are ahead of ours, for the ``queued`` line only (None if etcd does
         not say): etcd's count ignores the create_revision filter, so this reads them."""
-        request = kv.prefix_request(
-            self.sema.prefix, keys_only=True, max_create_revision=revision - 1
-        )
+        request = codec.count_ahead_request(self.sema.prefix, revision)
         try:
             return len((await etcd_aio.range_(self.client, request)).kvs)
         except EtcdError:
@@ -288,15 +263,46 @@ def _pauses() -> Backoff:
     return Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
 
 
-def _watch_input(watch_id: int, notice: WatchNotice) -> messages.Input:
-    """A notice of watch ``watch_id`` as the machine's input."""
-    if notice.error is not None:
-        compacted = isinstance(notice.error, errors.Compacted)
-        return messages.WatchBroken(watch_id, compacted, str(notice.error))
-    if notice.created:
-        return messages.WatchCreated(watch_id, notice.revision)
-    events = [messages.Event(_EVENT_TYPES[e.type], _key_rev(e.kv)) for e in notice.events]
-    return messages.WatchEvents(watch_id, events, notice.revision)
+async def send(
+    client: etcd_client.Client,
+    call: codec.Call,
+    interrupt: asyncio.Event | None = None,
+    timeout: float | None = None,
+) -> Any:
+    """``conch.semaphore.send``, awaited: ``call`` (built by the codec) by the etcd layer's
+    call for it (``etcd_aio.txn``, ``etcd_aio.range_``, else ``Client.call_async``)."""
+    request = call.request
+    if isinstance(request, rpc_pb2.TxnRequest):
+        compare, success, failure = list(request.compare), list(request.success), request.failure
+        return await etcd_aio.txn(client, compare, success, list(failure), timeout, interrupt)
+    if isinstance(request, rpc_pb2.RangeRequest):
+        return await etcd_aio.range_(client, request, timeout, interrupt)
+    return await client.call_async(call.service, call.method, request, timeout, interrupt=interrupt)
+
+
+async def read_plan(
+    client: etcd_client.Client, interrupt: asyncio.Event | None = None
+) -> codec.ReadPlan:
+    """``conch.semaphore.read_plan``, awaited (one Status per endpoint and loop at most)."""
+    return codec.read_plan(await status.server_version_async(client, interrupt))
+
+
+async def read_together(
+    client: etcd_client.Client,
+    reads: list[rpc_pb2.RangeRequest],
+    plan: codec.ReadPlan,
+    interrupt: asyncio.Event,
+) -> codec.Together:
+    """``conch.semaphore.read_together``, awaited: Ranges seen at one revision, read by
+    ``plan`` (``codec.ReadTogether`` decides, also to go on with pinned Ranges when etcd's
+    space alarm refuses the read-only Txn). Raises EtcdError, Interrupted."""
+    read = codec.ReadTogether(reads, plan)
+    while (call := read.next_call()) is not None:
+        try:
+            read.answer(await send(client, call, interrupt))
+        except EtcdError as exc:
+            read.refused(exc)
+    return read.result
 
 
 # -- the semaphore ------------------------------------------------------------------------
@@ -424,49 +430,15 @@ class Semaphore:
         log_acquired(self.name, self.max, outcome, driver.started)
         return Hold(self, session, outcome, retire, shared)
 
-    async def _enqueue(
-        self, action: messages.SendEnqueue, interrupt: asyncio.Event
-    ) -> tuple[bytes, kv.TxnResponse]:
-        """Step 1: put our key bound to the lease, create-if-absent, and read the first
-        ``max`` keys in the same KV.Txn (else read the key found in our place), as
-        ``conch.Semaphore`` does. Returns the value we sent and the response."""
-        value = self.identity.entering().to_json()
-        key = action.key
-        heads = kv.prefix_request(
-            self.prefix, limit=self.max, keys_only=True, sort_target=kv.CREATE, sort_order=kv.ASCEND
-        )
-        response = await etcd_aio.txn(
-            self.client.sync,
-            [kv.create_revision_is(key, 0)],
-            [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
-            [kv.op_get(key)],
-            interrupt=interrupt,
-        )
-        return value, response
-
     async def _read_standing(
         self, action: messages.ReadStanding, interrupt: asyncio.Event
     ) -> messages.StandingAnswer:
-        """Steps 2-3: one read-only KV.Txn of two Ranges (keys only, up to our key's
-        create_revision): the window ascending, our key and the one ahead descending."""
-        common: dict[str, Any] = {
-            "keys_only": True,
-            "max_create_revision": action.revision,
-            "sort_target": kv.CREATE,
-        }
-        window = kv.prefix_request(
-            self.prefix, limit=waiter.window_size(self.max), sort_order=kv.ASCEND, **common
-        )
-        mine_and_prev = kv.prefix_request(self.prefix, limit=2, sort_order=kv.DESCEND, **common)
-        reads = [kv.op_range(window), kv.op_range(mine_and_prev)]
-        response = await etcd_aio.txn(self.client.sync, [], reads, [], interrupt=interrupt)
-        first, last = (r.response_range.kvs for r in response.responses)
-        return messages.StandingAnswer(
-            action.id,
-            int(response.header.revision),
-            [_key_rev(k) for k in first],
-            [_key_rev(k) for k in last],
-        )
+        """Steps 2-3 (``codec.standing_reads``): the window, and our key with the one just
+        ahead, seen at one revision, read by the plan for the endpoint's etcd release."""
+        client = self.client.sync
+        reads = codec.standing_reads(action, self.prefix, self.max)
+        read = await read_together(client, reads, await read_plan(client, interrupt), interrupt)
+        return codec.standing_answer(action, read)
 
 
 async def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:

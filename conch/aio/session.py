@@ -11,68 +11,111 @@ from typing import Any
 from conch import errors, log
 from conch.aio.client import Client
 from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
-from conch.core.loss import CLOSED, LEASE_GONE, Loss, LossReason
+from conch.core.loss import CLOSED, Loss
+from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
 from conch.errors import EtcdError, LeaseNotFound
 from conch.etcd import aio as etcd_aio
 
 # The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.session import check_ttl, keepalive_margin, warn_session_dropped
+from conch.session import check_ttl, warn_session_dropped
 
 # -- the session --------------------------------------------------------------------------
 
 
 class _Keeper:
-    """A coroutine session's lease, its keepalive task and its loss: everything the task
-    needs, and nothing that keeps the Session alive (a dropped Session is noticed)."""
+    """A coroutine session's lease and its SessionMachine (``conch.core.session``: the
+    keepalive schedule, E, the loss decision), executed on the loop's timers: everything
+    the keepalives need, and nothing that keeps the Session alive (a dropped Session is
+    noticed)."""
 
-    def __init__(self, client: Client, lease_id: int, ttl: int, alive_until: float) -> None:
+    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.client = client
         self.lease_id = lease_id
         self.ttl = ttl
-        self.interval = ttl / 3
-        self.alive_until = alive_until
+        self.machine = SessionMachine(ttl, granted_at)
+        self.interval = self.machine.interval
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
         self.closed = False
         self.revoked: asyncio.Future[bool] | None = None
         self.listeners: dict[object, Callable[[Loss], None]] = {}
+        self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
         self.loop = asyncio.get_running_loop()
-        self.task = self.loop.create_task(self.run())
+        self._timer: asyncio.TimerHandle | None = None
+        self._ended = self.loop.create_future()
+        self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
+        self.execute(self.machine.start())
 
-    async def run(self) -> None:
-        client = self.client.sync
-        margin = keepalive_margin(self.ttl)
-        next_send = time.monotonic() + self.interval
+    @property
+    def alive_until(self) -> float:
+        return self.machine.alive_until
+
+    async def _live(self) -> None:
+        """Parked until the session ends: closed, lost, or the loop ending (asyncio.run
+        cancels what is left). Then the client's keepalive stream no longer counts this
+        lease among those it serves."""
         try:
-            while True:
-                await asyncio.sleep(max(0.0, next_send - time.monotonic()))
-                sent = time.monotonic()
-                deadline = sent + self.interval + margin
-                try:
-                    ttl = await etcd_aio.keepalive(client, self.lease_id, deadline)
-                except LeaseNotFound:
-                    self.declare_lost(LEASE_GONE)
-                    return
-                except EtcdError as exc:
-                    self.declare_lost(Loss(LossReason.NO_KEEPALIVE, f"keepalive failed: {exc}"))
-                    return
-                self.alive_until = sent + ttl
-                next_send = sent + self.interval
+            await self._ended
         finally:
-            # Closed, lost, or the loop ending (asyncio.run cancels what is left): the
-            # client's keepalive stream no longer counts this lease among those it serves.
-            etcd_aio.forget_lease(client, self.lease_id)
+            if self._timer is not None:
+                self._timer.cancel()
+            etcd_aio.forget_lease(self.client.sync, self.lease_id)
+
+    def _end(self) -> None:
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    def execute(self, actions: list[SessionAction]) -> None:
+        """Run the machine's ``actions`` on the loop."""
+        for action in actions:
+            if isinstance(action, WakeAt):
+                if self._timer is not None:
+                    self._timer.cancel()
+                self._timer = self.loop.call_later(action.at - time.monotonic(), self.wake)
+            elif isinstance(action, SendKeepalive):
+                spawn(self.loop, self.send(action.deadline))
+            elif isinstance(action, Expired):
+                for listener in list(self.expiry_listeners.values()):
+                    run_callback(listener, action.loss)
+            else:
+                self.declare_lost(action.loss)
+
+    def wake(self) -> None:
+        if not self.closed:
+            self.execute(self.machine.wake(time.monotonic()))
+
+    async def send(self, deadline: float) -> None:
+        """One keepalive, and the machine told of its answer."""
+        sent = time.monotonic()
+        try:
+            ttl = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
+        except LeaseNotFound:
+            actions = self.machine.lease_gone()
+        except EtcdError:
+            actions = self.machine.unanswered(time.monotonic())
+        else:
+            actions = self.machine.answered(sent, ttl)
+        if not self.closed:
+            self.execute(actions)
 
     def declare_lost(self, reason: Loss) -> None:
         if self.closed or self.lost.is_set():
             return
         self.reason = reason
         self.lost.set()
+        self._end()
         for key in list(self.listeners):
             listener = self.listeners.pop(key, None)
             if listener is not None:
                 run_callback(listener, reason)
+
+    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
+        """Call ``listener(loss)`` on the loop each time E passes unconfirmed
+        (``SessionMachine``'s Expired); returns a function that removes it."""
+        key = object()
+        self.expiry_listeners[key] = listener
+        return lambda: self.expiry_listeners.pop(key, None) and None
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
@@ -89,14 +132,15 @@ class _Keeper:
         return remove
 
     def certainly_alive(self) -> bool:
-        return not (self.lost.is_set() or self.closed) and time.monotonic() < self.alive_until
+        return not self.closed and self.machine.certainly_alive(time.monotonic())
 
     async def close(self, timeout: float | None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``
         seconds; whether confirmed. A second close waits for the first one's revoke."""
         if self.revoked is None:
             self.closed = True
-            self.task.cancel()
+            self.machine.close()
+            self._end()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
             self.client._keepers.discard(self)
             self.revoked = self.loop.create_task(self._revoke(timeout))
@@ -132,9 +176,12 @@ class Session:
     Session(client, ttl)`` or ``session = await Session(client, ttl)``; ``await
     session.close()`` revokes the lease, so every key on it goes at once.
 
-    ``lost`` (an ``asyncio.Event``) is set the moment it is no longer certain the lease is
-    alive: etcd answers TTL <= 0, the stream breaks and cannot be re-opened in time, or no
-    answer comes within one interval plus ``keepalive_margin``; ``reason`` says which.
+    ``lost`` (an ``asyncio.Event``) is set when etcd says the lease is gone (a keepalive
+    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss`` (a str, with
+    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered is sent again with
+    backoff and loses nothing by itself: past ``alive_until`` unconfirmed the holds on the
+    session are lost, the session (a waiter's place) lives on until etcd says otherwise,
+    as ``conch.Session`` (the rule is ``conch.core.session``'s).
     ``alive_until`` is the ``time.monotonic()`` until which the lease is alive for sure (the
     last answered keepalive's send time + TTL). Raises UsageError for a bad ttl or client,
     Unavailable (or another EtcdError) when LeaseGrant fails.
@@ -165,7 +212,7 @@ class Session:
         granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives the grant, which is after we sent it:
         # so the lease is certainly alive until send time + TTL (monotonic).
-        keeper = _Keeper(self.client, granted.id, granted.ttl, asked + granted.ttl)
+        keeper = _Keeper(self.client, granted.id, granted.ttl, asked)
         self._keeper = keeper
         self._finalizer = weakref.finalize(self, _session_dropped, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL

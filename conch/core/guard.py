@@ -1,15 +1,20 @@
-"""The hold's guard: when a held slot's guard touches and watches, and what it saw means.
+"""The hold's guard: when a held slot's guard touches and watches, what it saw means, what
+it logs. No I/O, no clock: ``GuardMachine`` is the whole guard; the Hold of each face
+(``conch/hold.py`` on the client's timer thread, ``conch/aio/hold.py`` on the loop)
+executes its actions and feeds it what came of them.
 
-Pure decisions, no I/O: the Hold of each face (``conch/hold.py``, ``conch/aio/hold.py``)
-makes the calls and keeps the time.
+The pure functions (``guard_plan``, ``guard_on_*``) are the machine's verdicts, named so
+that the simulator can reason with the same ones.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Protocol, TypeAlias
 
-from conch.core.messages import KeyRev, TouchOwed
+from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
+from conch.core.messages import KeyRev, Note, TouchOwed
 
 # -- the hold's guard ----------------------------------------------------------------------
 # Once a slot is ours, the Hold (conch/hold.py, and the asyncio face's) guards it: it
@@ -87,3 +92,206 @@ def guard_on_touch(done: bool, succeeded: bool | None) -> GuardVerdict:
     if succeeded is None:
         return GuardVerdict.RETRY
     return GuardVerdict.WATCH if succeeded else GuardVerdict.LOST
+
+
+# -- the guard as a machine ------------------------------------------------------------------
+
+
+class Pauses(Protocol):
+    """Where the machine's pauses come from (``conch.etcd.client.Backoff``: capped, with
+    jitter): ``next()`` seconds."""
+
+    def next(self) -> float: ...
+
+
+class GuardStep(enum.Enum):
+    """A step the guard takes when its timer (``GuardAfter``) comes due."""
+
+    WATCH_OWN_KEY = "watch-own-key"  # retire the waiting watch, watch our key
+    TOUCH_AT_ONCE = "touch-at-once"  # the touch owed as the hold is made
+    TOUCH_DUE = "touch-due"  # the touch owed TOUCH_DELAY into a max-1 hold
+    LOOK = "look"  # read our key (after a watch that ended or could not open)
+
+
+@dataclass(frozen=True)
+class GuardAfter:
+    """In ``seconds``, feed ``step(step)`` (skipped if the guard is done by then)."""
+
+    seconds: float
+    step: GuardStep
+
+
+@dataclass(frozen=True)
+class GuardTouch:
+    """Re-put our key if its create_revision is still ours (one KV.Txn, the value bound to
+    the lease). Answer: ``touched(step, revision, succeeded)``, ``touch_failed(step, detail)``
+    when etcd did not answer or refused (its space alarm)."""
+
+    step: GuardStep
+
+
+@dataclass(frozen=True)
+class GuardWatch:
+    """Cancel the guard's watches; watch our key's deletions from revision ``start``.
+    Answer: ``watch_failed()`` if it cannot be opened; its notices to ``notice(ended)``."""
+
+    start: int
+
+
+@dataclass(frozen=True)
+class GuardLook:
+    """Range our key. Answer: ``looked(found, revision)`` (found None when absent;
+    ``revision`` the response header's), ``look_failed()`` when etcd does not answer."""
+
+
+@dataclass(frozen=True)
+class GuardLost:
+    """The hold is lost with ``loss``: set the Hold's loss (cancel its watches)."""
+
+    loss: Loss
+
+
+GuardAction: TypeAlias = GuardAfter | GuardTouch | GuardWatch | GuardLook | GuardLost | Note
+
+# The message of a look that found our key gone (or another's in its place).
+KEY_GONE_LOOK = Loss(LossReason.KEY_DELETED, "our key was deleted")
+
+
+class GuardMachine:
+    """The guard of one held slot: our key at create_revision ``revision`` (the fencing
+    token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``.
+
+    Inputs are its methods, each returning the actions to execute. Once ``done`` (released,
+    or lost) it asks for nothing more but the notes already due."""
+
+    def __init__(self, owed: TouchOwed, revision: int, held_at: int, pauses: Pauses) -> None:
+        self.plan = guard_plan(owed)
+        self.revision = revision
+        # A revision at which our key was seen ours and holding: the guard watches from there
+        # (from our create_revision, after a long wait, etcd would replay all that history
+        # to the watch, or refuse it as compacted).
+        self.held_at = held_at or revision
+        self.releasing = False
+        self.lost: Loss | None = None
+        self._pauses = pauses
+        self._started = False
+        self._watches_own_key = False  # the guard's own watch opened (or tried)
+        self._touch_failing = False  # "touch-failed" said for the failures in a row now
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start()`` was fed (the guard's watch is due or open)."""
+        return self._started
+
+    @property
+    def done(self) -> bool:
+        """Nothing left to guard: released (or releasing), or lost."""
+        return self.releasing or self.lost is not None
+
+    # -- the hold's life -------------------------------------------------------------------
+
+    def made(self) -> list[GuardAction]:
+        """The hold is made. A hold that owes its touch at once touches now: another holder
+        may leave any moment, and the waiter behind us must be watching for it, so it must
+        learn now, not once the guard starts (after the supervisor's spawn), that it is in
+        the window."""
+        return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self.plan.touch_at_once else []
+
+    def start(self) -> list[GuardAction]:
+        """Start guarding (idempotent): the watch on our key GUARD_WATCH_DELAY in."""
+        if self._started or self.done:
+            return []
+        self._started = True
+        return [GuardAfter(self.plan.watch_after, GuardStep.WATCH_OWN_KEY)]
+
+    def release(self) -> None:
+        """The hold is being released: the deletion that follows is no loss."""
+        self.releasing = True
+
+    def session_lost(self, loss: Loss) -> list[GuardAction]:
+        """The session said its lease is gone (or the session ended): the hold is lost."""
+        return self._lose(loss.within("session lost: "))
+
+    def session_expired(self, loss: Loss) -> list[GuardAction]:
+        """The lease's earliest expiry passed with no keepalive confirmed: the hold can no
+        longer promise it is ours (``LossReason.NO_KEEPALIVE``)."""
+        return self._lose(loss)
+
+    def write_refused(self) -> list[GuardAction]:
+        """A guarded write's compare on our create_revision failed: our key is gone."""
+        return self._lose(KEY_GONE_WRITE)
+
+    # -- the guard's steps and their answers ----------------------------------------------
+
+    def step(self, step: GuardStep) -> list[GuardAction]:
+        """A GuardAfter came due."""
+        if self.done:
+            return []
+        if step == GuardStep.WATCH_OWN_KEY:
+            touch_after = self.plan.touch_after
+            actions: list[GuardAction] = []
+            if touch_after is not None:
+                actions.append(GuardAfter(touch_after - self.plan.watch_after, GuardStep.TOUCH_DUE))
+            self._watches_own_key = True
+            return [*actions, GuardWatch(self.held_at + 1)]
+        if step == GuardStep.LOOK:
+            return [GuardLook()]
+        return [GuardTouch(step)]
+
+    def watch_failed(self) -> list[GuardAction]:
+        """The watch on our key could not be opened: look at the key after a pause."""
+        return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
+
+    def notice(self, ended: bool) -> list[GuardAction]:
+        """A notice of the watch on our key: its deletion, or (``ended``) the watch over."""
+        verdict = guard_on_notice(self.done, ended)
+        if verdict == GuardVerdict.LOST:
+            return self._lose(KEY_GONE)
+        if verdict == GuardVerdict.LOOK:
+            return [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
+        return []
+
+    def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
+        """What a Range of our key found, at header revision ``revision``."""
+        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
+        verdict = guard_on_look(self.releasing, found, self.revision)
+        if verdict == GuardVerdict.LOST:
+            return self._lose(KEY_GONE_LOOK)
+        if verdict == GuardVerdict.WATCH and not self.done:
+            return [GuardWatch(revision + 1)]
+        return []
+
+    def look_failed(self) -> list[GuardAction]:
+        return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
+
+    def touched(self, step: GuardStep, revision: int, succeeded: bool) -> list[GuardAction]:
+        """A touch's answer: ``succeeded`` (our key still ours) at ``revision``."""
+        self._touch_failing = False
+        verdict = guard_on_touch(self.releasing, succeeded)
+        if verdict == GuardVerdict.LOST:
+            return self._lose(KEY_GONE)
+        if (
+            verdict == GuardVerdict.WATCH
+            and step == GuardStep.TOUCH_AT_ONCE
+            and not self._watches_own_key
+        ):
+            self.held_at = max(self.held_at, revision)  # ours at the touch: nothing before
+        return []
+
+    def touch_failed(self, step: GuardStep, detail: str) -> list[GuardAction]:
+        """No answer to a touch (etcd away), or a refusal (its space alarm): the hold is not
+        lost for that; the touch is retried after a pause. Said once per run of failures:
+        the alarm may last hours."""
+        actions: list[GuardAction] = []
+        if not self._touch_failing:
+            actions.append(Note("touch-failed", {"error": detail}, warning=True))
+        self._touch_failing = True
+        if guard_on_touch(self.releasing, None) == GuardVerdict.RETRY and not self.done:
+            actions.append(GuardAfter(self._pauses.next(), step))
+        return actions
+
+    def _lose(self, loss: Loss) -> list[GuardAction]:
+        if self.done:
+            return []
+        self.lost = loss
+        return [GuardLost(loss)]

@@ -1,0 +1,390 @@
+"""The codec: each action of the Waiter as the etcd request(s) that carry it out, and each
+etcd response (or error, or watch notice) as the input the Waiter is fed. Pure functions on
+protobuf messages and ``conch.core.messages`` records: no I/O, no clock, no threads. Both
+faces execute what it builds and feed back what it decodes, so they cannot read etcd
+differently; the simulator may drive it the same way.
+
+A request is a ``Call`` (the etcd service and method, and the protobuf request), which a
+face sends with its own client: ``client.call(c.service, c.method, c.request, ...)`` on a
+thread, ``await client.call_async(...)`` on the loop.
+
+**Reading several Ranges at one revision** (the standing read, the gap-closing read of a
+watch) is a plan of the core too (``ReadTogether``): one read-only KV.Txn, or the first
+Range and the others pinned to its revision. The plan is ``read_plan(server_version)``:
+
+* etcd 3.5.0 to 3.5.6 take the server down on some read-only Txns: before 3.5.5 a read-only
+  Txn whose client deadline passes while it is applied panics the server ("unexpected
+  error during txn", etcd issue 14110, fixed by etcd PR 14149 and, in 3.5.5, its backport
+  14178); in 3.5.5 and 3.5.6 such a Txn, once it has failed, can crash the server in the
+  "apply request took too long" warning (a nil response, etcd issue 14891, fixed in 3.5.7 by
+  PR 14899). On those releases, and on a server whose version is unknown, the Ranges are
+  read pinned to one revision (a Range's deadline only fails that Range).
+* Under etcd's space alarm (NOSPACE) etcd refuses every Txn, read-only ones too, once its
+  database is over its quota, while KV.Range is still served: a Txn refused so is read
+  again as pinned Ranges, at once (``ReadTogether.refused``).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias
+
+from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb import kv_pb2
+
+from conch.core import messages
+from conch.core.waiter import window_size
+from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
+from conch.etcd import kv  # its request builders only: pure functions of protobuf
+
+__all__ = [
+    "Call",
+    "ReadPlan",
+    "ReadTogether",
+    "Together",
+    "count_ahead_request",
+    "enqueue_answer",
+    "enqueue_call",
+    "failed",
+    "failure",
+    "key_rev",
+    "keys_answer",
+    "keys_reads",
+    "read_plan",
+    "standing_answer",
+    "standing_reads",
+    "status_call",
+    "touch_answer",
+    "touch_call",
+    "txn_panics",
+    "watch_input",
+    "watch_range",
+    "withdraw_call",
+]
+
+Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest | rpc_pb2.StatusRequest
+
+
+@dataclass(frozen=True)
+class Call:
+    """One unary etcd RPC to send: ``service`` ("kv", "maintenance"), ``method`` ("Txn",
+    "Range", "Status") and its protobuf ``request``."""
+
+    service: str
+    method: str
+    request: Request
+
+
+def _txn(
+    compare: Iterable[rpc_pb2.Compare],
+    success: Iterable[rpc_pb2.RequestOp],
+    failure: Iterable[rpc_pb2.RequestOp] = (),
+) -> Call:
+    return Call("kv", "Txn", rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure))
+
+
+def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
+    """A KeyValue as the machine sees it (key, create_revision, mod_revision)."""
+    return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+
+
+# -- SendEnqueue ---------------------------------------------------------------------------
+
+
+def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
+    """``action`` as one KV.Txn: if our key's create_revision is 0, put it (``value``, bound
+    to the lease) and Range the first ``max`` keys under ``prefix`` by create_revision
+    (keys only); else Range our key. Decode its answer with ``enqueue_answer``."""
+    heads = kv.prefix_request(
+        prefix, limit=max, keys_only=True, sort_target=kv.CREATE, sort_order=kv.ASCEND
+    )
+    key = action.key
+    return _txn(
+        [kv.create_revision_is(key, 0)],
+        [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
+        [kv.op_get(key)],
+    )
+
+
+def enqueue_answer(
+    action: messages.SendEnqueue, response: rpc_pb2.TxnResponse, sent: bytes
+) -> messages.EnqueueAnswer:
+    """The TxnResponse to ``enqueue_call`` (``sent``: the value put) as EnqueueAnswer."""
+    revision = int(response.header.revision)
+    if response.succeeded:
+        heads = [h.key for h in response.responses[1].response_range.kvs]
+        return messages.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+    found = response.responses[0].response_range.kvs
+    if not found:
+        return messages.EnqueueAnswer(action.id, revision, False)
+    ours = found[0].lease == action.lease_id
+    value = found[0].value if ours else b""
+    return messages.EnqueueAnswer(
+        action.id, revision, False, value, existing=key_rev(found[0]), existing_ours=ours
+    )
+
+
+# -- ReadStanding and ReadKeys: Ranges read together ---------------------------------------
+
+
+def standing_reads(
+    action: messages.ReadStanding, prefix: bytes, max: int
+) -> list[rpc_pb2.RangeRequest]:
+    """The two Ranges of the standing read, keys only, none created after our key: the
+    window (``window_size(max)`` keys ascending by create_revision) and our key with the
+    one just ahead (2 keys descending). Read them with ``ReadTogether``."""
+    common: dict[str, object] = {
+        "keys_only": True,
+        "max_create_revision": action.revision,
+        "sort_target": kv.CREATE,
+    }
+    window = kv.prefix_request(prefix, limit=window_size(max), sort_order=kv.ASCEND, **common)
+    mine_and_prev = kv.prefix_request(prefix, limit=2, sort_order=kv.DESCEND, **common)
+    return [window, mine_and_prev]
+
+
+def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
+    """What ``standing_reads`` read together, as StandingAnswer."""
+    window, mine_and_prev = (r.kvs for r in read.responses)
+    return messages.StandingAnswer(
+        action.id, read.revision, [key_rev(k) for k in window], [key_rev(k) for k in mine_and_prev]
+    )
+
+
+def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
+    """One Range per key of ``action``, in its order. Read them with ``ReadTogether``."""
+    return [rpc_pb2.RangeRequest(key=key) for key in action.keys]
+
+
+def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
+    """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
+    found = [r.kvs for r in read.responses]
+    return messages.KeysAnswer(
+        action.id, read.revision, [key_rev(kvs[0]) if kvs else None for kvs in found]
+    )
+
+
+class ReadPlan(enum.Enum):
+    """How Ranges are read at one revision."""
+
+    TXN = "txn"  # one read-only KV.Txn of them all: one round trip
+    PINNED_RANGES = "pinned-ranges"  # the first Range, then the others at its revision
+
+
+# etcd releases whose read-only Txn can take the server down (see the module docstring):
+# from 3.5.0 up to, not including, 3.5.7.
+TXN_PANIC_FROM = (3, 5, 0)
+TXN_PANIC_FIXED = (3, 5, 7)
+
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def txn_panics(server_version: str) -> bool:
+    """Whether etcd ``server_version`` (Maintenance.Status's ``version``, "3.5.1") is a
+    release on which a read-only Txn can crash the server; an unreadable version counts as
+    one."""
+    match = _VERSION.match(server_version)
+    if match is None:
+        return True
+    version = tuple(int(part) for part in match.groups())
+    return TXN_PANIC_FROM <= version < TXN_PANIC_FIXED
+
+
+def read_plan(server_version: str | None) -> ReadPlan:
+    """How to read Ranges together from the server of ``server_version`` (None: not known,
+    Maintenance.Status did not answer): pinned Ranges on a release whose read-only Txn can
+    crash it or when the release is not known, else one read-only Txn."""
+    if server_version is None or txn_panics(server_version):
+        return ReadPlan.PINNED_RANGES
+    return ReadPlan.TXN
+
+
+def status_call() -> Call:
+    """Maintenance.Status, whose answer's ``version`` is the server's release."""
+    return Call("maintenance", "Status", rpc_pb2.StatusRequest())
+
+
+@dataclass(frozen=True)
+class Together:
+    """Ranges seen at one ``revision``, their RangeResponses in the order asked."""
+
+    revision: int
+    responses: Sequence[rpc_pb2.RangeResponse]
+
+
+class ReadTogether:
+    """Read ``reads`` (RangeRequests) at one revision, by ``plan``; a small machine a face
+    drives as::
+
+        read = ReadTogether(reads, plan)
+        while (call := read.next_call()) is not None:
+            try:
+                read.answer(send(call))
+            except EtcdError as exc:
+                read.refused(exc)  # raises exc again unless the read goes on another way
+        return read.result
+
+    A read-only Txn refused under the space alarm (``Failure.NO_SPACE``) is read again as
+    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises
+    it); a pinned Range whose revision was compacted meanwhile raises Compacted, which the
+    machine takes as a reason to read again (``failure``)."""
+
+    def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
+        assert reads
+        self.reads = list(reads)
+        self.plan = plan
+        self.fell_back = False  # the Txn was refused under the space alarm
+        self._answers: list[rpc_pb2.RangeResponse] = []
+        self._revision = 0
+        self._done = False
+
+    def next_call(self) -> Call | None:
+        """The next request to send, or None when ``result`` is ready."""
+        if self._done:
+            return None
+        if self.plan == ReadPlan.TXN:
+            return _txn([], [kv.op_range(r) for r in self.reads])
+        read = self.reads[len(self._answers)]
+        if self._answers:
+            pinned = rpc_pb2.RangeRequest()
+            pinned.CopyFrom(read)
+            pinned.revision = self._revision
+            read = pinned
+        return Call("kv", "Range", read)
+
+    def answer(self, response: rpc_pb2.TxnResponse | rpc_pb2.RangeResponse) -> None:
+        """The response to the last ``next_call``."""
+        if isinstance(response, rpc_pb2.TxnResponse):
+            self._revision = int(response.header.revision)
+            self._answers = [r.response_range for r in response.responses]
+            self._done = True
+            return
+        if not self._answers:
+            self._revision = int(response.header.revision)
+        self._answers.append(response)
+        self._done = len(self._answers) == len(self.reads)
+
+    def refused(self, error: EtcdError) -> None:
+        """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
+        if self.plan == ReadPlan.TXN and failure(error) == messages.Failure.NO_SPACE:
+            self.plan = ReadPlan.PINNED_RANGES
+            self.fell_back = True
+            return
+        raise error
+
+    @property
+    def result(self) -> Together:
+        assert self._done
+        return Together(self._revision, self._answers)
+
+
+# -- Touch, Withdraw, the count for the log ------------------------------------------------
+
+
+def touch_call(key: bytes, revision: int, value: bytes, lease_id: int) -> Call:
+    """The touch as one KV.Txn: re-put ``key`` (``value``, on ``lease_id``) if its
+    create_revision is still ``revision``; ``succeeded`` false when the key is gone."""
+    return _txn([kv.create_revision_is(key, revision)], [kv.op_put(key, value, lease_id)])
+
+
+def touch_answer(action: messages.Touch, response: rpc_pb2.TxnResponse) -> messages.TouchAnswer:
+    """The TxnResponse to ``touch_call`` as TouchAnswer."""
+    return messages.TouchAnswer(action.id, int(response.header.revision), bool(response.succeeded))
+
+
+def withdraw_call(action: messages.Withdraw) -> Call:
+    """A Withdraw without ``revoke`` as one KV.Txn: delete our key if its create_revision is
+    ``action.revision``, or, when that is 0 (our enqueue's outcome unknown), if it is on
+    ``action.lease_id``."""
+    if action.revision:
+        return _txn(
+            [kv.create_revision_is(action.key, action.revision)], [kv.op_delete(action.key)]
+        )
+    on_our_lease = rpc_pb2.Compare(
+        result=rpc_pb2.Compare.EQUAL,
+        target=rpc_pb2.Compare.LEASE,
+        key=action.key,
+        lease=action.lease_id,
+    )
+    return _txn([on_our_lease], [kv.op_delete(action.key)])
+
+
+def count_ahead_request(prefix: bytes, revision: int) -> rpc_pb2.RangeRequest:
+    """A Range of the keys under ``prefix`` created before ``revision`` (keys only), for the
+    ``queued`` log line: etcd's count ignores max_create_revision, so they are read."""
+    return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+
+
+# -- watches -------------------------------------------------------------------------------
+
+
+def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:
+    """What ``action`` watches: (key, range_end, only_deletes): every key under the prefix,
+    deletions only, or the one key, every change."""
+    if action.prefix:
+        return action.key, kv.prefix_end(action.key), True
+    return action.key, b"", False
+
+
+class Notice(Protocol):
+    """A watch notice as the etcd layer hands it over (``conch.etcd.watch.WatchNotice``)."""
+
+    @property
+    def error(self) -> Exception | None: ...
+    @property
+    def created(self) -> bool: ...
+    @property
+    def revision(self) -> int: ...
+    @property
+    def events(self) -> Sequence[kv_pb2.Event]: ...
+
+
+_EVENT_TYPES = {
+    kv_pb2.Event.DELETE: messages.EventType.DELETE,
+    kv_pb2.Event.PUT: messages.EventType.PUT,
+}
+
+
+def watch_input(watch_id: int, notice: Notice) -> messages.Input:
+    """A notice of watch ``watch_id`` as the machine's input: WatchBroken (compacted or
+    given up), WatchCreated, or WatchEvents."""
+    if notice.error is not None:
+        compacted = isinstance(notice.error, Compacted)
+        return messages.WatchBroken(watch_id, compacted, str(notice.error))
+    if notice.created:
+        return messages.WatchCreated(watch_id, notice.revision)
+    events = [messages.Event(_EVENT_TYPES[e.type], key_rev(e.kv)) for e in notice.events]
+    return messages.WatchEvents(watch_id, events, notice.revision)
+
+
+# -- failures ------------------------------------------------------------------------------
+
+# The one table from what etcd said (the etcd layer's exception, which names the gRPC status:
+# conch.etcd.client.map_rpc_error) to what the recipe does about it.
+_FAILURES: tuple[tuple[type[EtcdError], messages.Failure], ...] = (
+    (Unavailable, messages.Failure.UNREACHABLE),
+    # A read pinned to a revision that compaction just passed: read again.
+    (Compacted, messages.Failure.UNREACHABLE),
+    (LeaseNotFound, messages.Failure.LEASE_NOT_FOUND),
+)
+# etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
+_NO_SPACE_CODE = "RESOURCE_EXHAUSTED"
+_NO_SPACE_TEXT = "database space exceeded"
+
+
+def failure(error: EtcdError) -> messages.Failure:
+    """The recipe's name for how a request failed with ``error``."""
+    for kind, named in _FAILURES:
+        if isinstance(error, kind):
+            return named
+    if error.code == _NO_SPACE_CODE or _NO_SPACE_TEXT in str(error):
+        return messages.Failure.NO_SPACE
+    return messages.Failure.OTHER
+
+
+def failed(action_id: int, error: EtcdError) -> messages.Failed:
+    """Request ``action_id`` failed with ``error``: the machine's input."""
+    return messages.Failed(action_id, failure(error), str(error), error)

@@ -89,6 +89,8 @@ request size limits, watch fragmenting and progress notices.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -432,7 +434,7 @@ class SimEtcd:
         watch = self.watches.get(watch_id)
         if watch is None:
             return False
-        return bool(watch.outbox) or (not watch.cancelled and self._events_for(watch) != [])
+        return bool(watch.outbox) or (not watch.cancelled and self._events_for(watch, 1) != [])
 
     def watch_next(self, watch_id: int, revisions: int = 1) -> rpc_pb2.WatchResponse | None:
         """The next response of the watcher, in order: a queued one (created, cancelled),
@@ -449,7 +451,7 @@ class SimEtcd:
             return response
         if watch.cancelled:
             return None
-        batches = self._events_for(watch)[:revisions]
+        batches = self._events_for(watch, revisions)
         if not batches:
             return None
         watch.cursor = batches[-1][0] + 1
@@ -658,15 +660,19 @@ class SimEtcd:
             return _holds(compare.result, current.lease, compare.lease)
         raise NotImplementedError(f"compare target {target}")
 
-    def _events_for(self, watch: ModelWatch) -> list[tuple[int, list[kv_pb2.Event]]]:
-        """The revisions from the watcher's cursor on that have events it wants."""
+    def _events_for(
+        self, watch: ModelWatch, limit: int | None = None
+    ) -> list[tuple[int, list[kv_pb2.Event]]]:
+        """The revisions from the watcher's cursor on that have events it wants (the first
+        ``limit`` of them)."""
         out = []
-        for revision, events in self.history:
-            if revision < watch.cursor:
-                continue
+        start = bisect.bisect_left(self.history, watch.cursor, key=lambda entry: entry[0])
+        for revision, events in itertools.islice(self.history, start, None):
             wanted = [e for e in events if watch.covers(e.kv.key) and _wanted(e, watch.filters)]
             if wanted:
                 out.append((revision, wanted))
+                if len(out) == limit:
+                    break
         return out
 
     def _cancel_compacted(self, watch: ModelWatch) -> None:

@@ -183,6 +183,7 @@ class World:
         self.in_flight: list[InFlight] = []
         self.timers: list[Timer] = []
         self.sessions: list[Session] = []
+        self.live: list[Session] = []  # sessions not yet done (a superset, pruned each step)
         self.watch_owner: dict[int, tuple[Proc, int]] = {}  # model's watch id -> (proc, id)
         self.broken: list[tuple[Proc, int, bool]] = []  # WatchBroken notices to deliver
         self.trace = Trace()
@@ -239,6 +240,7 @@ class World:
         """The session of a lease granted by a LeaseGrant sent at ``granted_at``."""
         session = Session(lease_id, shared, sm.SessionMachine(TTL, granted_at))
         self.sessions.append(session)
+        self.live.append(session)
         self._session_do(session, session.machine.start())
         return session
 
@@ -900,21 +902,21 @@ class World:
         """The session machine's E (the earliest expiry) is never after etcd's own: a lease
         etcd still has expires no sooner; and no holder holds past its session's E (its
         child is stopped by then)."""
-        for session in self.sessions:
+        self.live = [s for s in self.live if not s.machine.done]
+        live = {s.lease_id: s for s in self.live}
+        for session in live.values():
             lease = self.etcd.leases.get(session.lease_id)
-            if session.machine.done or lease is None:
-                continue
-            if lease.expires < session.machine.alive_until:
+            if lease is not None and lease.expires < session.machine.alive_until:
                 self.fail(
                     f"lease {session.lease_id:x}: E {session.machine.alive_until:.3f} is after "
                     f"etcd's expiry {lease.expires:.3f}"
                 )
         for proc in self.procs:
-            lease_id = proc.held.lease_id if proc.held is not None and proc.holding else None
-            for session in self.sessions:
-                alive_until = session.machine.alive_until
-                if session.lease_id == lease_id and self.etcd.now > alive_until:
-                    self.fail(f"{proc.name} holds past its session's E ({alive_until:.3f})")
+            mine = live.get(proc.held.lease_id) if proc.holding and proc.held else None
+            if mine is not None and self.etcd.now > mine.machine.alive_until:
+                self.fail(
+                    f"{proc.name} holds past its session's E ({mine.machine.alive_until:.3f})"
+                )
 
     def _steady(self) -> bool:
         """Whether this step counts towards a bound on sleeping: no fault active, no slow

@@ -32,6 +32,14 @@ shared session's key deleted), and the cancel propagates once that is over. If t
 granted just as the cancel came, the hold is released before it propagates. Either way no
 key is left behind. A request already sent when the cancel comes is answered first (each
 has the client's request timeout), so that no write lands after the withdrawal.
+
+What differs from the threaded face is how a call waits, never what it decides: no
+``interrupt=`` (cancel the task instead); ``hold.lost`` an ``asyncio.Event`` (a
+``conch.Flag`` in threads) with the reason in ``hold.reason``; ``check``, ``put``,
+``delete``, ``release`` and ``who`` awaited; ``on_lost`` callbacks on the loop; no
+``remaining()`` (bound a step with ``asyncio.timeout_at(hold.deadline)`` on asyncio's own
+loop, whose clock is ``time.monotonic()``). A hold from ``await sema.acquire()`` is an
+async context manager too (``async with hold:`` releases it).
 """
 
 from __future__ import annotations

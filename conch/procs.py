@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -61,13 +62,22 @@ _RESET_SIGNALS = tuple(
 
 
 def _inherited_fds() -> list[int]:
-    """Our inheritable descriptors above stderr (Python's own are never inheritable)."""
+    """Our inheritable descriptors above stderr (Python's own are never inheritable), for
+    the spawn to close in the child. One at or above the soft RLIMIT_NOFILE (inherited from
+    a parent with a higher limit) cannot be named in a spawn's close action (glibc refuses
+    it: EBADF, and the command would be reported as not executable), so it is made
+    close-on-exec here instead."""
     fds = []
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc/self/fd"):
             with contextlib.suppress(OSError, ValueError):
-                if int(name) > 2 and os.get_inheritable(int(name)):
-                    fds.append(int(name))
+                fd = int(name)
+                if fd > 2 and os.get_inheritable(fd):
+                    if limit == resource.RLIM_INFINITY or fd < limit:
+                        fds.append(fd)
+                    else:
+                        os.set_inheritable(fd, False)
     return fds
 
 

@@ -53,7 +53,13 @@ from conch.procs import (
 )
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
-from conch.watchdog import Watchdog, WatchdogExited, WatchdogSilent, without_credentials
+from conch.watchdog import (
+    ANSWER_TIMEOUT,
+    Watchdog,
+    WatchdogExited,
+    WatchdogSilent,
+    without_credentials,
+)
 
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
@@ -314,9 +320,18 @@ def run_child(
         watchdog.dismiss()
         if stop.is_set():
             raise Interrupted(stop.reason)
+        if watchdog.ended:  # killed while conch queued, or could not start
+            return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited before the child")
         return _report(
             Outcome.WATCHDOG_FAILED, error=f"not running after {WATCHDOG_START_TIMEOUT:g}s"
         )
+    if not watchdog.answers(ANSWER_TIMEOUT):  # stopped while conch queued: no child then
+        error = "the watchdog exited before the child"
+        if not watchdog.ended:
+            error = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
+        watchdog.kill()
+        watchdog.dismiss()
+        return _report(Outcome.WATCHDOG_FAILED, error=error)
     # After the watchdog's start, which can take a while on a loaded machine.
     run.confirm_hold()
     env = child_env(hold, environ)

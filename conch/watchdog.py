@@ -21,8 +21,9 @@ Linux, so conch's instants are the watchdog's):
   /proc/PID/environ standing in for the group;
 * ``a PGID``: the child's process group;
 * ``h EXPIRY`` after every confirmed keepalive: the lease's new earliest expiry;
-* ``p`` (a probe, every PROBE_INTERVAL while the child runs): answered ``A`` on its stdout
-  at once; a watchdog that has not answered within ANSWER_TIMEOUT is failed as a dead one;
+* ``p`` (a probe, once before the expect line and every PROBE_INTERVAL while the child
+  runs): answered ``A`` on its stdout at once; a watchdog that has not answered within
+  ANSWER_TIMEOUT is failed as a dead one (before the expect line: no child is started);
 * ``x`` (goodbye): conch itself is done with the child: exit quietly once conch closes the
   pipe (at most a fifth of a second later);
 * ``s KILL_AT`` (stand-by): conch is terminating the group itself (after a loss, a signal,
@@ -169,6 +170,34 @@ class Watchdog:
                 if not self._ready:
                     return False
         return self._process.poll() is None and not self._exited.is_set()
+
+    def answers(self, timeout: float) -> bool:
+        """Whether the watchdog, ready and not watched yet, answers a probe within
+        ``timeout`` seconds (ANSWER_TIMEOUT): one stopped while conch queued (SIGSTOP, a
+        debugger, a freezer) is failed before the child starts, as a dead one is, rather
+        than once the child runs."""
+        self._send(PROBE)
+        deadline = time.monotonic() + timeout
+        while True:
+            # Once more after the deadline: a thread of ours woken late must not take an
+            # answer that came in time for a late one.
+            if not self._readable(deadline - time.monotonic()) and not self._readable(0):
+                return False
+            try:
+                chunk = os.read(self._stdout(), 64)
+            except OSError:
+                chunk = b""
+            if ANSWER in chunk:
+                return True
+            if not chunk:
+                self._exited.set()
+                return False
+
+    @property
+    def ended(self) -> bool:
+        """Whether the watchdog process is known to have ended (its stdout's end seen, or
+        its exit status)."""
+        return self._exited.is_set() or self._process.poll() is not None
 
     def _stdout(self) -> int:
         assert self._process.stdout is not None

@@ -31,7 +31,7 @@ from conch.etcd.client import Endpoint
 from conch.flag import Flag
 from conch.settings import parse_duration
 from conch.supervisor import check_kill_after, deadline_margin, max_kill_after, supervise
-from tests.conftest import DEADLINE, Conch, Runner, alive, poll, sema_keys
+from tests.conftest import DEADLINE, Conch, Runner, alive, poll, sema_keys, stat_fields
 from tests.etcd_server import EtcdCluster
 
 
@@ -232,6 +232,42 @@ def test_a_watchdog_killed_while_the_child_runs_is_noticed_at_once_and_the_child
     events = holder.events()
     assert "kill-sent" in events and "term-sent" not in events
     assert sema_keys(client, name) == []
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_watchdog_stopped_or_killed_while_conch_queues_fails_before_the_child_starts(
+    conch: Runner, client: Client, name: str, tmp_path: Path, fault: signal.Signals
+) -> None:
+    """The waiter's watchdog, started before it queues, SIGSTOPped or SIGKILLed while it
+    waits: when the slot comes, conch fails it (exit 70, ``watchdog-failed`` saying which)
+    without starting the child, and gives the slot back. Before, a stopped watchdog was
+    only probed once the child ran: the child was started, then SIGKILLed 0.1 s in; and a
+    killed one was reported as "not running after 10s", at once."""
+    gate = tmp_path / "release"
+    holder = conch.start(
+        "sema", name, "--max", "1", "--ttl", "3s", "--",
+        "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done",
+    )  # fmt: skip
+    poll(lambda: "event=child-start" in holder.log(), what="the holder's child")
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    waiter = conch.start("sema", name, "--max", "1", "--ttl", "3s", "--", *waiter_cmd)
+    poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
+    watchdog = watchdog_of(waiter)
+    os.kill(watchdog, fault)
+    if fault == signal.SIGSTOP:
+        poll(lambda: (stat_fields(watchdog) or ["?"])[0] == "T", what="the watchdog stopped")
+    else:
+        poll(lambda: not alive(watchdog), what="the watchdog gone")
+    gate.touch()
+    assert holder.wait() == 0, holder.log()
+    assert waiter.wait() == 70, waiter.log()
+    assert not waiter_started.exists(), "the child started with a failed watchdog"
+    failed = [line for line in waiter.log().splitlines() if "event=watchdog-failed" in line]
+    said = "did not answer" if fault == signal.SIGSTOP else "exited before the child"
+    assert len(failed) == 1 and said in failed[0], waiter.log()
+    assert "child-start" not in waiter.events()
+    assert sema_keys(client, name) == []
+    assert not alive(watchdog), "the stopped watchdog was left behind"
 
 
 def test_our_key_deleted_from_outside_sigkills_the_child_at_once(

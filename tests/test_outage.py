@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import re
 import time
 from pathlib import Path
@@ -135,7 +136,9 @@ def test_the_library_s_waiters_keep_their_places_and_the_hold_lasts_to_e(
     face_type: type[Face],
     outage: float,
     capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="conch")
     face: Face = face_type(own_etcd, 2.0)  # type: ignore[call-arg]
 
     async def scenario(fclient: Any) -> None:
@@ -189,3 +192,8 @@ def test_the_library_s_waiters_keep_their_places_and_the_hold_lasts_to_e(
             await scenario(fclient)
 
     asyncio.run(main())
+    # The same log events through either face: no waiter re-entered, nothing said lost but
+    # (at most) the hold, at E.
+    events = [r.getMessage() for r in caplog.records if r.name == "conch"]
+    assert not [e for e in events if "event=requeue" in e], events
+    assert len([e for e in events if "event=lost" in e]) <= 1, events

@@ -1,4 +1,5 @@
-"""What a new user trips over first: NoSlot's message, --who into a closed pipe, a closed std fd."""
+"""What a new user trips over first: NoSlot's message, --who into a closed pipe, a closed
+std fd, a descriptor above the fd limit."""
 
 from __future__ import annotations
 
@@ -86,3 +87,32 @@ def test_a_std_fd_closed_by_conchs_caller_is_dev_null_in_the_child(
     for fd, what in enumerate(("<&-", ">&-", "2>&-")):
         if what in closed.split():
             assert targets[fd] == os.devnull, f"fd {fd} in the child: {targets}"
+
+
+# Runs conch (its command line as the arguments) with an inheritable descriptor at 200 and
+# the soft RLIMIT_NOFILE lowered below it: a service that raised its limit, opened many
+# files, and started conch with a lower one (or a shell's fd 255 under ulimit -n 128).
+HIGH_FD = """
+import os, resource, sys
+fd = os.open(os.devnull, os.O_RDONLY)
+os.dup2(fd, 200)  # inheritable
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def test_a_descriptor_above_the_fd_limit_is_closed_in_the_child_and_the_child_runs(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """Before, conch asked posix_spawn to close every descriptor it inherited, and glibc
+    refuses to name one at or above the soft RLIMIT_NOFILE (EBADF): every command was
+    reported as not executable, exit 126, whatever it was."""
+    script = tmp_path / "high_fd.py"
+    script.write_text(HIGH_FD)
+    fds = tmp_path / "fds"
+    proc = conch.start(
+        "sema", name, "--max", "1", "--", "sh", "-c", f"ls /proc/$$/fd > {fds}",
+        launcher=[sys.executable, str(script)],
+    )  # fmt: skip
+    assert proc.wait() == 0, proc.log()
+    assert "200" not in fds.read_text().split(), "the descriptor reached the child"

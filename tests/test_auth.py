@@ -102,6 +102,7 @@ def auth_churn(cluster: EtcdCluster, pause: float = 0.01) -> Iterator[list[int]]
             thread.join(timeout=30)
 
 
+@pytest.mark.alone
 def test_runs_and_releases_keep_up_with_auth_changes(
     jwt_etcd: EtcdCluster, tmp_path: Path, name: str
 ) -> None:

@@ -333,6 +333,15 @@ def test_the_documented_longest_graces_are_accepted_by_the_command(
         assert (code, err) == (0, "")
 
 
+def test_a_refused_grace_just_past_the_limit_is_shown_as_asked() -> None:
+    """Before, the grace was shown rounded as the limit is: ``--kill-after 1.2500001s``
+    was refused as "1.25s does not fit a 3s TTL: at most 1.25s"."""
+    with pytest.raises(UsageError) as refused:
+        check_kill_after(parse_duration("--kill-after", "1.2500001s"), 3, "--kill-after")
+    assert str(refused.value).startswith("--kill-after 1.2500001s does not fit"), refused.value
+    assert "at most 1.25s" in str(refused.value)
+
+
 def test_supervise_refuses_a_kill_after_that_cannot_fit_the_ttl(client: Client, name: str) -> None:
     sema = conch.Semaphore(client, name, max=1, ttl=3)
     with pytest.raises(UsageError, match="does not fit"):

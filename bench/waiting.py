@@ -164,6 +164,25 @@ async def _lag(seconds: float) -> dict[str, Any]:
     return {"ticks": len(late), "worst_ms": max(late), "p99_ms": pct(late, 99)}
 
 
+_burst: dict[str, Any] = {}
+
+
+def _start_burst_ticker() -> None:
+    """A TICK ticker started just before the waiters' tasks are created, all at once: the
+    worst lateness of its wake-ups (ms) while their first steps run, until the orchestrator,
+    having seen every waiter queued, asks for it ("burst")."""
+    loop = asyncio.get_running_loop()
+    _burst["worst_ms"] = 0.0
+
+    async def tick() -> None:
+        while True:
+            asked = loop.time() + TICK
+            await asyncio.sleep(TICK)
+            _burst["worst_ms"] = max(_burst["worst_ms"], (loop.time() - asked) * 1000)
+
+    _burst["task"] = loop.create_task(tick())
+
+
 async def _serve(tasks: list[asyncio.Task[None]], errors: list[str]) -> None:
     """Answer the orchestrator's commands without a thread: stdin read on the loop."""
     loop = asyncio.get_running_loop()
@@ -188,6 +207,9 @@ async def _serve(tasks: list[asyncio.Task[None]], errors: list[str]) -> None:
         words = (await lines.get()).split()
         if words and words[0] == "lag":
             _say(await _lag(float(words[1])))
+        elif words and words[0] == "burst":
+            _burst["task"].cancel()
+            _say({"worst_ms": _burst["worst_ms"]})
         elif words and words[0] == "stop":
             started = time.monotonic()
             for task in tasks:
@@ -223,6 +245,7 @@ async def run_aio(variant: str, endpoint: str, names: list[str], ttl: int) -> in
             await hold.release()
             errors.append(f"{name}: acquired behind a holder that never leaves")
 
+        _start_burst_ticker()
         tasks = [asyncio.create_task(wait(n)) for n in names]
         await _serve(tasks, errors)
         if session is not None:
@@ -273,6 +296,7 @@ async def run_aetcd(endpoint: str, names: list[str], ttl: int) -> int:
             with contextlib.suppress(Exception):
                 await lease.revoke()
 
+    _start_burst_ticker()
     tasks = [asyncio.create_task(wait(n)) for n in names]
     await _serve(tasks, errors)
     await client.close()
@@ -297,6 +321,7 @@ async def run_aetcd_lock(endpoint: str, names: list[str], ttl: int) -> int:
             await lock.release()
             errors.append(f"{name}: acquired behind a holder that never leaves")
 
+    _start_burst_ticker()
     tasks = [asyncio.create_task(wait(n)) for n in names]
     await _serve(tasks, errors)
     await client.close()
@@ -342,6 +367,7 @@ async def run_etcd3aio(endpoint: str, names: list[str], ttl: int) -> int:
             with contextlib.suppress(Exception):
                 await leases.revoke(lease.ID, timeout=10)
 
+    _start_burst_ticker()
     tasks = [asyncio.create_task(wait(n)) for n in names]
     await _serve(tasks, errors)
     await client.close()
@@ -547,6 +573,7 @@ def measure(
                 raise RuntimeError(f"{variant}: {keys} keys, {watching} watches queued of {n}")
             time.sleep(0.2)
         queued_s = time.monotonic() - started
+        burst = worker.ask("burst", 60) if variant in ASYNC_VARIANTS else {}
         # Past the first keepalive (TTL/3), which opens the keepalive streams.
         time.sleep(ttl / 3 + 1.5)
         threads_before = threads_of(pid)
@@ -571,6 +598,7 @@ def measure(
             lag = worker.ask(f"lag {window}", window + 60)
             result["loop_lag_worst_ms"] = lag["worst_ms"]
             result["loop_lag_p99_ms"] = lag["p99_ms"]
+            result["burst_stall_worst_ms"] = burst["worst_ms"]
         stopped = worker.ask("stop", 120)
         worker.proc.wait(30)
         result["stop_s"] = stopped["stop_s"]
@@ -604,6 +632,7 @@ METRICS = (
     ("pss_mib", "PSS MiB", 1),
     ("loop_lag_worst_ms", "loop lag worst ms", 1),
     ("loop_lag_p99_ms", "loop lag p99 ms", 1),
+    ("burst_stall_worst_ms", "created-at-once stall ms", 1),
 )
 
 

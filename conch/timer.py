@@ -15,7 +15,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    import asyncio
 
 from conch import log
 
@@ -37,6 +40,28 @@ class Handle:
 
     def cancel(self) -> None:
         self.cancelled = True
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    """What runs the steps of the keepalives and the watch hub: a ``Timer`` (a thread of
+    its own), or a ``LoopTimer`` (the event loop's thread)."""
+
+    def call_later(self, delay: float, function: Callable[[], Any]) -> Cancellable: ...
+
+
+class LoopTimer:
+    """``Timer.call_later`` on an event loop: ``function`` runs on the loop's thread (call
+    it there only). A function that raises is reported by the loop's exception handler."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+
+    def call_later(self, delay: float, function: Callable[[], Any]) -> Cancellable:
+        return self.loop.call_later(max(0.0, delay), function)
 
 
 class Timer:

@@ -18,9 +18,9 @@
 
 A native asyncio driver of the one recipe (``conch.core.waiter.Waiter``, the state machine the
 threaded ``conch.Semaphore`` drives too): a coroutine feeds it etcd's answers and executes
-its actions with awaits. Unary calls are gRPC futures handed to the loop
-(``Client.call_async``); watches ride the client's one Watch stream and keepalives its one
-LeaseKeepAlive stream, both shared with the threaded face (``conch.etcd.aio``); delays and
+its actions with awaits. Unary calls are grpc.aio calls on the loop
+(``Client.call_async``); watches ride one Watch stream and keepalives one LeaseKeepAlive
+stream per client and loop, grpc.aio streams read by the loop (``conch.etcd.aio``); delays and
 a hold's guard are the loop's timers, deciding as the threaded Hold does
 (``guard.guard_plan`` and the ``guard_on_*`` verdicts). So a waiting acquire costs no
 thread, and the threads of a process stay a constant few whatever the number of waiters,

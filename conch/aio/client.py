@@ -17,11 +17,11 @@ from conch.etcd import client as etcd_client
 
 
 class Client:
-    """An etcd client for coroutines. ``sync`` is the ``conch.etcd.Client`` under it, whose
-    channels, watch stream and endpoints both faces share (its blocking calls must not run
-    on the loop). ``await client.close()`` (or leaving ``async with``) revokes the leases of
-    the coroutine sessions still open on it (at most CLOSE_REVOKE_TIMEOUT seconds in all),
-    then closes the channels."""
+    """An etcd client for coroutines. ``sync`` is the ``conch.etcd.Client`` under it: its
+    endpoints, token and failover, and its grpc.aio channels and streams of each loop (its
+    blocking calls must not run on the loop). ``await client.close()`` (or leaving ``async
+    with``) revokes the leases of the coroutine sessions still open on it (at most
+    CLOSE_REVOKE_TIMEOUT seconds in all), then closes the channels."""
 
     def __init__(self, sync: etcd_client.Client) -> None:
         self.sync = sync

@@ -1,13 +1,18 @@
-"""The etcd layer for coroutines: the same calls and streams as the threaded layer, awaited.
+"""The etcd layer for coroutines: the same calls and streams as the threaded layer, awaited,
+with their I/O on the running loop.
 
-Unary calls are ``Client.call_async``: one gRPC ``.future()`` per attempt, under the
-client's own deadlines, failover and token renewal. The streams are the client's own, shared
-with the threaded face: its one Watch.Watch stream (``conch.etcd.watch``), whose reader
-thread hands each notice to the loop with ``call_soon_threadsafe`` (``LoopWatch``), and its
-one LeaseKeepAlive stream for the leases of all its sessions (``lease.KeepAlives``), whose
-timer thread hands each answer to the loop the same way (``keepalive``). So a process pays a
-constant number of threads for any number of waiters, holds and sessions: no thread per
-call, none per waiter, and nothing on the loop's default executor.
+Unary calls are ``Client.call_async``: grpc.aio calls on channels bound to the loop, under
+the client's own deadlines, failover and token renewal. The streams are grpc.aio streams
+read by the loop too, one of each per client and loop, shared by all its coroutines: one
+Watch.Watch stream for every watch (``watch.LoopHub``, ``LoopWatch``), one LeaseKeepAlive
+stream for the leases of every session (``lease.LoopKeepAlives``, ``keepalive``), with the
+threaded layer's decisions (failover, probes, backoff, token renewal). So no thread of
+ours hands a message to the loop (gRPC's own poller wakes it), and a process pays no
+thread per call, waiter, hold or session; nothing here uses the loop's default executor.
+
+In a process forked while grpc.aio channels were open, where gRPC's asyncio stack is lost
+(``endpoints.loop_native``), the streams are the threaded client's own, whose threads hand
+each notice and answer to the loop with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import kv, lease
 from conch.etcd.client import Client
-from conch.etcd.lease import Grant
-from conch.etcd.watch import Watch, WatchNotice
+from conch.etcd.endpoints import loop_native
+from conch.etcd.lease import Grant, KeepAlives, LoopKeepAlives
+from conch.etcd.watch import LoopHub, Watch, WatchNotice
+from conch.timer import PerOwner
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> bool:
@@ -112,16 +119,47 @@ async def time_to_live(
     return int(response.TTL)
 
 
+# -- one stream of each kind per client and loop -----------------------------------------
+
+
+def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], Any]) -> Callable[[Client], Any]:
+    """``make(client, loop)`` once per client and running loop, made on first use; the ones
+    of loops that have ended are dropped then (their streams ended with them)."""
+    tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, Any]] = PerOwner(lambda _c: {})
+
+    def get(client: Client) -> Any:
+        loop = asyncio.get_running_loop()
+        table = tables(client)
+        made = table.get(loop)
+        if made is None:
+            for ended in [other for other in table if other.is_closed()]:
+                del table[ended]
+            made = table[loop] = make(client, loop)
+        return made
+
+    return get
+
+
+_loop_hub = _per_loop(LoopHub)
+_loop_keepalives = _per_loop(LoopKeepAlives)
+
+
+def _keepalives(client: Client) -> KeepAlives:
+    if loop_native():
+        made: KeepAlives = _loop_keepalives(client)
+        return made
+    return lease.keepalives_for(client)
+
+
 # -- the Watch stream ------------------------------------------------------------------------
 
 
 class LoopWatch:
-    """A ``Watch`` on the client's shared stream whose notices reach ``on_notice`` on the
-    loop that opened it, in order (the stream's reader thread hands each one over with
-    ``call_soon_threadsafe``). Arguments as ``Watch``; ``on_notice`` must not block. Once
-    ``cancel()`` returns, ``on_notice`` is not called again, not even for a notice already
-    handed to the loop. Open it with ``await LoopWatch.open(...)``: the stream's auth token
-    is fetched first, without blocking the loop. Raises EtcdError as ``Watch``."""
+    """A ``Watch`` on the client's Watch stream of the running loop, whose notices reach
+    ``on_notice`` on that loop, in order. Arguments as ``Watch``; ``on_notice`` must not
+    block. Once ``cancel()`` returns, ``on_notice`` is not called again. Open it with
+    ``await LoopWatch.open(...)``: the stream's auth token is fetched first, without
+    blocking the loop. Raises EtcdError as ``Watch``."""
 
     def __init__(
         self,
@@ -135,12 +173,17 @@ class LoopWatch:
     ) -> None:
         self._on_notice = on_notice
         self._cancelled = False
+        args = (client, key, start_revision)
+        if loop_native():
+            hub = _loop_hub(client)
+            self.watch = Watch(*args, self._deliver, range_end, only_deletes, confirm, hub=hub)
+            return
         loop = asyncio.get_running_loop()
 
-        def deliver(notice: WatchNotice) -> None:  # the stream's reader thread
+        def deliver(notice: WatchNotice) -> None:  # the threaded stream's reader thread
             call_soon(loop, self._deliver, notice)
 
-        self.watch = Watch(client, key, start_revision, deliver, range_end, only_deletes, confirm)
+        self.watch = Watch(*args, deliver, range_end, only_deletes, confirm)
 
     @classmethod
     async def open(
@@ -172,37 +215,45 @@ class LoopWatch:
 # -- the LeaseKeepAlive stream ---------------------------------------------------------------
 
 
-# Beyond a keepalive's own deadline, which the keepalives' timer thread enforces: how late
-# that thread may be scheduled before the awaiting coroutine stops waiting for it.
+# Beyond a keepalive's own deadline, which the keepalives' timers enforce: how late they
+# may run before the awaiting coroutine stops waiting for them.
 KEEPALIVE_SLACK = 1.0  # seconds
 
 
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
-    """One LeaseKeepAlive of ``lease_id`` on the client's one keepalive stream (shared with
-    every session of the client, either face: ``lease.KeepAlives``), awaited: the lease's
-    TTL in seconds. Raises LeaseNotFound when etcd answers TTL <= 0 (expired or revoked),
-    Unavailable when no answer comes by ``deadline`` (``time.monotonic()``). A cancel of
-    the awaiting task leaves the keepalive to run out on its own (its answer is dropped)."""
+    """One LeaseKeepAlive of ``lease_id`` on the client's keepalive stream of the running
+    loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``),
+    awaited: the lease's TTL in seconds. Raises LeaseNotFound when etcd answers TTL <= 0
+    (expired or revoked), Unavailable when no answer comes by ``deadline``
+    (``time.monotonic()``). A cancel of the awaiting task leaves the keepalive to run out
+    on its own (its answer is dropped)."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[lease.Outcome] = loop.create_future()
+    keepalives = _keepalives(client)
+    if isinstance(keepalives, LoopKeepAlives):
+        # Its deadline is a timer of this loop: no thread that could be late to watch for.
+        keepalives.refresh(lease_id, deadline, lambda outcome: _settle(answer, outcome))
+        outcome = await answer
+    else:
 
-    def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
-        call_soon(loop, _settle, answer, outcome)
+        def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
+            call_soon(loop, _settle, answer, outcome)
 
-    lease.keepalives_for(client).refresh(lease_id, deadline, done)
-    left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
-    try:
-        outcome = await asyncio.wait_for(answer, left)
-    except TimeoutError:
-        raise Unavailable("keepalive: no answer in time") from None
+        keepalives.refresh(lease_id, deadline, done)
+        left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
+        try:
+            outcome = await asyncio.wait_for(answer, left)
+        except TimeoutError:
+            raise Unavailable("keepalive: no answer in time") from None
     if isinstance(outcome, EtcdError):
         raise outcome
     return outcome
 
 
 def forget_lease(client: Client, lease_id: int) -> None:
-    """Stop keeping ``lease_id`` alive on the client's keepalive stream (no wait)."""
-    lease.keepalives_for(client).forget(lease_id)
+    """Stop keeping ``lease_id`` alive on the client's keepalive stream (no wait; on the
+    loop's thread)."""
+    _keepalives(client).forget(lease_id)
 
 
 def _settle(answer: asyncio.Future[lease.Outcome], outcome: lease.Outcome) -> None:

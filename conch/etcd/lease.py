@@ -9,15 +9,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
+from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-from conch.timer import Handle, PerOwner, Timer
+
+if TYPE_CHECKING:
+    import asyncio
+
+from conch.timer import Cancellable, LoopTimer, PerOwner, Scheduler, Timer
 
 
 class Grant(NamedTuple):
@@ -97,16 +102,17 @@ class KeepAlives:
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
-        self.timer = Timer("conch-keepalive")
+        self.timer = Timer("conch-keepalive")  # the threaded sessions' timers run here too
+        self._steps: Scheduler = self.timer
         self._opener = Timer("conch-keepalive-open")
         # Touched only on the timer thread: no lock. First the stream in use, each with its
         # counts by lease ID.
-        self._streams: dict[BidiStream, dict[int, _Counts]] = {}
+        self._streams: dict[Stream, dict[int, _Counts]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
         # Ends of streams that broke before they were registered: a stream's reader starts
         # with it, on the opener thread, and its end can reach the timer thread before the
         # stream itself does (a member that forgot our token refuses the stream at once).
-        self._early_ends: dict[BidiStream, EtcdError] = {}
+        self._early_ends: dict[Stream, EtcdError] = {}
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
         # Answers from the streams' readers, not yet handled on the timer thread.
@@ -121,12 +127,12 @@ class KeepAlives:
         from the timer thread, by ``deadline`` (a ``time.monotonic()`` value) at the latest.
         A keepalive still under way for the lease is given up (its ``done`` gets
         Unavailable). Raises RuntimeError when the timer thread cannot be started."""
-        self.timer.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
+        self._steps.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
 
     def forget(self, lease_id: int) -> None:
         """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (its ``done``
         is not called) and its answers are ignored; the last lease closes the streams."""
-        self.timer.call_later(0, lambda: self._forget(lease_id))
+        self._steps.call_later(0, lambda: self._forget(lease_id))
 
     # -- on the timer thread --------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class KeepAlives:
         self._leases.add(ask.lease_id)
         self._asks[ask.lease_id] = ask
         left = ask.deadline - time.monotonic()
-        ask.expiry = self.timer.call_later(left, lambda: self._expire(ask))
+        ask.expiry = self._steps.call_later(left, lambda: self._expire(ask))
         self._ask(ask)
 
     def _ask(self, ask: _Ask) -> None:
@@ -146,13 +152,13 @@ class KeepAlives:
         if self._asks.get(ask.lease_id) is not ask or time.monotonic() >= ask.deadline:
             return
         target = self._next_to_ask(ask)
-        if isinstance(target, BidiStream):
+        if isinstance(target, (BidiStream, LoopStream)):
             self._send(ask, target)
         elif target is not None:
             self._open(target, ask)
         # None: every endpoint has it; any answer, or the deadline, settles it.
 
-    def _next_to_ask(self, ask: _Ask) -> BidiStream | Endpoint | None:
+    def _next_to_ask(self, ask: _Ask) -> Stream | Endpoint | None:
         current = next(iter(self._streams), None)
         if not ask.asked and current is not None:
             return current
@@ -175,18 +181,21 @@ class KeepAlives:
             return endpoint
         return None
 
-    def _send(self, ask: _Ask, stream: BidiStream) -> None:
+    def _send(self, ask: _Ask, stream: Stream) -> None:
         counts = self._streams[stream].setdefault(ask.lease_id, _Counts())
         ask.asked[stream] = counts.sent  # the index its answer will have
         counts.sent += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
+        client = self._client_ref()
+        if client is None or len(client.endpoints) < 2:
+            return  # no other member to ask: the answer, a broken stream or the deadline
         left = ask.deadline - time.monotonic()
         self._ask_again(ask, min(ASK_ANOTHER_AFTER, left / 2))
 
     def _ask_again(self, ask: _Ask, delay: float) -> None:
         if ask.next is not None:
             ask.next.cancel()
-        ask.next = self.timer.call_later(delay, lambda: self._ask(ask))
+        ask.next = self._steps.call_later(delay, lambda: self._ask(ask))
 
     def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
         waiting = self._opening.get(endpoint)
@@ -197,17 +206,17 @@ class KeepAlives:
         self._opening[endpoint] = [ask]
         timeout = max(0.001, ask.deadline - time.monotonic())
         try:
-            self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
+            self._start_dial(endpoint, timeout)
         except RuntimeError as exc:  # no thread to open it on: retried after a backoff
             self._opened(endpoint, Unavailable(f"cannot open a keepalive stream: {exc}"))
 
-    def _opened(self, endpoint: Endpoint, opened: BidiStream | EtcdError) -> None:
+    def _opened(self, endpoint: Endpoint, opened: Stream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])
-        if isinstance(opened, BidiStream) and opened in self._early_ends:
+        if isinstance(opened, (BidiStream, LoopStream)) and opened in self._early_ends:
             # Ended before it was ours: a failed open, retried after a backoff. Kept, its
             # keepalives would go unanswered until the deadline declared the session lost.
             opened = self._early_ends.pop(opened)
-        if isinstance(opened, BidiStream):
+        if isinstance(opened, (BidiStream, LoopStream)):
             if not self._leases:
                 opened.close()
                 return
@@ -215,7 +224,7 @@ class KeepAlives:
         for ask in waiting:
             if self._asks.get(ask.lease_id) is not ask:
                 continue
-            if isinstance(opened, BidiStream):
+            if isinstance(opened, (BidiStream, LoopStream)):
                 self._send(ask, opened)
             else:
                 ask.last_error = opened
@@ -245,7 +254,7 @@ class KeepAlives:
         else:
             self._finish(ask, int(item.response.TTL))
 
-    def _broken(self, stream: BidiStream, error: EtcdError) -> None:
+    def _broken(self, stream: Stream, error: EtcdError) -> None:
         """``stream`` ended: drop it, fail over, and send what waited on it again."""
         self._drop(stream)
         client = self._client_ref()
@@ -258,7 +267,7 @@ class KeepAlives:
                 if not ask.asked:
                     self._ask_again(ask, ask.backoff.next())
 
-    def _settle_on(self, answered: BidiStream, ask: _Ask) -> None:
+    def _settle_on(self, answered: Stream, ask: _Ask) -> None:
         """The stream that answered is the one in use from now on. If the first one asked
         stayed silent, its member is at best slower than this one: calls and streams move
         away from it."""
@@ -306,11 +315,16 @@ class KeepAlives:
             if stream not in waited_on and (index > 0 or not self._leases):
                 self._drop(stream)
 
-    def _drop(self, stream: BidiStream) -> None:
+    def _drop(self, stream: Stream) -> None:
         self._streams.pop(stream, None)
         stream.close()
 
     # -- on other threads -----------------------------------------------------------------
+
+    def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
+        """Have ``_dial`` open a stream to ``endpoint`` on the opener thread. Raises
+        RuntimeError when that thread cannot be started."""
+        self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
 
     def _dial(self, endpoint: Endpoint, timeout: float) -> None:
         """On the opener thread: open a stream to ``endpoint`` (Auth.Authenticate first when
@@ -327,7 +341,7 @@ class KeepAlives:
             opened = exc
         except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
             opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
-        self.timer.call_later(0, lambda: self._opened(endpoint, opened))
+        self._steps.call_later(0, lambda: self._opened(endpoint, opened))
 
     def _deliver(self, item: StreamItem) -> None:
         """From a stream's reader thread: hand the answer to the timer thread. Answers that
@@ -338,7 +352,7 @@ class KeepAlives:
                 return
             self._draining = True
         try:
-            self.timer.call_later(0, self._drain)
+            self._steps.call_later(0, self._drain)
         except RuntimeError:  # no thread for it now: the next answer tries again
             with self._inbox_lock:
                 self._draining = False
@@ -367,11 +381,11 @@ class _Ask:
         self.lease_id = lease_id
         self.deadline = deadline
         self.done = done
-        self.asked: dict[BidiStream, int] = {}
+        self.asked: dict[Stream, int] = {}
         self.backoff = Backoff()
         self.last_error: EtcdError = Unavailable("keepalive: no answer in time")
-        self.next: Handle | None = None  # the next stream asked, or the retry
-        self.expiry: Handle | None = None
+        self.next: Cancellable | None = None  # the next stream asked, or the retry
+        self.expiry: Cancellable | None = None
 
 
 class _Counts:
@@ -382,6 +396,53 @@ class _Counts:
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+
+
+class LoopKeepAlives(KeepAlives):
+    """``KeepAlives`` on an event loop, for the coroutines of one loop: the same decisions,
+    run by the loop's timers, on grpc.aio streams (``LoopStream``) read by the loop, so no
+    thread of ours hands a keepalive or its answer over. ``refresh``, ``forget`` and
+    ``done`` run on the loop's thread only; opening a stream is a task of the loop that
+    awaits the auth token (``Client.token_async``), then waits for nothing."""
+
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(client)
+        self._steps = LoopTimer(loop)
+        self._loop = loop
+        self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
+
+    def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
+        task = self._loop.create_task(self._dial_on_loop(endpoint, timeout))
+        self._dialling.add(task)
+        task.add_done_callback(self._dialling.discard)
+
+    async def _dial_on_loop(self, endpoint: Endpoint, timeout: float) -> None:
+        opened: Stream | EtcdError
+        client = self._client_ref()
+        try:
+            if client is None:
+                raise EtcdError("client is closed", "CANCELLED")
+            token = await client.token_async(timeout)
+            opened = LoopStream(client, "lease", "LeaseKeepAlive", self._deliver, token, endpoint)
+        except EtcdError as exc:
+            opened = exc
+        except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
+            opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
+        self._opened(endpoint, opened)
+
+    def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
+        self._start(_Ask(lease_id, deadline, done))  # on the loop already
+
+    def forget(self, lease_id: int) -> None:
+        """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable: its
+        coroutine awaits no timer of its own."""
+        ask = self._asks.get(lease_id)
+        self._forget(lease_id)
+        if ask is not None:
+            ask.done(Unavailable("keepalive: the lease is no longer kept alive here"))
+
+    def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over
+        self._on_item(item)
 
 
 _keepalives: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)

@@ -9,7 +9,9 @@ request still unanswered; later answers carry the watch_id it gave.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import threading
 import time
 import weakref
@@ -20,8 +22,9 @@ from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
-from conch.etcd.client import Backoff, BidiStream, Client, Endpoint, StreamItem
-from conch.timer import PerOwner, Timer, timer_for
+from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
+from conch.timer import LoopTimer, PerOwner, Scheduler, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -79,6 +82,7 @@ class Watch:
         only_deletes: bool = False,
         confirm: bool = False,
         probe_after: float = PROBE_AFTER,
+        hub: _Hub | None = None,
     ) -> None:
         self._confirm = confirm
         self._deliver = deliver
@@ -94,7 +98,7 @@ class Watch:
         # its own watch.
         self._delivering = threading.RLock()
         self._ended = threading.Event()  # cancelled, or the error delivered
-        self._hub = _hub_for(client)
+        self._hub = _hub_for(client) if hub is None else hub
         self._hub.add(self)
 
     def cancel(self) -> None:
@@ -155,9 +159,9 @@ class _Hub:
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # the hub lives in a map keyed by the client
-        self._timer: Timer = timer_for(client)
+        self._timer: Scheduler = timer_for(client)
         self._lock = threading.RLock()
-        self._stream: BidiStream | None = None
+        self._stream: Stream | None = None
         self._watches: set[Watch] = set()
         self._unanswered: collections.deque[Watch] = collections.deque()  # creates, in order
         self._by_id: dict[int, Watch] = {}
@@ -171,7 +175,7 @@ class _Hub:
         self._opening = False  # a thread is opening the stream, outside the lock
         # The end of a stream that broke while it was being opened, before it was installed:
         # its reader starts with it, and an item for a stream not yet ours would be dropped.
-        self._early_end: tuple[BidiStream, EtcdError] | None = None
+        self._early_end: tuple[Stream, EtcdError] | None = None
         client.on_failover(self._endpoint_failed)
 
     # -- watches come and go -----------------------------------------------------------
@@ -224,7 +228,7 @@ class _Hub:
 
     # -- the stream ----------------------------------------------------------------------
 
-    def _open(self) -> BidiStream:
+    def _open(self) -> Stream:
         """A new Watch.Watch stream. Never called with the lock held: it may need an
         Auth.Authenticate or a TLS handshake (seconds against a hung member), and the
         keepalive's failover and a hold's loss callback need the lock meanwhile."""
@@ -233,7 +237,7 @@ class _Hub:
             raise EtcdError("client is closed", "CANCELLED")
         return BidiStream(client, "watch", "Watch", self._on_item)
 
-    def _open_or_retry(self, withdraw: Watch | None) -> BidiStream:
+    def _open_or_retry(self, withdraw: Watch | None) -> Stream:
         """``_open``, by the thread that set ``_opening``. When that fails: ``withdraw`` (the
         watch whose add failed, if any) is unregistered, the watches still registered (others
         came meanwhile) wait for a retry, and the EtcdError is raised."""
@@ -248,7 +252,7 @@ class _Hub:
                     self._retry_open(exc)
             raise
 
-    def _install(self, stream: BidiStream) -> None:
+    def _install(self, stream: Stream) -> None:
         """Make the newly opened ``stream`` the hub's and create every watch on it."""
         with self._lock:
             self._opening = False
@@ -277,7 +281,7 @@ class _Hub:
             self._resuming = True
             self._timer.call_later(self._backoff.next(), self._resume)
 
-    def _send_create(self, stream: BidiStream, watch: Watch) -> None:
+    def _send_create(self, stream: Stream, watch: Watch) -> None:
         watch._id = None
         self._unanswered.append(watch)
         stream.send(watch._create_request())
@@ -342,7 +346,7 @@ class _Hub:
         for notice in notices:
             notice.watch._hand_over(notice)
 
-    def _broken(self, stream: BidiStream, error: EtcdError) -> None:
+    def _broken(self, stream: Stream, error: EtcdError) -> None:
         """The stream failed (called with the lock held, with the stream current): move
         every watch to the next endpoint after a pause, or end them all with the error."""
         self._stream = None
@@ -425,7 +429,7 @@ class _Hub:
             self._probing = True
         self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe_answered(stream, asked))
 
-    def _probe_answered(self, stream: BidiStream, asked: float) -> None:
+    def _probe_answered(self, stream: Stream, asked: float) -> None:
         with self._lock:
             self._probing = False
             if stream is not self._stream:
@@ -443,6 +447,59 @@ def _resumable(error: EtcdError) -> bool:
     """Errors a new stream may not meet: the member went away, or the token went stale
     (the new stream authenticates again)."""
     return isinstance(error, (Unavailable, TokenInvalid))
+
+
+class LoopHub(_Hub):
+    """The ``_Hub`` of one Client's watches opened on one event loop: the same decisions,
+    run by the loop's timers, on a grpc.aio stream (``LoopStream``) read by the loop, so
+    notices reach their watch on the loop's thread with no thread of ours handing them
+    over (``Watch(..., hub=)``, on the loop's thread only). A stream is opened only with the
+    auth token at hand; without one it is a failed open (retried after a backoff) while
+    a task of the loop fetches the token (``Client.token_async``)."""
+
+    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(client)
+        self._timer = LoopTimer(loop)
+        self._loop = loop
+        self._authenticating: asyncio.Task[str | None] | None = None
+
+    def _open(self) -> Stream:
+        client = self._client_ref()
+        if client is None:
+            raise EtcdError("client is closed", "CANCELLED")
+        if not client.token_at_hand():
+            if self._authenticating is None or self._authenticating.done():
+                self._authenticating = self._loop.create_task(client.token_async())
+            raise Unavailable("watch: no auth token at hand yet")
+        return LoopStream(client, "watch", "Watch", self._on_item, client._token)
+
+    def _resume(self) -> None:
+        """As ``_Hub._resume``, once the auth token is at hand: fetching it (a stale one was
+        what broke the stream, as under a burst of auth changes) is no failed open."""
+        client = self._client_ref()
+        if client is None or client.token_at_hand():
+            super()._resume()
+            return
+        fetching = self._loop.create_task(client.token_async())
+        fetching.add_done_callback(self._token_fetched)
+
+    def _token_fetched(self, fetching: asyncio.Task[str | None]) -> None:
+        # Fetched or not: without a token the open fails, counted, and backs off.
+        if not fetching.cancelled():
+            fetching.exception()  # retrieved: the open reports what it means
+        super()._resume()
+
+    def _endpoint_failed(self, failed: Endpoint) -> None:
+        """From whichever thread failed over (a threaded face's call may): on the loop."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            super()._endpoint_failed(failed)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop has ended: nothing to move
+            self._loop.call_soon_threadsafe(super()._endpoint_failed, failed)
 
 
 _hub_for: PerOwner[Client, _Hub] = PerOwner(_Hub)

@@ -1,0 +1,264 @@
+"""Where calls go: etcd members' endpoints, TLS, credentials, and the gRPC channels to them.
+
+A channel to a member is dialled twice over at most: once for blocking calls (``grpc``),
+and once per event loop for its coroutines (``grpc.aio``, whose calls run on that loop).
+Both carry the same options: HTTP/2 pings, no gRPC retries, a short reconnect backoff.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import grpc
+from conchpb.etcdserverpb import rpc_pb2_grpc
+
+from conch.errors import Unavailable, UsageError
+
+MAX_TIMEOUT = 10 * 365 * 86400.0  # seconds; gRPC's deadlines overflow somewhere past 1e9 s
+
+# HTTP/2 pings find a dead connection even on an idle stream. etcd refuses pings more often
+# than every 5 s (--grpc-keepalive-min-time), so stay above that.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),  # etcd answers pings on idle links with GOAWAY
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.enable_retries", 0),
+    # gRPC's reconnect backoff grows to 2 minutes: a client that lived through a long outage
+    # stayed unavailable for 14-20 s after etcd was back. Dialling a member is cheap.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One etcd member's client URL, parsed: ``host:port`` or ``http(s)://host:port``."""
+
+    host: str
+    port: int
+    tls: bool
+
+    @property
+    def target(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return ("https://" if self.tls else "") + self.target
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """Parse one endpoint; raise UsageError naming it when it is not ``[scheme://]host:port``."""
+        raw = text.strip()
+        tls = False
+        for scheme, is_tls in (("http://", False), ("https://", True)):
+            if raw.startswith(scheme):
+                raw, tls = raw[len(scheme) :], is_tls
+        raw = raw.rstrip("/")
+        host, sep, port = raw.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        bad_host = not host or any(c in host for c in "[]/ ") or not host.isprintable()
+        if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise UsageError(f"bad endpoint {text!r}: want host:port or http(s)://host:port")
+        return cls(host, int(port), tls)
+
+
+@dataclass(frozen=True)
+class TLS:
+    """Transport security: PEM bytes of the CA bundle (None: the system's roots), and of the
+    client certificate and key for mutual TLS. ``skip_verify`` trusts whatever certificate
+    each endpoint presents (etcdctl's --insecure-skip-tls-verify): encrypted, but open to a
+    man in the middle."""
+
+    cacert: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    skip_verify: bool = False
+
+    def credentials(
+        self, endpoint: Endpoint
+    ) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
+        """The credentials and options of a secure channel to ``endpoint``. Raises
+        Unavailable when skip_verify cannot fetch the endpoint's certificate."""
+        roots = self.cacert
+        options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
+        if self.skip_verify:
+            # gRPC cannot turn verification off; trust the presented certificate itself,
+            # under a name it carries.
+            roots, name = _presented_certificate(endpoint, self.cert, self.key)
+            options.append(("grpc.ssl_target_name_override", name))
+        return grpc.ssl_channel_credentials(roots, self.key, self.cert), options
+
+
+def _presented_certificate(
+    endpoint: Endpoint, cert: bytes | None, key: bytes | None, timeout: float = 5.0
+) -> tuple[bytes, str]:
+    """The PEM certificate ``endpoint`` presents, and a host name it is valid for. One TLS
+    handshake without verification, showing our client certificate (``cert``, ``key``: PEM)
+    if we have one, since an etcd that requires one ends the handshake without it."""
+    import os
+    import socket
+    import ssl
+    import tempfile
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def write(name: str, data: bytes) -> str:
+            path = os.path.join(tmp, name)
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+                f.write(data)
+            return path
+
+        try:
+            if cert is not None and key is not None:
+                context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
+            address = (endpoint.host, endpoint.port)
+            with (
+                socket.create_connection(address, timeout=timeout) as sock,
+                context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
+            ):
+                der = tls.getpeercert(binary_form=True)
+        except (OSError, ValueError) as exc:
+            raise Unavailable(f"cannot fetch the TLS certificate of {endpoint}: {exc}") from None
+        if der is None:
+            raise Unavailable(f"{endpoint} presented no TLS certificate")
+        pem = ssl.DER_cert_to_PEM_cert(der)
+        try:
+            decoded = ssl._ssl._test_decode_cert(write("server.pem", pem.encode()))  # type: ignore[attr-defined]
+        except (ssl.SSLError, AttributeError):
+            decoded = {}
+    name = endpoint.host
+    names = [value for kind, value in decoded.get("subjectAltName", ()) if kind == "DNS"]
+    names += [value for kind, value in decoded.get("subjectAltName", ()) if kind == "IP Address"]
+    if names and name not in names:
+        name = names[0]
+    return pem.encode(), name
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An etcd user and its password (never logged, never shown)."""
+
+    user: str
+    password: str = field(repr=False)
+
+
+class Stubs(NamedTuple):
+    """One channel to one member and the etcd services' stubs on it: blocking ``grpc``
+    calls, or (``dial(..., loop_native=True)``) ``grpc.aio`` calls bound to the event loop
+    running at the dial."""
+
+    endpoint: Endpoint
+    channel: Any  # grpc.Channel, or grpc.aio.Channel
+    kv: rpc_pb2_grpc.KVStub
+    lease: rpc_pb2_grpc.LeaseStub
+    watch: rpc_pb2_grpc.WatchStub
+    maintenance: rpc_pb2_grpc.MaintenanceStub
+    auth: rpc_pb2_grpc.AuthStub
+
+    @classmethod
+    def dial(cls, endpoint: Endpoint, tls: TLS | None, loop_native: bool = False) -> Stubs:
+        """Raises Unavailable when skip_verify cannot fetch the endpoint's certificate."""
+        global _dialled_in
+        _dialled_in = os.getpid()
+        creds, options = (None, CHANNEL_OPTIONS)
+        if endpoint.tls or tls is not None:
+            creds, options = (tls or TLS()).credentials(endpoint)
+        channel: Any
+        if loop_native:
+            from grpc import aio  # only for coroutines: the command never loads it
+
+            if creds is None:
+                channel = aio.insecure_channel(endpoint.target, options=options)
+            else:
+                channel = aio.secure_channel(endpoint.target, creds, options=options)
+            _loop_channels.add(channel)
+        elif creds is None:
+            channel = grpc.insecure_channel(endpoint.target, options=options)
+        else:
+            channel = grpc.secure_channel(endpoint.target, creds, options=options)
+        return cls(
+            endpoint,
+            channel,
+            rpc_pb2_grpc.KVStub(channel),
+            rpc_pb2_grpc.LeaseStub(channel),
+            rpc_pb2_grpc.WatchStub(channel),
+            rpc_pb2_grpc.MaintenanceStub(channel),
+            rpc_pb2_grpc.AuthStub(channel),
+        )
+
+
+# The process that last dialled a channel: a child forked from it inherits gRPC's state.
+_dialled_in: int | None = None
+_FALSE = ("0", "false", "no", "n", "f", "off")
+
+
+def check_fork_support() -> None:
+    """Raise UsageError in a process forked from one that used gRPC when gRPC's fork support
+    is off (GRPC_ENABLE_FORK_SUPPORT=false): its first call would hang in gRPC for good,
+    past every deadline (found with multiprocessing's fork start method)."""
+    setting = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").strip().lower()
+    if _dialled_in not in (None, os.getpid()) and setting in _FALSE:
+        raise UsageError(
+            f"gRPC was used in process {_dialled_in} before it forked this one, and "
+            f"GRPC_ENABLE_FORK_SUPPORT={setting}: a forked process cannot use gRPC then; "
+            "leave GRPC_ENABLE_FORK_SUPPORT unset (or true) in the parent"
+        )
+
+
+def check_timeout(parameter: str, seconds: float, zero: bool = False) -> None:
+    """Raise UsageError naming ``parameter`` unless ``seconds`` is a number above 0 (or 0
+    itself, with ``zero``) and at most 10 years (gRPC would wait forever past that)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise UsageError(f"bad {parameter} {seconds!r}: want seconds, a number")
+    lowest_ok = seconds >= 0 if zero else seconds > 0
+    if not (math.isfinite(seconds) and lowest_ok and seconds <= MAX_TIMEOUT):
+        above = "0 or more" if zero else "above 0"
+        raise UsageError(f"bad {parameter} {seconds!r}: want seconds {above}, at most 10 years")
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
+    """``endpoints`` (a comma-separated string or a list) parsed; UsageError naming a bad
+    one, or when none is given."""
+    texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    parsed = [Endpoint.parse(t) for t in texts if t.strip()]
+    if not parsed:
+        raise UsageError(f"bad endpoints {endpoints!r}: no endpoint given")
+    return parsed
+
+
+# grpc.aio channels dialled here and not closed yet. gRPC's asyncio stack does not survive a
+# fork while any is open (its poller thread stays behind in the parent, and a child's calls
+# then hang past their deadlines, found with os.fork); a child forked then uses the
+# blocking stack for its coroutines too (``loop_native``).
+_loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
+_loop_native_lost_in: int | None = None
+
+
+def _after_fork_in_child() -> None:
+    global _loop_native_lost_in
+    if _loop_channels:
+        _loop_native_lost_in = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def loop_native() -> bool:
+    """Whether coroutines may use gRPC's asyncio stack in this process: not in one forked
+    (at any depth) while grpc.aio channels dialled here were open."""
+    return _loop_native_lost_in is None
+
+
+def closed_loop_channel(channel: Any) -> None:
+    """``channel`` (a grpc.aio channel of ``Stubs.dial``) is closed."""
+    _loop_channels.discard(channel)

@@ -1,0 +1,167 @@
+"""The bidirectional streams (Watch.Watch, Lease.LeaseKeepAlive) of a Client, two ways.
+
+``BidiStream`` reads its answers on a thread of its own (the threaded face's streams);
+``LoopStream`` is the same stream on an event loop (grpc.aio): its answers are read by a
+task of that loop, so no thread hands them over. Both deliver ``StreamItem``s to one
+callback, one per response, then one with ``error`` set when the stream ends.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import grpc
+
+from conch import log
+from conch.errors import EtcdError, TokenInvalid, Unavailable
+from conch.etcd.grpc_errors import map_rpc_error
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from conch.etcd.client import Client
+    from conch.etcd.endpoints import Endpoint
+
+
+class BidiStream:
+    """A bidirectional gRPC stream whose answers arrive in a mailbox.
+
+    ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
+    response, then one with ``error`` set when the stream ends for any reason; when that is
+    TokenInvalid, the token it was opened with is invalidated, so that the owner's next
+    stream carries a fresh one. ``timeout`` (seconds) bounds the Auth.Authenticate that
+    opening may need. ``close()`` cancels the call; nothing is delivered after it. It runs on
+    ``endpoint``, by default the client's current one.
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        service: str,
+        method: str,
+        deliver: Callable[[StreamItem], None],
+        timeout: float | None = None,
+        endpoint: Endpoint | None = None,
+    ) -> None:
+        import queue
+
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._client = client
+        self._deliver = deliver
+        self._closed = False
+        self.token = client.token(timeout)
+        self.endpoint, self._call = client.open_stream(
+            service,
+            method,
+            iter(self._requests.get, None),
+            token=self.token,
+            endpoint=endpoint,
+        )
+        self._reader = threading.Thread(
+            target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True
+        )
+        self._reader.start()
+
+    def send(self, request: Any) -> None:
+        self._requests.put(request)
+
+    def close(self) -> None:
+        self._closed = True
+        self._requests.put(None)
+        self._call.cancel()
+
+    def _read(self, responses: Iterator[Any]) -> None:
+        error: EtcdError
+        try:
+            for response in responses:
+                if self._closed:
+                    return
+                self._deliver(StreamItem(self, response, None))
+            error = Unavailable(f"stream closed by server ({self.endpoint})")
+        except grpc.RpcError as rpc_error:
+            error = map_rpc_error(rpc_error, self.endpoint)
+        if isinstance(error, TokenInvalid):
+            self._client.invalidate_token(self.token)
+        if not self._closed:
+            self._deliver(StreamItem(self, None, error))
+
+
+class LoopStream:
+    """A BidiStream on the running event loop (grpc.aio), read by a task of that loop, so
+    no thread of ours hands its answers over. The same ``deliver`` (called on the loop; an
+    exception it raises is logged, the stream reads on), ``send()`` and ``close()``, all on
+    the loop's thread. Opening waits for nothing: ``token`` is the auth token to carry
+    (``Client.token_async`` first), None without credentials."""
+
+    def __init__(
+        self,
+        client: Client,
+        service: str,
+        method: str,
+        deliver: Callable[[StreamItem], None],
+        token: str | None,
+        endpoint: Endpoint | None = None,
+    ) -> None:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        self._requests: asyncio.Queue[Any] = asyncio.Queue()
+        self._client = client
+        self._deliver = deliver
+        self._closed = False
+        self.token = token
+        self.endpoint, self._call = client.open_stream(
+            service, method, self._outgoing(), token=token, endpoint=endpoint, loop=loop
+        )
+        self._reader = loop.create_task(self._read())
+
+    def send(self, request: Any) -> None:
+        self._requests.put_nowait(request)
+
+    def close(self) -> None:
+        self._closed = True
+        self._requests.put_nowait(None)
+        self._call.cancel()
+
+    async def _outgoing(self) -> AsyncIterator[Any]:
+        while (request := await self._requests.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        import asyncio
+
+        error: EtcdError
+        try:
+            async for response in self._call:
+                if self._closed:
+                    return
+                self._hand_over(StreamItem(self, response, None))
+            error = Unavailable(f"stream closed by server ({self.endpoint})")
+        except asyncio.CancelledError:  # close(), or the loop's end
+            return
+        except grpc.RpcError as rpc_error:
+            error = map_rpc_error(rpc_error, self.endpoint)
+        if isinstance(error, TokenInvalid):
+            self._client.invalidate_token(self.token)
+        if not self._closed:
+            self._hand_over(StreamItem(self, None, error))
+
+    def _hand_over(self, item: StreamItem) -> None:
+        try:
+            self._deliver(item)
+        except Exception as exc:  # a bug (or a listener's) must not stop the stream
+            log.error("stream-answer-failed", error=repr(exc))
+
+
+# Either kind of stream: what the keepalives and the watch hub hold.
+Stream = BidiStream | LoopStream
+
+
+class StreamItem(NamedTuple):
+    """One thing a stream delivers: a response, or (last) the error that ended it."""
+
+    stream: Stream
+    response: Any
+    error: EtcdError | None

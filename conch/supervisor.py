@@ -319,6 +319,7 @@ def run_child(
         return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
     run = _Run(hold, kill_after, stop, watchdog)
     if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
+        watchdog.kill()  # stopped in its start-up it would never see its pipe's end
         watchdog.dismiss()
         if stop.is_set():
             raise Interrupted(stop.reason)

@@ -512,6 +512,7 @@ class World:
             # Held on a lease past its E (etcd away meanwhile): the supervisor's deadline
             # is already due, its child stopped before it could run.
             self._guard(proc, proc.guard.session_expired(loss.NOT_CONFIRMED))
+        self._check_expiries()
         if self.auto_release:
             hold_for = self.rng.expovariate(0.7)
             self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
@@ -697,7 +698,9 @@ class World:
             at, fire = due
             self.etcd.advance(max(0.0, at - self.etcd.now))
             fire()
+            self._check_expiries()
         self.etcd.advance(max(0.0, until - self.etcd.now))
+        self._check_expiries()
 
     def _next_due(self, until: float) -> tuple[float, Callable[[], None]] | None:
         best: tuple[float, int, Callable[[], None]] | None = None
@@ -883,7 +886,6 @@ class World:
                 self.fail(f"{proc.name} holds on {proc.unnoticed} steps after its key went")
         if len(keyed) > self.max:
             self.fail(f"{len(keyed)} holders of {self.max}: {keyed}")
-        self._check_expiries()
         owners = {p.waiter.key: p for p in self.procs if p.waiter.outcome is None and p.waiter.key}
         for key, kv in first.items():
             sleeper = owners.get(key)
@@ -901,7 +903,8 @@ class World:
     def _check_expiries(self) -> None:
         """The session machine's E (the earliest expiry) is never after etcd's own: a lease
         etcd still has expires no sooner; and no holder holds past its session's E (its
-        child is stopped by then)."""
+        child is stopped by then). Both change only as the clock moves (keepalives are
+        answered as they are sent, as time passes): checked then, and at each grant."""
         self.live = [s for s in self.live if not s.machine.done]
         live = {s.lease_id: s for s in self.live}
         for session in live.values():

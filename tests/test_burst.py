@@ -36,6 +36,7 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
     cluster.stop()
 
 
+@pytest.mark.alone
 def test_a_burst_of_asyncio_acquires_leaves_etcd_up_and_every_acquire_run(
     own_etcd: EtcdCluster, name: str
 ) -> None:

@@ -145,6 +145,7 @@ def _handover(
     return frozen_at, died, started
 
 
+@pytest.mark.alone
 def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_freezes(
     cluster: EtcdCluster, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

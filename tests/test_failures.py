@@ -654,6 +654,7 @@ def test_a_waiter_rereading_the_queue_against_a_dead_etcd_stops_at_once_on_sigte
     assert took < 2.5
 
 
+@pytest.mark.alone
 def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: Path) -> None:
     """gRPC's reconnect backoff would have grown to ~10 s over a 20 s outage (the client came
     back 4-7 s after etcd did; 10-15 s after a 30 s outage)."""

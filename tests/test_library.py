@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import linecache
 import logging
 import os
 import subprocess
@@ -150,6 +151,24 @@ def _acquire_in_thread(
     return thread, result
 
 
+def _idle(thread_name: str, boxes: list[Any]) -> bool:
+    """The thread named ``thread_name`` is blocked on its acquire's mailbox (in
+    ``_next_input``), and nothing is in ``boxes``: it has made every request its last input
+    called for and makes none until the next one comes. Under a loaded machine a waiter can
+    still be on its way there (a gap check after its watch was confirmed) when the events a
+    test waits for have all happened."""
+    idents = [t.ident for t in threading.enumerate() if t.name == thread_name]
+    if len(idents) != 1 or idents[0] is None:
+        return False
+    frame = sys._current_frames().get(idents[0])
+    return (
+        frame is not None
+        and frame.f_code.co_name == "_next_input"
+        and "box.get(" in (linecache.getline(frame.f_code.co_filename, frame.f_lineno))
+        and all(box.empty() for box in boxes)
+    )
+
+
 def _two_waiters(
     client: Client, name: str, sema: conch.Semaphore
 ) -> tuple[threading.Thread, dict[str, object], threading.Thread, dict[str, object]]:
@@ -211,6 +230,7 @@ def test_first_waiter_ignores_deletions_behind_it(client: Client, name: str) -> 
     hold.release()
 
 
+@pytest.mark.alone
 def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_with_no_request(
     client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -220,6 +240,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     with no request on the way."""
     requests: Counter[str] = Counter()
     moved_up = threading.Event()
+    boxes: list[Any] = []
     real_range, real_txn, real_watch = kv.range_, kv.txn, Watch
 
     def range_(*args: Any, **kwargs: Any) -> Any:
@@ -233,6 +254,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     def watch(client: Client, key: bytes, start: int, deliver: Any, **kwargs: Any) -> Watch:
         if threading.current_thread().name == "second" and kwargs.get("range_end"):
             inner = deliver
+            boxes.append(inner.__self__)
 
             def deliver(notice: WatchNotice) -> None:
                 inner(notice)
@@ -258,6 +280,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
             what="the new holder's touch",
         )
         assert moved_up.wait(DEADLINE), "the waiter behind did not move up"
+        poll(lambda: _idle("second", boxes), what="the waiter done with its gap check")
         before = requests["second"]
         hold = _handed_over(new_holder, second, second_result)
         assert requests["second"] == before, "the waiter read etcd between release and hold"
@@ -275,6 +298,8 @@ class _Looks:
         self.reads: Counter[str] = Counter()
         self.txns: Counter[str] = Counter()
         self.watching: dict[str, threading.Event] = {}
+        self.boxes: dict[str, list[Any]] = {}
+        self.unconfirmed: Counter[str] = Counter()  # watches opened, not yet confirmed
         real_standing, real_txn, real_watch = semaphore.Semaphore._standing, kv.txn, Watch
 
         def standing(sema: semaphore.Semaphore, *args: Any, **kwargs: Any) -> Any:
@@ -289,8 +314,12 @@ class _Looks:
             me = threading.current_thread().name
             self.reads[me] += 1  # a new watch on the way is a request too
             created = self.watching.setdefault(me, threading.Event())
+            self.boxes.setdefault(me, []).append(deliver.__self__)
+            self.unconfirmed[me] += 1
 
             def tell(notice: WatchNotice) -> None:
+                if notice.created:
+                    self.unconfirmed[me] -= 1
                 deliver(notice)
                 if notice.created:
                     created.set()
@@ -313,6 +342,10 @@ class _Looks:
         for thread in threads:
             poll(lambda t=thread: t in self.watching, what=f"{thread} watching")  # type: ignore[misc]
             assert self.watching[thread].wait(DEADLINE)
+            poll(
+                lambda t=thread: self.unconfirmed[t] == 0 and _idle(t, self.boxes[t]),  # type: ignore[misc]
+                what=f"{thread} done with what its watch's confirmation called for",
+            )
         return sum(self.reads[t] for t in threads)
 
 
@@ -364,6 +397,7 @@ def test_at_max_2_out_of_order_releases_hand_over_with_no_read_and_no_write_by_t
     assert sema_keys(client, name) == []
 
 
+@pytest.mark.alone
 def test_a_key_deleted_early_in_a_hold_that_waited_is_noticed_within_a_fraction_of_a_second(
     client: Client, name: str
 ) -> None:

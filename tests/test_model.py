@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.etcd_server import EtcdCluster
-from tests.sim.model import SimEtcd, refuses_reads_at_quota
+from tests.sim.model import SimEtcd
 from tests.sim.real import QUOTA, RealEtcd
 from tests.sim.scenarios import SCENARIOS
 
@@ -39,6 +39,6 @@ def fresh_etcd(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RealE
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_model_answers_as_etcd_does(scenario: str, fresh_etcd: RealEtcd) -> None:
-    model = SimEtcd(quota_refuses_reads=refuses_reads_at_quota(fresh_etcd.version()))
+    model = SimEtcd(version=fresh_etcd.status().version)
     expected = SCENARIOS[scenario](fresh_etcd)
     assert SCENARIOS[scenario](model) == expected

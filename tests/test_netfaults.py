@@ -92,6 +92,7 @@ def test_a_slow_lossy_link_does_not_cost_the_holds(settled: Lab, tmp_path: Path,
     assert "event=lost" not in logs
 
 
+@pytest.mark.alone
 def test_a_handoff_moves_off_a_leader_the_clients_cannot_reach(
     settled: Lab, tmp_path: Path, name: str
 ) -> None:

@@ -55,7 +55,7 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
   set, a Put, a LeaseGrant and a Txn with a put in either branch (even the one not taken)
   fail with "mvcc: database space exceeded" and change nothing; a Range, a DeleteRange, a
   revoke, a keepalive, a watch and a compaction go through. A Txn without a put depends on
-  the release (``quota_refuses_reads``, found by the comparison test, which fills a real
+  the release (``version``; found by the comparison test, which fills a real
   backend): etcd's gRPC layer weighs each Put, Txn and LeaseGrant against the quota first
   (v3rpc/quota.go: the backend's size plus the request's cost, 0 for a Txn without a put,
   must stay under the quota), so at the quota it refuses a Txn that only reads or only
@@ -89,6 +89,8 @@ request size limits, watch fragmenting and progress notices.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -189,12 +191,11 @@ class SimEtcd:
     and returning the API's protobuf messages; an error etcd would answer raises
     ModelError. ``reachable`` and ``nospace`` are the faults a request can meet."""
 
-    def __init__(
-        self, lease_ids: Iterable[int] | None = None, quota_refuses_reads: bool = True
-    ) -> None:
-        """``quota_refuses_reads``: at the space quota, a Txn without a put is refused too
-        (etcd before 3.4.20 and 3.5.7, ``refuses_reads_at_quota``)."""
-        self.quota_refuses_reads = quota_refuses_reads
+    def __init__(self, lease_ids: Iterable[int] | None = None, version: str = "3.5.1") -> None:
+        """``version``: the etcd release modelled, where releases differ (the space alarm,
+        ``refuses_reads_at_quota``), and what Maintenance.Status answers."""
+        self.version = version
+        self.quota_refuses_reads = refuses_reads_at_quota(version)
         self.revision = 1
         self.compact_revision = 0
         self.kvs: dict[bytes, kv_pb2.KeyValue] = {}
@@ -346,6 +347,13 @@ class SimEtcd:
             self._cancel_compacted(watch)
         return rpc_pb2.CompactionResponse(header=self._header())
 
+    # -- Maintenance -------------------------------------------------------------------------
+
+    def status(self) -> rpc_pb2.StatusResponse:
+        """Maintenance.Status: the release, and the member's view of the store."""
+        self._check_reachable()
+        return rpc_pb2.StatusResponse(header=self._header(), version=self.version, leader=1)
+
     # -- Lease -------------------------------------------------------------------------------
 
     def lease_grant(self, request: rpc_pb2.LeaseGrantRequest) -> rpc_pb2.LeaseGrantResponse:
@@ -426,7 +434,7 @@ class SimEtcd:
         watch = self.watches.get(watch_id)
         if watch is None:
             return False
-        return bool(watch.outbox) or (not watch.cancelled and self._events_for(watch) != [])
+        return bool(watch.outbox) or (not watch.cancelled and self._events_for(watch, 1) != [])
 
     def watch_next(self, watch_id: int, revisions: int = 1) -> rpc_pb2.WatchResponse | None:
         """The next response of the watcher, in order: a queued one (created, cancelled),
@@ -443,7 +451,7 @@ class SimEtcd:
             return response
         if watch.cancelled:
             return None
-        batches = self._events_for(watch)[:revisions]
+        batches = self._events_for(watch, revisions)
         if not batches:
             return None
         watch.cursor = batches[-1][0] + 1
@@ -652,15 +660,19 @@ class SimEtcd:
             return _holds(compare.result, current.lease, compare.lease)
         raise NotImplementedError(f"compare target {target}")
 
-    def _events_for(self, watch: ModelWatch) -> list[tuple[int, list[kv_pb2.Event]]]:
-        """The revisions from the watcher's cursor on that have events it wants."""
+    def _events_for(
+        self, watch: ModelWatch, limit: int | None = None
+    ) -> list[tuple[int, list[kv_pb2.Event]]]:
+        """The revisions from the watcher's cursor on that have events it wants (the first
+        ``limit`` of them)."""
         out = []
-        for revision, events in self.history:
-            if revision < watch.cursor:
-                continue
+        start = bisect.bisect_left(self.history, watch.cursor, key=lambda entry: entry[0])
+        for revision, events in itertools.islice(self.history, start, None):
             wanted = [e for e in events if watch.covers(e.kv.key) and _wanted(e, watch.filters)]
             if wanted:
                 out.append((revision, wanted))
+                if len(out) == limit:
+                    break
         return out
 
     def _cancel_compacted(self, watch: ModelWatch) -> None:

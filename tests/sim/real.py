@@ -140,7 +140,7 @@ class RealEtcd:
             except ModelError as error:
                 if error.code != "RESOURCE_EXHAUSTED":
                     raise
-            if self._status().dbSize >= QUOTA:
+            if self.status().dbSize >= QUOTA:
                 return
             self._alarm(_DEACTIVATE)
             value = b"x" * 1024
@@ -186,18 +186,14 @@ class RealEtcd:
             time.sleep(0.02)
         raise lost
 
-    def version(self) -> str:
-        """The server's release, as Maintenance.Status tells it ("3.5.1")."""
-        return str(self._status().version)
-
-    def _status(self) -> rpc_pb2.StatusResponse:
+    def status(self) -> rpc_pb2.StatusResponse:
         return self._call(self.maintenance.Status, rpc_pb2.StatusRequest())
 
     def _alarm(self, action: int) -> None:
         """Maintenance.Alarm on NOSPACE for this member. conch's protos leave it out, so
         the AlarmRequest (action = 1, memberID = 2, alarm = 3, all varints) is encoded
         here."""
-        member = self._status().header.member_id
+        member = self.status().header.member_id
         request = (
             b"\x08" + _varint(action) + b"\x10" + _varint(member) + b"\x18" + _varint(_NOSPACE)
         )

@@ -33,23 +33,27 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import grpc
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
+from conch.core import codec, loss
 from conch.core import guard as g
 from conch.core import messages as m
+from conch.core import session as sm
 from conch.core import waiter as r
+from conch.errors import Compacted, EtcdError, Unavailable
+from conch.etcd.grpc_errors import map_rpc_error
 from tests.sim.model import ModelError, SimEtcd
 
 TTL = 5  # seconds: every session's lease
 GUARD = -1  # the machine id under which a holder's guard watch is kept
-KEEPALIVE_EVERY = TTL / 3  # seconds between keepalives, as conch's session sends them
-MARGIN = 0.01  # a session is lost for its owner this long before etcd could expire it
 # Steady steps (no fault, no slow request, nobody backing off) a waiter may sleep while the
 # model says it holds, or a holder hold on after its key was deleted: a release reaches the
 # waiter it promotes in a handful of deliveries (its event, a read, a watch), interleaved
@@ -57,6 +61,14 @@ MARGIN = 0.01  # a session is lost for its owner this long before etcd could exp
 ASLEEP_BOUND = 200
 RUN_STEPS = 1500  # steps of the phase with faults and arrivals, at most
 CALM_STEPS = 20000  # steps to finish once faults are over: more is a livelock
+# etcd releases the schedules model, each read by the codec's plan for it: the suite's
+# (refuses a read-only Txn at its space quota, panics on one past its deadline: pinned
+# Ranges), one with both fixed and Debian's 3.4 (one read-only Txn), and a 3.4 from before
+# 3.4.20 (one read-only Txn, refused at the quota: the fallback to pinned Ranges).
+RELEASES = ("3.5.1", "3.5.7", "3.4.23", "3.4.19")
+VALUE = b'{"sim":1}'  # every key's value
+MORE = object()  # what applying one request of several answers: the next is due
+READS = (m.ReadStanding, m.ReadKeys)  # the actions read as Ranges together
 
 
 class PropertyFailed(AssertionError):
@@ -66,10 +78,6 @@ class PropertyFailed(AssertionError):
     def __init__(self, message: str, trace: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.trace = list(trace)
-
-
-def prefix_end(prefix: bytes) -> bytes:
-    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 class SimBackoff:
@@ -90,15 +98,16 @@ class SimBackoff:
 
 @dataclass
 class Session:
-    """A lease kept alive for its owner. ``certain_until``: when the owner stops trusting
-    it without a newer confirmed keepalive (last send + TTL - MARGIN)."""
+    """A lease kept alive for its owner by the shipped session machine
+    (``conch.core.session.SessionMachine``); ``wake`` its latest WakeAt."""
 
     lease_id: int
     shared: bool
-    certain_until: float
-    next_keepalive: float
-    kept: bool = True  # keepalives still sent (not closed, not frozen)
-    lost: bool = False
+    machine: sm.SessionMachine
+    wake: float = math.inf
+    kept: bool = True  # not closed
+    frozen: bool = False  # its keepalives reach etcd no more (the process stopped)
+    lost: bool = False  # etcd said the lease is gone
 
 
 @dataclass
@@ -115,7 +124,7 @@ class Proc:
     watches: dict[int, int] = field(default_factory=dict)  # machine's id -> model's id
     cancelled: set[int] = field(default_factory=set)  # watches cancelled (maybe unopened)
     asleep: int = 0  # steps the model has said it holds while it does not know
-    held_at: int = 0  # the guard's: the revision our key is known ours at
+    guard: g.GuardMachine | None = None  # the hold's guard, once it holds
     unnoticed: int = 0  # steps holding a key that is gone, its guard not yet aware
 
 
@@ -153,25 +162,31 @@ class World:
         etcd: SimEtcd | None = None,
         waiter: type[r.Waiter] = r.Waiter,
         auto_release: bool = True,
+        reader: type[codec.ReadTogether] = codec.ReadTogether,
     ) -> None:
-        """``waiter``: the machine to drive (a variant, to show a property catches its
-        bug). ``auto_release``: holders' jobs end after a random time (else only when
-        ``release`` is called)."""
+        """``waiter``, ``reader``: the machine and the read plan to drive (a variant, to
+        show a property catches its bug). ``auto_release``: holders' jobs end after a
+        random time (else only when ``release`` is called)."""
         self.seed = seed
         self.waiter = waiter
+        self.reader = reader
         self.auto_release = auto_release
         self.counts: collections.Counter[str] = collections.Counter()  # what was explored
         self.rng = random.Random(seed)
         self.max = max_holders
         self.etcd = etcd or SimEtcd()
         self.prefix = b"/conch/v1/sema/sim/%d/" % max_holders
+        # As a client learns it on connecting (Maintenance.Status): how Ranges are read
+        # together on this release.
+        self.plan = codec.read_plan(self.etcd.status().version)
         self.procs: list[Proc] = []
         self.in_flight: list[InFlight] = []
         self.timers: list[Timer] = []
         self.sessions: list[Session] = []
+        self.live: list[Session] = []  # sessions not yet done (a superset, pruned each step)
         self.watch_owner: dict[int, tuple[Proc, int]] = {}  # model's watch id -> (proc, id)
         self.broken: list[tuple[Proc, int, bool]] = []  # WatchBroken notices to deliver
-        self.trace: list[str] = []
+        self.trace = Trace()
         self.steps = 0
         self.requests = 0  # requests sent to etcd (by machines and holders)
         self.faulty = False  # a fault is active: liveness is not counted
@@ -182,15 +197,16 @@ class World:
 
     # -- the trace -----------------------------------------------------------------------
 
-    def log(self, line: str) -> None:
-        self.trace.append(f"{self.steps} t={self.etcd.now:.2f} rev={self.etcd.revision} {line}")
+    def log(self, line: str, *items: object) -> None:
+        """A line of the trace: ``line`` with each ``{}`` an item (formatted when read)."""
+        self.trace.add((self.steps, self.etcd.now, self.etcd.revision, line, items))
 
     def fail(self, message: str) -> None:
-        tail = "\n".join(self.trace[-60:])
+        tail = "\n".join(self.trace.lines()[-60:])
         raise PropertyFailed(
             f"seed {self.seed} (N={self.max}), step {self.steps}: {message}\n"
             f"replay: scripts/simulate.py --replay {self.seed}\nlast of the trace:\n{tail}",
-            self.trace,
+            self.trace.lines(),
         )
 
     # -- processes -----------------------------------------------------------------------
@@ -206,7 +222,7 @@ class World:
             self.etcd.reachable, self.etcd.nospace = True, False
             grant = self.etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=TTL))
             self.etcd.reachable, self.etcd.nospace = reachable, nospace
-            session = self._session(grant.ID, shared=True)
+            session = self._session(grant.ID, shared=True, granted_at=self.etcd.now)
             key = self.prefix + b"%x" % grant.ID
             waiter = self.waiter(self.prefix, self.max, backoff, key=key, lease_id=grant.ID)
         else:
@@ -220,18 +236,16 @@ class World:
         self._after_outcome(proc, r.State.ENQUEUEING)
         return proc
 
-    def _session(self, lease_id: int, shared: bool) -> Session:
-        session = Session(
-            lease_id,
-            shared,
-            certain_until=self.etcd.now + TTL - MARGIN,
-            next_keepalive=self.etcd.now + KEEPALIVE_EVERY,
-        )
+    def _session(self, lease_id: int, shared: bool, granted_at: float) -> Session:
+        """The session of a lease granted by a LeaseGrant sent at ``granted_at``."""
+        session = Session(lease_id, shared, sm.SessionMachine(TTL, granted_at))
         self.sessions.append(session)
+        self.live.append(session)
+        self._session_do(session, session.machine.start())
         return session
 
     def feed(self, proc: Proc, event: m.Input) -> None:
-        self.log(f"{proc.name} <- {_short(event)}")
+        self.log("{} <- {}", proc.name, event)
         before = proc.waiter.state
         self.counts[type(event).__name__] += 1
         if isinstance(event, m.Failed):
@@ -259,7 +273,7 @@ class World:
             self.counts[type(action).__name__] += 1
             if isinstance(action, m.Note):
                 continue
-            self.log(f"{proc.name} -> {_short(action)}")
+            self.log("{} -> {}", proc.name, action)
             if isinstance(action, m.CancelWatch):
                 self._cancel_watch(proc, action.id)
             elif isinstance(action, m.Pause):
@@ -269,6 +283,8 @@ class World:
                 self._send(proc, action)
 
     def _send(self, proc: Proc, action: m.Action) -> None:
+        """The action's requests, built by the shipped codec, in flight one after the
+        other (a read by pinned Ranges is several); the answer decoded by it too."""
         self.requests += 1
         if isinstance(action, m.OpenWatch):
             self._in_flight(proc, "open-watch", lambda: self._open_watch(proc, action), None, False)
@@ -276,41 +292,85 @@ class World:
         if isinstance(action, m.Withdraw) and action.revoke:
             self._stop_session(action.lease_id)  # a private session closes: no keepalives
         write = isinstance(action, (m.OpenSession, m.SendEnqueue, m.Touch, m.Withdraw))
+        exchange = self._exchange(action)
+        call = [next(exchange)]
 
         def applied() -> Any:
             try:
-                return self._request(action)
-            except ModelError as error:
-                machine_id = getattr(action, "id", 0)
+                try:
+                    response = call[0]()
+                except ModelError as error:
+                    call[0] = exchange.throw(etcd_error(error))
+                else:
+                    call[0] = exchange.send(response)
+            except StopIteration as done:
+                return done.value
+            except EtcdError as error:
                 if isinstance(action, m.Withdraw):
-                    return m.Withdrawn(machine_id)  # best effort: over either way
-                return m.Failed(machine_id, _failure(error), error.message)
+                    return m.Withdrawn(action.id)  # best effort: over either way
+                failed = codec.failed(getattr(action, "id", 0), error)
+                if isinstance(action, READS) and failed.failure == m.Failure.NO_SPACE:
+                    # etcd serves Ranges under its space alarm: a read that fails for it
+                    # stalls the waiter for the alarm's whole length.
+                    self.fail(f"{proc.name}: {type(action).__name__} refused under the space alarm")
+                return failed
+            return MORE
 
-        def deliver(answer: Any) -> None:
-            self.feed(proc, answer)
+        self._in_flight(
+            proc, type(action).__name__, applied, functools.partial(self.feed, proc), write
+        )
 
-        self._in_flight(proc, type(action).__name__, applied, deliver, write)
-
-    def _request(self, action: m.Action) -> Any:
-        """Apply one machine's request to the model; its answer (ModelError if etcd
-        answers an error)."""
+    def _exchange(self, action: m.Action) -> Generator[Callable[[], Any], Any, Any]:
+        """The requests that carry ``action`` out, each yielded as a call on the model and
+        sent its response (or thrown the EtcdError it met); returns the machine's input."""
         if isinstance(action, m.OpenSession):
-            return self._open_session(action)
+            grant = yield lambda: self.etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=TTL))
+            lease_id = int(grant.ID)
+            opened = m.SessionOpened(action.id, lease_id, self.prefix + b"%x" % lease_id)
+            return opened, self.etcd.now  # when the countdown started: ``_on_opened``
         if isinstance(action, m.SendEnqueue):
-            return self._enqueue(action)
-        if isinstance(action, m.ReadStanding):
-            return self._standing(action)
-        if isinstance(action, m.ReadKeys):
-            return self._read_keys(action)
-        if isinstance(action, m.Touch):
-            return self._touch(
-                action.id, action.key, action.revision, action.value, action.lease_id
+            request = codec.enqueue_call(action, self.prefix, self.max, VALUE)
+            return codec.enqueue_answer(action, (yield self._on_model(request)), VALUE)
+        if isinstance(action, READS):
+            reads = (
+                codec.standing_reads(action, self.prefix, self.max)
+                if isinstance(action, m.ReadStanding)
+                else codec.keys_reads(action)
             )
+            read = self.reader(reads, self.plan)
+            while (call := read.next_call()) is not None:
+                try:
+                    read.answer((yield self._on_model(call)))
+                except EtcdError as error:
+                    read.refused(error)
+            self.counts[f"read.{'fell-back' if read.fell_back else read.plan.name}"] += 1
+            if isinstance(action, m.ReadStanding):
+                return codec.standing_answer(action, read.result)
+            return codec.keys_answer(action, read.result)
+        if isinstance(action, m.Touch):
+            request = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
+            return codec.touch_answer(action, (yield self._on_model(request)))
         if isinstance(action, m.CheckLease):
-            return self._check_lease(action)
+            ask = rpc_pb2.LeaseTimeToLiveRequest(ID=action.lease_id)
+            return m.LeaseAnswer(
+                action.id, int((yield lambda: self.etcd.lease_time_to_live(ask)).TTL)
+            )
         if isinstance(action, m.Withdraw):
-            return self._withdraw(action)
+            if action.revoke:
+                yield lambda: self._revoke(action.lease_id)
+            else:
+                yield self._on_model(codec.withdraw_call(action))
+            return m.Withdrawn(action.id)
         raise AssertionError(f"unknown action {action!r}")
+
+    def _on_model(self, call: codec.Call) -> Callable[[], Any]:
+        """A codec Call as the model's method."""
+        methods: dict[tuple[str, str], Callable[[Any], Any]] = {
+            ("kv", "Txn"): self.etcd.txn,
+            ("kv", "Range"): self.etcd.range,
+            ("maintenance", "Status"): lambda _: self.etcd.status(),
+        }
+        return functools.partial(methods[call.service, call.method], call.request)
 
     def _in_flight(
         self,
@@ -326,151 +386,17 @@ class World:
             InFlight(proc, what, apply, deliver or (lambda _: None), write, weight)
         )
 
-    # -- the requests, on the model ------------------------------------------------------
-
-    def _open_session(self, action: m.OpenSession) -> tuple[m.SessionOpened, float]:
-        """LeaseGrant; the answer, and when the lease's countdown started (the keepalive
-        starts once the answer is in: ``_on_opened``)."""
-        grant = self.etcd.lease_grant(rpc_pb2.LeaseGrantRequest(TTL=TTL))
-        lease_id = int(grant.ID)
-        opened = m.SessionOpened(action.id, lease_id, self.prefix + b"%x" % lease_id)
-        return opened, self.etcd.now
-
-    def _enqueue(self, action: m.SendEnqueue) -> m.Input:
-        value = b'{"sim":1}'
-        heads = rpc_pb2.RangeRequest(
-            key=self.prefix,
-            range_end=prefix_end(self.prefix),
-            limit=self.max,
-            keys_only=True,
-            sort_target=rpc_pb2.RangeRequest.CREATE,
-            sort_order=rpc_pb2.RangeRequest.ASCEND,
-        )
-        response = self.etcd.txn(
-            rpc_pb2.TxnRequest(
-                compare=[_create_is(action.key, 0)],
-                success=[
-                    rpc_pb2.RequestOp(
-                        request_put=rpc_pb2.PutRequest(
-                            key=action.key, value=value, lease=action.lease_id
-                        )
-                    ),
-                    rpc_pb2.RequestOp(request_range=heads),
-                ],
-                failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=action.key))],
-            )
-        )
-        revision = int(response.header.revision)
-        if response.succeeded:
-            found = response.responses[1].response_range.kvs
-            return m.EnqueueAnswer(
-                action.id, revision, True, value, heads=[bytes(kv.key) for kv in found]
-            )
-        kvs = response.responses[0].response_range.kvs
-        if not kvs:
-            return m.EnqueueAnswer(action.id, revision, False)
-        return m.EnqueueAnswer(
-            action.id,
-            revision,
-            False,
-            bytes(kvs[0].value),
-            existing=_keyrev(kvs[0]),
-            existing_ours=kvs[0].lease == action.lease_id,
-        )
-
-    def _standing(self, action: m.ReadStanding) -> m.Input:
-        def queue(limit: int, order: int) -> rpc_pb2.RequestOp:
-            return rpc_pb2.RequestOp(
-                request_range=rpc_pb2.RangeRequest(
-                    key=self.prefix,
-                    range_end=prefix_end(self.prefix),
-                    limit=limit,
-                    keys_only=True,
-                    max_create_revision=action.revision,
-                    sort_target=rpc_pb2.RangeRequest.CREATE,
-                    sort_order=order,
-                )
-            )
-
-        response = self.etcd.txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    queue(r.window_size(self.max), rpc_pb2.RangeRequest.ASCEND),
-                    queue(2, rpc_pb2.RangeRequest.DESCEND),
-                ]
-            )
-        )
-        window = [_keyrev(kv) for kv in response.responses[0].response_range.kvs]
-        mine = [_keyrev(kv) for kv in response.responses[1].response_range.kvs]
-        return m.StandingAnswer(action.id, int(response.header.revision), window, mine)
-
-    def _read_keys(self, action: m.ReadKeys) -> m.Input:
-        response = self.etcd.txn(
-            rpc_pb2.TxnRequest(
-                success=[
-                    rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))
-                    for key in action.keys
-                ]
-            )
-        )
-        kvs = [
-            _keyrev(op.response_range.kvs[0]) if op.response_range.kvs else None
-            for op in response.responses
-        ]
-        return m.KeysAnswer(action.id, int(response.header.revision), kvs)
-
-    def _touch(self, touch_id: int, key: bytes, revision: int, value: bytes, lease: int) -> Any:
-        response = self.etcd.txn(
-            rpc_pb2.TxnRequest(
-                compare=[_create_is(key, revision)],
-                success=[
-                    rpc_pb2.RequestOp(
-                        request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease)
-                    )
-                ],
-            )
-        )
-        return m.TouchAnswer(touch_id, int(response.header.revision), bool(response.succeeded))
-
-    def _check_lease(self, action: m.CheckLease) -> m.Input:
-        response = self.etcd.lease_time_to_live(rpc_pb2.LeaseTimeToLiveRequest(ID=action.lease_id))
-        return m.LeaseAnswer(action.id, int(response.TTL))
-
-    def _withdraw(self, action: m.Withdraw) -> m.Input:
-        if action.revoke:
-            try:
-                self.etcd.lease_revoke(rpc_pb2.LeaseRevokeRequest(ID=action.lease_id))
-            except ModelError as error:
-                if error.code != "NOT_FOUND":
-                    raise
-            return m.Withdrawn(action.id)
-        compare = _create_is(action.key, action.revision)
-        if not action.revision:
-            compare = rpc_pb2.Compare(
-                result=rpc_pb2.Compare.EQUAL,
-                target=rpc_pb2.Compare.LEASE,
-                key=action.key,
-                lease=action.lease_id,
-            )
-        delete = rpc_pb2.DeleteRangeRequest(key=action.key)
-        self.etcd.txn(
-            rpc_pb2.TxnRequest(
-                compare=[compare], success=[rpc_pb2.RequestOp(request_delete_range=delete)]
-            )
-        )
-        return m.Withdrawn(action.id)
-
     def _open_watch(self, proc: Proc, action: m.OpenWatch) -> None:
         if action.id in proc.cancelled:
             return  # cancelled before its create request went out
+        key, range_end, only_deletes = codec.watch_range(action)
+        request = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end)
+        if only_deletes:
+            request.filters.append(rpc_pb2.WatchCreateRequest.NOPUT)
         try:
-            request = rpc_pb2.WatchCreateRequest(key=action.key)
-            if action.prefix:
-                request.range_end = prefix_end(action.key)
-                request.filters.append(rpc_pb2.WatchCreateRequest.NOPUT)
             model_id = self.etcd.watch_create(request)
         except ModelError as error:
-            self.feed(proc, m.Failed(action.id, _failure(error), error.message))
+            self.feed(proc, codec.failed(action.id, etcd_error(error)))
             return
         proc.watches[action.id] = model_id
         self.watch_owner[model_id] = (proc, action.id)
@@ -489,6 +415,7 @@ class World:
         for session in self.sessions:
             if session.lease_id == lease_id:
                 session.kept = False
+                session.machine.close()
 
     def session_of(self, proc: Proc) -> Session | None:
         lease_id = proc.waiter.lease_id if proc.held is None else proc.held.lease_id
@@ -497,16 +424,57 @@ class World:
                 return session
         return None
 
-    def _lose_session(self, session: Session, reason: str) -> None:
-        """The owner learns its session is lost."""
-        session.lost, session.kept = True, False
+    def _session_do(self, session: Session, actions: Sequence[sm.SessionAction]) -> None:
+        """Execute the session machine's actions, as conch/session.py does: one timer for
+        the latest WakeAt, each keepalive sent at once (its answer fed after the rest)."""
+        sends = []
+        for action in actions:
+            self.counts[type(action).__name__] += 1
+            if isinstance(action, sm.WakeAt):
+                session.wake = action.at
+            elif isinstance(action, sm.SendKeepalive):
+                sends.append(action)
+            elif isinstance(action, sm.Expired):
+                self._session_ended(session, action.loss, lost=False)
+            elif isinstance(action, sm.Lost):
+                self._session_ended(session, action.loss, lost=True)
+        for send in sends:
+            self._keepalive(session, send.deadline)
+
+    def _keepalive(self, session: Session, deadline: float) -> None:
+        """One LeaseKeepAlive, answered at once, or never (etcd away, or the process
+        frozen): then unanswered at its deadline."""
+        sent = self.etcd.now
+        try:
+            if session.frozen:
+                raise ModelError("UNAVAILABLE", "frozen")
+            answer = self.etcd.lease_keepalive(rpc_pb2.LeaseKeepAliveRequest(ID=session.lease_id))
+        except ModelError:
+            unanswered = functools.partial(self._keepalive_unanswered, session, deadline)
+            self._timer(deadline - sent, None, "keepalive", unanswered)
+            return
+        if answer.TTL <= 0:
+            self._session_do(session, session.machine.lease_gone())
+        else:
+            self._session_do(session, session.machine.answered(sent, answer.TTL))
+
+    def _keepalive_unanswered(self, session: Session, deadline: float) -> None:
+        self.counts["keepalive.unanswered"] += 1
+        self._session_do(session, session.machine.unanswered(deadline))
+
+    def _session_ended(self, session: Session, reason: loss.Loss, lost: bool) -> None:
+        """The session's E passed unconfirmed (``lost`` False: its holds are lost, its
+        waiters carry on), or etcd said its lease is gone (holds and waiters told)."""
+        if lost:
+            session.lost, session.kept = True, False
         for proc in self.procs:
             lease_id = proc.held.lease_id if proc.held is not None else proc.waiter.lease_id
             if lease_id != session.lease_id or proc.done:
                 continue
-            if proc.holding:
-                self._hold_lost(proc, reason)
-            elif proc.waiter.outcome is None:
+            if proc.holding and proc.guard is not None:
+                tell = proc.guard.session_lost if lost else proc.guard.session_expired
+                self._guard(proc, tell(reason))
+            elif lost and proc.waiter.outcome is None:
                 self.feed(proc, m.SessionLost(reason))
 
     # -- holds -------------------------------------------------------------------------------
@@ -534,74 +502,94 @@ class World:
                 f"live keys ahead of it: {[int(kv.create_revision) for kv in ahead]}"
             )
         proc.holding = True
-        proc.held_at = held.held_at
-        # The guard as conch/hold.py runs it, on the recipe's own decisions.
-        plan = g.guard_plan(held.touch)
-        if plan.touch_at_once:
-            self._hold_touch(proc, at_once=True)
-        if plan.touch_after is not None:
-            self._timer(plan.touch_after, proc, "guard", lambda: self._hold_touch(proc))
-        self._timer(plan.watch_after, proc, "guard", lambda: self._guard_watch(proc))
+        # The guard, as conch/hold.py runs it: made with the hold, started at once (the
+        # supervisor starts it once its child is spawned).
+        proc.guard = g.GuardMachine(held.touch, held.revision, held.held_at, SimBackoff(self.rng))
+        self._guard(proc, proc.guard.made())
+        self._guard(proc, proc.guard.start())
+        session = next(s for s in reversed(self.sessions) if s.lease_id == held.lease_id)
+        if not session.machine.certainly_alive(self.etcd.now):
+            # Held on a lease past its E (etcd away meanwhile): the supervisor's deadline
+            # is already due, its child stopped before it could run.
+            self._guard(proc, proc.guard.session_expired(loss.NOT_CONFIRMED))
+        self._check_expiries()
         if self.auto_release:
             hold_for = self.rng.expovariate(0.7)
             self._timer(hold_for, proc, "job-ends", lambda: self.release(proc))
 
-    def _hold_lost(self, proc: Proc, reason: str) -> None:
+    def _hold_lost(self, proc: Proc, reason: loss.Loss) -> None:
         if proc.holding:
-            self.log(f"{proc.name} hold lost: {reason}")
+            self.log(f"{proc.name} hold lost: {reason} ({reason.reason.value})")
+            assert proc.held is not None
+            kv = self.etcd.kvs.get(proc.held.key)
+            if reason.reason.slot_taken and kv and kv.create_revision == proc.held.revision:
+                # The supervisor kills the child at once on such a loss: it must be true.
+                self.fail(f"{proc.name} lost for {reason.reason.value}, yet etcd has its key")
             proc.holding = False
             self._release(proc, lost=True)
 
-    def _hold_touch(self, proc: Proc, at_once: bool = False) -> None:
+    def _guard(self, proc: Proc, actions: Sequence[g.GuardAction]) -> None:
+        """Execute the actions of the hold's guard (``conch.core.guard.GuardMachine``), as
+        conch/hold.py does: timers, the touch, the watch on our key, the look at it."""
+        guard, held = proc.guard, proc.held
+        assert guard is not None and held is not None
+        for action in actions:
+            self.counts[type(action).__name__] += 1
+            if isinstance(action, g.GuardAfter):
+                step = functools.partial(guard.step, action.step)
+                later = functools.partial(self._guard_later, proc, step)
+                self._timer(action.seconds, proc, "guard", later)
+            elif isinstance(action, g.GuardTouch):
+                self._guard_touch(proc, action.step)
+            elif isinstance(action, g.GuardWatch):
+                self._guard_watch(proc, action.start)
+            elif isinstance(action, g.GuardLook):
+                self._guard_look(proc)
+            elif isinstance(action, g.GuardLost):
+                self._hold_lost(proc, action.loss)
+
+    def _guard_later(self, proc: Proc, step: Callable[[], list[g.GuardAction]]) -> None:
+        self._guard(proc, step())
+
+    def _guard_touch(self, proc: Proc, step: g.GuardStep) -> None:
         """The touch the hold owes the waiter behind (KV.Txn on our create_revision)."""
-        held = proc.held
-        if held is None or not proc.holding:
-            return
-        self.requests += 1
+        guard, held = proc.guard, proc.held
+        assert guard is not None and held is not None
+        call = codec.touch_call(held.key, held.revision, held.value, held.lease_id)
 
         def apply() -> Any:
             try:
-                return self._touch(0, held.key, held.revision, held.value, held.lease_id)
+                return self.etcd.txn(call.request)
             except ModelError as error:
                 return error
 
         def deliver(answer: Any) -> None:
-            succeeded = answer.succeeded if isinstance(answer, m.TouchAnswer) else None
-            verdict = g.guard_on_touch(not proc.holding, succeeded)
-            if verdict == g.GuardVerdict.RETRY:
-                retry = functools.partial(self._hold_touch, proc, at_once)
-                self._timer(self._guard_pause(proc), proc, "guard", retry)
-            elif verdict == g.GuardVerdict.LOST:
-                self._hold_lost(proc, "the touch found our key gone")
-            elif verdict == g.GuardVerdict.WATCH and at_once and GUARD not in proc.watches:
-                proc.held_at = max(proc.held_at, answer.revision)  # ours at the touch
+            if isinstance(answer, ModelError):
+                self._guard(proc, guard.touch_failed(step, answer.message))
+            else:
+                revision = int(answer.header.revision)
+                self._guard(proc, guard.touched(step, revision, answer.succeeded))
 
+        self.requests += 1
         self.log(f"{proc.name} -> hold touch")
         self._in_flight(proc, "hold-touch", apply, deliver, True)
 
-    def _guard_pause(self, proc: Proc) -> float:
-        return SimBackoff(self.rng).next() * 2
-
-    def _guard_watch(self, proc: Proc, start: int = 0) -> None:
-        """Watch our key for deletion from the revision it is known ours at."""
-        held = proc.held
-        if held is None or not proc.holding:
-            return
-        start = start or proc.held_at + 1
+    def _guard_watch(self, proc: Proc, start: int) -> None:
+        """Watch our key for deletion from ``start`` (the revision it is known ours at, + 1)."""
+        guard, held = proc.guard, proc.held
+        assert guard is not None and held is not None
+        self._cancel_watch(proc, GUARD)
 
         def apply() -> None:
-            if not proc.holding or GUARD in proc.cancelled:
+            if guard.done or GUARD in proc.cancelled:
                 return
+            request = rpc_pb2.WatchCreateRequest(
+                key=held.key, start_revision=start, filters=[rpc_pb2.WatchCreateRequest.NOPUT]
+            )
             try:
-                model_id = self.etcd.watch_create(
-                    rpc_pb2.WatchCreateRequest(
-                        key=held.key,
-                        start_revision=start,
-                        filters=[rpc_pb2.WatchCreateRequest.NOPUT],
-                    )
-                )
+                model_id = self.etcd.watch_create(request)
             except ModelError:
-                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                self._guard(proc, guard.watch_failed())
                 return
             proc.watches[GUARD] = model_id
             self.watch_owner[model_id] = (proc, GUARD)
@@ -614,17 +602,13 @@ class World:
         broken)."""
         if ended:
             proc.watches.pop(GUARD, None)
-        verdict = g.guard_on_notice(not proc.holding, ended)
-        if verdict == g.GuardVerdict.LOST:
-            self._hold_lost(proc, "the guard saw our key deleted")
-        elif verdict == g.GuardVerdict.LOOK:
-            self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+        assert proc.guard is not None
+        self._guard(proc, proc.guard.notice(ended))
 
     def _guard_look(self, proc: Proc) -> None:
         """Read our key again after the guard's watch ended (KV.Range)."""
-        held = proc.held
-        if held is None or not proc.holding:
-            return
+        guard, held = proc.guard, proc.held
+        assert guard is not None and held is not None
 
         def apply() -> Any:
             try:
@@ -634,14 +618,10 @@ class World:
 
         def deliver(answer: Any) -> None:
             if isinstance(answer, ModelError):
-                self._timer(self._guard_pause(proc), proc, "guard", lambda: self._guard_look(proc))
+                self._guard(proc, guard.look_failed())
                 return
-            found = _keyrev(answer.kvs[0]) if answer.kvs else None
-            verdict = g.guard_on_look(not proc.holding, found, held.revision)
-            if verdict == g.GuardVerdict.LOST:
-                self._hold_lost(proc, "the guard found our key gone")
-            elif verdict == g.GuardVerdict.WATCH:
-                self._guard_watch(proc, int(answer.header.revision) + 1)
+            found = codec.key_rev(answer.kvs[0]) if answer.kvs else None
+            self._guard(proc, guard.looked(found, int(answer.header.revision)))
 
         self.requests += 1
         self._in_flight(proc, "guard-look", apply, deliver, False)
@@ -651,6 +631,8 @@ class World:
         if not proc.holding:
             return
         proc.holding = False
+        assert proc.guard is not None
+        proc.guard.release()
         self.log(f"{proc.name} releases")
         self._release(proc, lost=False)
 
@@ -680,6 +662,7 @@ class World:
             return
         lease_id = proc.shared.lease_id
         proc.shared.kept = False
+        proc.shared.machine.close()
         self.requests += 1
         self._in_flight(proc, "close-shared", lambda: self._revoke(lease_id), lambda _: None, True)
 
@@ -691,7 +674,7 @@ class World:
 
     def _quiet(self, withdraw: m.Withdraw) -> Any:
         try:
-            return self._withdraw(withdraw)
+            return self.etcd.txn(codec.withdraw_call(withdraw).request)
         except ModelError as error:
             return error
 
@@ -715,7 +698,9 @@ class World:
             at, fire = due
             self.etcd.advance(max(0.0, at - self.etcd.now))
             fire()
+            self._check_expiries()
         self.etcd.advance(max(0.0, until - self.etcd.now))
+        self._check_expiries()
 
     def _next_due(self, until: float) -> tuple[float, Callable[[], None]] | None:
         best: tuple[float, int, Callable[[], None]] | None = None
@@ -723,21 +708,16 @@ class World:
             if timer.at <= until and (best is None or (timer.at, timer.seq) < best[:2]):
                 best = (timer.at, timer.seq, self._firing(timer))
         for i, session in enumerate(self.sessions):
-            if not session.kept or session.lost:
+            if session.machine.done or not session.kept:
                 continue
-            for at, fire in (
-                (session.certain_until, self._lapse(session)),
-                (session.next_keepalive, self._keeping(session)),
-            ):
-                if at <= until and (best is None or (at, -1 - i) < best[:2]):
-                    best = (at, -1 - i, fire)
+            at = session.wake
+            if at <= until and (best is None or (at, -1 - i) < best[:2]):
+                best = (at, -1 - i, functools.partial(self._wake, session))
         return None if best is None else (best[0], best[2])
 
-    def _lapse(self, session: Session) -> Callable[[], None]:
-        return lambda: self._lose_session(session, "keepalive lapsed")
-
-    def _keeping(self, session: Session) -> Callable[[], None]:
-        return lambda: self._keepalive(session)
+    def _wake(self, session: Session) -> None:
+        session.wake = math.inf
+        self._session_do(session, session.machine.wake(self.etcd.now))
 
     def _firing(self, timer: Timer) -> Callable[[], None]:
         def fire() -> None:
@@ -745,17 +725,6 @@ class World:
             timer.fire()
 
         return fire
-
-    def _keepalive(self, session: Session) -> None:
-        session.next_keepalive = self.etcd.now + KEEPALIVE_EVERY
-        try:
-            answer = self.etcd.lease_keepalive(rpc_pb2.LeaseKeepAliveRequest(ID=session.lease_id))
-        except ModelError:
-            return  # etcd away: try again at the next interval
-        if answer.TTL <= 0:
-            self._lose_session(session, "lease gone (keepalive answered TTL 0)")
-            return
-        session.certain_until = self.etcd.now + TTL - MARGIN
 
     # -- one step ------------------------------------------------------------------------
 
@@ -770,24 +739,27 @@ class World:
 
     def step_messages(self) -> bool:
         """Deliver one thing in flight, picked at random; False when nothing is."""
-        choices: list[tuple[float, Callable[[], None]]] = []
-        for item in self.in_flight:
-            choices.append((item.weight, functools.partial(self._progress, item)))
-        for model_id in self._notices():
-            choices.append((self.notice_weight, functools.partial(self._notice, model_id)))
-        for broken in self.broken:
-            choices.append((1.0, functools.partial(self._deliver_broken, broken)))
-        if not choices:
+        items, notices, broken = list(self.in_flight), self._notices(), list(self.broken)
+        weights = [item.weight for item in items]
+        weights += [self.notice_weight] * len(notices) + [1.0] * len(broken)
+        if not weights:
             return False
-        weights = [w for w, _ in choices]
-        self.rng.choices(choices, weights)[0][1]()
+        pick = self.rng.choices(range(len(weights)), weights)[0]
+        if pick < len(items):
+            self._progress(items[pick])
+        elif pick < len(items) + len(notices):
+            self._notice(notices[pick - len(items)])
+        else:
+            self._deliver_broken(broken[pick - len(items) - len(notices)])
         return True
 
     def _progress(self, item: InFlight) -> None:
         if not item.applied:
-            item.applied = True
-            self.log(f"{item.proc.name} applied {item.what}")
-            item.answer = item.apply()
+            self.log("{} applied {}", item.proc.name, item.what)
+            answer = item.apply()
+            if answer is MORE:
+                return  # one request of several: the next goes out
+            item.applied, item.answer = True, answer
             if item.what == "open-watch":
                 self.in_flight.remove(item)
             return
@@ -803,11 +775,8 @@ class World:
         item.deliver(answer)
 
     def _on_opened(self, proc: Proc, opened: m.SessionOpened, granted: float) -> None:
-        session = self._session(opened.lease_id, shared=False)
-        session.certain_until = granted + TTL - MARGIN
+        self._session(opened.lease_id, shared=False, granted_at=granted)
         self.feed(proc, opened)
-        if self.etcd.now >= session.certain_until:  # the answer took longer than the TTL
-            self._lose_session(session, "lease granted too long ago")
 
     def _notice(self, model_id: int) -> None:
         proc, machine_id = self.watch_owner[model_id]
@@ -824,18 +793,7 @@ class World:
         if response.canceled:
             self.watch_owner.pop(model_id, None)
             proc.watches.pop(machine_id, None)
-            self.feed(proc, m.WatchBroken(machine_id, compacted=bool(response.compact_revision)))
-        elif response.created:
-            self.feed(proc, m.WatchCreated(machine_id, int(response.header.revision)))
-        else:
-            events = [
-                m.Event(
-                    m.EventType.PUT if e.type == kv_pb2.Event.PUT else m.EventType.DELETE,
-                    _keyrev(e.kv),
-                )
-                for e in response.events
-            ]
-            self.feed(proc, m.WatchEvents(machine_id, events, int(response.header.revision)))
+        self.feed(proc, codec.watch_input(machine_id, Notice.of(response)))
 
     def _deliver_broken(self, broken: tuple[Proc, int, bool]) -> None:
         self.broken.remove(broken)
@@ -843,7 +801,8 @@ class World:
         if machine_id == GUARD:
             self._guard_notice(proc, ended=True)
             return
-        self.feed(proc, m.WatchBroken(machine_id, compacted=compacted, detail="stream gave up"))
+        gave_up = Notice(Compacted("compacted") if compacted else Unavailable("stream gave up"))
+        self.feed(proc, codec.watch_input(machine_id, gave_up))
 
     # -- the world's doings --------------------------------------------------------------
 
@@ -878,13 +837,18 @@ class World:
             self.log(f"{proc.name}'s key deleted from outside")
             self.etcd.delete_by_hand(key)
 
-    def freeze_session(self, proc: Proc) -> None:
-        """The process stops sending keepalives (frozen, cut off): its owner loses the
-        session when its certainty runs out; etcd expires the lease a moment later."""
+    def freeze_session(self, proc: Proc, seconds: float) -> None:
+        """The process's keepalives stop reaching etcd for ``seconds`` (frozen, cut off):
+        its holds end at E; etcd expires the lease a moment later, which the session
+        learns once its keepalives get through again."""
         session = self.session_of(proc)
-        if session is not None:
-            self.log(f"{proc.name}'s session {session.lease_id:x} stops its keepalives")
-            session.next_keepalive = float("inf")
+        if session is not None and not session.frozen:
+            self.log(f"{proc.name}'s session {session.lease_id:x} frozen for {seconds:.1f}s")
+            session.frozen = True
+            self._timer(seconds, None, "thaw", functools.partial(self.thaw, session))
+
+    def thaw(self, session: Session) -> None:
+        session.frozen = False
 
     # -- the properties ------------------------------------------------------------------
 
@@ -911,10 +875,11 @@ class World:
                     )
                 continue
             deleted = self.etcd.deleted_at.get(proc.held.key, 0)
-            if deleted <= proc.held_at:
+            assert proc.guard is not None
+            if deleted <= proc.guard.held_at:
                 self.fail(
                     f"{proc.name} holds a key deleted at {deleted}, not after the revision "
-                    f"{proc.held_at} its guard watches from: the loss goes unnoticed"
+                    f"{proc.guard.held_at} its guard watches from: the loss goes unnoticed"
                 )
             proc.unnoticed += 1 if self._steady() else 0
             if proc.unnoticed > ASLEEP_BOUND:
@@ -935,6 +900,27 @@ class World:
                     f"{sleeper.waiter.state.value} for {sleeper.asleep} steps while it holds a slot"
                 )
 
+    def _check_expiries(self) -> None:
+        """The session machine's E (the earliest expiry) is never after etcd's own: a lease
+        etcd still has expires no sooner; and no holder holds past its session's E (its
+        child is stopped by then). Both change only as the clock moves (keepalives are
+        answered as they are sent, as time passes): checked then, and at each grant."""
+        self.live = [s for s in self.live if not s.machine.done]
+        live = {s.lease_id: s for s in self.live}
+        for session in live.values():
+            lease = self.etcd.leases.get(session.lease_id)
+            if lease is not None and lease.expires < session.machine.alive_until:
+                self.fail(
+                    f"lease {session.lease_id:x}: E {session.machine.alive_until:.3f} is after "
+                    f"etcd's expiry {lease.expires:.3f}"
+                )
+        for proc in self.procs:
+            mine = live.get(proc.held.lease_id) if proc.holding and proc.held else None
+            if mine is not None and self.etcd.now > mine.machine.alive_until:
+                self.fail(
+                    f"{proc.name} holds past its session's E ({mine.machine.alive_until:.3f})"
+                )
+
     def _steady(self) -> bool:
         """Whether this step counts towards a bound on sleeping: no fault active, no slow
         request in flight, nobody backing off (a pause, a guard's retry). A release then
@@ -951,7 +937,7 @@ class World:
         the lease expires, within the TTL. A waiter behind the window whose predecessor is
         such a key (or waits behind one that is) is woken by no touch, only by that expiry:
         the recipe's documented limit, as with any crashed waiter."""
-        kept = {s.lease_id for s in self.sessions if s.kept and not s.lost}
+        kept = {s.lease_id for s in self.sessions if s.kept and not s.lost and not s.frozen}
         return any(
             other.create_revision < kv.create_revision and other.lease not in kept for other in live
         )
@@ -1010,19 +996,24 @@ class Stats:
     gave_up: int = 0
     requests: int = 0
     counts: collections.Counter[str] = field(default_factory=collections.Counter)
-    trace: list[str] = field(default_factory=list)
+    trace: Trace = field(default_factory=lambda: Trace())
 
 
-def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Waiter) -> Stats:
+def run(
+    seed: int,
+    max_holders: int | None = None,
+    waiter: type[r.Waiter] = r.Waiter,
+    reader: type[codec.ReadTogether] = codec.ReadTogether,
+) -> Stats:
     """One schedule: its parameters, then its steps, all drawn from ``seed``. Raises
     PropertyFailed with the seed and the trace's tail when a property fails."""
     rng = random.Random(f"schedule:{seed}")  # its own stream, apart from the world's
     n = max_holders or rng.randint(1, 9)
-    # Which releases' space alarm: half the seeds refuse read-only Txns at the quota, as
-    # etcd 3.5.1 does (a stream of its own, so the schedules' draws stay as they were).
-    refuses = random.Random(f"release:{seed}").random() < 0.5
-    world = World(seed, n, etcd=SimEtcd(quota_refuses_reads=refuses), waiter=waiter)
-    world.counts[f"release.refuses-reads.{refuses}"] += 1
+    # Which etcd release, where releases differ (the space alarm; a stream of its own, so
+    # the schedules' draws stay as they were).
+    version = random.Random(f"release:{seed}").choice(RELEASES)
+    world = World(seed, n, etcd=SimEtcd(version=version), waiter=waiter, reader=reader)
+    world.counts[f"release.{version}"] += 1
     world.lost_rate = rng.choice((0.0, 0.05, 0.2))
     world.slow_rate = rng.choice((0.0, 0.1, 0.3))
     world.notice_weight = rng.choice((0.3, 1.0, 3.0))
@@ -1064,6 +1055,8 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
     # Calm: faults over, the holders' jobs end on their own, everything drains.
     if world.etcd.down:
         world.etcd.start()
+    for session in world.sessions:
+        session.frozen = False
     world.etcd.reachable, world.etcd.nospace, world.faulty = True, False, False
     world.log("calm")
     for _ in range(CALM_STEPS):
@@ -1096,7 +1089,7 @@ def run(seed: int, max_holders: int | None = None, waiter: type[r.Waiter] = r.Wa
 
 def _next_timer(world: World) -> float:
     times = [t.at for t in world.timers]
-    times += [s.next_keepalive for s in world.sessions if s.kept and not s.lost]
+    times += [s.wake for s in world.sessions if not s.machine.done]
     return max(0.0, min(times, default=world.etcd.now + 1.0) - world.etcd.now)
 
 
@@ -1135,7 +1128,7 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
         else:
             world.feed(proc, m.Interrupt("sim"))
     elif kind == "lose" and (waiting or holders):
-        world.freeze_session(rng.choice(waiting + holders))
+        world.freeze_session(rng.choice(waiting + holders), rng.uniform(0.5, 3 * TTL))
     elif kind == "outside" and (waiting or holders):
         proc = rng.choice(waiting + holders)
         if rng.random() < 0.5:
@@ -1168,27 +1161,58 @@ def _do(world: World, rng: random.Random, kind: str, fault_ends: list[tuple[str,
 # -- small helpers -------------------------------------------------------------------------
 
 
-def _create_is(key: bytes, revision: int) -> rpc_pb2.Compare:
-    return rpc_pb2.Compare(
-        result=rpc_pb2.Compare.EQUAL,
-        target=rpc_pb2.Compare.CREATE,
-        key=key,
-        create_revision=revision,
-    )
+class Notice(NamedTuple):
+    """A watch notice as conch's etcd layer hands it to the codec (``WatchNotice``)."""
+
+    error: EtcdError | None
+    created: bool = False
+    revision: int = 0
+    events: Sequence[kv_pb2.Event] = ()
+
+    @classmethod
+    def of(cls, response: rpc_pb2.WatchResponse) -> Notice:
+        """A WatchResponse of the model, as the etcd layer makes it a notice."""
+        if not response.canceled:
+            return cls(None, response.created, int(response.header.revision), response.events)
+        if response.compact_revision:
+            return cls(Compacted("watch start revision compacted", response.compact_revision))
+        return cls(EtcdError(f"watch cancelled by etcd: {response.cancel_reason}"))
 
 
-def _keyrev(kv: kv_pb2.KeyValue) -> m.KeyRev:
-    return m.KeyRev(bytes(kv.key), int(kv.create_revision), int(kv.mod_revision))
+class _Status(grpc.RpcError, grpc.Call):
+    """A ModelError as gRPC raises the error etcd answered (for ``map_rpc_error``)."""
+
+    def __init__(self, error: ModelError) -> None:
+        self._error = error
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode[self._error.code]
+
+    def details(self) -> str:
+        return self._error.message
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+    def trailing_metadata(self) -> Any:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
 
 
-def _failure(error: ModelError) -> m.Failure:
-    if error.code == "UNAVAILABLE":
-        return m.Failure.UNREACHABLE
-    if error.code == "RESOURCE_EXHAUSTED":
-        return m.Failure.NO_SPACE
-    if error.code == "NOT_FOUND":
-        return m.Failure.LEASE_NOT_FOUND
-    return m.Failure.OTHER
+def etcd_error(error: ModelError) -> EtcdError:
+    """What conch's etcd layer makes of the error etcd answered (its one mapping)."""
+    return map_rpc_error(_Status(error))
 
 
 def _lost(answer: Any) -> Any:
@@ -1198,10 +1222,41 @@ def _lost(answer: Any) -> Any:
     machine_id = getattr(answer, "id", None)
     if isinstance(answer, m.Withdrawn) or machine_id is None or machine_id == 0:
         return answer
-    return m.Failed(machine_id, m.Failure.UNREACHABLE, "answer lost")
+    return codec.failed(machine_id, etcd_error(ModelError("DEADLINE_EXCEEDED", "answer lost")))
+
+
+class Trace:
+    """The schedule's lines, kept as records and formatted only when read (a failure, a
+    replay): formatting each step's line costs more than the step."""
+
+    def __init__(self) -> None:
+        self._records: list[tuple[int, float, int, str, tuple[object, ...]]] = []
+
+    def add(self, record: tuple[int, float, int, str, tuple[object, ...]]) -> None:
+        self._records.append(record)
+
+    def lines(self) -> list[str]:
+        return [
+            f"{steps} t={now:.2f} rev={revision} "
+            + (line.format(*map(_short, items)) if items else line)
+            for steps, now, revision, line, items in self._records
+        ]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.lines())
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Trace) and self.lines() == other.lines()
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 def _short(item: object) -> str:
+    if isinstance(item, str):
+        return item
     name = type(item).__name__
     fields = getattr(item, "__dataclass_fields__", {})
     parts = []
@@ -1251,3 +1306,28 @@ def cost_per_release(
         world.check_quiet()
         costs.append((world.requests - requests, world.counts["WatchEvents"] - notices))
     return costs
+
+
+def drain_under_alarm(version: str, waiters: int = 6) -> list[str]:
+    """The space alarm's case: one holder at max 1 and ``waiters`` queued behind it, then
+    etcd's backend at its quota (``version``'s alarm), then each holder releasing in turn.
+    Who held, in order (each new holder within 20 model seconds of the release, or the
+    list ends there)."""
+    world = World(0, 1, etcd=SimEtcd(version=version), auto_release=False)
+    for _ in range(waiters + 1):
+        world.arrive()
+        settle(world)
+    world.etcd.nospace = world.faulty = True
+    order = [p.name for p in world.procs if p.holding]
+    while len(order) <= waiters:
+        world.release(next(p for p in world.procs if p.holding))
+        deadline = world.etcd.now + 20.0
+        while not any(p.holding for p in world.procs) and world.etcd.now < deadline:
+            if not world.step_messages():
+                world.advance(_next_timer(world) + 0.001)
+            world.check()
+        holders = [p.name for p in world.procs if p.holding]
+        if not holders:
+            break
+        order += holders
+    return order

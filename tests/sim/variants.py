@@ -1,4 +1,5 @@
-"""Variants of ``conch.core.waiter.Waiter`` for the simulator's own tests.
+"""Variants of ``conch.core.waiter.Waiter`` and of the codec's read plan
+(``conch.core.codec.ReadTogether``) for the simulator's own tests.
 
 The *broken* ones each carry one known mistake; the simulator must catch every one of them
 (a property that no schedule can fail proves nothing).
@@ -6,8 +7,10 @@ The *broken* ones each carry one known mistake; the simulator must catch every o
 
 from __future__ import annotations
 
+from conch.core import codec
 from conch.core import messages as m
 from conch.core import waiter as r
+from conch.errors import EtcdError
 
 
 class OverCounting(r.Waiter):
@@ -36,6 +39,23 @@ class NoRewatch(r.Waiter):
         return super()._on_watch(event)
 
 
+class CountsBeforeGapCheck(r.Waiter):
+    """Counts window events while the gap check is unanswered, as the recipe did before
+    the fix the simulator's seeds 1568 and 1698 found: a key deleted between the queue read
+    and the watch's start is held (safety)."""
+
+    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+        if (
+            isinstance(event, m.WatchEvents)
+            and event.id == self._watch
+            and self.state == r.State.IN_WINDOW
+            and self._asked is m.ReadKeys
+            and self._request is not None
+        ):
+            return self._window_events(event)
+        return super()._on_watch(event)
+
+
 class NoWithdraw(r.Waiter):
     """Gives up without taking its key out or closing its session (nothing left behind)."""
 
@@ -44,9 +64,19 @@ class NoWithdraw(r.Waiter):
         return self._after_withdraw()
 
 
+class NoSpaceFallback(codec.ReadTogether):
+    """Reads with one read-only Txn only, never falling back to Ranges when etcd refuses
+    it under its space alarm, as conch's asyncio face did (liveness)."""
+
+    def refused(self, error: EtcdError) -> None:
+        raise error
+
+
 BROKEN: dict[str, type[r.Waiter]] = {
     "over-counting": OverCounting,
     "no-gap-check": NoGapCheck,
     "no-rewatch": NoRewatch,
     "no-withdraw": NoWithdraw,
+    "counts-before-gap-check": CountsBeforeGapCheck,
 }
+BROKEN_READS: dict[str, type[codec.ReadTogether]] = {"no-space-fallback": NoSpaceFallback}

@@ -57,8 +57,10 @@ GUARD = -1  # the machine id under which a holder's guard watch is kept
 # Steady steps (no fault, no slow request, nobody backing off) a waiter may sleep while the
 # model says it holds, or a holder hold on after its key was deleted: a release reaches the
 # waiter it promotes in a handful of deliveries (its event, a read, a watch), interleaved
-# with the others'. The most seen: 40 and 18 in the first 600 seeds.
-ASLEEP_BOUND = 200
+# with the others'. The most seen: 40 and 18 in the first 600 seeds when a read was one
+# request; on releases read by pinned Ranges a gap check is one request per key (up to 18
+# at N=9), and seed 2829 slept 201 steps: the bound is doubled.
+ASLEEP_BOUND = 400
 RUN_STEPS = 1500  # steps of the phase with faults and arrivals, at most
 CALM_STEPS = 20000  # steps to finish once faults are over: more is a livelock
 # etcd releases the schedules model, each read by the codec's plan for it: the suite's

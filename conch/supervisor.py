@@ -165,7 +165,9 @@ def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") ->
     shown = f"{fits:.2f}"
     if kill_after > float(shown) + 1e-9:  # 1e-9: 5410ms parses as 5.410000000000001
         raise UsageError(
-            f"{flag} {kill_after:g}s does not fit a {ttl:g}s TTL: at most {shown}s "
+            # The grace as asked, never rounded to the limit shown beside it (1.2500001s
+            # shown as "1.25s does not fit ...: at most 1.25s").
+            f"{flag} {kill_after:.9g}s does not fit a {ttl:g}s TTL: at most {shown}s "
             "(TTL - TTL/3 - margins), so that the SIGKILL lands before the lease can "
             "expire; shorten it or raise the TTL"
         )
@@ -317,6 +319,7 @@ def run_child(
         return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
     run = _Run(hold, kill_after, stop, watchdog)
     if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
+        watchdog.kill()  # stopped in its start-up it would never see its pipe's end
         watchdog.dismiss()
         if stop.is_set():
             raise Interrupted(stop.reason)

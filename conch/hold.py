@@ -206,14 +206,19 @@ class Hold:
                 f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
             )
 
-    def on_lost(self, callback: Callable[[str], object]) -> None:
-        """Call ``callback(reason)`` once the hold is lost (at once if it already is), from
+    def on_lost(self, callback: Callable[[Loss], object]) -> None:
+        """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
+        ``.reason``) once the hold is lost (at once if it already is), from
         the conch thread that saw the loss (the session's keepalive thread, or the client's
         watch reader, which every watch of the client shares): it must not block. Its result
         is ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
-            callback(str(flag.reason))
+            # the Loss itself: str() of it would drop its reason
+            reason = flag.reason
+            callback(
+                reason if isinstance(reason, Loss) else Loss(LossReason.SESSION_CLOSED, str(reason))
+            )
 
         self.lost.add_callback(call)
 

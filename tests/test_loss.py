@@ -74,12 +74,18 @@ def test_a_key_deleted_by_hand_loses_the_hold_as_key_deleted(
 
     async def scenario(fclient: Any) -> None:
         hold = await face.acquire(face.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+        called: list[object] = []
+        hold.on_lost(called.append)
         [key] = sema_keys(client, name)
         kv.delete(client, key.key)
         await face.wait_lost(hold)
         said = lost_reason(hold)
         assert isinstance(said, Loss) and said.reason is LossReason.KEY_DELETED, said
         assert said.reason.slot_taken
+        # on_lost's callback gets the Loss itself, its reason with it (the docs branch on it)
+        await _poll(lambda: called, "the on_lost callback")
+        [given] = called
+        assert isinstance(given, Loss) and given.reason is LossReason.KEY_DELETED, repr(given)
         await face.release(hold)
 
     run(face, scenario)

@@ -81,7 +81,7 @@ class Hold:
         self._guard = GuardMachine(held.touch, held.revision, held.held_at, Backoff())
         self._touch_value = held.value if held.touch != messages.TouchOwed.NONE else None
         self._watches = retire  # the guard's: the waiting watch it retires, then its own
-        self._callbacks: list[Callable[[str], object]] = []
+        self._callbacks: list[Callable[[Loss], object]] = []
         forget_lost = session._kept.add_listener(weakly(self._session_lost))
         # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
         # on; a hold cannot promise it is still ours).
@@ -112,8 +112,9 @@ class Hold:
         for callback in callbacks:
             run_callback(callback, reason)
 
-    def on_lost(self, callback: Callable[[str], object]) -> None:
-        """Call ``callback(reason)`` on the loop once the hold is lost (soon, if it already
+    def on_lost(self, callback: Callable[[Loss], object]) -> None:
+        """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
+        ``.reason``) on the loop once the hold is lost (soon, if it already
         is). It must not block; its result is ignored."""
         if self.lost.is_set():
             self._loop.call_soon(run_callback, callback, self.reason or CLOSED)

@@ -20,7 +20,7 @@ from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv
 from conch.etcd.client import Credentials
 from conch.etcd.watch import Watch, WatchNotice
-from tests.conftest import Gate, Runner, poll, sema_keys
+from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_security import PASSWORD, etcdctl, openssl
 
@@ -148,7 +148,13 @@ def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) ->
             runner.start("sema", name, "--max", "1", "--", *gate.cmd(f"w{i}"), **one)
             for i in range(10)
         ]
-        poll(lambda: all("event=queued" in w.log() for w in waiters), what="waiters queued")
+        # ten processes starting and authenticating (bcrypt at etcd's default cost) beside
+        # the rest of the suite: a wait for an event, so a bound for a loaded machine
+        poll(
+            lambda: all("event=queued" in w.log() for w in waiters),
+            timeout=3 * DEADLINE,
+            what="waiters queued",
+        )
         restarted.kill()
         time.sleep(3)  # the outage the waiters must ride out
         restarted.start(cluster.initial_cluster)

@@ -318,6 +318,10 @@ class Sample:
     ttl: int  # seconds left as etcd reported it; -1: gone
 
 
+# etcd's Remaining() for a lease of a lessor that is not primary: math.MaxInt64 ns, in s.
+FOREVER = 9_223_372_036
+
+
 class LeaseWatch:
     """Polls Lease.LeaseTimeToLive of the leases given, through ``client`` (healthy members
     only), every POLL seconds, each call with a 0.5 s deadline."""
@@ -661,6 +665,14 @@ class _Run:
             result.etcd_notes.append(
                 f"an election after the heal (raft term {self.term_at_heal} -> {term})"
             )
+        # A lease's TTL read as "forever" (2**63 ns) is etcd answering from a lessor that is
+        # not primary: leadership moved, whatever terms the members reported (CI saw one such
+        # sample on a healed follower's cluster, and the waiter that held then lost its hold).
+        if not elected and any(
+            sample.ttl >= FOREVER for samples in watch.samples.values() for sample in samples
+        ):
+            elected = True
+            result.etcd_notes.append("a lessor demoted after the fault (a lease read 'forever')")
         for wrapper, code in codes.items():
             expected = 70 if wrapper in self.holders else 0
             if code == expected:

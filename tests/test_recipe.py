@@ -388,27 +388,53 @@ def test_backoff_is_jittered_capped_and_reproducible() -> None:
 # -- the hold's guard ----------------------------------------------------------------------
 
 
+def guard(owed: m.TouchOwed = m.TouchOwed.NONE) -> g.GuardMachine:
+    return g.GuardMachine(owed, revision=10, held_at=12, pauses=FixedPauses())
+
+
+def lost(actions: Sequence[g.GuardAction]) -> bool:
+    return [type(a) for a in actions] == [g.GuardLost]
+
+
 def test_the_guard_plan_follows_what_the_hold_owes() -> None:
-    assert g.guard_plan(m.TouchOwed.NONE) == g.GuardPlan(False, None, g.GUARD_WATCH_DELAY)
-    assert g.guard_plan(m.TouchOwed.AT_ONCE) == g.GuardPlan(True, None, g.GUARD_WATCH_DELAY)
-    later = g.guard_plan(m.TouchOwed.LATER)
-    assert later == g.GuardPlan(False, g.TOUCH_DELAY, g.GUARD_WATCH_DELAY)
-    assert later.touch_after is not None and later.touch_after > later.watch_after
+    watch_step = g.GuardAfter(g.GUARD_WATCH_DELAY, g.GuardStep.WATCH_OWN_KEY)
+    plain = guard(m.TouchOwed.NONE)
+    assert plain.made() == [] and plain.start() == [watch_step]
+    assert plain.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(13)]
+    at_once = guard(m.TouchOwed.AT_ONCE)
+    assert at_once.made() == [g.GuardAfter(0.0, g.GuardStep.TOUCH_AT_ONCE)]
+    assert at_once.start() == [watch_step]
+    assert at_once.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(13)]
+    later = guard(m.TouchOwed.LATER)
+    assert later.made() == [] and later.start() == [watch_step]
+    assert g.TOUCH_DELAY > g.GUARD_WATCH_DELAY
+    assert later.step(g.GuardStep.WATCH_OWN_KEY) == [
+        g.GuardAfter(g.TOUCH_DELAY - g.GUARD_WATCH_DELAY, g.GuardStep.TOUCH_DUE),
+        g.GuardWatch(13),
+    ]
 
 
 def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
-    v = g.GuardVerdict
-    assert g.guard_on_notice(done=False, ended=False) == v.LOST  # a deletion of our key
-    assert g.guard_on_notice(done=False, ended=True) == v.LOOK  # compacted, stream gave up
-    assert g.guard_on_notice(done=True, ended=False) == v.NOTHING  # our own release
-    assert g.guard_on_look(False, mine(10), 10) == v.WATCH
-    assert g.guard_on_look(False, mine(12), 10) == v.LOST  # a key of that name, not ours
-    assert g.guard_on_look(False, None, 10) == v.LOST
-    assert g.guard_on_look(True, None, 10) == v.NOTHING
-    assert g.guard_on_touch(False, True) == v.WATCH
-    assert g.guard_on_touch(False, False) == v.LOST
-    assert g.guard_on_touch(False, None) == v.RETRY  # etcd away, or the space alarm
-    assert g.guard_on_touch(True, False) == v.NOTHING
+    look = [g.GuardAfter(1.0, g.GuardStep.LOOK)]
+    assert lost(guard().notice(ended=False))  # a deletion of our key
+    assert guard().notice(ended=True) == look  # compacted, stream gave up
+    released = guard()
+    released.release()
+    assert released.notice(ended=False) == [] and released.lost is None  # our own release
+    assert guard().looked(mine(10), 30) == [g.GuardWatch(31)]
+    assert lost(guard().looked(mine(12), 30))  # a key of that name, not ours
+    assert lost(guard().looked(None, 30))
+    assert released.looked(None, 30) == [] and released.lost is None
+    touched = guard(m.TouchOwed.AT_ONCE)  # ours at the touch: the watch starts from there
+    assert touched.touched(g.GuardStep.TOUCH_AT_ONCE, 20, succeeded=True) == []
+    touched.start()
+    assert touched.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(21)]
+    assert touched.lost is None
+    assert lost(guard().touched(g.GuardStep.TOUCH_DUE, 20, succeeded=False))
+    retry = guard().touch_failed(g.GuardStep.TOUCH_DUE, "etcd away")  # or the space alarm
+    assert retry[1:] == [g.GuardAfter(1.0, g.GuardStep.TOUCH_DUE)]
+    assert released.touched(g.GuardStep.TOUCH_DUE, 20, succeeded=False) == []
+    assert released.lost is None
 
 
 def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_watched() -> None:

@@ -22,9 +22,9 @@ its actions with awaits. Unary calls are grpc.aio calls on the loop
 (``Client.call_async``); watches ride one Watch stream and keepalives one LeaseKeepAlive
 stream per client and loop, grpc.aio streams read by the loop (``conch.etcd.aio``); delays and
 a hold's guard are the loop's timers, deciding as the threaded Hold does
-(``guard.guard_plan`` and the ``guard_on_*`` verdicts). So a waiting acquire costs no
-thread, and the threads of a process stay a constant few whatever the number of waiters,
-holds and sessions; nothing here uses the loop's default executor.
+(``conch.core.guard.GuardMachine``). So a waiting acquire costs no thread, and the threads
+of a process stay a constant few whatever the number of waiters, holds and sessions;
+nothing here uses the loop's default executor.
 
 Cancelling a waiting acquire (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``)
 feeds the machine an interrupt: it withdraws our key (a private session's lease revoked, a

@@ -2,9 +2,6 @@
 it logs. No I/O, no clock: ``GuardMachine`` is the whole guard; the Hold of each face
 (``conch/hold.py`` on the client's timer thread, ``conch/aio/hold.py`` on the loop)
 executes its actions and feeds it what came of them.
-
-The pure functions (``guard_plan``, ``guard_on_*``) are the machine's verdicts, named so
-that the simulator can reason with the same ones.
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ from conch.core.messages import KeyRev, Note, TouchOwed
 
 # -- the hold's guard ----------------------------------------------------------------------
 # Once a slot is ours, the Hold (conch/hold.py, and the asyncio face's) guards it: it
-# watches our key for deletion and owes the waiter behind it the touch. Its decisions, as
-# pure functions of what it saw; the Hold does the calls and keeps the time.
+# watches our key for deletion and owes the waiter behind it the touch. GuardMachine makes
+# its decisions; the Hold does the calls and keeps the time.
 
 # Seconds into the guard before it opens the watch on our own key: a short job is over by
 # then and never pays for that watch, whose set-up would compete with its release. A
@@ -31,67 +28,6 @@ GUARD_WATCH_DELAY = 0.05
 # release (about 3 ms more at that handoff, measured), small next to half a second; a
 # shorter job never pays for that write.
 TOUCH_DELAY = 0.5
-
-
-@dataclass(frozen=True)
-class GuardPlan:
-    """When the guard does what: ``touch_at_once`` (as the Hold is made, before its guard
-    starts: the supervisor starts that only after its spawn); ``touch_after`` seconds into
-    the guard (None: no touch then); the watch on our key ``watch_after`` seconds into the
-    guard."""
-
-    touch_at_once: bool
-    touch_after: float | None
-    watch_after: float
-
-
-def guard_plan(owed: TouchOwed) -> GuardPlan:
-    """The guard's schedule for a hold that owes ``owed``."""
-    return GuardPlan(
-        touch_at_once=owed == TouchOwed.AT_ONCE,
-        touch_after=TOUCH_DELAY if owed == TouchOwed.LATER else None,
-        watch_after=GUARD_WATCH_DELAY,
-    )
-
-
-class GuardVerdict(enum.Enum):
-    """What something the guard saw means."""
-
-    NOTHING = "nothing"  # released (or releasing), or lost already: nothing left to guard
-    LOST = "lost"  # our key is gone: the hold is lost
-    LOOK = "look"  # the watch ended (compacted, stream gave up): read our key after a pause
-    WATCH = "watch"  # our key is still ours: watch it from the read's revision on
-    RETRY = "retry"  # etcd did not answer: try the same call again after a pause
-
-
-def guard_on_notice(done: bool, ended: bool) -> GuardVerdict:
-    """A notice of the watch on our key (deletions only): an event is our key's deletion
-    (lease revoked or expired, or by hand); ``ended``, the watch is over and says nothing
-    of our key. Whether the session is lost is the keepalive's call, not this."""
-    if done:
-        return GuardVerdict.NOTHING
-    return GuardVerdict.LOOK if ended else GuardVerdict.LOST
-
-
-def guard_on_look(done: bool, found: KeyRev | None, revision: int) -> GuardVerdict:
-    """A Range of our key (``found``, None when absent): still ours only if its
-    create_revision is still ``revision`` (the fencing token)."""
-    if done:
-        return GuardVerdict.NOTHING
-    if found is None or found.create_revision != revision:
-        return GuardVerdict.LOST
-    return GuardVerdict.WATCH
-
-
-def guard_on_touch(done: bool, succeeded: bool | None) -> GuardVerdict:
-    """A touch's answer: ``succeeded`` (the compare on our create_revision held), False
-    (our key is gone), None (no answer: etcd away, or refusing writes under its space
-    alarm; the hold is not lost for that)."""
-    if done:
-        return GuardVerdict.NOTHING
-    if succeeded is None:
-        return GuardVerdict.RETRY
-    return GuardVerdict.WATCH if succeeded else GuardVerdict.LOST
 
 
 # -- the guard as a machine ------------------------------------------------------------------
@@ -165,7 +101,9 @@ class GuardMachine:
     or lost) it asks for nothing more but the notes already due."""
 
     def __init__(self, owed: TouchOwed, revision: int, held_at: int, pauses: Pauses) -> None:
-        self.plan = guard_plan(owed)
+        self._touch_at_once = owed == TouchOwed.AT_ONCE
+        # Seconds into the guard of the touch owed later (None: no touch then).
+        self._touch_after = TOUCH_DELAY if owed == TouchOwed.LATER else None
         self.revision = revision
         # A revision at which our key was seen ours and holding: the guard watches from there
         # (from our create_revision, after a long wait, etcd would replay all that history
@@ -195,14 +133,14 @@ class GuardMachine:
         may leave any moment, and the waiter behind us must be watching for it, so it must
         learn now, not once the guard starts (after the supervisor's spawn), that it is in
         the window."""
-        return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self.plan.touch_at_once else []
+        return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self._touch_at_once else []
 
     def start(self) -> list[GuardAction]:
         """Start guarding (idempotent): the watch on our key GUARD_WATCH_DELAY in."""
         if self._started or self.done:
             return []
         self._started = True
-        return [GuardAfter(self.plan.watch_after, GuardStep.WATCH_OWN_KEY)]
+        return [GuardAfter(GUARD_WATCH_DELAY, GuardStep.WATCH_OWN_KEY)]
 
     def release(self) -> None:
         """The hold is being released: the deletion that follows is no loss."""
@@ -228,10 +166,10 @@ class GuardMachine:
         if self.done:
             return []
         if step == GuardStep.WATCH_OWN_KEY:
-            touch_after = self.plan.touch_after
             actions: list[GuardAction] = []
-            if touch_after is not None:
-                actions.append(GuardAfter(touch_after - self.plan.watch_after, GuardStep.TOUCH_DUE))
+            if self._touch_after is not None:
+                delay = self._touch_after - GUARD_WATCH_DELAY
+                actions.append(GuardAfter(delay, GuardStep.TOUCH_DUE))
             self._watches_own_key = True
             return [*actions, GuardWatch(self.held_at + 1)]
         if step == GuardStep.LOOK:
@@ -243,38 +181,38 @@ class GuardMachine:
         return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
 
     def notice(self, ended: bool) -> list[GuardAction]:
-        """A notice of the watch on our key: its deletion, or (``ended``) the watch over."""
-        verdict = guard_on_notice(self.done, ended)
-        if verdict == GuardVerdict.LOST:
-            return self._lose(KEY_GONE)
-        if verdict == GuardVerdict.LOOK:
+        """A notice of the watch on our key (deletions only): an event is our key's deletion
+        (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up), the
+        watch is over and says nothing of our key: look at it after a pause. Whether the
+        session is lost is the keepalive's call, not this."""
+        if self.done:
+            return []
+        if ended:
             return [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
-        return []
+        return self._lose(KEY_GONE)
 
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
-        """What a Range of our key found, at header revision ``revision``."""
+        """What a Range of our key found (None when absent), at header revision ``revision``:
+        still ours only if its create_revision is still ours (the fencing token)."""
         # Only a release makes the deletion no loss (a loss seen first is kept as it is).
-        verdict = guard_on_look(self.releasing, found, self.revision)
-        if verdict == GuardVerdict.LOST:
+        if self.releasing:
+            return []
+        if found is None or found.create_revision != self.revision:
             return self._lose(KEY_GONE_LOOK)
-        if verdict == GuardVerdict.WATCH and not self.done:
-            return [GuardWatch(revision + 1)]
-        return []
+        return [] if self.done else [GuardWatch(revision + 1)]
 
     def look_failed(self) -> list[GuardAction]:
         return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
 
     def touched(self, step: GuardStep, revision: int, succeeded: bool) -> list[GuardAction]:
-        """A touch's answer: ``succeeded`` (our key still ours) at ``revision``."""
+        """A touch's answer at ``revision``: ``succeeded`` (the compare on our create_revision
+        held), else our key is gone: the hold is lost."""
         self._touch_failing = False
-        verdict = guard_on_touch(self.releasing, succeeded)
-        if verdict == GuardVerdict.LOST:
+        if self.releasing:
+            return []
+        if not succeeded:
             return self._lose(KEY_GONE)
-        if (
-            verdict == GuardVerdict.WATCH
-            and step == GuardStep.TOUCH_AT_ONCE
-            and not self._watches_own_key
-        ):
+        if step == GuardStep.TOUCH_AT_ONCE and not self._watches_own_key:
             self.held_at = max(self.held_at, revision)  # ours at the touch: nothing before
         return []
 
@@ -286,7 +224,7 @@ class GuardMachine:
         if not self._touch_failing:
             actions.append(Note("touch-failed", {"error": detail}, warning=True))
         self._touch_failing = True
-        if guard_on_touch(self.releasing, None) == GuardVerdict.RETRY and not self.done:
+        if not self.done:
             actions.append(GuardAfter(self._pauses.next(), step))
         return actions
 

@@ -19,7 +19,7 @@ at a time, which thing happens next:
 
 Holders are the driver's part, as ``conch/hold.py`` does it: the touch the machine says is
 owed, retried while etcd is away, and the watch on its own key, each when and as the
-recipe's guard functions say (``conch.guard.guard_plan``, ``guard_on_*``); the release
+recipe's guard machine says (``conch.core.guard.GuardMachine``); the release
 (revoke a private lease, delete the key of a shared one). A holder's session is lost for it
 before etcd can expire the lease: conch's ``check()`` counts the TTL from when the last
 confirmed keepalive was *sent*, which is never after etcd restarted its countdown.

@@ -11,7 +11,7 @@ The deadline. While the child runs, the lease's earliest expiry E (``Session.ali
 the send time of the last keepalive etcd answered, plus the TTL it granted; etcd restarts
 the countdown on receipt, after we sent) is an instant on our monotonic clock. The child is
 SIGKILLed by E - ``deadline_margin(ttl)`` at the latest, and SIGTERMed ``kill_after``
-before that, whether or not the session has declared a loss yet: planned back from E,
+before that, whether or not a loss has been declared yet: planned back from E,
 so that no waiter can take the slot while the child still runs, whatever it does with
 SIGTERM. The watchdog holds the same deadline for a wrapper that is frozen or dead.
 """
@@ -134,23 +134,27 @@ def deadline_margin(ttl: float) -> float:
 
 def max_kill_after(ttl: float) -> float:
     """The longest grace (seconds between SIGTERM and SIGKILL) that fits a lease of ``ttl``
-    seconds: ``ttl`` less one keepalive interval (TTL/3), the session's keepalive margin and
-    the deadline margin. The SIGTERM, planned back from the lease's earliest expiry, then
-    comes no earlier than the session would declare an unanswered keepalive lost: a longer
-    grace would SIGTERM the children of healthy holders whose keepalive is merely slow.
-    1.25 s for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s. A grace that long leaves a
-    keepalive only the keepalive margin (0.5 s at a TTL of 3 s, 1 s at 10 s) to be answered
-    before the SIGTERM: the default (``default_kill_after``) leaves it its whole patience."""
+    seconds: ``ttl`` less one keepalive interval (TTL/3), the keepalive margin and the
+    deadline margin. The SIGTERM is planned back from the lease's earliest expiry E, which
+    each confirmed keepalive moves on: with this grace it comes the keepalive margin after
+    the next keepalive on the grid is sent, and a longer one would SIGTERM the child of a
+    healthy holder before that keepalive could be answered at all. 1.25 s for a TTL of 3 s,
+    5.4 s for 10 s, 12 s for 20 s. The default (``default_kill_after``) leaves that
+    keepalive a whole interval more.
+    """
     return max(0.0, ttl - ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl))
 
 
 def default_kill_after(ttl: float, asked: float = 5.0) -> float:
     """The grace (seconds) conch gives when none is asked for: ``asked`` (the documented 5 s),
-    or less where the TTL cannot give that and still leave each keepalive its whole patience
-    (an interval plus the keepalive margin before the session calls it missing): the deadline
-    then never gives up on a slow keepalive sooner than the session itself would. 0.25 s
-    at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up. ``max_kill_after`` is the longest an
-    operator may ask for, trading that patience for grace."""
+    or less where the TTL cannot give that and still leave the keepalive sent after the last
+    confirmed one its whole patience (an interval plus the keepalive margin) to be answered
+    before the SIGTERM planned back from E comes: a slow but answered keepalive never costs
+    the child a SIGTERM. 0.25 s at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up.
+    ``max_kill_after`` is the longest an operator may ask for, trading that patience for
+    grace. The hold itself is lost only when E passes unconfirmed or etcd says the lease or
+    key is gone (conch/core/session.py), never at a late keepalive.
+    """
     return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 

@@ -122,6 +122,19 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def etcd_watchers(cluster: EtcdCluster) -> int:
+    """The watchers etcd's first member has registered now, from its Prometheus metrics
+    (``etcd_debugging_mvcc_watcher_total``): a watch counts once etcd has set it up."""
+    import urllib.request
+
+    url = f"http://{cluster.members[0].endpoint}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("etcd_debugging_mvcc_watcher_total "):
+                return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError(f"no etcd_debugging_mvcc_watcher_total at {url}")
+
+
 def alive(pid: int) -> bool:
     """Running and not a zombie."""
     fields = stat_fields(pid)

@@ -483,7 +483,11 @@ def test_waiter_whose_member_hangs_still_gets_the_slot(cluster: EtcdCluster, nam
     poll(lambda: len(sema_keys(holder_client, name)) == 2, what="the waiter queued")
     cluster.members[0].pause()
     try:
-        time.sleep(1)  # let the member's silence begin before the release
+        member = cluster.members[0].process
+        assert member is not None
+        pid = member.pid
+        # SIGSTOP has taken effect: the member is silent from here on, the release comes after.
+        poll(lambda: (stat_fields(pid) or [""])[0] == "T", what="member 0 stopped")
         released = time.monotonic()
         holder.release()
         thread.join(60)

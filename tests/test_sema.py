@@ -10,13 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conch.etcd import Client, kv, lease
 from conch.flag import Flag
-from tests.conftest import Conch, Gate, Runner, alive, poll, sema_keys, who_json
+from tests.conftest import Conch, Gate, Runner, alive, etcd_watchers, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -665,11 +666,25 @@ def test_holder_json_is_stored_at_the_key(
     assert proc.wait() == 0
 
 
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """An etcd of this test's own: its watcher count is this test's watches alone."""
+    cluster = EtcdCluster(tmp_path / "own")
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
 def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
-    client: Client, name: str
+    own_etcd: EtcdCluster, name: str
 ) -> None:
     """N=2: A and B hold; C queues; D queues behind C and watches C. A leaves before C's
     first look at the queue, so C holds at once; then B leaves: D must take B's slot."""
+    with own_etcd.client() as client:
+        _first_look_promotion(own_etcd, client, name)
+
+
+def _first_look_promotion(etcd: EtcdCluster, client: Client, name: str) -> None:
     from conch.semaphore import Semaphore
 
     class SlowFirstLook(Semaphore):
@@ -684,6 +699,7 @@ def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
 
     a = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
     b = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
+    poll(lambda: etcd_watchers(etcd) == 2, what="A's and B's guards watching their keys")
     holds: dict[str, object] = {}
     c_thread = threading.Thread(
         target=lambda: holds.setdefault("c", SlowFirstLook(client, name, 2, ttl=5).acquire(30))
@@ -695,7 +711,7 @@ def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
     )
     d_thread.start()
     poll(lambda: len(sema_keys(client, name)) == 4, what="D queued")
-    time.sleep(0.5)  # let D settle on watching C
+    poll(lambda: etcd_watchers(etcd) == 3, what="D watching C (etcd has set its watch up)")
     a.release()
     SlowFirstLook.go.set()
     c_thread.join(30)

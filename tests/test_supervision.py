@@ -311,11 +311,20 @@ def test_both_ways_of_listing_our_children_agree() -> None:
 # A subreaper whose reaper has found no child yet starts one that exits at once, and prints
 # how long its exit took to reach the callback, GROUP_POLL set far above any scheduling delay.
 FIRST_CHILD = """
-import queue, time
+import queue, sys, threading, time
 from conch import procs as supervisor
 supervisor.GROUP_POLL = 15.0
 assert supervisor.adopt_orphans()
-time.sleep(0.2)  # the reaper has looked and found no child
+reaper = next(t for t in threading.enumerate() if t.name == "conch-reap")
+def idle():  # the reaper has looked, found no child and waits (GROUP_POLL) to look again
+    frame = sys._current_frames().get(reaper.ident)
+    while frame is not None and frame.f_code.co_name != "wait":
+        frame = frame.f_back
+    return frame is not None
+deadline = time.monotonic() + 20
+while not idle():
+    assert time.monotonic() < deadline, "the reaper never looked"
+    time.sleep(0.01)
 box = queue.SimpleQueue()
 with supervisor._reap_lock:
     pid = supervisor.spawn(["true"], {})

@@ -101,6 +101,16 @@ def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
 
 
 @pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """A one-member etcd of this test's own: what it counts (watchers) is this test's alone,
+    and a test may take it down."""
+    c = EtcdCluster(tmp_path / "own")
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
 def client(etcd: EtcdCluster) -> Iterator[Client]:
     with etcd.client() as c:
         yield c

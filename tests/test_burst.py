@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -25,15 +23,6 @@ from tests.etcd_server import EtcdCluster
 BURST = 400
 REQUEST_TIMEOUT = 0.3  # seconds: short enough that some deadlines pass inside etcd
 WAIT = 300.0  # seconds each acquire may wait (the whole burst takes ~10 s on 2 cores)
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A one-member etcd of this test's own: the burst may take it down."""
-    cluster = EtcdCluster(tmp_path / "burst")
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.mark.alone

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -664,15 +663,6 @@ def test_holder_json_is_stored_at_the_key(
     assert stored.key.endswith(f"/{stored.lease:x}".encode())
     gate.release("h")
     assert proc.wait() == 0
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """An etcd of this test's own: its watcher count is this test's watches alone."""
-    cluster = EtcdCluster(tmp_path / "own")
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(

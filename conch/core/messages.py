@@ -343,7 +343,7 @@ class TouchOwed(enum.Enum):
 
     NONE = "none"  # we touched while waiting, or held from our key's creation
     AT_ONCE = "at-once"  # N > 1: another holder may leave any moment; touch now
-    LATER = "later"  # N = 1: touch a little into the hold (hold.TOUCH_DELAY)
+    LATER = "later"  # N = 1: touch a little into the hold (guard.TOUCH_DELAY)
 
 
 @dataclass(frozen=True)

@@ -237,10 +237,11 @@ class Bench:
                 assert worker.proc.stdin is not None
                 worker.proc.stdin.write("go\n")
                 worker.proc.stdin.flush()
-            deadline = started + 60 + w * 0.05
-            while self.count(prefix) < w + 1:
+            deadline, seen = started + 60 + w * 0.05, 0
+            while seen < w + 1:
                 if time.monotonic() > deadline or any(x.proc.poll() is not None for x in workers):
-                    raise RuntimeError(f"{variant} W={w}: {self.count(prefix) - 1} queued")
+                    raise RuntimeError(f"{variant} W={w}: {max(0, seen - 1)} queued at most")
+                seen = max(seen, self.count(prefix))
                 time.sleep(0.05)
             queued_s = time.monotonic() - started
             cpu, etcd_cpu = self.idle(pids)
@@ -385,13 +386,17 @@ def plot(queue: dict[str, dict[str, dict[str, float]]]) -> list[Path]:
         return []
     written = []
     for key, label, _ in QUEUE_COLUMNS:
-        figure, axes = plt.subplots(figsize=(5, 3.5))
+        lines = {}
         for variant, by_w in queue.items():
-            ws = sorted(int(w) for w in by_w)
-            ws = [w for w in ws if "error" not in by_w[str(w)]]
+            ws = sorted(int(w) for w in by_w if "error" not in by_w[w])
             ys = [by_w[str(w)][key] for w in ws]
-            if all(y > 0 for y in ys):
-                axes.plot(ws, ys, marker="o", label=variant)
+            if ws and all(y > 0 for y in ys):
+                lines[variant] = (ws, ys)
+        if not lines:
+            continue
+        figure, axes = plt.subplots(figsize=(5, 3.5))
+        for variant, (ws, ys) in lines.items():
+            axes.plot(ws, ys, marker="o", label=variant)
         axes.set_xscale("log")
         axes.set_yscale("log")
         axes.set_xlabel("waiters of one semaphore (W)")

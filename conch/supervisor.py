@@ -22,14 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from conch import etcd, hints, log, procs
 from conch.core.loss import Loss
-from conch.errors import (
-    HoldLost,
-    Interrupted,
-    Outcome,
-    UsageError,
-    exit_code,
-    exit_status,
-)
+from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, exit_status
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
@@ -183,16 +176,13 @@ def supervise(
     conch's credentials. Raises NoSlot, Interrupted, Unavailable from the acquisition
     (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch); returns 70 when the
     hold was lost while the child ran, or its watchdog died. A hold lost before the child
-    started (nothing ran) is given back and the slot queued for again, at the back of the
-    queue, while ``wait`` allows (a ``requeue`` warning; NoSlot once it does not). What the
-    child leaves in its group is reaped as it dies only after ``adopt_orphans()`` (the
-    command calls it); else a zombie among them holds the slot until PID 1 reaps it or
-    ``kill_after`` runs out.
-    ``watchdog`` (from ``start_watchdog(kill_after)``, started before connecting so that its
-    interpreter starts while the connection is made) serves the first round. The deadline
-    is kept by this process's threads and by the watchdog process: a pause of the whole
-    process (SIGSTOP, a VM paused whole) stops the former, never the latter.
-    """
+    started is given back and queued for again, at the back, while ``wait`` allows (a
+    ``requeue`` warning; NoSlot once it does not). What the child leaves in its group is
+    reaped as it dies only after ``adopt_orphans()``; else a zombie among them holds the
+    slot until PID 1 reaps it or ``kill_after`` runs out. ``watchdog`` (from
+    ``start_watchdog(kill_after)``, started before connecting) serves the first round. The
+    deadline is kept by this process's threads and by the watchdog process: a pause of the
+    whole process (SIGSTOP, a VM paused) stops the former, never the latter."""
     kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
@@ -248,12 +238,11 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     return watchdog
 
 
-def _report(outcome: Outcome, status: int | None = None, /, **fields: object) -> int:
+def _report(outcome: Outcome, **fields: object) -> int:
     """Log an outcome that is an error (one ``event=`` line named for it, with ``fields``);
     return its exit code."""
-    if outcome is not Outcome.CHILD_EXITED and outcome is not Outcome.SIGNAL:
-        log.error(outcome.value, **fields)
-    return exit_code(outcome, status)
+    log.error(outcome.value, **fields)
+    return exit_code(outcome)
 
 
 def run_child(
@@ -265,19 +254,16 @@ def run_child(
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
-    (return its status), the loss of ``hold`` (terminate it, return 70), the deadline (no
-    keepalive confirmed in time: terminate it so that it is dead before the lease can
-    expire, return 70), its watchdog's death (terminate it, return 70), or ``stop``
-    (terminate it, return its status). Never starts it without a hold: raises HoldLost if
-    it is lost (or its lease not certainly alive long enough) before the child starts,
-    Interrupted if ``stop`` is set before it starts.
-    ``hold`` is released as soon as the child has exited with nothing left in its group
-    and, after ``adopt_orphans()``, nothing left outside it either: what the child started
-    and left in the background counts as the child until it is gone (a ``stragglers`` or an
-    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
-    with the child's group on a loss or ``stop``.
-    ``watchdog`` (started in advance) is armed with the child's group; without one, one is
-    started here, before the child."""
+    (return its status), the loss of ``hold``, the deadline (no keepalive confirmed in time)
+    or its watchdog's death (terminate it so that it is dead before the lease can expire,
+    return 70), or ``stop`` (terminate it, return its status). Raises HoldLost if the hold
+    is lost (or its lease not certainly alive long enough) before the child starts,
+    Interrupted if ``stop`` is set before it starts. ``hold`` is released as soon as the
+    child has exited with nothing left in its group and, after ``adopt_orphans()``, nothing
+    left outside it either: what it left in the background counts as the child until gone
+    (a ``stragglers`` or ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later),
+    and is terminated with the child's group on a loss or ``stop``. ``watchdog`` (started in
+    advance) is armed with the child's group; without one, one is started here."""
     try:
         watchdog = watchdog or start_watchdog(kill_after, environ)
     except OSError as exc:
@@ -321,7 +307,7 @@ def run_child(
                 except OSError as exc:
                     unarmed = exc
                 box = run.box
-                _on_exit(pid, lambda status: _child_exited(pid, status, box))
+                _on_exit(pid, lambda status: _child_exited(status, box))
             except BaseException:  # no reaping thread (can't start new thread): fail closed
                 _kill_group(pid)
                 raise

@@ -1,11 +1,10 @@
 """A session: one lease, kept alive, and the moment it is lost (contract section 3).
 
-Several holds may share one session, as with etcd's ``concurrency.Session``: one lease
-however many holds ride on it. Every session of a client keeps its lease alive on the
-client's one LeaseKeepAlive stream, from the client's one keepalive thread
-(``lease.KeepAlives``), so sessions cost no thread each. That thread holds only the
-``_Keeper`` (the lease and its loss), never the Session itself, so a Session nobody
-references any more is noticed (``weakref.finalize``) and its lease revoked.
+Several holds may share one session, as with etcd's ``concurrency.Session``. Every session
+of a client keeps its lease alive on the client's one LeaseKeepAlive stream, from its one
+keepalive thread (``lease.KeepAlives``): no thread per session. That thread holds only the
+``_Keeper`` (the lease and its loss), never the Session, so a Session nobody references
+any more is noticed (``weakref.finalize``) and its lease revoked.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 from conch import log
 from conch.core.loss import Loss
@@ -31,13 +31,15 @@ from conch.core.session import (
 from conch.core.session import (
     keepalive_margin as keepalive_margin,  # seconds; named here too
 )
-from conch.errors import EtcdError, LeaseNotFound, UsageError
+from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
-from conch.timer import Handle, timer_for
+from conch.timer import Cancellable, Scheduler, timer_for
 
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
+
+ListenerT = TypeVar("ListenerT")
 
 
 def check_ttl(ttl: int) -> None:
@@ -52,115 +54,102 @@ def check_client(client: object) -> None:
         raise UsageError(f"bad client {client!r}: want a conch.Client (conch.connect(...))")
 
 
-class _Keeper:
-    """The lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
-    the loss decision), executed: everything the keepalives need, and nothing that keeps
-    the Session alive.
+def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[[], None]:
+    """Add ``listener`` to ``listeners``; returns the function that removes it."""
+    key = object()
+    listeners[key] = listener
 
-    Its steps run on the client's keepalive thread (``lease.KeepAlives.timer``), shared by
-    every session of the client: a session costs no thread. That thread makes no call that
-    waits on etcd, so one session's slow step (a guard's Range, a revoke) never holds back
-    another's loss."""
+    def remove() -> None:
+        listeners.pop(key, None)
 
-    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
-        self.client = client
+    return remove
+
+
+class Keeper:
+    """A lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
+    the loss decision), executed by a face on ``timer``: everything the keepalives need,
+    and nothing that keeps the Session alive. The face sends each keepalive (``send``,
+    its outcome to ``settle``), declares the loss and calls the listeners (``tell``)."""
+
+    def __init__(self, lease_id: int, ttl: int, granted_at: float, timer: Scheduler) -> None:
         self.lease_id = lease_id
         self.ttl = ttl
         self.machine = SessionMachine(ttl, granted_at)
         self.interval = self.machine.interval
-        self.lost = Flag("session-lost")
-        self.listeners: list[Callable[[], None]] = []
-        self.expiry_listeners: list[Callable[[Loss], None]] = []
-        self.stop = threading.Event()
-        self.keepalives = lease.keepalives_for(client)
-        self._next: Handle | None = None
-        # The client's close() revokes a lease still open on it: a waiter's key or a hold
-        # left behind goes at once instead of after the TTL.
-        self.forget_client = client.on_close(self.client_closing)
+        self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
+        self.timer = timer
+        self.next_wake: Cancellable | None = None
 
     @property
     def alive_until(self) -> float:
         return self.machine.alive_until
 
-    def client_closing(self, seconds: float) -> None:
-        if not self.stop.is_set():
-            self.close(seconds)
+    def certainly_alive(self) -> bool:
+        return self.machine.certainly_alive(time.monotonic())
+
+    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
+        """Call ``listener(loss)`` each time E passes unconfirmed (the machine's Expired);
+        returns a function that removes it."""
+        return listen(self.expiry_listeners, listener)
 
     def start(self) -> None:
-        """Schedule the first keepalive one interval from the grant. Raises RuntimeError
-        when the keepalive thread cannot be started."""
+        """Schedule the first keepalive, one interval from the grant (RuntimeError when the
+        threaded face's keepalive thread cannot be started)."""
         self.execute(self.machine.start())
 
     def execute(self, actions: list[SessionAction]) -> None:
-        """Run the machine's ``actions`` (on the keepalive thread, but for ``start``)."""
         for action in actions:
             if isinstance(action, WakeAt):
-                if self._next is not None:
-                    self._next.cancel()
+                if self.next_wake is not None:
+                    self.next_wake.cancel()
                 delay = action.at - time.monotonic()
-                self._next = self.keepalives.timer.call_later(delay, self.wake)
+                self.next_wake = self.timer.call_later(delay, self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
             elif isinstance(action, Expired):
-                for listener in tuple(self.expiry_listeners):
-                    _call(listener, action.loss)
+                for listener in tuple(self.expiry_listeners.values()):
+                    self.tell(listener, action.loss)
             else:
                 self.declare_lost(action.loss)
 
-    def send(self, deadline: float) -> None:
-        sent = time.monotonic()
-        self.keepalives.refresh(
-            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
-        )
-
     def wake(self) -> None:
-        if not self.stop.is_set():
-            self.execute(self.machine.wake(time.monotonic()))
+        self.execute(self.machine.wake(time.monotonic()))
 
-    def answered(self, sent: float, outcome: lease.Outcome) -> None:
-        if self.stop.is_set():
-            self.keepalives.forget(self.lease_id)  # closed while it was under way
-            return
-        if isinstance(outcome, LeaseNotFound):
-            self.execute(self.machine.lease_gone())
-            return
-        if isinstance(outcome, EtcdError):
-            self.execute(self.machine.unanswered(time.monotonic()))
-            return
-        # Scheduled before the listeners run, so that none of them can stop the keepalives.
-        self.execute(self.machine.answered(sent, outcome))
-        for listener in tuple(self.listeners):
-            _call(listener)
+    def settle(self, sent: float, outcome: lease.Outcome) -> None:
+        self.execute(self.machine.settle(sent, time.monotonic(), outcome))
+
+    def stop(self) -> None:
+        """Closing: the machine asks for nothing more."""
+        self.machine.close()
+        if self.next_wake is not None:
+            self.next_wake.cancel()
+
+    def send(self, deadline: float) -> None:
+        raise NotImplementedError
 
     def declare_lost(self, reason: Loss) -> None:
-        if self.stop.is_set():
-            return
-        self.keepalives.forget(self.lease_id)
-        self.lost.set(reason)
+        raise NotImplementedError
 
-    def close(self, timeout: float | None) -> bool:
-        self.stop.set()
-        self.machine.close()
-        if self._next is not None:
-            self._next.cancel()
-        self.forget_client()
-        try:
-            lease.revoke(self.client, self.lease_id, timeout)
-        except EtcdError as exc:
-            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
-            return False
-        finally:
-            # After the revoke, which is what a waiter waits for. A keepalive answered
-            # meanwhile changes nothing (``stop`` is set).
-            self.keepalives.forget(self.lease_id)
-        return True
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        raise NotImplementedError
 
 
-def _call(listener: Callable[..., None], *args: object) -> None:
-    try:
-        listener(*args)
-    except Exception as exc:  # one embedder's bug must not end the others' calls
-        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
+def log_granted(lease_id: int, asked: int, granted: int) -> None:
+    """Log a new session's lease, and a TTL etcd raised above the one asked for."""
+    log.info("session", lease=f"{lease_id:x}", ttl=f"{granted}s")
+    if granted != asked:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
+        log.warning("ttl-raised", asked=f"{asked}s", granted=f"{granted}s", by="etcd")
+
+
+def claim(claims: set[bytes], key: bytes, lease_id: int) -> None:
+    """Reserve ``key`` for one waiter or hold on a session; UsageError if taken (two holds
+    of one semaphore on one lease would be one key, as with etcd's Mutex)."""
+    if key in claims:
+        raise UsageError(
+            f"session {lease_id:x} already waits for or holds {key.decode()!r}: "
+            "one hold per semaphore per session; use another session"
+        )
+    claims.add(key)
 
 
 def warn_session_dropped(face: str, lease_id: int) -> None:
@@ -174,31 +163,96 @@ def warn_session_dropped(face: str, lease_id: int) -> None:
     log.warning("session-dropped", lease=f"{lease_id:x}")
 
 
+def _call(listener: Callable[..., None], *args: object) -> None:
+    try:
+        listener(*args)
+    except Exception as exc:  # one embedder's bug must not end the others' calls
+        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
+
+
+class _Keeper(Keeper):
+    """The threaded face's, on the client's keepalive thread (``lease.KeepAlives.timer``),
+    shared by every session of the client. That thread makes no call that waits on etcd,
+    so one session's slow step (a guard's Range, a revoke) never holds back another's
+    loss."""
+
+    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
+        self.keepalives = lease.keepalives_for(client)
+        super().__init__(lease_id, ttl, granted_at, self.keepalives.timer)
+        self.client = client
+        self.lost = Flag("session-lost")
+        self.listeners: dict[object, Callable[[], None]] = {}
+        # The client's close() revokes a lease still open on it: a waiter's key or a hold
+        # left behind goes at once instead of after the TTL.
+        self.forget_client = client.on_close(self.client_closing)
+
+    def client_closing(self, seconds: float) -> None:
+        if not self.machine.closed:
+            self.close(seconds)
+
+    def send(self, deadline: float) -> None:
+        sent = time.monotonic()
+        self.keepalives.refresh(
+            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
+        )
+
+    def answered(self, sent: float, outcome: lease.Outcome) -> None:
+        if self.machine.closed:
+            self.keepalives.forget(self.lease_id)  # closed while it was under way
+            return
+        # Scheduled before the listeners run, so that none of them can stop the keepalives.
+        self.settle(sent, outcome)
+        if not isinstance(outcome, EtcdError):
+            for listener in tuple(self.listeners.values()):
+                _call(listener)
+
+    def declare_lost(self, reason: Loss) -> None:
+        if not self.machine.closed:  # close() may come from another thread meanwhile
+            self.keepalives.forget(self.lease_id)
+            self.lost.set(reason)
+
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        _call(listener, loss)
+
+    def close(self, timeout: float | None) -> bool:
+        self.stop()
+        self.forget_client()
+        try:
+            lease.revoke(self.client, self.lease_id, timeout)
+        except EtcdError as exc:
+            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
+            return False
+        finally:
+            # After the revoke, which is what a waiter waits for. A keepalive answered
+            # meanwhile changes nothing (the machine is closed).
+            self.keepalives.forget(self.lease_id)
+        return True
+
+
 def _dropped(keeper: _Keeper) -> None:
     """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
     and revoke its lease from the client's timer thread (not the collecting thread, which
     may be anyone's)."""
     warn_session_dropped("conch", keeper.lease_id)
-    keeper.stop.set()
+    keeper.stop()
     timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
 
 
 class Session:
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early, so that a client's sessions send together) on the client's
-    LeaseKeepAlive stream, which every session of the client shares, from the client's
-    keepalive thread (no thread per session).
+    SEND_GRID early, so that a client's sessions send together) on the client's one
+    LeaseKeepAlive stream, from its keepalive thread (no thread per session).
 
     ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
     TTL <= 0: expired or revoked); its ``reason`` is a ``conch.core.loss.Loss`` (a str, with
     ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered (etcd away) is
     sent again, with backoff, and loses nothing by itself: until ``alive_until`` the lease
-    is alive for sure, and past it unconfirmed the holds on the session are lost
-    (``on_expired``) while the session itself, and a waiter's place on it, lives on until
-    etcd says otherwise (``conch.core.session`` has the rule). ``close()``
-    (or leaving the ``with`` block) revokes the lease, so every key on it goes at once.
-    Raises Unavailable (or another EtcdError) when LeaseGrant fails, Interrupted when
-    ``interrupt`` is set while it retries.
+    is alive for sure; past it unconfirmed the holds on the session are lost
+    (``on_expired``), while the session, and a waiter's place on it, lives on until etcd
+    says otherwise (``conch.core.session`` has the rule). ``close()`` (or leaving the
+    ``with`` block) revokes the lease, so every key on it goes at once. Raises Unavailable
+    (or another EtcdError) when LeaseGrant fails, Interrupted when ``interrupt`` is set
+    while it retries.
 
     To share one lease between holds (``Semaphore.acquire(session=...)``)::
 
@@ -236,9 +290,7 @@ class Session:
             self._finalizer.detach()
             self._keeper.close(None)
             raise
-        log.info("session", lease=f"{self.lease_id:x}", ttl=f"{self.ttl}s")
-        if self.ttl != ttl:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
-            log.warning("ttl-raised", asked=f"{ttl}s", granted=f"{self.ttl}s", by="etcd")
+        log_granted(self.lease_id, ttl, self.ttl)
 
     @property
     def client(self) -> Client:
@@ -251,13 +303,10 @@ class Session:
         return self._keeper.alive_until
 
     def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, and etcd's countdown from our
-        last confirmed keepalive has not run out (a process frozen past its TTL fails this),
-        and not closed (a hold left on a shared session closed under it is no longer ours)."""
-        keeper = self._keeper
-        return not (keeper.lost.is_set() or keeper.stop.is_set()) and (
-            time.monotonic() < keeper.alive_until
-        )
+        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
+        shared session closed under it is no longer ours), and etcd's countdown from our
+        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
+        return self._keeper.certainly_alive()
 
     def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
@@ -265,8 +314,7 @@ class Session:
         live on through an outage of etcd; a hold on the session is lost then. It runs on
         the client's keepalive thread and must not block. Returns a function that removes
         it."""
-        self._keeper.expiry_listeners.append(listener)
-        return lambda: self._keeper.expiry_listeners.remove(listener)
+        return self._keeper.add_expiry_listener(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
@@ -276,19 +324,11 @@ class Session:
 
         ``lost`` callbacks (``lost.add_callback``) run on that thread too, when the loss is
         declared there, under the same rule."""
-        self._keeper.listeners.append(listener)
-        return lambda: self._keeper.listeners.remove(listener)
+        return listen(self._keeper.listeners, listener)
 
     def _claim(self, key: bytes) -> None:
-        """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
-        holds of one semaphore on one lease would be one key, as with etcd's Mutex)."""
         with self._claims_lock:
-            if key in self._claims:
-                raise UsageError(
-                    f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
-                    "one hold per semaphore per session; use another session"
-                )
-            self._claims.add(key)
+            claim(self._claims, key, self.lease_id)
 
     def _unclaim(self, key: bytes) -> None:
         with self._claims_lock:

@@ -10,46 +10,30 @@ from typing import Any
 
 from conch import errors, log
 from conch.aio.client import Client
-from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
+from conch.aio.tasks import outlast_cancel, spawn
 from conch.core.loss import CLOSED, Loss
-from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
-from conch.errors import EtcdError, LeaseNotFound
+from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-
-# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.session import check_ttl, warn_session_dropped
-
-# -- the session --------------------------------------------------------------------------
+from conch.etcd import lease
+from conch.session import Keeper, check_ttl, claim, listen, log_granted, warn_session_dropped
+from conch.timer import LoopTimer
 
 
-class _Keeper:
-    """A coroutine session's lease and its SessionMachine (``conch.core.session``: the
-    keepalive schedule, E, the loss decision), executed on the loop's timers: everything
-    the keepalives need, and nothing that keeps the Session alive (a dropped Session is
-    noticed)."""
+class _Keeper(Keeper):
+    """The asyncio face's ``conch.session.Keeper``, on the loop's timers."""
 
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        super().__init__(lease_id, ttl, granted_at, LoopTimer(self.loop))
         self.client = client
-        self.lease_id = lease_id
-        self.ttl = ttl
-        self.machine = SessionMachine(ttl, granted_at)
-        self.interval = self.machine.interval
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
-        self.closed = False
         self.revoked: asyncio.Future[bool] | None = None
         self.listeners: dict[object, Callable[[Loss], None]] = {}
-        self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
-        self.loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
         self._ended = self.loop.create_future()
         self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
-        self.execute(self.machine.start())
-
-    @property
-    def alive_until(self) -> float:
-        return self.machine.alive_until
+        self.start()
 
     async def _live(self) -> None:
         """Parked until the session ends: closed, lost, or the loop ending (asyncio.run
@@ -58,50 +42,27 @@ class _Keeper:
         try:
             await self._ended
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
+            if self.next_wake is not None:
+                self.next_wake.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
 
     def _end(self) -> None:
         if not self._ended.done():
             self._ended.set_result(None)
 
-    def execute(self, actions: list[SessionAction]) -> None:
-        """Run the machine's ``actions`` on the loop."""
-        for action in actions:
-            if isinstance(action, WakeAt):
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = self.loop.call_later(action.at - time.monotonic(), self.wake)
-            elif isinstance(action, SendKeepalive):
-                spawn(self.loop, self.send(action.deadline))
-            elif isinstance(action, Expired):
-                for listener in list(self.expiry_listeners.values()):
-                    run_callback(listener, action.loss)
-            else:
-                self.declare_lost(action.loss)
+    def send(self, deadline: float) -> None:
+        spawn(self.loop, self._keepalive(deadline))
 
-    def wake(self) -> None:
-        if not self.closed:
-            self.execute(self.machine.wake(time.monotonic()))
-
-    async def send(self, deadline: float) -> None:
-        """One keepalive, and the machine told of its answer."""
+    async def _keepalive(self, deadline: float) -> None:
         sent = time.monotonic()
+        outcome: lease.Outcome
         try:
-            ttl = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
-        except LeaseNotFound:
-            actions = self.machine.lease_gone()
-        except EtcdError:
-            actions = self.machine.unanswered(time.monotonic())
-        else:
-            actions = self.machine.answered(sent, ttl)
-        if not self.closed:
-            self.execute(actions)
+            outcome = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
+        except EtcdError as exc:
+            outcome = exc
+        self.settle(sent, outcome)
 
     def declare_lost(self, reason: Loss) -> None:
-        if self.closed or self.lost.is_set():
-            return
         self.reason = reason
         self.lost.set()
         self._end()
@@ -110,36 +71,21 @@ class _Keeper:
             if listener is not None:
                 run_callback(listener, reason)
 
-    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` on the loop each time E passes unconfirmed
-        (``SessionMachine``'s Expired); returns a function that removes it."""
-        key = object()
-        self.expiry_listeners[key] = listener
-        return lambda: self.expiry_listeners.pop(key, None) and None
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        run_callback(listener, loss)
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
         already); returns a function that removes it."""
-        key = object()
         if self.lost.is_set():
             self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
-        else:
-            self.listeners[key] = listener
-
-        def remove() -> None:
-            self.listeners.pop(key, None)
-
-        return remove
-
-    def certainly_alive(self) -> bool:
-        return not self.closed and self.machine.certainly_alive(time.monotonic())
+        return listen(self.listeners, listener)
 
     async def close(self, timeout: float | None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``
         seconds; whether confirmed. A second close waits for the first one's revoke."""
         if self.revoked is None:
-            self.closed = True
-            self.machine.close()
+            self.stop()
             self._end()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
             self.client._keepers.discard(self)
@@ -170,8 +116,8 @@ def _session_dropped(keeper: _Keeper) -> None:
 
 
 class Session:
-    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 by a task
-    on the loop, on the client's one LeaseKeepAlive stream (shared with the threaded face's
+    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 on the
+    loop, on the client's one LeaseKeepAlive stream (shared with the threaded face's
     sessions); the coroutine face of ``conch.Session``. Open it with ``async with
     Session(client, ttl)`` or ``session = await Session(client, ttl)``; ``await
     session.close()`` revokes the lease, so every key on it goes at once.
@@ -216,9 +162,7 @@ class Session:
         self._keeper = keeper
         self._finalizer = weakref.finalize(self, _session_dropped, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
-        log.info("session", lease=f"{granted.id:x}", ttl=f"{granted.ttl}s")
-        if granted.ttl != self.ttl:  # etcd's minimum TTL is 1.5 election timeouts
-            log.warning("ttl-raised", asked=f"{self.ttl}s", granted=f"{granted.ttl}s", by="etcd")
+        log_granted(granted.id, self.ttl, granted.ttl)
         self.ttl = granted.ttl
         return self
 
@@ -267,12 +211,7 @@ class Session:
         return self._kept.certainly_alive()
 
     def _claim(self, key: bytes) -> None:
-        if key in self._claims:
-            raise errors.UsageError(
-                f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
-                "one hold per semaphore per session; use another session"
-            )
-        self._claims.add(key)
+        claim(self._claims, key, self.lease_id)
 
     def _unclaim(self, key: bytes) -> None:
         self._claims.discard(key)

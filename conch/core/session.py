@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
+from conch.errors import EtcdError, LeaseNotFound
 
 # Keepalives go out at most this much (or an eighth of the interval) before they are due,
 # on a grid of that step: the sessions of a client then send, and etcd answers, in bursts
@@ -163,6 +164,15 @@ class SessionMachine:
         self._send = now + self._retry
         self._retry = min(self._retry * 2, KEEPALIVE_RETRY_CAP)
         return self._wake_after()
+
+    def settle(self, sent: float, now: float, outcome: float | EtcdError) -> list[SessionAction]:
+        """What the keepalive sent at ``sent`` came to, at ``now``: a TTL (``answered``),
+        LeaseNotFound (``lease_gone``) or another EtcdError (``unanswered``)."""
+        if isinstance(outcome, LeaseNotFound):
+            return self.lease_gone()
+        if isinstance(outcome, EtcdError):
+            return self.unanswered(now)
+        return self.answered(sent, outcome)
 
     def lease_gone(self) -> list[SessionAction]:
         """etcd answered that the lease is gone (TTL <= 0, LeaseNotFound): the session is

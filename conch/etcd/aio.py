@@ -1,23 +1,17 @@
-"""The etcd layer for coroutines: the same calls and streams as the threaded layer, awaited,
-with their I/O on the running loop.
-
-Unary calls are ``Client.call_async`` (grpc.aio calls under the client's own deadlines,
-failover and token renewal). The streams are grpc.aio streams read by the loop, one of
-each per client and loop, shared by all its coroutines: one Watch.Watch stream for every
-watch (``watch.LoopHub``, ``LoopWatch``), one LeaseKeepAlive stream for the leases of every
-session (``lease.LoopKeepAlives``, ``keepalive``), with the threaded layer's decisions. So
-no thread of ours hands a message to the loop, and nothing here uses the loop's default
-executor. In a process forked while grpc.aio channels were open (``endpoints.loop_native``)
-the streams are the threaded client's own, whose threads hand each notice and answer to
-the loop with ``call_soon_threadsafe``.
-"""
+"""The etcd layer for coroutines: the threaded layer's calls and streams, awaited, with their
+I/O on the running loop: ``Client.call_async``, and one Watch.Watch stream (``LoopWatch``)
+and one LeaseKeepAlive stream (``keepalive``) per client and loop, read by the loop, with
+the threaded layer's decisions; no thread of ours hands a message over, and nothing uses the
+loop's default executor. In a process forked while grpc.aio channels were open
+(``endpoints.loop_native``) they are the threaded client's streams, whose threads hand each
+notice and answer to the loop with ``call_soon_threadsafe``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -32,7 +26,7 @@ from conch.etcd.loop import resolve
 from conch.etcd.watch import LoopHub, Watch, WatchNotice
 from conch.timer import PerOwner
 
-# -- unary calls -----------------------------------------------------------------------------
+T = TypeVar("T")
 
 
 async def range_(
@@ -101,15 +95,12 @@ async def time_to_live(
     return int(response.TTL)
 
 
-# -- one stream of each kind per client and loop -----------------------------------------
-
-
-def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], Any]) -> Callable[[Client], Any]:
+def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], T]) -> Callable[[Client], T]:
     """``make(client, loop)`` once per client and running loop, made on first use; the ones
     of loops that have ended are dropped then (their streams ended with them)."""
-    tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, Any]] = PerOwner(lambda _c: {})
+    tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, T]] = PerOwner(lambda _c: {})
 
-    def get(client: Client) -> Any:
+    def get(client: Client) -> T:
         loop = asyncio.get_running_loop()
         table = tables(client)
         made = table.get(loop)
@@ -127,12 +118,7 @@ _loop_keepalives = _per_loop(LoopKeepAlives)
 
 
 def _keepalives(client: Client) -> KeepAlives:
-    return cast(
-        KeepAlives, _loop_keepalives(client) if loop_native() else lease.keepalives_for(client)
-    )
-
-
-# -- the Watch stream ------------------------------------------------------------------------
+    return _loop_keepalives(client) if loop_native() else lease.keepalives_for(client)
 
 
 class LoopWatch:
@@ -191,9 +177,6 @@ class LoopWatch:
         """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""
         self._cancelled = True
         self.watch.cancel()
-
-
-# -- the LeaseKeepAlive stream ---------------------------------------------------------------
 
 
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
@@ -10,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -19,10 +20,6 @@ from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-
-if TYPE_CHECKING:
-    import asyncio
-
 from conch.timer import Cancellable, LoopTimer, PerOwner, Scheduler, Timer
 
 
@@ -90,20 +87,12 @@ class KeepAlives:
     """The LeaseKeepAlive stream of one Client, for all of its leases (etcd answers each
     keepalive with its lease ID, in order). ``refresh(lease_id, deadline, done)`` sends one
     keepalive and calls ``done(outcome)`` once: the TTL etcd answered, LeaseNotFound for
-    TTL <= 0, Unavailable for no answer by ``deadline``.
-
-    A stream that breaks is dropped, the client fails over (its ``on_failover`` listeners
-    follow) and the keepalive goes out again after a capped backoff. A silent one is kept:
-    after ASK_ANOTHER_AFTER the keepalive also goes to the next member, and the first
-    answer counts; the member that answered is the one in use from then on, and the client
-    fails over from the silent one. Answers are counted per (stream, lease), so a late
-    answer never confirms a later keepalive.
-
-    Everything runs on one timer thread (``timer``, conch-keepalive), which never waits on
-    etcd; streams are opened (Auth.Authenticate, TLS) on another (conch-keepalive-open).
-    ``done`` runs on the timer thread and must not block. No stream stays open once no
-    lease is kept alive here.
-    """
+    TTL <= 0, Unavailable for no answer by ``deadline``. A broken stream is dropped, the
+    client fails over, and the keepalive goes out again after a capped backoff; a silent
+    one also goes to the next member after ASK_ANOTHER_AFTER, whose answer, if first, makes
+    it the member in use. Steps run on one timer thread (``timer``, conch-keepalive) that
+    never waits on etcd, streams open on another (conch-keepalive-open); ``done`` runs on
+    the timer thread and must not block. No stream stays open once no lease is left."""
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
@@ -255,7 +244,7 @@ class KeepAlives:
             if ask.asked.pop(stream, None) is not None:
                 ask.last_error = error
                 if not ask.asked:
-                    self._retry(ask, error)
+                    self._ask_again(ask, ask.backoff.next())
 
     def _failover(self, stream: Stream) -> None:
         client = self._client_ref()
@@ -436,12 +425,8 @@ class LoopKeepAlives(KeepAlives):
         self._on_item(item)
 
 
-_keepalives: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
-
-
-def keepalives_for(client: Client) -> KeepAlives:
-    """The one KeepAlives of ``client``, made on first use, gone with the client."""
-    return _keepalives(client)
+# ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.
+keepalives_for: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
 
 
 class KeepAlive:

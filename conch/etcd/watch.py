@@ -100,24 +100,6 @@ class Watch:
         self._ended.set()
         self._hub.remove(self)
 
-    def _hand_over(self, notice: WatchNotice) -> None:
-        with self._delivering:
-            if not self._cancelled:
-                self._deliver(notice)
-
-    def _create_request(self) -> rpc_pb2.WatchRequest:
-        self._create.start_revision = self._next
-        return rpc_pb2.WatchRequest(create_request=self._create)
-
-    def _on_created(self, revision: int) -> WatchNotice | None:
-        if self._next == 0:
-            self._next = revision + 1  # "from now" is this revision on
-        return WatchNotice(self, (), revision, created=True) if self._confirm else None
-
-    def _on_events(self, response: rpc_pb2.WatchResponse) -> WatchNotice:
-        self._next = response.events[-1].kv.mod_revision + 1
-        return WatchNotice(self, list(response.events), response.header.revision)
-
     def _end(self, error: EtcdError) -> WatchNotice:
         self._ended.set()
         return WatchNotice(self, (), 0, error)
@@ -125,7 +107,9 @@ class Watch:
 
 def _hand_over_all(notices: list[WatchNotice]) -> None:
     for notice in notices:
-        notice.watch._hand_over(notice)
+        with notice.watch._delivering:
+            if not notice.watch._cancelled:
+                notice.watch._deliver(notice)
 
 
 def _cancel_request(watch_id: int) -> rpc_pb2.WatchRequest:
@@ -172,8 +156,6 @@ class _Hub:
         self._early_end: tuple[Stream, EtcdError] | None = None
         client.on_failover(self._endpoint_failed)
 
-    # -- watches come and go -----------------------------------------------------------
-
     def add(self, watch: Watch) -> None:
         """Register ``watch``, opening the stream if there is none (in this thread, outside
         the lock). Raises EtcdError when that fails: ``watch`` is not registered."""
@@ -212,8 +194,6 @@ class _Hub:
                 return
             self._detach()
         stream.close()
-
-    # -- the stream ----------------------------------------------------------------------
 
     def _open(self) -> Stream:
         # Not under the lock: an Auth.Authenticate or a TLS handshake may take seconds.
@@ -256,7 +236,8 @@ class _Hub:
     def _send_create(self, stream: Stream, watch: Watch) -> None:
         watch._id = None
         self._unanswered.append(watch)
-        stream.send(watch._create_request())
+        watch._create.start_revision = watch._next
+        stream.send(rpc_pb2.WatchRequest(create_request=watch._create))
 
     def _on_item(self, item: StreamItem) -> None:
         notices: list[WatchNotice] = []
@@ -283,7 +264,9 @@ class _Hub:
                     notices.append(watch._end(_cancel_error(response)))
                 elif response.events:
                     self._failures = 0
-                    notices.append(watch._on_events(response))
+                    events = list(response.events)
+                    watch._next = events[-1].kv.mod_revision + 1
+                    notices.append(WatchNotice(watch, events, response.header.revision))
         _hand_over_all(notices)
 
     def _on_created(self, item: StreamItem, watch: Watch, notices: list[WatchNotice]) -> None:
@@ -308,9 +291,11 @@ class _Hub:
             self._backoff.reset()
             watch._id = response.watch_id
             self._by_id[response.watch_id] = watch
-            notice = watch._on_created(response.header.revision)
-            if notice is not None:
-                notices.append(notice)
+            revision = response.header.revision
+            if watch._next == 0:
+                watch._next = revision + 1  # "from now" is this revision on
+            if watch._confirm:
+                notices.append(WatchNotice(watch, (), revision, created=True))
 
     def _broken(self, stream: Stream, error: EtcdError) -> None:
         self._detach()
@@ -356,8 +341,6 @@ class _Hub:
             if stream is not None and stream.endpoint == failed:
                 self._broken(stream, Unavailable(f"watch: calls failed over from {failed}"))
 
-    # -- the probe of a silent stream ----------------------------------------------------
-
     def _schedule_probe(self) -> None:
         if self._probing or not self._watches:
             return
@@ -389,8 +372,8 @@ class _Hub:
                     f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
                 )
                 self._broken(stream, error)
-                return
-            self._schedule_probe()
+            else:
+                self._schedule_probe()
 
 
 class LoopHub(_Hub):

@@ -131,7 +131,7 @@ class Watchdog:
                 self._ready = self._take(1) == READY
                 if not self._ready:
                     return False
-        return self._process.poll() is None and not self._exited.is_set()
+        return not self.ended
 
     def answers(self, timeout: float) -> bool:
         """Whether the watchdog, ready and not watched yet, answers a probe within

@@ -1,10 +1,7 @@
 """A session: one lease, kept alive, and the moment it is lost (contract section 3).
 
-Several holds may share one session, as with etcd's ``concurrency.Session``. Every session
-of a client keeps its lease alive on the client's one LeaseKeepAlive stream, from its one
-keepalive thread (``lease.KeepAlives``): no thread per session. That thread holds only the
-``_Keeper`` (the lease and its loss), never the Session, so a Session nobody references
-any more is noticed (``weakref.finalize``) and its lease revoked.
+The keepalive thread holds only the session's ``_Keeper`` (the lease and its loss), never
+the Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked.
 """
 
 from __future__ import annotations
@@ -14,23 +11,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from conch import log
 from conch.core.loss import Loss
-from conch.core.session import (
-    SEND_GRID as SEND_GRID,  # seconds; named here too
-)
-from conch.core.session import (
-    Expired,
-    SendKeepalive,
-    SessionAction,
-    SessionMachine,
-    WakeAt,
-)
-from conch.core.session import (
-    keepalive_margin as keepalive_margin,  # seconds; named here too
-)
+from conch.core.session import SEND_GRID as SEND_GRID  # seconds; named here too
+from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
+from conch.core.session import keepalive_margin as keepalive_margin  # named here too
 from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
@@ -40,6 +27,7 @@ from conch.timer import Cancellable, Scheduler, timer_for
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 
 ListenerT = TypeVar("ListenerT")
+KeeperT = TypeVar("KeeperT", bound="Keeper")
 
 
 def check_ttl(ttl: int) -> None:
@@ -67,15 +55,12 @@ def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[
 
 class Keeper:
     """A lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
-    the loss decision), executed by a face on ``timer``: everything the keepalives need,
-    and nothing that keeps the Session alive. The face sends each keepalive (``send``,
-    its outcome to ``settle``), declares the loss and calls the listeners (``tell``)."""
+    the loss decision), executed on ``timer`` for either face, which sends each keepalive
+    (``send``, its outcome to ``settle``), declares the loss and calls a listener (``tell``)."""
 
     def __init__(self, lease_id: int, ttl: int, granted_at: float, timer: Scheduler) -> None:
         self.lease_id = lease_id
-        self.ttl = ttl
         self.machine = SessionMachine(ttl, granted_at)
-        self.interval = self.machine.interval
         self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
         self.timer = timer
         self.next_wake: Cancellable | None = None
@@ -93,8 +78,7 @@ class Keeper:
         return listen(self.expiry_listeners, listener)
 
     def start(self) -> None:
-        """Schedule the first keepalive, one interval from the grant (RuntimeError when the
-        threaded face's keepalive thread cannot be started)."""
+        """Schedule the first keepalive (RuntimeError: no keepalive thread to be had)."""
         self.execute(self.machine.start())
 
     def execute(self, actions: list[SessionAction]) -> None:
@@ -119,7 +103,6 @@ class Keeper:
         self.execute(self.machine.settle(sent, time.monotonic(), outcome))
 
     def stop(self) -> None:
-        """Closing: the machine asks for nothing more."""
         self.machine.close()
         if self.next_wake is not None:
             self.next_wake.cancel()
@@ -139,17 +122,6 @@ def log_granted(lease_id: int, asked: int, granted: int) -> None:
     log.info("session", lease=f"{lease_id:x}", ttl=f"{granted}s")
     if granted != asked:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
         log.warning("ttl-raised", asked=f"{asked}s", granted=f"{granted}s", by="etcd")
-
-
-def claim(claims: set[bytes], key: bytes, lease_id: int) -> None:
-    """Reserve ``key`` for one waiter or hold on a session; UsageError if taken (two holds
-    of one semaphore on one lease would be one key, as with etcd's Mutex)."""
-    if key in claims:
-        raise UsageError(
-            f"session {lease_id:x} already waits for or holds {key.decode()!r}: "
-            "one hold per semaphore per session; use another session"
-        )
-    claims.add(key)
 
 
 def warn_session_dropped(face: str, lease_id: int) -> None:
@@ -172,9 +144,8 @@ def _call(listener: Callable[..., None], *args: object) -> None:
 
 class _Keeper(Keeper):
     """The threaded face's, on the client's keepalive thread (``lease.KeepAlives.timer``),
-    shared by every session of the client. That thread makes no call that waits on etcd,
-    so one session's slow step (a guard's Range, a revoke) never holds back another's
-    loss."""
+    which makes no call that waits on etcd: one session's slow step never holds back
+    another's loss."""
 
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.keepalives = lease.keepalives_for(client)
@@ -238,21 +209,71 @@ def _dropped(keeper: _Keeper) -> None:
     timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
 
 
-class Session:
+class SessionBase(Generic[KeeperT]):
+    """What the Sessions of both faces share: the lease's figures, read from its keeper,
+    and the claims (one key per semaphore on a session)."""
+
+    def __init__(self) -> None:
+        self._keeper: KeeperT | None = None
+        self._claims: set[bytes] = set()
+        self._claims_lock = threading.Lock()
+
+    @property
+    def _kept(self) -> KeeperT:
+        if self._keeper is None:
+            raise UsageError("session not open: await it or use async with")
+        return self._keeper
+
+    @property
+    def lease_id(self) -> int:
+        return self._kept.lease_id
+
+    @property
+    def interval(self) -> float:
+        """Seconds between keepalives (TTL/3)."""
+        return self._kept.machine.interval
+
+    @property
+    def alive_until(self) -> float:
+        """``time.monotonic()`` until which the lease is alive for sure (the last confirmed
+        keepalive's send time + TTL)."""
+        return self._kept.alive_until
+
+    def certainly_alive(self) -> bool:
+        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
+        shared session closed under it is no longer ours), and etcd's countdown from our
+        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
+        return self._kept.certainly_alive()
+
+    def _claim(self, key: bytes) -> None:
+        """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
+        holds of one semaphore on one lease would be one key, as with etcd's Mutex)."""
+        with self._claims_lock:
+            if key in self._claims:
+                raise UsageError(
+                    f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
+                    "one hold per semaphore per session; use another session"
+                )
+            self._claims.add(key)
+
+    def _unclaim(self, key: bytes) -> None:
+        with self._claims_lock:
+            self._claims.discard(key)
+
+
+class Session(SessionBase[_Keeper]):
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early, so that a client's sessions send together) on the client's one
-    LeaseKeepAlive stream, from its keepalive thread (no thread per session).
+    SEND_GRID early) on the client's one LeaseKeepAlive stream, from its keepalive thread
+    (as etcd's ``concurrency.Session``; no thread per session).
 
     ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
-    TTL <= 0: expired or revoked); its ``reason`` is a ``conch.core.loss.Loss`` (a str, with
-    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered (etcd away) is
-    sent again, with backoff, and loses nothing by itself: until ``alive_until`` the lease
-    is alive for sure; past it unconfirmed the holds on the session are lost
-    (``on_expired``), while the session, and a waiter's place on it, lives on until etcd
-    says otherwise (``conch.core.session`` has the rule). ``close()`` (or leaving the
-    ``with`` block) revokes the lease, so every key on it goes at once. Raises Unavailable
-    (or another EtcdError) when LeaseGrant fails, Interrupted when ``interrupt`` is set
-    while it retries.
+    TTL <= 0); its ``reason`` is a ``conch.core.loss.Loss`` (LossReason.LEASE_NOT_FOUND).
+    An unanswered keepalive is sent again, with backoff, and loses nothing by itself: past
+    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``), while
+    the session, and a waiter's place on it, lives on until etcd says otherwise
+    (``conch.core.session``). ``close()`` (or leaving ``with``) revokes the lease: every key
+    on it goes at once. Raises Unavailable (or another EtcdError) when LeaseGrant fails,
+    Interrupted when ``interrupt`` is set while it retries.
 
     To share one lease between holds (``Semaphore.acquire(session=...)``)::
 
@@ -261,34 +282,30 @@ class Session:
                 ...
 
     A hold on a shared session releases by deleting its own key; the session's loss loses
-    every hold on it. One session holds at most one key per semaphore at a time (a second
-    acquire of the same semaphore on it raises UsageError while the first is held or
-    waiting): make a session per concurrent holder of one semaphore. A session dropped
-    without ``close()`` is revoked when collected, with a ResourceWarning.
+    every hold on it. A session holds at most one key per semaphore (a second acquire of it
+    raises UsageError while the first holds or waits). A session dropped without
+    ``close()`` is revoked when collected, with a ResourceWarning.
     """
 
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
         check_client(client)
         check_ttl(ttl)
+        super().__init__()
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives a grant or keepalive, which is after
         # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
-        self._keeper = _Keeper(client, granted.id, granted.ttl, asked)
-        self.lease_id = granted.id
+        self._keeper = keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.ttl = granted.ttl
-        self.interval = self._keeper.interval
-        self.lost = self._keeper.lost
-        self._claims: set[bytes] = set()
-        self._claims_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _dropped, self._keeper)
+        self.lost = keeper.lost
+        self._finalizer = weakref.finalize(self, _dropped, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         try:
-            self._keeper.start()
+            keeper.start()
         except BaseException:  # no keepalive thread to be had: leave no lease behind
             self._finalizer.detach()
-            self._keeper.close(None)
+            keeper.close(None)
             raise
         log_granted(self.lease_id, ttl, self.ttl)
 
@@ -296,50 +313,26 @@ class Session:
     def client(self) -> Client:
         return self._client
 
-    @property
-    def alive_until(self) -> float:
-        """``time.monotonic()`` until which the lease is alive for sure (last confirmed
-        keepalive's send time + TTL)."""
-        return self._keeper.alive_until
-
-    def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
-        shared session closed under it is no longer ours), and etcd's countdown from our
-        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
-        return self._keeper.certainly_alive()
-
     def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
-        confirmed since (``loss``: LossReason.NO_KEEPALIVE): the lease may be gone, or may
-        live on through an outage of etcd; a hold on the session is lost then. It runs on
-        the client's keepalive thread and must not block. Returns a function that removes
-        it."""
-        return self._keeper.add_expiry_listener(listener)
+        confirmed since (``loss``: LossReason.NO_KEEPALIVE; a hold on the session is lost
+        then), on the client's keepalive thread: it must not block. Returns a function that
+        removes it."""
+        return self._kept.add_expiry_listener(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
-        moved. It runs on the client's keepalive thread, which every session of the client
-        shares: it must not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one
-        that raises is logged. Returns a function that removes it.
-
-        ``lost`` callbacks (``lost.add_callback``) run on that thread too, when the loss is
-        declared there, under the same rule."""
-        return listen(self._keeper.listeners, listener)
-
-    def _claim(self, key: bytes) -> None:
-        with self._claims_lock:
-            claim(self._claims, key, self.lease_id)
-
-    def _unclaim(self, key: bytes) -> None:
-        with self._claims_lock:
-            self._claims.discard(key)
+        moved, on the client's keepalive thread (shared by its sessions): it must not block
+        (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one that raises is logged.
+        Returns a function that removes it. ``lost`` callbacks run on that thread too."""
+        return listen(self._kept.listeners, listener)
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
         self._finalizer.detach()
-        return self._keeper.close(timeout)
+        return self._kept.close(timeout)
 
     def __enter__(self) -> Session:
         return self

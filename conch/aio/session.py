@@ -15,7 +15,7 @@ from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
-from conch.session import Keeper, check_ttl, claim, listen, log_granted, warn_session_dropped
+from conch.session import Keeper, SessionBase, check_ttl, listen, log_granted, warn_session_dropped
 from conch.timer import LoopTimer
 
 
@@ -36,9 +36,8 @@ class _Keeper(Keeper):
         self.start()
 
     async def _live(self) -> None:
-        """Parked until the session ends: closed, lost, or the loop ending (asyncio.run
-        cancels what is left). Then the client's keepalive stream no longer counts this
-        lease among those it serves."""
+        """Parked until the session ends (closed, lost, or the loop ending); then the
+        client's keepalive stream forgets the lease."""
         try:
             await self._ended
         finally:
@@ -115,28 +114,19 @@ def _session_dropped(keeper: _Keeper) -> None:
     etcd_aio.call_soon(keeper.loop, lambda: spawn(keeper.loop, keeper.close(None)))
 
 
-class Session:
-    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 on the
-    loop, on the client's one LeaseKeepAlive stream (shared with the threaded face's
-    sessions); the coroutine face of ``conch.Session``. Open it with ``async with
-    Session(client, ttl)`` or ``session = await Session(client, ttl)``; ``await
-    session.close()`` revokes the lease, so every key on it goes at once.
+class Session(SessionBase[_Keeper]):
+    """The coroutine face of ``conch.Session``: one etcd lease of ``ttl`` seconds
+    (Lease.LeaseGrant), refreshed every TTL/3 on the loop, on the client's one
+    LeaseKeepAlive stream. Open it with ``async with Session(client, ttl)`` or ``session =
+    await Session(client, ttl)``; ``await session.close()`` revokes the lease, so every key
+    on it goes at once. Raises UsageError for a bad ttl or client, Unavailable (or another
+    EtcdError) when LeaseGrant fails.
 
     ``lost`` (an ``asyncio.Event``) is set when etcd says the lease is gone (a keepalive
-    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss`` (a str, with
-    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered is sent again with
-    backoff and loses nothing by itself: past ``alive_until`` unconfirmed the holds on the
-    session are lost, the session (a waiter's place) lives on until etcd says otherwise,
-    as ``conch.Session`` (the rule is ``conch.core.session``'s).
-    ``alive_until`` is the ``time.monotonic()`` until which the lease is alive for sure (the
-    last answered keepalive's send time + TTL). Raises UsageError for a bad ttl or client,
-    Unavailable (or another EtcdError) when LeaseGrant fails.
-
-    Share it between holds with ``sema.acquire(session=session)``: a hold on a shared
-    session releases by deleting its own key, the session's loss loses every hold on it,
-    and it holds at most one key per semaphore at a time (a second acquire of the same
-    semaphore on it raises UsageError while the first waits or holds). A session dropped
-    without ``close()`` is revoked when collected, with a ResourceWarning.
+    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss``
+    (LossReason.LEASE_NOT_FOUND). The loss rule, ``alive_until``, sharing between holds
+    (``sema.acquire(session=session)``, one key per semaphore) and a dropped session's
+    revoke are as ``conch.Session``'s.
     """
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
@@ -145,10 +135,9 @@ class Session:
                 f"bad client {client!r}: want a conch.aio.Client (conch.aio.connect(...))"
             )
         check_ttl(ttl)
+        super().__init__()
         self.client = client
         self.ttl = ttl
-        self._keeper: _Keeper | None = None
-        self._claims: set[bytes] = set()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
@@ -176,21 +165,6 @@ class Session:
         await self.close()
 
     @property
-    def _kept(self) -> _Keeper:
-        if self._keeper is None:
-            raise errors.UsageError("session not open: await it or use async with")
-        return self._keeper
-
-    @property
-    def lease_id(self) -> int:
-        return self._kept.lease_id
-
-    @property
-    def interval(self) -> float:
-        """Seconds between keepalives (TTL/3)."""
-        return self._kept.interval
-
-    @property
     def lost(self) -> asyncio.Event:
         return self._kept.lost
 
@@ -199,22 +173,6 @@ class Session:
         """Why the session was lost (a Loss: its message, and its ``reason``, a
         LossReason); None while it is not."""
         return self._kept.reason
-
-    @property
-    def alive_until(self) -> float:
-        """``time.monotonic()`` until which the lease is alive for sure."""
-        return self._kept.alive_until
-
-    def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, not closed, and etcd's
-        countdown from our last answered keepalive not run out."""
-        return self._kept.certainly_alive()
-
-    def _claim(self, key: bytes) -> None:
-        claim(self._claims, key, self.lease_id)
-
-    def _unclaim(self, key: bytes) -> None:
-        self._claims.discard(key)
 
     async def close(self, timeout: float | None = None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most

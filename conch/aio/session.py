@@ -76,9 +76,10 @@ class _Keeper(Keeper):
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
         already); returns a function that removes it."""
-        if self.lost.is_set():
-            self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
-        return listen(self.listeners, listener)
+        if not self.lost.is_set():
+            return listen(self.listeners, listener)
+        self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
+        return lambda: None
 
     async def close(self, timeout: float | None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``

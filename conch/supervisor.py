@@ -255,15 +255,17 @@ def run_child(
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold``, the deadline (no keepalive confirmed in time)
-    or its watchdog's death (terminate it so that it is dead before the lease can expire,
-    return 70), or ``stop`` (terminate it, return its status). Raises HoldLost if the hold
-    is lost (or its lease not certainly alive long enough) before the child starts,
-    Interrupted if ``stop`` is set before it starts. ``hold`` is released as soon as the
-    child has exited with nothing left in its group and, after ``adopt_orphans()``, nothing
-    left outside it either: what it left in the background counts as the child until gone
-    (a ``stragglers`` or ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later),
-    and is terminated with the child's group on a loss or ``stop``. ``watchdog`` (started in
-    advance) is armed with the child's group; without one, one is started here."""
+    or its watchdog's death or silence (terminate it so that it is dead before the lease
+    can expire, return 70), or ``stop`` (terminate it, return its status). Returns 127 or
+    126 when ``argv`` cannot be found or executed, 70 when the watchdog does not run or
+    answer (nothing started). Raises HoldLost if the hold is lost (or its lease not
+    certainly alive long enough) before the child starts, Interrupted if ``stop`` is set
+    before it starts. ``hold`` is released as soon as the child has exited with nothing
+    left in its group and, after ``adopt_orphans()``, nothing left outside it either: what
+    it left in the background counts as the child until gone (a ``stragglers`` or
+    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
+    with the child's group on a loss or ``stop``. ``watchdog`` (started in advance) is
+    armed with the child's group; without one, one is started here."""
     try:
         watchdog = watchdog or start_watchdog(kill_after, environ)
     except OSError as exc:
@@ -409,8 +411,7 @@ class _Run:
             watchdog.kill()
             _log_child_exit(pid, returncode, started)
             return _report(Outcome.WATCHDOG_FAILED, error=failure)
-        reason = self._loss_reason(notice)
-        log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
+        log.error("lost", name=hold.name, rev=hold.revision, reason=self._loss_reason(notice))
         if notice is hold.lost and _slot_taken(hold):
             # Our key is gone in etcd itself: the slot may be someone else's already, so
             # a grace could only be spent beside its new holder. SIGKILL at once.

@@ -108,20 +108,34 @@ class Client:
         self.pid = os.getpid()
 
     @classmethod
-    def _to_dial(
+    @contextlib.contextmanager
+    def _dialling(
         cls,
         endpoints: Sequence[Endpoint],
         dial_timeout: float,
         request_timeout: float,
         tls: TLS | None,
         credentials: Credentials | None,
-    ) -> Client:
-        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client
-        they dial with."""
+    ) -> Iterator[Client]:
+        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client they
+        dial with, closed when the dial fails; an EtcdError but AuthenticationFailed raised
+        as Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
         check_timeout("request_timeout", request_timeout)
         check_fork_support()
-        return cls(endpoints, request_timeout, tls, credentials)
+        client = cls(endpoints, request_timeout, tls, credentials)
+        try:
+            yield client
+        except BaseException as exc:
+            client.close()
+            if not isinstance(exc, EtcdError) or isinstance(exc, AuthenticationFailed):
+                raise
+            eps = ",".join(str(e) for e in endpoints)
+            if isinstance(exc, Unavailable):
+                message = f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
+            else:
+                message = f"etcd at {eps} answered with an error: {exc}"
+            raise Unavailable(message, exc.code) from None
 
     @classmethod
     def connect(
@@ -137,18 +151,11 @@ class Client:
         AuthenticationFailed. Writes nothing to etcd. Raises UsageError for a timeout that is
         not above 0 or is over 10 years, and in a process forked from one that used gRPC with
         its fork support off (its calls would hang)."""
-        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
-        try:
+        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
             if credentials is not None:
                 client.authenticate(timeout=dial_timeout)
             else:
                 client.call("maintenance", "Status", rpc_pb2.StatusRequest(), dial_timeout)
-        except AuthenticationFailed:
-            client.close()
-            raise
-        except EtcdError as exc:
-            client.close()
-            raise dial_failed(exc, endpoints, dial_timeout) from None
         return client
 
     @classmethod
@@ -163,22 +170,12 @@ class Client:
         """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
         else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
         the client before it propagates."""
-        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
-        try:
+        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
             if credentials is not None:
                 await client._authenticate_async(credentials, dial_timeout)
             else:
                 request = rpc_pb2.StatusRequest()
                 await client.call_async("maintenance", "Status", request, dial_timeout)
-        except AuthenticationFailed:
-            client.close()
-            raise
-        except EtcdError as exc:
-            client.close()
-            raise dial_failed(exc, endpoints, dial_timeout) from None
-        except BaseException:
-            client.close()
-            raise
         return client
 
     def __enter__(self) -> Client:
@@ -359,7 +356,6 @@ class Client:
         attempts = Attempts(self, timeout)
         while True:
             endpoint, attempt = attempts.next()
-            error: EtcdError
             token = None
             try:
                 stub = getattr(self._stubs_for(endpoint), service)
@@ -417,21 +413,14 @@ class Client:
             await turn
         while True:
             endpoint, attempt = attempts.next()
-            error: EtcdError
             token = None
             try:
                 stub = getattr(self._stubs_for(endpoint, loop if native else None), service)
                 if not _authenticating:
                     token = await self.token_async(max(0.001, attempts.left()))
-                if not native:
-                    return await settled(
-                        getattr(stub, method).future(
-                            request, timeout=attempt, metadata=_metadata(token)
-                        )
-                    )
-                return await getattr(stub, method)(
-                    request, timeout=attempt, metadata=_metadata(token)
-                )
+                rpc = getattr(stub, method) if native else getattr(stub, method).future
+                answer = rpc(request, timeout=attempt, metadata=_metadata(token))
+                return await (answer if native else settled(answer))
             # grpc.aio refuses a call on a closed channel with its own UsageError.
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
@@ -511,19 +500,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def _closed_error() -> EtcdError:
     """What a call or stream on a closed Client raises."""
     return EtcdError("client is closed", "CANCELLED")
-
-
-def dial_failed(
-    error: EtcdError, endpoints: Sequence[Endpoint], dial_timeout: float
-) -> Unavailable:
-    """What a dial that failed with ``error`` (not AuthenticationFailed) raises: Unavailable,
-    naming the endpoints."""
-    eps = ",".join(str(e) for e in endpoints)
-    if isinstance(error, Unavailable):
-        return Unavailable(
-            f"cannot reach etcd at {eps} within {dial_timeout:g}s: {error}", error.code
-        )
-    return Unavailable(f"etcd at {eps} answered with an error: {error}", error.code)
 
 
 def connect(

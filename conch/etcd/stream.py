@@ -16,7 +16,7 @@ import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.grpc_errors import map_rpc_error
+from conch.etcd.retry import map_rpc_error
 
 if TYPE_CHECKING:
     from conch.etcd.client import Client

@@ -76,17 +76,16 @@ Step = Callable[[], list[m.Action]]
 class Waiter:
     """One acquire of the semaphore whose keys live under ``prefix`` (``max_holders`` slots).
 
-    Without ``key`` and ``lease_id``, the waiter runs on a private session: it asks for one
+    Without ``key`` and ``lease_id`` it runs on a private session: it opens one
     (``OpenSession``), withdraws by revoking it, and when its place is lost (our key gone,
-    the session lost) it re-enters at the back of the queue with a new one. With them, it
-    runs on the caller's shared session: it withdraws by deleting its key, and a lost
-    session ends the wait (``GaveUp(Reason.SESSION_LOST)``). ``backoff`` gives every
-    ``Pause``'s length (capped, jittered).
+    the session lost) re-enters at the back of the queue with a new one. With them, on the
+    caller's shared session: it withdraws by deleting its key, and a lost session ends the
+    wait (``GaveUp(Reason.SESSION_LOST)``). ``backoff`` gives every ``Pause``'s length.
 
     ``start()`` returns the first actions, ``feed(input)`` the next ones; ``outcome`` is
-    None until the wait is over (``Held``, or ``GaveUp`` once our key is withdrawn). After
-    that, late answers to requests still in flight are handled so that nothing is left
-    behind (a lease granted or a key created after we gave up is withdrawn again).
+    None until the wait is over (``Held``, or ``GaveUp`` once our key is withdrawn). Late
+    answers to requests in flight then are still fed: what they created (a lease granted,
+    a key) is withdrawn again, so that nothing is left behind.
     """
 
     def __init__(
@@ -235,11 +234,9 @@ class Waiter:
             self.revision, self.value = found.create_revision, answer.value
             return self._read_standing()
         # --spread: our host's key, held by another process. Wait for it to change.
+        note = m.Note("spread-busy", {"rev": found.create_revision})
         self._standing_at, self._watched = answer.revision, found
-        return [
-            m.Note("spread-busy", {"rev": found.create_revision}),
-            *self._wait(State.SPREAD_BUSY),
-        ]
+        return [note, *self._wait(State.SPREAD_BUSY)]
 
     def _standing(self, answer: m.StandingAnswer) -> list[m.Action]:
         first = list(answer.window)
@@ -520,9 +517,8 @@ class Waiter:
         revoke = not self.shared
         if revoke:
             self._session_open = False
-        return self._send(
-            m.Withdraw(self._new_id(), self.key, self.revision, self.lease_id, revoke)
-        )
+        withdraw = m.Withdraw(self._new_id(), self.key, self.revision, self.lease_id, revoke)
+        return self._send(withdraw)
 
     def _withdrawing(self, event: m.Input) -> list[m.Action]:
         if isinstance(event, m.Interrupt) and self._pending_outcome is None:

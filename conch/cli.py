@@ -102,82 +102,70 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-# The connection options, accepted before the subcommand too, as etcdctl takes its global
-# flags (conch --endpoints HOST:PORT sema ...): (dest, flags, metavar, help). None: a switch.
-_CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
-    (
-        "endpoints",
-        ("--endpoints",),
-        "LIST",
-        "comma-separated host:port or http(s)://host:port "
-        "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
-    ),
-    (
-        "dial_timeout",
-        ("--dial-timeout",),
-        "DUR",
-        "give up connecting after DUR (env CONCH_DIAL_TIMEOUT, then ETCDCTL_DIAL_TIMEOUT; "
-        "default 5s)",
-    ),
-    (
-        "cacert",
-        ("--cacert",),
-        "FILE",
-        "CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT, ETCDCTL_CACERT)",
-    ),
-    (
-        "cert",
-        ("--cert",),
-        "FILE",
-        "client certificate for mutual TLS (env CONCH_CERT, ETCDCTL_CERT)",
-    ),
-    ("key", ("--key",), "FILE", "client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)"),
-    (
-        "insecure_skip_tls_verify",
-        ("--insecure-skip-tls-verify",),
-        None,
-        "trust whatever certificate etcd presents: encrypted, but open to a man in the "
-        "middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)",
-    ),
-    (
-        "user",
-        ("--user",),
-        "NAME[:PASSWORD]",
-        "etcd user (env CONCH_USER, ETCDCTL_USER)",
-    ),
-    (
-        "password",
-        ("--password",),
-        "PASSWORD",
-        "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads "
-        "nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) "
-        "in the environment can be read by every process of the same user, conch's job "
-        "included, in /proc/PID/environ",
-    ),
-    (
-        "password_file",
-        ("--password-file",),
-        "FILE",
-        "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
-    ),
-    (
-        "debug",
-        ("--debug",),
-        None,
-        "also log where each connection setting came from, and the traceback of a failure "
-        "of conch's own (exit 70)",
-    ),
-)
+# Options as "--flag[,-f] [METAVAR]": help; without a METAVAR, a switch. The connection
+# options are accepted before the subcommand too, as etcdctl takes its global flags
+# (conch --endpoints HOST:PORT sema ...).
+_CONNECTION = {
+    "--endpoints LIST": "comma-separated host:port or http(s)://host:port "
+    "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
+    "--dial-timeout DUR": "give up connecting after DUR (env CONCH_DIAL_TIMEOUT, then "
+    "ETCDCTL_DIAL_TIMEOUT; default 5s)",
+    "--cacert FILE": "CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT, "
+    "ETCDCTL_CACERT)",
+    "--cert FILE": "client certificate for mutual TLS (env CONCH_CERT, ETCDCTL_CERT)",
+    "--key FILE": "client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)",
+    "--insecure-skip-tls-verify": "trust whatever certificate etcd presents: encrypted, but "
+    "open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, "
+    "ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)",
+    "--user NAME[:PASSWORD]": "etcd user (env CONCH_USER, ETCDCTL_USER)",
+    "--password PASSWORD": "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), "
+    "which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or "
+    "ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, "
+    "conch's job included, in /proc/PID/environ",
+    "--password-file FILE": "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
+    "--debug": "also log where each connection setting came from, and the traceback of a "
+    "failure of conch's own (exit 70)",
+}
 _GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
+_SEMA = {
+    "--max N": "capacity N >= 1 (required to run a command); part of the semaphore's identity",
+    "--ttl DUR": "session lease TTL, whole seconds (env CONCH_TTL, default 10s)",
+}
+_WAITING = {  # one or the other
+    "--wait DUR": "wait at most DUR for a slot, then exit 75 (default: wait forever)",
+    "--nonblock,-n": "do not wait: exit 75 at once if no slot is free (--wait 0)",
+}
+_SEMA_AFTER = {
+    "--spread": "at most one slot per host (key ends in the host name)",
+    "--kill-after DUR": "SIGTERM -> SIGKILL escalation, planned back from the lease's earliest "
+    "expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
+    "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
+    "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
+    "as without a grace)",
+    "--record-args": "store the whole command line in the holder's key, not only the program's "
+    "name (env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it",
+    "--who": "list holders and waiters (read-only); exit 0 if any, 1 if none",
+    "--json": "with --who: one JSON object per line",
+    "--quiet,-q": "log only warnings and errors",
+}
 
 
-def _add_connection_options(group: argparse._ActionsContainer, prefix: str) -> None:
-    """The connection options into ``group``, their dests prefixed with ``prefix``."""
-    for dest, flags, metavar, text in _CONNECTION:
-        if metavar is None:
-            group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)
-        else:
+def _option(usage: str) -> tuple[list[str], str, str]:
+    """The flags, dest and metavar ("" for a switch) of an option's ``usage``."""
+    flags, _, metavar = usage.partition(" ")
+    names = flags.split(",")
+    return names, names[0][2:].replace("-", "_"), metavar
+
+
+def _add_options(
+    group: argparse._ActionsContainer, options: Mapping[str, str], prefix: str = ""
+) -> None:
+    for usage, text in options.items():
+        flags, dest, metavar = _option(usage)
+        if metavar:
             group.add_argument(*flags, dest=prefix + dest, metavar=metavar, action=_Once, help=text)
+        else:
+            group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,11 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
     )
-    _add_connection_options(
+    _add_options(
         parser.add_argument_group(
             "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's "
             "ETCDCTL_*)"
         ),
+        _CONNECTION,
         _GLOBAL,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -225,63 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
         "slot; 126/127 cannot run / not found; 128+S signal S while queued.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
-    sema.add_argument(
-        "--max",
-        dest="max_holders",
-        metavar="N",
-        action=_Once,
-        help="capacity N >= 1 (required to run a command); part of the semaphore's identity",
-    )
-    sema.add_argument(
-        "--ttl",
-        metavar="DUR",
-        action=_Once,
-        help="session lease TTL, whole seconds (env CONCH_TTL, default 10s)",
-    )
-    waiting = sema.add_mutually_exclusive_group()
-    waiting.add_argument(
-        "--wait",
-        metavar="DUR",
-        action=_Once,
-        help="wait at most DUR for a slot, then exit 75 (default: wait forever)",
-    )
-    waiting.add_argument(
-        "--nonblock",
-        "-n",
-        action="store_true",
-        help="do not wait: exit 75 at once if no slot is free (--wait 0)",
-    )
-    sema.add_argument(
-        "--spread",
-        action="store_true",
-        help="at most one slot per host (key ends in the host name)",
-    )
-    sema.add_argument(
-        "--kill-after",
-        metavar="DUR",
-        action=_Once,
-        help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
-        "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
-        "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
-        "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
-        "as without a grace)",
-    )
-    sema.add_argument(
-        "--record-args",
-        action="store_true",
-        help="store the whole command line in the holder's key, not only the program's name "
-        "(env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it",
-    )
-    sema.add_argument(
-        "--who",
-        action="store_true",
-        help="list holders and waiters (read-only); exit 0 if any, 1 if none",
-    )
-    sema.add_argument("--json", action="store_true", help="with --who: one JSON object per line")
-    sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
-    _add_connection_options(
+    _add_options(sema, _SEMA)
+    _add_options(sema.add_mutually_exclusive_group(), _WAITING)
+    _add_options(sema, _SEMA_AFTER)
+    _add_options(
         sema.add_argument_group("connection, TLS and authentication (named as etcdctl names them)"),
-        "",
+        _CONNECTION,
     )
     return parser
 
@@ -450,10 +388,11 @@ def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
             args = _parse_words(parser, [*words[: at + 1], *words[at + 2 :], "--", first], True)
         except UsageError:
             raise error from None
-    for dest, flags, metavar, _ in _CONNECTION:
+    for usage in _CONNECTION:
+        flags, dest, metavar = _option(usage)
         before = getattr(args, _GLOBAL + dest)
         after = getattr(args, dest, None)
-        if metavar is not None and before is not None and after is not None:
+        if metavar and before is not None and after is not None:
             raise UsageError(f"{flags[0]} given twice: give it once")
         setattr(args, dest, after or before)
     return args
@@ -472,14 +411,7 @@ def _connection_flags(args: argparse.Namespace) -> ConnectionFlags:
     return ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
 
 
-_NOT_WITH_WHO = (
-    ("--ttl", "ttl", None),
-    ("--wait", "wait", None),
-    ("--nonblock", "nonblock", False),
-    ("--spread", "spread", False),
-    ("--kill-after", "kill_after", None),
-    ("--record-args", "record_args", False),
-)
+_NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
 
 
 def _run(
@@ -564,15 +496,15 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
             raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
         log.set_quiet(args.quiet)
         log.set_debug(args.debug)
-        max_holders = _parse_max(args.max_holders)
+        max_holders = _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)
         connection = resolve(_connection_flags(args), os.environ)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")
-            for flag, attr, unset in _NOT_WITH_WHO:
-                if getattr(args, attr) != unset:
+            for flag in _NOT_WITH_WHO:
+                if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
                     raise UsageError(f"--who takes no {flag}")
             return _who(args, max_holders, connection)
         if args.json:

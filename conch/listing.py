@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
 
@@ -86,24 +86,11 @@ class Record:
         return ""
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "name": self.name,
-                "max": self.max,
-                "state": self.state,
-                "host": self.host,
-                "pid": self.pid,
-                "started": self.started,
-                "rev": self.rev,
-                "lease": self.lease,
-                "cmd": self.cmd,
-                **({"note": self.note} if self.note else {}),
-                "queued_s": self.queued_s,
-                "waited_s": self.waited_s,
-                "held_s": self.held_s,
-            },
-            ensure_ascii=False,
-        )
+        fields = asdict(self)
+        del fields["held"]
+        if not self.note:
+            del fields["note"]
+        return json.dumps(fields, ensure_ascii=False)
 
 
 def _quoted(text: str) -> str:

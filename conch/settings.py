@@ -21,18 +21,9 @@ from conch.errors import UsageError
 from conch.etcd.client import TLS, Client, Credentials, Endpoint, connect
 from conch.hints import shown
 
-_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "μs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
-_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+_NUMBER = r"\d+\.?\d*|\.\d+"
+_PART = re.compile(f"({_NUMBER})({'|'.join(_UNITS)})")  # "ms" before "m": the first unit wins
 MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
 _EXAMPLES = "want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
 
@@ -43,7 +34,7 @@ def parse_duration(flag: str, text: str) -> float:
     value = text.strip()
     if value.startswith("-"):
         raise UsageError(f"bad {flag} {shown(text)}: a duration is not negative; {_EXAMPLES}")
-    if _NUMBER.fullmatch(value):
+    if re.fullmatch(_NUMBER, value):
         total = float(value)
     else:
         pos, total = 0, 0.0
@@ -134,15 +125,8 @@ DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 # a secret is treated as the secret: all removed, none passed on). For whoever starts
 # processes that must not see them.
 CREDENTIAL_VARIABLES = (
-    "CONCH_USER",
-    "CONCH_PASSWORD",
-    "CONCH_PASSWORD_FILE",
-    "CONCH_CERT",
-    "CONCH_KEY",
-    "ETCDCTL_USER",
-    "ETCDCTL_PASSWORD",
-    "ETCDCTL_CERT",
-    "ETCDCTL_KEY",
+    *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
+    *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
 )
 
 
@@ -280,23 +264,23 @@ def _credentials(flags: ConnectionFlags, environ: Mapping[str, str]) -> Credenti
             raise UsageError("--password and --password-file need --user")
         return None
     name, _, inline = user.value.partition(":")
-    levels = (
-        ("--user", flags.password, "--password", flags.password_file, "--password-file"),
-        (
-            "CONCH_USER",
-            environ.get("CONCH_PASSWORD"),
-            "CONCH_PASSWORD",
-            environ.get("CONCH_PASSWORD_FILE") or None,
-            "CONCH_PASSWORD_FILE",
-        ),
-        ("ETCDCTL_USER", environ.get("ETCDCTL_PASSWORD"), "ETCDCTL_PASSWORD", None, ""),
-    )
+    given = {
+        **environ,
+        "--password": flags.password,
+        "--password-file": flags.password_file,
+        "CONCH_PASSWORD_FILE": environ.get("CONCH_PASSWORD_FILE") or None,
+    }
     password, source = "", ""
-    for user_source, given, given_source, path, path_source in levels:
+    for user_source, password_source, path_source in (
+        ("--user", "--password", "--password-file"),
+        ("CONCH_USER", "CONCH_PASSWORD", "CONCH_PASSWORD_FILE"),
+        ("ETCDCTL_USER", "ETCDCTL_PASSWORD", ""),
+    ):
+        path = given.get(path_source)
         if user.source == user_source and inline:
             password, source = inline, f"{user_source} (NAME:PASSWORD)"
-        elif given:
-            password, source = given, given_source
+        elif given.get(password_source):
+            password, source = given[password_source] or "", password_source
         elif path is not None:
             data = _read_file(path_source, path)
             password, source = data.decode("utf-8", "replace").rstrip("\r\n"), path_source

@@ -1,27 +1,23 @@
 """The codec: each action of the Waiter as the etcd request(s) that carry it out, and each
 etcd response (or error, or watch notice) as the input the Waiter is fed. Pure functions on
 protobuf messages and ``conch.core.messages`` records: no I/O, no clock, no threads. Both
-faces execute what it builds and feed back what it decodes, so they cannot read etcd
-differently; the simulator may drive it the same way.
-
-A request is a ``Call`` (the etcd service and method, and the protobuf request), which a
-face sends with its own client: ``client.call(c.service, c.method, c.request, ...)`` on a
-thread, ``await client.call_async(...)`` on the loop.
+faces and the simulator execute what it builds and feed back what it decodes, so they cannot
+read etcd differently. A request is a ``Call``, which a face sends with its own client:
+``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
 
 **Reading several Ranges at one revision** (the standing read, the gap-closing read of a
 watch) is a plan of the core too (``ReadTogether``): one read-only KV.Txn, or the first
 Range and the others pinned to its revision. The plan is ``read_plan(server_version)``:
 
-* etcd 3.5.0 to 3.5.6 take the server down on some read-only Txns: before 3.5.5 a read-only
-  Txn whose client deadline passes while it is applied panics the server ("unexpected
-  error during txn", etcd issue 14110, fixed by etcd PR 14149 and, in 3.5.5, its backport
-  14178); in 3.5.5 and 3.5.6 such a Txn, once it has failed, can crash the server in the
-  "apply request took too long" warning (a nil response, etcd issue 14891, fixed in 3.5.7 by
-  PR 14899). On those releases, and on a server whose version is unknown, the Ranges are
-  read pinned to one revision (a Range's deadline only fails that Range).
-* Under etcd's space alarm (NOSPACE) etcd refuses every Txn, read-only ones too, once its
-  database is over its quota, while KV.Range is still served: a Txn refused so is read
-  again as pinned Ranges, at once (``ReadTogether.refused``).
+* etcd 3.5.0 to 3.5.6 can take the server down on a read-only Txn (whose deadline passes
+  while it is applied: etcd issue 14110, fixed in 3.5.5; or once it has failed, in the
+  "apply request took too long" warning: issue 14891, fixed in 3.5.7). On those releases,
+  and on a server whose version is unknown, the Ranges are read pinned to one revision (a
+  Range's deadline only fails that Range).
+* Under etcd's space alarm (NOSPACE), etcd before 3.4.20 (in 3.4) and before 3.5.7 (in
+  3.5) refuses a read-only Txn too once its database is over its quota (etcd PRs 14254 and
+  14884 let it through), while KV.Range is still served: a Txn refused so is read again as
+  pinned Ranges, at once (``ReadTogether.refused``), whatever the release.
 """
 
 from __future__ import annotations
@@ -39,31 +35,6 @@ from conch.core import messages
 from conch.core.waiter import window_size
 from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import kv  # its request builders only: pure functions of protobuf
-
-__all__ = [
-    "Call",
-    "ReadPlan",
-    "ReadTogether",
-    "Together",
-    "count_ahead_request",
-    "enqueue_answer",
-    "enqueue_call",
-    "failed",
-    "failure",
-    "key_rev",
-    "keys_answer",
-    "keys_reads",
-    "read_plan",
-    "standing_answer",
-    "standing_reads",
-    "status_call",
-    "touch_answer",
-    "touch_call",
-    "txn_panics",
-    "watch_input",
-    "watch_range",
-    "withdraw_call",
-]
 
 Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest | rpc_pb2.StatusRequest
 
@@ -89,9 +60,6 @@ def _txn(
 def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
     """A KeyValue as the machine sees it (key, create_revision, mod_revision)."""
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
-
-
-# -- SendEnqueue ---------------------------------------------------------------------------
 
 
 def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
@@ -127,23 +95,23 @@ def enqueue_answer(
     )
 
 
-# -- ReadStanding and ReadKeys: Ranges read together ---------------------------------------
-
-
 def standing_reads(
     action: messages.ReadStanding, prefix: bytes, max: int
 ) -> list[rpc_pb2.RangeRequest]:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
     one just ahead (2 keys descending). Read them with ``ReadTogether``."""
-    common: dict[str, object] = {
-        "keys_only": True,
-        "max_create_revision": action.revision,
-        "sort_target": kv.CREATE,
-    }
-    window = kv.prefix_request(prefix, limit=window_size(max), sort_order=kv.ASCEND, **common)
-    mine_and_prev = kv.prefix_request(prefix, limit=2, sort_order=kv.DESCEND, **common)
-    return [window, mine_and_prev]
+    return [
+        kv.prefix_request(
+            prefix,
+            limit=limit,
+            sort_order=order,
+            keys_only=True,
+            max_create_revision=action.revision,
+            sort_target=kv.CREATE,
+        )
+        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
+    ]
 
 
 def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
@@ -174,8 +142,7 @@ class ReadPlan(enum.Enum):
     PINNED_RANGES = "pinned-ranges"  # the first Range, then the others at its revision
 
 
-# etcd releases whose read-only Txn can take the server down (see the module docstring):
-# from 3.5.0 up to, not including, 3.5.7.
+# etcd releases whose read-only Txn can take the server down (see the module docstring).
 TXN_PANIC_FROM = (3, 5, 0)
 TXN_PANIC_FIXED = (3, 5, 7)
 
@@ -216,8 +183,7 @@ class Together:
 
 
 class ReadTogether:
-    """Read ``reads`` (RangeRequests) at one revision, by ``plan``; a small machine a face
-    drives as::
+    """Read ``reads`` (RangeRequests) at one revision, by ``plan``; a face drives it as::
 
         read = ReadTogether(reads, plan)
         while (call := read.next_call()) is not None:
@@ -228,9 +194,8 @@ class ReadTogether:
         return read.result
 
     A read-only Txn refused under the space alarm (``Failure.NO_SPACE``) is read again as
-    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises
-    it); a pinned Range whose revision was compacted meanwhile raises Compacted, which the
-    machine takes as a reason to read again (``failure``)."""
+    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises it:
+    Compacted, when a pinned Range's revision was compacted, the machine reads again)."""
 
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads
@@ -281,9 +246,6 @@ class ReadTogether:
         return Together(self._revision, self._answers)
 
 
-# -- Touch, Withdraw, the count for the log ------------------------------------------------
-
-
 def touch_call(key: bytes, revision: int, value: bytes, lease_id: int) -> Call:
     """The touch as one KV.Txn: re-put ``key`` (``value``, on ``lease_id``) if its
     create_revision is still ``revision``; ``succeeded`` false when the key is gone."""
@@ -299,26 +261,21 @@ def withdraw_call(action: messages.Withdraw) -> Call:
     """A Withdraw without ``revoke`` as one KV.Txn: delete our key if its create_revision is
     ``action.revision``, or, when that is 0 (our enqueue's outcome unknown), if it is on
     ``action.lease_id``."""
-    if action.revision:
-        return _txn(
-            [kv.create_revision_is(action.key, action.revision)], [kv.op_delete(action.key)]
+    compare = kv.create_revision_is(action.key, action.revision)
+    if not action.revision:
+        compare = rpc_pb2.Compare(
+            result=rpc_pb2.Compare.EQUAL,
+            target=rpc_pb2.Compare.LEASE,
+            key=action.key,
+            lease=action.lease_id,
         )
-    on_our_lease = rpc_pb2.Compare(
-        result=rpc_pb2.Compare.EQUAL,
-        target=rpc_pb2.Compare.LEASE,
-        key=action.key,
-        lease=action.lease_id,
-    )
-    return _txn([on_our_lease], [kv.op_delete(action.key)])
+    return _txn([compare], [kv.op_delete(action.key)])
 
 
 def count_ahead_request(prefix: bytes, revision: int) -> rpc_pb2.RangeRequest:
     """A Range of the keys under ``prefix`` created before ``revision`` (keys only), for the
     ``queued`` log line: etcd's count ignores max_create_revision, so they are read."""
     return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
-
-
-# -- watches -------------------------------------------------------------------------------
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:
@@ -359,8 +316,6 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Input:
     events = [messages.Event(_EVENT_TYPES[e.type], key_rev(e.kv)) for e in notice.events]
     return messages.WatchEvents(watch_id, events, notice.revision)
 
-
-# -- failures ------------------------------------------------------------------------------
 
 # The one table from what etcd said (the etcd layer's exception, which names the gRPC status:
 # conch.etcd.client.map_rpc_error) to what the recipe does about it.

@@ -52,9 +52,8 @@ __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
-    """argparse's help formatter, sized to the terminal as argparse does but without
-    importing shutil: argparse makes one for every add_argument(), and shutil's import
-    (bz2, lzma) was about 2.5 ms of every run's start-up (bench/startup.py)."""
+    """argparse's, sized to the terminal without importing shutil (argparse makes one for
+    every add_argument(); shutil's import was ~2.5 ms of every start, bench/startup.py)."""
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         kwargs.setdefault("width", _columns() - 2)
@@ -241,23 +240,21 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
     with connect_with(connection) as client:
         records = who(client, args.name, max_holders)
     capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
-    if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
-        for capacity in capacities:
-            if capacity != max_holders:
-                log.warning(
-                    "other-capacity",
-                    name=args.name,
-                    max="?" if capacity is None else capacity,
-                    hint="one name, several --max: these are separate semaphores",
-                )
+    for capacity in capacities:
+        if capacity != max_holders and (len(capacities) > 1 or max_holders is not None):
+            log.warning(
+                "other-capacity",
+                name=args.name,
+                max="?" if capacity is None else capacity,
+                hint="one name, several --max: these are separate semaphores",
+            )
     try:
         for record in records:
             print(record.to_json() if args.json else record.to_text())
         sys.stdout.flush()
     except BrokenPipeError:
-        # `conch sema X --who | head -1`: the reader has gone. Quietly, with the status a
-        # tool killed by SIGPIPE has (ls, seq), and stdout on /dev/null so that the exit's
-        # own flush does not raise again.
+        # `--who | head -1`: quietly, with the status of a tool killed by SIGPIPE (ls, seq),
+        # and stdout on /dev/null so that the exit's own flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
@@ -303,12 +300,7 @@ def _negative_values_attached(parser: argparse.ArgumentParser, words: list[str])
     """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
     is not a plain negative number for an option, and would say "expected one argument";
     attached, the value reaches its check, which says what is wrong with it."""
-    valued = {
-        option
-        for action in _actions(parser)
-        if action.nargs is None
-        for option in action.option_strings
-    }
+    valued = {f for a in _actions(parser) if a.nargs is None for f in a.option_strings}
     out: list[str] = []
     for word in words:
         if out and out[-1] in valued and _NEGATIVE.match(word):
@@ -407,10 +399,6 @@ def _options(parser: argparse.ArgumentParser, word: str) -> bool:
     return True
 
 
-def _connection_flags(args: argparse.Namespace) -> ConnectionFlags:
-    return ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
-
-
 _NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
 
 
@@ -470,10 +458,9 @@ def run() -> NoReturn:
 
 def _slow_grpc_polling() -> None:
     """gRPC's blocking stream iterators wake every 0.1 s (``grpc._common``'s
-    MAXIMUM_WAIT_TIMEOUT) so that a main thread blocked in one can take a KeyboardInterrupt.
-    conch reads its streams in threads of its own, where that polling only burns CPU: 1.4 ms
-    a second per waiting process, measured, 15% of a core for 100 waiters. The command owns
-    its interpreter, so it wakes them every 5 s instead (the library leaves gRPC alone)."""
+    MAXIMUM_WAIT_TIMEOUT) for a KeyboardInterrupt in the main thread; conch reads them in
+    threads of its own, where that only burns CPU (15% of a core for 100 waiters). The
+    command owns its interpreter, so they wake every 5 s (the library leaves gRPC alone)."""
     import grpc._common
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
@@ -499,7 +486,8 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         max_holders = _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)
-        connection = resolve(_connection_flags(args), os.environ)
+        flags = ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
+        connection = resolve(flags, os.environ)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")

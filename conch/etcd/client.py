@@ -203,9 +203,8 @@ class Client:
     def _stubs_for(
         self, endpoint: Endpoint, loop: asyncio.AbstractEventLoop | None = None
     ) -> Stubs:
-        """The stubs of ``endpoint``: blocking ones, or with ``loop`` (the running loop)
-        grpc.aio ones bound to it. Raises UsageError in a forked process, the closed
-        client's EtcdError once closed."""
+        """The blocking stubs of ``endpoint``, or grpc.aio ones bound to ``loop`` (running).
+        Raises UsageError in a forked process, the closed client's EtcdError once closed."""
         if os.getpid() != self.pid:
             raise UsageError(
                 f"this Client was connected in process {self.pid}, not in this one "
@@ -257,9 +256,8 @@ class Client:
         return self._add(self._close_hooks, hook)
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
-        """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time
-        calls move away from an endpoint, so that streams still on it can move too. Returns
-        a function that removes it."""
+        """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time calls
+        move away from an endpoint, so streams still on it can move too. Returns its remover."""
         return self._add(self._failover_listeners, listener)
 
     def _add(self, callbacks: list[Any], callback: Any) -> Callable[[], None]:
@@ -289,9 +287,8 @@ class Client:
         return token
 
     def invalidate_token(self, stale: str | None = None) -> None:
-        """Forget the token, or only the token ``stale`` when given (a caller that failed
-        with a token another thread has already replaced keeps the replacement): the next
-        call or stream authenticates again."""
+        """Forget the token, or only ``stale`` when given (a token another thread has already
+        replaced stays): the next call or stream authenticates again."""
         with self._lock:
             if stale is None or self._token == stale:
                 self._token = None
@@ -303,10 +300,9 @@ class Client:
     def token(self, timeout: float | None = None) -> str | None:
         """The auth token calls carry now (None without credentials), from Auth.Authenticate
         within ``timeout`` seconds (default ``request_timeout``) when there is none.
-
-        Single-flight: when the token was invalidated, one thread authenticates and the others
-        wait for its token, so a burst of stale tokens costs one Authenticate, not one per
-        thread. Raises AuthenticationFailed, or Unavailable when no token comes in time."""
+        Single-flight: one thread authenticates and the others wait for its token, so a burst
+        of stale tokens costs one Authenticate. Raises AuthenticationFailed, or Unavailable
+        when no token comes in time."""
         credentials, token = self._credentials, self._token  # read once: others reset it
         if credentials is None or token is not None:
             return token
@@ -330,15 +326,12 @@ class Client:
         _authenticating: bool = False,
         interrupt: Flag | None = None,
     ) -> Any:
-        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
-
-        Fails over and retries on UNAVAILABLE, and authenticates again and retries when the
-        token is stale (expired, issued before an auth change, unknown to a member that
-        restarted), until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``,
-        when set, ends the retries (not an attempt in flight) with Interrupted. Raises
-        Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
-        Interrupted or EtcdError.
-        """
+        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``. Fails over and
+        retries on UNAVAILABLE, and authenticates again and retries when the token is stale,
+        until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``, when set,
+        ends the retries (not an attempt in flight) with Interrupted. Raises Unavailable,
+        PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted, Interrupted or
+        EtcdError."""
         attempts = Attempts(self, timeout)
         while True:
             endpoint, attempt = attempts.next()
@@ -419,10 +412,9 @@ class Client:
                 raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:
-        """``token`` for coroutines: the auth token calls carry now (None without
-        credentials), from Auth.Authenticate (``call_async``) within ``timeout`` seconds
-        (default ``request_timeout``) when there is none. Single-flight per event loop: the
-        coroutines that find no token await one Authenticate. Raises as ``token``."""
+        """``token`` for coroutines: Auth.Authenticate through ``call_async`` within ``timeout``
+        seconds (default ``request_timeout``) when there is no token, single-flight per event
+        loop (the coroutines that find none await one Authenticate). Raises as ``token``."""
         import asyncio
 
         credentials, token = self._credentials, self._token  # read once: others reset it
@@ -454,12 +446,11 @@ class Client:
         endpoint: Endpoint | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[Endpoint, Any]:
-        """Open a bidirectional stream on ``endpoint`` (default: the current one) with
-        ``token`` (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that
-        running loop, whose caller brings the token); the caller owns failover and, when the
-        stream ends with TokenInvalid, ``invalidate_token(token)``. Streams ask for
-        ``hasleader``: etcd then ends them when the member loses its leader (partitioned from
-        the quorum), instead of leaving them silent."""
+        """Open a bidirectional stream on ``endpoint`` (default: the current one) with ``token``
+        (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop,
+        whose caller brings the token); the caller owns failover and, when the stream ends
+        with TokenInvalid, ``invalidate_token(token)``. With ``hasleader``, etcd ends a stream
+        when its member loses the leader (partitioned from the quorum), not leaving it silent."""
         import grpc.aio
 
         if loop is None:

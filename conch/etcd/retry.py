@@ -1,7 +1,7 @@
 """How a call fails and is retried: the one table from a gRPC status (and etcd's words) to
-conch's exceptions, for calls and streams, blocking or on a loop; the endpoint and time of
-each attempt of a unary call, which failures fail over or renew the token, and the capped,
-jittered backoff between rounds, the same for blocking calls and coroutines."""
+conch's exceptions, for calls and streams, blocking or on a loop; and for a unary call, the
+endpoint and time of each attempt, which failures fail over (UNAVAILABLE, a timeout) or
+renew the token, when to give up, and the capped, jittered backoff between rounds."""
 
 from __future__ import annotations
 
@@ -102,11 +102,9 @@ class Backoff:
 
 
 class Attempts:
-    """The decisions of one unary call across its attempts, the same for ``Client.call``
-    and ``Client.call_async``: the endpoint and time of each attempt, which errors fail over
-    (UNAVAILABLE, a timeout) and which mean a stale token, when to give up, and the pause
-    before the next attempt (capped exponential backoff between rounds over the endpoints).
-    ``timeout`` (seconds, default the client's ``request_timeout``) bounds the whole call."""
+    """The decisions of one unary call across its attempts, for ``Client.call`` and
+    ``Client.call_async`` alike (see the module's docstring); ``timeout`` (seconds, default
+    the client's ``request_timeout``) bounds the whole call."""
 
     def __init__(self, client: Client, timeout: float | None) -> None:
         if timeout is not None:

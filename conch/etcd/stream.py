@@ -1,10 +1,7 @@
-"""The bidirectional streams (Watch.Watch, Lease.LeaseKeepAlive) of a Client, two ways.
-
-``BidiStream`` reads its answers on a thread of its own (the threaded face's streams);
-``LoopStream`` is the same stream on an event loop (grpc.aio): its answers are read by a
-task of that loop, so no thread hands them over. Both deliver ``StreamItem``s to one
-callback, one per response, then one with ``error`` set when the stream ends.
-"""
+"""The bidirectional streams (Watch.Watch, Lease.LeaseKeepAlive) of a Client, read by a
+thread of their own (``BidiStream``) or by a task of an event loop (``LoopStream``, grpc.aio).
+Both deliver ``StreamItem``s to one callback: one per response, then one with ``error`` set
+when the stream ends."""
 
 from __future__ import annotations
 
@@ -27,8 +24,7 @@ Deliver = Callable[["StreamItem"], None]
 
 
 class _Stream:
-    """What both kinds share: the call opened on ``endpoint`` (default: the client's
-    current one) with ``token``, its request queue, and the end of its reading."""
+    """What both kinds share: the call, its request queue, and the end of its reading."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
@@ -60,15 +56,12 @@ class _Stream:
 
 
 class BidiStream(_Stream):
-    """A bidirectional gRPC stream whose answers arrive in a mailbox.
-
-    ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
-    response, then one with ``error`` set when the stream ends for any reason; when that is
-    TokenInvalid, the token it was opened with is invalidated, so that the owner's next
-    stream carries a fresh one. ``timeout`` (seconds) bounds the Auth.Authenticate that
-    opening may need. ``close()`` cancels the call; nothing is delivered after it. It runs on
-    ``endpoint``, by default the client's current one.
-    """
+    """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one).
+    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
+    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
+    also invalidates the token it was opened with, so the owner's next stream carries a fresh
+    one). ``timeout`` (seconds) bounds the Auth.Authenticate that opening may need.
+    ``close()`` cancels the call; nothing is delivered after it."""
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 
 from conch import etcd, hints, log, procs
 from conch.core.loss import Loss
@@ -204,9 +205,8 @@ def supervise(
         except HoldLost as exc:  # before the child started: queued for again
             lost = exc
         finally:
-            # After the release: the watchdog's exit does not compete with the next holder's
-            # start, and conch does not exit before it (an outer conch, our subreaper, would
-            # find it re-parented to it and stop it as a process escaped from its job).
+            # After the release (the next holder's start comes first), and before conch exits
+            # (an outer conch, our subreaper, would stop it as a process escaped its job).
             watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
         watchdog = None  # dismissed with its round
         sema.pause_before_reentry(lost, deadline, stop, backoff)
@@ -369,19 +369,15 @@ class _Run:
         hold.start_guard()
         started = time.monotonic()
         log.info("child-start", pid=pid, rev=hold.revision)
-        # After the spawn, off the handoff's path: a watchdog that died before is seen all
-        # the same, its stdout's end waiting to be read.
+        # After the spawn, off the handoff's path: a watchdog dead before shows all the same.
         watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
         # A keepalive confirmed since the expect line, before the listener above, would be
         # missing from the watchdog's expiry: it could fire an interval early.
         watchdog.heartbeat(self.expiry())
-        hold.lost.subscribe(self.box)
-        self.stop.subscribe(self.box)
-        self._undo += [
-            lambda: hold.lost.unsubscribe(self.box),
-            lambda: self.stop.unsubscribe(self.box),
-        ]
+        for flag in (hold.lost, self.stop):
+            flag.subscribe(self.box)
+            self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
         job = _Job(pid)
         if isinstance(notice, ChildExit):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from conch.flag import Flag, Mailbox
+from conch.settings import CREDENTIAL_VARIABLES
 
 GOODBYE = b"x\n"
 
@@ -46,19 +47,8 @@ watchdog that cannot answer that fast cannot be trusted to SIGKILL by the deadli
 # and ``ETCDCTL_USER`` may hold NAME:PASSWORD), the paths to secrets among them alike (the
 # password file, the client certificate and its key): the child and the watchdog start
 # without them, so no job conch runs is handed the cluster's credentials. The CA bundle and
-# the endpoints, no secrets, are passed on. The same list as conch.settings'
-# CREDENTIAL_VARIABLES (not imported: this module stays light).
-CREDENTIALS = (
-    "CONCH_USER",
-    "CONCH_PASSWORD",
-    "CONCH_PASSWORD_FILE",
-    "CONCH_CERT",
-    "CONCH_KEY",
-    "ETCDCTL_USER",
-    "ETCDCTL_PASSWORD",
-    "ETCDCTL_CERT",
-    "ETCDCTL_KEY",
-)
+# the endpoints, no secrets, are passed on.
+CREDENTIALS = CREDENTIAL_VARIABLES
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:

@@ -30,24 +30,19 @@ class _Keeper(Keeper):
         self.reason: Loss | None = None
         self.revoked: asyncio.Future[bool] | None = None
         self.listeners: dict[object, Callable[[Loss], None]] = {}
-        self._ended = self.loop.create_future()
         self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
         self.start()
 
     async def _live(self) -> None:
-        """Parked until the session ends (closed, lost, or the loop ending); then the
-        client's keepalive stream forgets the lease."""
+        """Parked until cancelled: the session closed or lost, or the loop ending (asyncio.run
+        cancels what is left); then the client's keepalive stream forgets the lease."""
         try:
-            await self._ended
+            await self.loop.create_future()
         finally:
             if self.next_wake is not None:
                 self.next_wake.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
-
-    def _end(self) -> None:
-        if not self._ended.done():
-            self._ended.set_result(None)
 
     def send(self, deadline: float) -> None:
         spawn(self.loop, self._keepalive(deadline))
@@ -64,7 +59,7 @@ class _Keeper(Keeper):
     def declare_lost(self, reason: Loss) -> None:
         self.reason = reason
         self.lost.set()
-        self._end()
+        self.task.cancel()
         for key in list(self.listeners):
             listener = self.listeners.pop(key, None)
             if listener is not None:
@@ -76,16 +71,17 @@ class _Keeper(Keeper):
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
         already); returns a function that removes it."""
-        if self.lost.is_set():
-            self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
-        return listen(self.listeners, listener)
+        if not self.lost.is_set():
+            return listen(self.listeners, listener)
+        self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
+        return lambda: None
 
     async def close(self, timeout: float | None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``
         seconds; whether confirmed. A second close waits for the first one's revoke."""
         if self.revoked is None:
             self.stop()
-            self._end()
+            self.task.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
             self.client._keepers.discard(self)
             self.revoked = self.loop.create_task(self._revoke(timeout))

@@ -50,8 +50,8 @@ def keepalive_margin(ttl: float) -> float:
 
 @dataclass(frozen=True)
 class SendKeepalive:
-    """Send one keepalive of the lease now (Lease.LeaseKeepAlive); it is unanswered if no
-    answer comes by ``deadline`` (``time.monotonic()`` seconds)."""
+    """Send one keepalive now (Lease.LeaseKeepAlive); unanswered if not by ``deadline``
+    (``time.monotonic()`` seconds)."""
 
     deadline: float
 
@@ -66,8 +66,7 @@ class WakeAt:
 
 @dataclass(frozen=True)
 class Expired:
-    """E passed with no keepalive confirmed since: holds on the session are lost with
-    ``loss`` (NO_KEEPALIVE); waiters carry on. Given once per E."""
+    """E passed unconfirmed (once per E): holds are lost with ``loss``; waiters carry on."""
 
     loss: Loss
 

@@ -13,10 +13,11 @@ peers register etcd's protos under the same names: one per process), measures on
 
 Variants: ``aio`` (conch.aio, on each ``--checkout``, as bench/waiting.py takes it),
 ``threads`` (conch.Semaphore: uncontended only, for reference), ``aetcd`` and ``etcd3aio``
-(the queue recipe bench/waiting.py gives each: grant a lease, put prefix/lease-id on it,
-range the prefix by create_revision, watch the key ahead for its delete; release deletes
-the key and revokes the lease). Variants run interleaved, their order rotated each
-repetition; the table gives medians [min-max] of the repetitions.
+(bench/peers.py's queue recipe: grant a lease, put prefix/lease-id on it, range the
+prefix by create_revision, watch the key ahead for its delete; release deletes the key and
+revokes the lease; no lease refresh, a cycle being far shorter than the TTL). Variants
+run interleaved, their order rotated each repetition; the table gives medians [min-max] of
+the repetitions.
 """
 
 from __future__ import annotations
@@ -59,63 +60,30 @@ async def conch_aio(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]
 
 async def aetcd_(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
     import aetcd  # type: ignore[import-untyped]
-    from aetcd.rtypes import EventKind  # type: ignore[import-untyped]
+    from peers import aetcd_turn
 
     host, port = endpoint.rsplit(":", 1)
     client = aetcd.Client(host=host, port=int(port), timeout=10)
     await client.connect()
 
     async def cycle(name: str) -> None:
-        prefix = f"/bench/aetcd/{name}/".encode()
-        lease = await client.lease(10)
-        key = prefix + f"{lease.id:016x}".encode()
-        try:
-            await client.put(key, b"", lease=lease)
-            while True:
-                answer = await client.get_prefix(prefix, sort_order="ascend", sort_target="create")
-                ranked = [kv.key for kv in answer.kvs]
-                mine = ranked.index(key)
-                if mine == 0:
-                    return
-                await client.watch_once(
-                    ranked[mine - 1],
-                    start_revision=answer.header.revision + 1,
-                    kind=EventKind.DELETE,
-                )
-        finally:
-            await client.delete(key)
-            await lease.revoke()
+        async with aetcd_turn(client, f"/bench/aetcd/{name}/".encode(), 10, keepalive=False):
+            pass
 
     return cycle, client.close
 
 
 async def etcd3aio_(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
-    from etcd3aio import Etcd3Client, prefix_range_end
+    from etcd3aio import Etcd3Client
+    from peers import etcd3aio_turn
 
     client = Etcd3Client([endpoint])
     await client.connect()
-    kv, leases, watch = client.kv, client.lease, client.watch
-    assert kv is not None and leases is not None and watch is not None
 
     async def cycle(name: str) -> None:
         prefix = f"__etcd3aio:lock/{name}/".encode()
-        lease = await leases.grant(ttl=10, timeout=10)
-        key = prefix + f"{lease.ID:016x}".encode()
-        try:
-            await kv.put(key, b"", lease=lease.ID, timeout=10)
-            while True:
-                answer = await kv.get(prefix, range_end=prefix_range_end(prefix), timeout=10)
-                ranked = sorted(answer.kvs, key=lambda kv_: kv_.create_revision)
-                mine = next(i for i, kv_ in enumerate(ranked) if kv_.key == key)
-                if mine == 0:
-                    return
-                ahead = ranked[mine - 1].key
-                async for response in watch.watch(ahead, start_revision=answer.header.revision + 1):
-                    if any(e.type == 1 and e.kv.key == ahead for e in response.events):
-                        break
-        finally:
-            await kv.delete(key, timeout=10)
-            await leases.revoke(lease.ID, timeout=10)
+        async with etcd3aio_turn(client, prefix, 10, keepalive=False):
+            pass
 
     return cycle, client.close
 

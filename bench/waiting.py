@@ -254,47 +254,19 @@ async def run_aio(variant: str, endpoint: str, names: list[str], ttl: int) -> in
 
 
 async def run_aetcd(endpoint: str, names: list[str], ttl: int) -> int:
-    """The queue recipe on aetcd's API, as etcd3aio's Lock does it (grant a lease, put
-    prefix/lease-id on it, range the prefix by create_revision, ``watch_once`` the key ahead
-    for its delete), the lease kept alive every TTL/3 with aetcd's ``lease.refresh()``."""
+    """The queue recipe on aetcd's API (bench/peers.py's ``aetcd_turn``), each lease kept
+    alive every TTL/3 with aetcd's ``lease.refresh()``."""
     import aetcd  # type: ignore[import-untyped]
-    from aetcd.rtypes import EventKind  # type: ignore[import-untyped]
+    from peers import aetcd_turn
 
     host, port = endpoint.rsplit(":", 1)
     errors: list[str] = []
     client = aetcd.Client(host=host, port=int(port), timeout=10)
     await client.connect()
 
-    async def keep_alive(lease: Any) -> None:
-        while True:
-            await asyncio.sleep(ttl / 3)
-            await lease.refresh()
-
     async def wait(name: str) -> None:
-        prefix = lock_key("aetcd", name)[0]
-        lease = await client.lease(ttl)
-        key = prefix + f"{lease.id:016x}".encode()
-        refresher = asyncio.create_task(keep_alive(lease))
-        try:
-            await client.put(key, b"", lease=lease)
-            while True:
-                answer = await client.get_prefix(prefix, sort_order="ascend", sort_target="create")
-                ranked = [kv.key for kv in answer.kvs]
-                mine = ranked.index(key)
-                if mine == 0:
-                    errors.append(f"{name}: acquired behind a holder that never leaves")
-                    return
-                await client.watch_once(
-                    ranked[mine - 1],
-                    start_revision=answer.header.revision + 1,
-                    kind=EventKind.DELETE,
-                )
-        finally:
-            refresher.cancel()
-            with contextlib.suppress(Exception):
-                await client.delete(key)
-            with contextlib.suppress(Exception):
-                await lease.revoke()
+        async with aetcd_turn(client, lock_key("aetcd", name)[0], ttl):
+            errors.append(f"{name}: acquired behind a holder that never leaves")
 
     _start_burst_ticker()
     tasks = [asyncio.create_task(wait(n)) for n in names]
@@ -329,43 +301,19 @@ async def run_aetcd_lock(endpoint: str, names: list[str], ttl: int) -> int:
 
 
 async def run_etcd3aio(endpoint: str, names: list[str], ttl: int) -> int:
-    """etcd3aio's Lock recipe (etcd3aio/concurrency.py: grant a lease, put prefix/lease-id
-    on it, range the prefix by create_revision, watch the key ahead for its delete), with
-    the lease kept alive while waiting by ``client.lease.keep_alive_context`` as its docs
-    show: its Lock sends no keepalive, so a waiter's key would expire after the TTL."""
-    from etcd3aio import Etcd3Client, prefix_range_end
+    """etcd3aio's Lock recipe (bench/peers.py's ``etcd3aio_turn``), with the lease kept
+    alive while waiting by ``client.lease.keep_alive_context`` as its docs show: its Lock
+    sends no keepalive, so a waiter's key would expire after the TTL."""
+    from etcd3aio import Etcd3Client
+    from peers import etcd3aio_turn
 
     errors: list[str] = []
     client = Etcd3Client([endpoint])
     await client.connect()
-    kv, leases, watch = client.kv, client.lease, client.watch  # set by connect()
-    assert kv is not None and leases is not None and watch is not None
 
     async def wait(name: str) -> None:
-        prefix = lock_key("etcd3aio", name)[0]
-        lease = await leases.grant(ttl=ttl, timeout=10)
-        key = prefix + f"{lease.ID:016x}".encode()
-        try:
-            async with leases.keep_alive_context(lease.ID, ttl=ttl):
-                await kv.put(key, b"", lease=lease.ID, timeout=10)
-                while True:
-                    answer = await kv.get(prefix, range_end=prefix_range_end(prefix), timeout=10)
-                    ranked = sorted(answer.kvs, key=lambda kv_: kv_.create_revision)
-                    mine = next(i for i, kv_ in enumerate(ranked) if kv_.key == key)
-                    if mine == 0:
-                        errors.append(f"{name}: acquired behind a holder that never leaves")
-                        return
-                    ahead = ranked[mine - 1].key
-                    async for response in watch.watch(
-                        ahead, start_revision=answer.header.revision + 1
-                    ):
-                        if any(e.type == 1 and e.kv.key == ahead for e in response.events):
-                            break
-        finally:
-            with contextlib.suppress(Exception):
-                await kv.delete(key, timeout=10)
-            with contextlib.suppress(Exception):
-                await leases.revoke(lease.ID, timeout=10)
+        async with etcd3aio_turn(client, lock_key("etcd3aio", name)[0], ttl):
+            errors.append(f"{name}: acquired behind a holder that never leaves")
 
     _start_burst_ticker()
     tasks = [asyncio.create_task(wait(n)) for n in names]

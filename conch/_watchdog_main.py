@@ -1,10 +1,9 @@
-"""The watchdog process itself (see ``conch.watchdog``): run as a script,
-``python -I -S _watchdog_main.py KILL_AFTER``, standard library only, nothing imported from
-conch, not even contextlib (10 ms of imports for every conch start). It reads conch's pipe on
-stdin, one command a line; the protocol is described in ``conch.watchdog``.
-
-Every instant here is ``time.monotonic()``: CLOCK_MONOTONIC, one clock for the whole system
-on Linux, so the lease expiry conch computes in its own process is an instant here too.
+"""The watchdog process itself (see ``conch.watchdog``; its protocol is the table in
+docs/design.md, "The watchdog"): run as ``python -I -S _watchdog_main.py KILL_AFTER``,
+standard library only, nothing imported from conch, not even contextlib (10 ms of imports
+for every conch start). It reads conch's commands on stdin, one a line; every instant is
+``time.monotonic()``, one clock for the whole host on Linux, so the lease expiry conch
+computes is an instant here too.
 """
 
 import os
@@ -41,8 +40,7 @@ class Pipe:
             if not ready:
                 return None
             more = os.read(0, 4096)
-            if not more:
-                self.closed = True
+            self.closed = not more
             self.data += more
         line, _, self.data = self.data.partition(b"\n")
         return line.split() or [b"?"]
@@ -84,13 +82,20 @@ def signal_groups(pgids: "set[int]", sig: int) -> "set[int]":
     return left
 
 
-def terminate(pgids: "set[int]", kill_at: float) -> None:
-    """SIGTERM the groups now, SIGKILL what is left of them at ``kill_at``, then exit."""
+def say(what: bytes) -> None:
+    """Tell conch (``A``: a probe read; ``F``: fired), which may be gone."""
     try:
-        os.write(1, b"F")  # before the signal: conch must know by the time the child is gone
+        os.write(1, what)
     except OSError:
         pass
-    pgids = signal_groups(pgids, signal.SIGTERM)
+
+
+def terminate(pgids: "set[int]", kill_at: float, term: bool = True) -> None:
+    """SIGTERM the groups now (if ``term``), SIGKILL what is left of them at ``kill_at``,
+    then exit."""
+    if term:
+        say(b"F")  # before the signal: conch must know by the time the child is gone
+        pgids = signal_groups(pgids, signal.SIGTERM)
     while pgids and time.monotonic() < kill_at:
         time.sleep(min(0.05, max(0.0, kill_at - time.monotonic())))
         pgids = signal_groups(pgids, 0)
@@ -100,11 +105,9 @@ def terminate(pgids: "set[int]", kill_at: float) -> None:
 
 def wake_when_conch_dies() -> None:
     """Have the kernel send us SIGCONT when conch dies (PR_SET_PDEATHSIG): a watchdog
-    stopped by someone's SIGSTOP (conch fails one that stops answering, but a conch
-    SIGKILLed right after it has no time to) resumes the moment conch is gone, finds the end
-    of its pipe and terminates the child. SIGCONT to a process that runs does nothing, so
-    the signal sent when the thread that started us ends, conch living on, is harmless.
-    Before the ``R``: no child starts without it. Best effort off Linux."""
+    stopped by someone's SIGSTOP, its conch SIGKILLed before it noticed, resumes, finds the
+    end of its pipe and terminates the child. SIGCONT to a running process does nothing (as
+    when the thread that started us ends, conch living on). Best effort off Linux."""
     try:
         import ctypes
 
@@ -113,47 +116,35 @@ def wake_when_conch_dies() -> None:
         pass
 
 
-def answer() -> None:
-    """conch's probe: say we read it (conch fails a watchdog that does not, in time)."""
-    try:
-        os.write(1, b"A")
-    except OSError:
-        pass
-
-
 def main() -> None:
     kill_after = float(sys.argv[1])
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
-    wake_when_conch_dies()
+    wake_when_conch_dies()  # before the R: no child starts without it
     os.write(1, b"R")  # running: conch starts no child before it reads this
     pipe = Pipe()
-    # "e MARGIN EXPIRY NAME=VALUE...": a child with these environment entries is about to
-    # start; the lease can expire at EXPIRY (monotonic), so the child must be dead MARGIN
-    # seconds before.
     words = pipe.line(None)
     while words and words[0] == b"p":  # probed before the child's start: answered too
-        answer()
+        say(b"A")
         words = pipe.line(None)
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None
+    # "e MARGIN EXPIRY NAME=VALUE...": a child with these environment entries is about to
+    # start; the lease can expire at EXPIRY, so the child must be dead MARGIN seconds before.
     margin, expiry, marks = float(words[1]), float(words[2]), set(words[3:])
     pgid = None
     standby = None  # conch terminates the group itself; SIGKILL is ours at this instant
     while True:
         kill_at = expiry - margin
-        if standby is not None:
-            until = min(kill_at, standby)
-        else:
-            until = min(kill_at, kill_at - kill_after + TERM_LAG)
-        words = pipe.line(until)
-        if words is None or words == []:
+        until = kill_at - kill_after + TERM_LAG if standby is None else standby
+        words = pipe.line(min(kill_at, until))
+        if not words:
             break  # the deadline (conch frozen), or conch died
         if words[0] == b"x":
             leave(pipe)
         elif words[0] == b"p":  # conch's probe: answered at once
-            answer()
+            say(b"A")
         elif words[0] == b"h":  # "h EXPIRY": a keepalive confirmed, the lease lives longer
             expiry = max(expiry, float(words[1]))
         elif words[0] == b"a":  # "a PGID": the child runs in that group
@@ -166,10 +157,8 @@ def main() -> None:
     # tell which processes are the child's.
     pgids = {pgid} if pgid is not None else marked(marks)
     kill_at = expiry - margin
-    if standby is not None:
-        time.sleep(max(0.0, min(kill_at, standby) - time.monotonic()))
-        signal_groups(pgids, signal.SIGKILL)
-        os._exit(0)
+    if standby is not None:  # conch frozen or dead while it stopped the group itself
+        terminate(pgids, min(kill_at, standby), term=False)
     # conch died (the pipe closed): the grace it would have given, within the deadline.
     terminate(pgids, min(kill_at, time.monotonic() + kill_after))
 

@@ -28,7 +28,7 @@ _adopting = False  # adopt_orphans() worked: every child of this process is ours
 # it has just spawned (holding it) also looks for what escaped.
 _reap_lock = threading.RLock()
 # Set when we start a process: the adopting reaper, idle for want of children, looks again at
-# once instead of after GROUP_POLL (a child that exits within it was noticed up to 50 ms late).
+# once instead of after GROUP_POLL.
 _spawned = threading.Event()
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
 # Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
@@ -44,8 +44,7 @@ REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D stat
 
 @dataclass(frozen=True)
 class ChildExit:
-    """Put into the supervisor's mailbox by the reaper: the child exited (a Popen return
-    code)."""
+    """Put into the supervisor's mailbox by the reaper: the child exited (a Popen return code)."""
 
     returncode: int
 
@@ -53,20 +52,17 @@ class ChildExit:
 # -- the spawn -------------------------------------------------------------------------------
 
 # Signals to reset to their default in the child: an ignored signal stays ignored across exec,
-# and Python starts with these ignored (a child would see EPIPE where a shell's pipelines
-# expect to die by SIGPIPE). glibc's posix_spawn also leaves its two reserved signals (32, 33,
-# below SIGRTMIN, unusable by programs) ignored in the child; nothing can reset those.
+# and Python starts with these ignored (a shell's pipelines expect to die by SIGPIPE). glibc's
+# two reserved signals (32, 33) stay ignored in the child; nothing can reset those.
 _RESET_SIGNALS = tuple(
     getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
 )
 
 
 def _inherited_fds() -> list[int]:
-    """Our inheritable descriptors above stderr (Python's own are never inheritable), for
-    the spawn to close in the child. One at or above the soft RLIMIT_NOFILE (inherited from
-    a parent with a higher limit) cannot be named in a spawn's close action (glibc refuses
-    it: EBADF, and the command would be reported as not executable), so it is made
-    close-on-exec here instead."""
+    """Our inheritable descriptors above stderr, for the spawn to close in the child. One at
+    or above the soft RLIMIT_NOFILE cannot be named in a spawn's close action (glibc: EBADF,
+    reported as not executable), so it is made close-on-exec here instead."""
     fds = []
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     with contextlib.suppress(OSError):
@@ -162,14 +158,12 @@ def beside_jobs(pid: int) -> None:
 def adopt_orphans() -> bool:
     """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) and start
     one thread that reaps every child it has: what a supervised child leaves behind is
-    re-parented to us instead of PID 1, and reaped the moment it dies. Without it, a process
-    of the child's group that died of our SIGTERM is a zombie until PID 1 reaps it (late
-    where PID 1 is slow, never where it does not reap), and a zombie still counts as a
-    member of the group: the slot stays held until ``kill_after`` runs out. Process-wide:
-    only for a process that waits for no children of its own (the ``conch`` command); the
-    statuses of children ``run_child`` did not start are dropped, and SIGCHLD is set back to
-    its default if ignored (the kernel would reap them itself). Idempotent. Returns whether
-    it worked."""
+    re-parented to us instead of PID 1, and reaped the moment it dies (a zombie left to a
+    slow PID 1 still counts as a member of the group, and holds the slot until
+    ``kill_after`` runs out). Process-wide: only for a process that waits for no children of
+    its own (the ``conch`` command); the statuses of children ``run_child`` did not start
+    are dropped, and SIGCHLD is set back to its default if ignored. Idempotent. Returns
+    whether it worked."""
     global _adopting
     with _reap_lock:
         if _adopting:
@@ -216,8 +210,8 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
 def _reap_all() -> None:
     """The adopting reaper: reap each child as it exits, and every other one that has exited
     by then too (what died with a supervised child is no member of its group any more when
-    its callback looks), then call the callbacks of the claimed ones. With no child at all,
-    look again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
+    its callback looks), then call the claimed ones' callbacks. With no child at all, look
+    again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
     while True:
         try:
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
@@ -227,34 +221,26 @@ def _reap_all() -> None:
             _spawned.clear()
             continue
         done: list[tuple[Callable[[int], None], int]] = []
-        with _reap_lock:
-            while True:
-                try:
-                    reaped, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if reaped == 0:
-                    break
-                _beside_jobs.pop(reaped, None)
-                callback = _claimed.pop(reaped, None)
+        with _reap_lock, contextlib.suppress(ChildProcessError):
+            while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
+                _beside_jobs.pop(reaped[0], None)
+                callback = _claimed.pop(reaped[0], None)
                 if callback is not None:
-                    done.append((callback, status))
+                    done.append((callback, reaped[1]))
         for callback, status in done:
             _call_back(callback, status)
 
 
 def _call_back(callback: Callable[[int], None], status: int) -> None:
-    """Run a child's exit callback; one that raises is logged, and the reaper reaps on."""
-    try:
+    try:  # one that raises is logged, and the reaper reaps on
         callback(status)
     except Exception as exc:
         log.error("callback-failed", flag="child-exit", error=repr(exc))
 
 
-def _child_exited(pid: int, status: int, box: Mailbox) -> None:
-    """From the reaping thread: tell the supervisor, which releases the hold the moment it
-    finds the child's group gone (a thread switch later: the reaper makes no call to etcd,
-    so that a slow etcd never holds up the reaping of other children)."""
+def _child_exited(status: int, box: Mailbox) -> None:
+    """From the reaping thread: tell the supervisor, which releases the hold (the reaper
+    makes no call to etcd: a slow etcd never holds up the reaping of other children)."""
     box.put(ChildExit(os.waitstatus_to_exitcode(status)))
 
 
@@ -263,11 +249,10 @@ def _child_exited(pid: int, status: int, box: Mailbox) -> None:
 
 def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, 0)
+        with contextlib.suppress(PermissionError):  # a member not ours to signal lives
+            os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -293,45 +278,27 @@ _children_files: bool | None = None  # whether this kernel has them; None: not l
 
 
 def _children() -> dict[int, _Stat]:
-    """Our children, zombies included. Read from each of our threads'
-    ``children`` file where the kernel has them (a read per thread, a few more per child),
-    else from every /proc/PID/stat on the machine (about 20 µs a process: 3 ms for 150,
-    measured on a 2-core VM)."""
+    """Our children, zombies included: from each of our threads' ``children`` file where the
+    kernel has them, else from every /proc/PID/stat on the machine (3 ms for 150 processes
+    on a 2-core VM)."""
     global _children_files
     if _children_files is None:
         _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))
-    if _children_files:
-        for _ in range(3):
-            pids = _children_of_threads()
-            if pids is not None:
-                return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
-    me, found = os.getpid(), {}
-    for name in os.listdir("/proc"):
-        if name.isdigit() and (stat := _stat(int(name))) is not None and stat.ppid == me:
-            found[int(name)] = stat
-    return found
-
-
-def _children_of_threads() -> set[int] | None:
-    """The pids in our threads' ``children`` files; None if a thread ended meanwhile (its
-    children moved to another thread, perhaps one already read)."""
-    found: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            found.update(int(pid) for pid in _read(_PER_THREAD_CHILDREN.format(tid)).split())
-        except FileNotFoundError:
-            return None
-    return found
+    for _ in range(3 if _children_files else 0):
+        # A thread that ends meanwhile moves its children to another, perhaps one already read.
+        with contextlib.suppress(FileNotFoundError):
+            files = [_read(_PER_THREAD_CHILDREN.format(t)) for t in os.listdir("/proc/self/task")]
+            pids = {int(pid) for content in files for pid in content.split()}
+            return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
+    stats = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
+    return {pid: stat for pid, stat in stats.items() if stat and stat.ppid == os.getpid()}
 
 
 def _read(path: str) -> bytes:
     """A /proc file's content (os calls: a third of the cost of ``open()`` here)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        chunks = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return b"".join(iter(lambda: os.read(fd, 65536), b""))
     finally:
         os.close(fd)
 
@@ -383,14 +350,15 @@ class _Job:
     def alive(self) -> bool:
         """Whether anything of the job is left: a member of the group, or an escaped process
         (new ones are logged, and sent the last signal)."""
-        orphans = self._escaped()
-        return _group_alive(self.pgid) or bool(orphans)
+        escaped = bool(self._escaped())
+        return _group_alive(self.pgid) or escaped
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the group and to every process that escaped it (the whole group of
         one that leads a group of its own: what it started in turn)."""
         self._sent = sig
-        _signal_group(self.pgid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pgid, sig)
         for pid, stat in self._escaped().items():
             _signal_escaped(pid, stat.pgid, sig)
 
@@ -427,17 +395,8 @@ def _kill_group(pgid: int) -> None:
         _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
 def _stop_group(
-    job: _Job,
-    box: Mailbox,
-    child_running: bool,
-    kill_at: float,
-    hurry: Callable[[object], bool] | None = None,
+    job: _Job, box: Mailbox, child_running: bool, kill_at: float, hurry: Callable[[object], bool]
 ) -> int | None:
     """SIGTERM the job (its group and what escaped it); SIGKILL whatever is left of it at
     ``kill_at`` (``time.monotonic()``): at once, without SIGTERM, if that has passed, and
@@ -493,9 +452,8 @@ def _await_exit(
 def prepare_command_process() -> None:
     """What the ``conch`` command (never the library) sets up in its own process before
     anything else: closed std fds reopened on /dev/null, Python's locale coercion undone for
-    the child's sake, and SIGCHLD at its default (started with it ignored, possible from a
-    parent that ignores it and execs us, the kernel would reap the child itself and its
-    status would be lost)."""
+    the child's sake, and SIGCHLD at its default (inherited ignored, the kernel would reap
+    the child itself and its status would be lost)."""
     reopen_closed_std_fds()
     undo_locale_coercion()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -545,9 +503,8 @@ def reopen_closed_std_fds() -> None:
                 os.dup2(null, fd)  # inheritable, as dup2 makes it
                 os.close(null)
             else:
-                # os.open's descriptor is close-on-exec (PEP 446): landed on the closed
-                # std fd itself, it would be closed again in the child, whose first open()
-                # would then take it (its stderr written into its own output file).
+                # os.open's fd is close-on-exec (PEP 446): closed again in the child, its
+                # first open() would take it (its stderr written into its output file).
                 os.set_inheritable(fd, True)
             if getattr(sys, name) is None:
                 setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115

@@ -1,19 +1,14 @@
 """The supervision loop (contract section 7): acquire, run the child, child exit or loss,
-terminate, release. Written once; the CLI and embedders call ``supervise``.
+terminate, release. Written once; the CLI and embedders call ``supervise``. Every way a round
+can end is an ``Outcome``, mapped to its exit code by ``conch.errors.EXIT_CODES``, the one
+table. The POSIX plumbing under it (spawn, reaper, /proc scans, the job's termination) is
+``conch.procs``.
 
-Read as ``flock.c`` reads: every way a round can end is an ``Outcome``, mapped to its exit
-code by ``conch.errors.EXIT_CODES``, the one table. The file's parts, in order: the deadline;
-the supervision itself (one round: watchdog, hold, spawn, wait, terminate, report); the
-signals conch takes. The POSIX plumbing under it (the spawn, the reaper, the /proc scans, the
-job and its termination) is ``conch.procs``.
-
-The deadline. While the child runs, the lease's earliest expiry E (``Session.alive_until``:
-the send time of the last keepalive etcd answered, plus the TTL it granted; etcd restarts
-the countdown on receipt, after we sent) is an instant on our monotonic clock. The child is
-SIGKILLed by E - ``deadline_margin(ttl)`` at the latest, and SIGTERMed ``kill_after``
-before that, whether or not a loss has been declared yet: planned back from E,
-so that no waiter can take the slot while the child still runs, whatever it does with
-SIGTERM. The watchdog holds the same deadline for a wrapper that is frozen or dead.
+The deadline: while the child runs, the lease's earliest expiry E (``Session.alive_until``)
+is an instant on our monotonic clock. The child is SIGKILLed by E - ``deadline_margin(ttl)``
+at the latest and SIGTERMed ``kill_after`` before that, whether or not a loss has been
+declared yet, so that no waiter can take the slot while the child still runs, whatever it
+does with SIGTERM. The watchdog holds the same deadline for a wrapper frozen or dead.
 """
 
 from __future__ import annotations
@@ -24,17 +19,11 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 
 from conch import etcd, hints, log, procs
 from conch.core.loss import Loss
-from conch.errors import (
-    HoldLost,
-    Interrupted,
-    Outcome,
-    UsageError,
-    exit_code,
-    exit_status,
-)
+from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, exit_status
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
@@ -64,13 +53,11 @@ from conch.watchdog import (
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
 # Every signal whose default action ends the process, that can be caught, and that is sent to
-# ask a process to stop (a user, a terminal's ^C or ^\, a timer, a CPU limit): each stops conch
-# as SIGTERM does (withdraw while queued; terminate the child, release). Left out: SIGKILL and
-# SIGSTOP (cannot be caught: the watchdog's job); SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGTRAP,
-# SIGSYS and SIGABRT, which report a fault in conch itself (a Python handler would return to
-# the faulting instruction, or hide a crash); SIGPIPE and SIGXFSZ, which Python ignores (a
-# write fails with EPIPE or EFBIG instead of killing us, and a log line to a closed stderr
-# must not stop the supervision).
+# ask a process to stop: each stops conch as SIGTERM does. Left out: SIGKILL and SIGSTOP (the
+# watchdog's job); the ones that report a fault in conch itself (SIGSEGV, SIGBUS, SIGILL,
+# SIGFPE, SIGTRAP, SIGSYS, SIGABRT: a Python handler would return to the faulting
+# instruction, or hide a crash); SIGPIPE and SIGXFSZ, which Python ignores (a log line to a
+# closed stderr must not stop the supervision).
 STOP_SIGNALS: tuple[int, ...] = (
     *(
         getattr(signal, name)
@@ -93,37 +80,29 @@ STOP_SIGNALS: tuple[int, ...] = (
     ),
     *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
 )
-# Signals that stay ignored if they are when we start (nohup's SIGHUP; a script's background
-# job, which ignores SIGINT and SIGQUIT): whoever started us said they must not stop us. Not
-# SIGTERM: it is how conch, and its watchdog, stop the child.
+# Signals that stay ignored if they are when we start (nohup's SIGHUP; a background job's
+# SIGINT and SIGQUIT). Not SIGTERM: it is how conch, and its watchdog, stop the child.
 KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
 # What only this child, and what it starts, carries in its environment: how the watchdog finds
 # them while it does not know the child's process group yet.
 _MARKS = ("CONCH_LEASE", "CONCH_REV")
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
-
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
-# Seconds the release after a loss is given at most, and never past the lease's earliest
-# expiry: an etcd that answers at all answers a LeaseRevoke within a round trip, and one that
-# does not (the usual cause of the loss) must not hold up conch's exit 70 (a systemd
-# Restart=, the next cron attempt). The slot then frees as the lease expires.
+# Seconds the release after a loss is given at most, and never past E: an etcd that answers
+# at all answers a LeaseRevoke within a round trip, and one that does not (the usual cause of
+# the loss) must not hold up conch's exit 70. The slot then frees as the lease expires.
 RELEASE_AFTER_LOSS = 0.25
 
 # -- the deadline ---------------------------------------------------------------------------
 
 DEADLINE_MARGIN = 0.25
 """Seconds before the lease's earliest expiry by which the child is SIGKILLed, plus
-CLOCK_RATE_TOLERANCE of the TTL (``deadline_margin``). What it covers: the supervisor's or
-the watchdog's wake-up on a loaded host (a thread scheduled late, the GIL held by another
-thread: tens of milliseconds measured on a busy 2-core machine, see
-docs/failure-semantics.md), the SIGKILL's delivery (the kernel ends the process when it is
-next scheduled, a few milliseconds), and etcd's side, which only ever expires later than E
-(its leader checks expiries every 500 ms, and a new leader extends every lease)."""
+CLOCK_RATE_TOLERANCE of the TTL (``deadline_margin``): a late wake-up on a loaded host, the
+SIGKILL's delivery; etcd only ever expires later than E (docs/failure-semantics.md)."""
 
 CLOCK_RATE_TOLERANCE = 0.001
-"""How much faster etcd's leader's clock may run than ours, as a fraction: the TTL is
-counted on each host's own clock. NTP and chrony slew a clock by at most 500 ppm (0.05 %);
-twice that, for both hosts: 10 ms of a 10 s TTL."""
+"""How much faster etcd's leader's clock may run than ours, as a fraction of the TTL: twice
+the 500 ppm NTP and chrony slew a clock by at most, for both hosts."""
 
 
 def deadline_margin(ttl: float) -> float:
@@ -135,42 +114,35 @@ def deadline_margin(ttl: float) -> float:
 def max_kill_after(ttl: float) -> float:
     """The longest grace (seconds between SIGTERM and SIGKILL) that fits a lease of ``ttl``
     seconds: ``ttl`` less one keepalive interval (TTL/3), the keepalive margin and the
-    deadline margin. The SIGTERM is planned back from the lease's earliest expiry E, which
-    each confirmed keepalive moves on: with this grace it comes the keepalive margin after
-    the next keepalive on the grid is sent, and a longer one would SIGTERM the child of a
-    healthy holder before that keepalive could be answered at all. 1.25 s for a TTL of 3 s,
-    5.4 s for 10 s, 12 s for 20 s. The default (``default_kill_after``) leaves that
-    keepalive a whole interval more.
-    """
+    deadline margin. The SIGTERM, planned back from E (which each confirmed keepalive moves
+    on), then comes the keepalive margin after the next keepalive is sent: a longer grace
+    would SIGTERM a healthy holder's child before that keepalive could be answered. 1.25 s
+    for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s; ``default_kill_after`` leaves that
+    keepalive a whole interval more."""
     return max(0.0, ttl - ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl))
 
 
 def default_kill_after(ttl: float, asked: float = 5.0) -> float:
     """The grace (seconds) conch gives when none is asked for: ``asked`` (the documented 5 s),
     or less where the TTL cannot give that and still leave the keepalive sent after the last
-    confirmed one its whole patience (an interval plus the keepalive margin) to be answered
-    before the SIGTERM planned back from E comes: a slow but answered keepalive never costs
-    the child a SIGTERM. 0.25 s at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up.
-    ``max_kill_after`` is the longest an operator may ask for, trading that patience for
-    grace. The hold itself is lost only when E passes unconfirmed or etcd says the lease or
-    key is gone (conch/core/session.py), never at a late keepalive.
-    """
+    confirmed one its whole patience (an interval plus the keepalive margin) before the
+    SIGTERM planned back from E: a slow but answered keepalive never costs the child a
+    SIGTERM. 0.25 s at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up; ``max_kill_after``
+    is the longest one may ask for. The hold itself is lost only when E passes unconfirmed
+    or etcd says the lease or key is gone, never at a late keepalive."""
     return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 
 def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> float:
     """The grace to give (seconds): ``kill_after``, cut to ``max_kill_after(ttl)``. Raises
     UsageError (exit 64) unless ``kill_after`` fits a lease of ``ttl`` seconds as the limit
-    is shown, to the hundredth of a second (the limit at 3 s is 1.2467 s, shown and accepted
-    as 1.25 s: a grace asked for exactly as the refusal prints it is never refused; the
-    3 ms it is cut by come off the SIGTERM's side, never the SIGKILL's); ``flag`` names it
-    in the message."""
+    is shown, to the hundredth of a second (1.2467 s at 3 s is shown and accepted as 1.25 s;
+    the cut comes off the SIGTERM's side, never the SIGKILL's); ``flag`` names it in the
+    message."""
     fits = max_kill_after(ttl)
     shown = f"{fits:.2f}"
     if kill_after > float(shown) + 1e-9:  # 1e-9: 5410ms parses as 5.410000000000001
-        raise UsageError(
-            # The grace as asked, never rounded to the limit shown beside it (1.2500001s
-            # shown as "1.25s does not fit ...: at most 1.25s").
+        raise UsageError(  # as asked, never rounded like the limit beside it
             f"{flag} {kill_after:.9g}s does not fit a {ttl:g}s TTL: at most {shown}s "
             "(TTL - TTL/3 - margins), so that the SIGKILL lands before the lease can "
             "expire; shorten it or raise the TTL"
@@ -205,60 +177,39 @@ def supervise(
     conch's credentials. Raises NoSlot, Interrupted, Unavailable from the acquisition
     (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch); returns 70 when the
     hold was lost while the child ran, or its watchdog died. A hold lost before the child
-    started (nothing ran) is given back and the slot queued for again, at the back of the
-    queue, while ``wait`` allows (a ``requeue`` warning; NoSlot once it does not). What the
-    child leaves in its group is reaped as it dies only after ``adopt_orphans()`` (the
-    command calls it); else a zombie among them holds the slot until PID 1 reaps it or
-    ``kill_after`` runs out.
-    ``watchdog`` (from ``start_watchdog(kill_after)``, started before connecting so that its
-    interpreter starts while the connection is made) serves the first round; it is
-    dismissed like one started here. In-process, the deadline is kept by this process's
-    own threads and by the watchdog process: a pause of the whole process (SIGSTOP, a VM
-    paused whole) stops the former, never the latter.
-    """
+    started is given back and queued for again, at the back, while ``wait`` allows (a
+    ``requeue`` warning; NoSlot once it does not). What the child leaves in its group is
+    reaped as it dies only after ``adopt_orphans()``; else a zombie among them holds the
+    slot until PID 1 reaps it or ``kill_after`` runs out. ``watchdog`` (from
+    ``start_watchdog(kill_after)``, started before connecting) serves the first round. The
+    deadline is kept by this process's threads and by the watchdog process: a pause of the
+    whole process (SIGSTOP, a VM paused) stops the former, never the latter."""
     kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-    while True:
+    while True:  # a round: a watchdog, a hold, the child
         try:
-            return _hold_and_run(
-                sema, argv, remaining(deadline), kill_after, stop, watchdog, environ
-            )
-        except HoldLost as exc:
-            watchdog = None  # dismissed with its round
-            sema.pause_before_reentry(exc, deadline, stop, backoff)
-
-
-def _hold_and_run(
-    sema: Semaphore,
-    argv: Sequence[str],
-    wait: float | None,
-    kill_after: float,
-    stop: Flag,
-    watchdog: Watchdog | None,
-    environ: Mapping[str, str] | None,
-) -> int:
-    """One round of ``supervise``: a watchdog (``watchdog`` or a new one), a hold, the child.
-    Raises HoldLost when the hold was lost before the child started."""
-    try:
-        # before queueing: its start-up is over by the slot
-        watchdog = watchdog or start_watchdog(kill_after, environ)
-    except OSError as exc:
-        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
-    try:
-        hold = sema.acquire(wait, stop, guard=False)
-        hold._warn_on_loss = False  # reported below as an error, with what became of the child
+            # before queueing: its start-up is over by the slot
+            watchdog = watchdog or start_watchdog(kill_after, environ)
+        except OSError as exc:
+            return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
         try:
-            if stop.is_set():
-                raise Interrupted(stop.reason)
-            return run_child(hold, argv, kill_after, stop, watchdog, environ)
+            hold = sema.acquire(remaining(deadline), stop, guard=False)
+            hold._warn_on_loss = False  # reported below as an error, with what became of the child
+            try:
+                if stop.is_set():
+                    raise Interrupted(stop.reason)
+                return run_child(hold, argv, kill_after, stop, watchdog, environ)
+            finally:
+                hold.release()
+        except HoldLost as exc:  # before the child started: queued for again
+            lost = exc
         finally:
-            hold.release()
-    finally:
-        # After the release: the watchdog's exit does not compete with the next holder's
-        # start, and conch does not exit before it (an outer conch, our subreaper, would
-        # find it re-parented to it and stop it as a process escaped from its job).
-        watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
+            # After the release (the next holder's start comes first), and before conch exits
+            # (an outer conch, our subreaper, would stop it as a process escaped its job).
+            watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
+        watchdog = None  # dismissed with its round
+        sema.pause_before_reentry(lost, deadline, stop, backoff)
 
 
 def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -287,12 +238,11 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     return watchdog
 
 
-def _report(outcome: Outcome, status: int | None = None, /, **fields: object) -> int:
+def _report(outcome: Outcome, **fields: object) -> int:
     """Log an outcome that is an error (one ``event=`` line named for it, with ``fields``);
     return its exit code."""
-    if outcome is not Outcome.CHILD_EXITED and outcome is not Outcome.SIGNAL:
-        log.error(outcome.value, **fields)
-    return exit_code(outcome, status)
+    log.error(outcome.value, **fields)
+    return exit_code(outcome)
 
 
 def run_child(
@@ -304,88 +254,82 @@ def run_child(
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
-    (return its status), the loss of ``hold`` (terminate it, return 70), the deadline (no
-    keepalive confirmed in time: terminate it so that it is dead before the lease can
-    expire, return 70), its watchdog's death (terminate it, return 70), or ``stop``
-    (terminate it, return its status). Never starts it without a hold: raises HoldLost if
-    it is lost (or its lease not certainly alive long enough) before the child starts,
-    Interrupted if ``stop`` is set before it starts.
-    ``hold`` is released as soon as the child has exited with nothing left in its group
-    and, after ``adopt_orphans()``, nothing left outside it either: what the child started
-    and left in the background counts as the child until it is gone (a ``stragglers`` or an
+    (return its status), the loss of ``hold``, the deadline (no keepalive confirmed in time)
+    or its watchdog's death or silence (terminate it so that it is dead before the lease
+    can expire, return 70), or ``stop`` (terminate it, return its status). Returns 127 or
+    126 when ``argv`` cannot be found or executed, 70 when the watchdog does not run or
+    answer (nothing started). Raises HoldLost if the hold is lost (or its lease not
+    certainly alive long enough) before the child starts, Interrupted if ``stop`` is set
+    before it starts. ``hold`` is released as soon as the child has exited with nothing
+    left in its group and, after ``adopt_orphans()``, nothing left outside it either: what
+    it left in the background counts as the child until gone (a ``stragglers`` or
     ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
-    with the child's group on a loss or ``stop``.
-    ``watchdog`` (started in advance) is armed with the child's group; without one, one is
-    started here, before the child."""
+    with the child's group on a loss or ``stop``. ``watchdog`` (started in advance) is
+    armed with the child's group; without one, one is started here."""
     try:
         watchdog = watchdog or start_watchdog(kill_after, environ)
     except OSError as exc:
         return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
     run = _Run(hold, kill_after, stop, watchdog)
-    if not watchdog.ready(WATCHDOG_START_TIMEOUT, stop):  # long since, unless the slot was free
-        watchdog.kill()  # stopped in its start-up it would never see its pipe's end
-        watchdog.dismiss()
-        if stop.is_set():
-            raise Interrupted(stop.reason)
-        if watchdog.ended:  # killed while conch queued, or could not start
-            return _report(Outcome.WATCHDOG_FAILED, error="the watchdog exited before the child")
-        return _report(
-            Outcome.WATCHDOG_FAILED, error=f"not running after {WATCHDOG_START_TIMEOUT:g}s"
-        )
-    if not watchdog.answers(ANSWER_TIMEOUT):  # stopped while conch queued: no child then
-        error = "the watchdog exited before the child"
-        if not watchdog.ended:
-            error = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-        watchdog.kill()
-        watchdog.dismiss()
-        return _report(Outcome.WATCHDOG_FAILED, error=error)
-    # After the watchdog's start, which can take a while on a loaded machine.
-    run.confirm_hold()
-    env = child_env(hold, environ)
-    try:
-        # Before the child exists: a conch killed before the arm line below leaves it found.
-        watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
-    except OSError as exc:
-        watchdog.dismiss()
-        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
-    with _reap_lock:  # the adopting reaper takes no status until the child is claimed
+    try:  # every way out dismisses the watchdog (run.finish)
+        # Ready long since, unless the slot was free; answering, unless stopped (SIGSTOP, a
+        # debugger, a freezer) while conch queued: no child starts without both.
+        ready = watchdog.ready(WATCHDOG_START_TIMEOUT, stop)
+        if not ready or not watchdog.answers(ANSWER_TIMEOUT):
+            ended = watchdog.ended  # killed while conch queued, or could not start
+            watchdog.kill()  # stopped, it would never see its pipe's end
+            if not ready and stop.is_set():
+                raise Interrupted(stop.reason)
+            if ended:
+                error = "the watchdog exited before the child"
+            elif ready:
+                error = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
+            else:
+                error = f"not running after {WATCHDOG_START_TIMEOUT:g}s"
+            return _report(Outcome.WATCHDOG_FAILED, error=error)
+        run.confirm_hold()  # after the watchdog's start, which can take a while under load
+        env = child_env(hold, environ)
         try:
-            pid = spawn(argv, env)
-        except (FileNotFoundError, ValueError):  # ValueError: an empty command name
-            watchdog.dismiss()
-            return _report(Outcome.NOT_FOUND, cmd=argv[0], **hints.not_found(argv[0]))
+            # Before the child exists: a conch killed before the arm line leaves it found.
+            watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
         except OSError as exc:
-            watchdog.dismiss()
-            return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))
-        try:
+            return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+        with _reap_lock:  # the adopting reaper takes no status until the child is claimed
             try:
-                watchdog.arm(pid)
-                unarmed = None
+                pid = spawn(argv, env)
+            except (FileNotFoundError, ValueError):  # ValueError: an empty command name
+                return _report(Outcome.NOT_FOUND, cmd=argv[0], **hints.not_found(argv[0]))
             except OSError as exc:
-                unarmed = exc
-            box = run.box
-            _on_exit(pid, lambda status: _child_exited(pid, status, box))
-        except BaseException:  # no reaping thread (can't start new thread): fail closed
+                error = exc.strerror or str(exc)
+                return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=error)
+            try:
+                try:
+                    watchdog.arm(pid)
+                    unarmed = None
+                except OSError as exc:
+                    unarmed = exc
+                box = run.box
+                _on_exit(pid, lambda status: _child_exited(status, box))
+            except BaseException:  # no reaping thread (can't start new thread): fail closed
+                _kill_group(pid)
+                raise
+        try:  # from here on, whatever goes wrong, the child does not outlive our supervision
+            if unarmed is not None:
+                run.terminate(_Job(pid), child_running=True, kill_at=run.kill_at_latest())
+                return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
+            return run.supervise(pid)
+        except BaseException:
+            # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
+            # running with nobody watching it while the slot is released.
             _kill_group(pid)
             raise
-    try:  # from here on, whatever goes wrong, the child does not outlive our supervision
-        if unarmed is not None:
-            run.terminate(_Job(pid), child_running=True, kill_at=run.kill_at_latest())
-            return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
-        return run.supervise(pid)
-    except BaseException:
-        # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
-        # running with nobody watching it while the slot is released.
-        _kill_group(pid)
-        raise
     finally:
         run.finish()
 
 
 class _Run:
-    """One child's supervision, from its spawn to its end: the hold, the stop flag, the
-    watchdog, the mailbox every one of them (and the reaper) reports into, and the
-    deadline planned back from the lease's earliest expiry."""
+    """One child's supervision: the hold, the stop flag, the watchdog, the mailbox they (and
+    the reaper) report into, and the deadline planned back from the lease's expiry."""
 
     def __init__(self, hold: Hold, kill_after: float, stop: Flag, watchdog: Watchdog) -> None:
         ttl = hold.session.ttl  # as granted: etcd may raise it, never lower it
@@ -397,21 +341,16 @@ class _Run:
         self.box: Mailbox = queue.SimpleQueue()
         self._undo: list[Callable[[], None]] = []
 
-    def expiry(self) -> float:
-        """The lease's earliest expiry on the server, ``time.monotonic()``."""
+    def expiry(self) -> float:  # the lease's earliest expiry on the server
         return self.hold.session.alive_until
 
-    def kill_at_latest(self) -> float:
-        """The instant (``time.monotonic()``) by which the child must be dead."""
+    def kill_at_latest(self) -> float:  # by when the child must be dead
         return self.expiry() - self.margin
 
-    def term_at(self) -> float:
-        """The SIGTERM planned back from the deadline: ``kill_after`` before it."""
+    def term_at(self) -> float:  # the SIGTERM planned back from the deadline
         return self.kill_at_latest() - self.kill_after
 
-    def grace_until(self) -> float:
-        """SIGKILL's instant for a termination that starts now: ``kill_after`` from now, or
-        the deadline if that comes first."""
+    def grace_until(self) -> float:  # SIGKILL's instant for a termination that starts now
         return min(time.monotonic() + self.kill_after, self.kill_at_latest())
 
     def confirm_hold(self) -> None:
@@ -419,33 +358,26 @@ class _Run:
         to spare: not lost, and the deadline's SIGTERM not due yet (a process stalled since
         its last keepalive, or a keepalive overdue: the child would be stopped at once)."""
         if self.stop.is_set():
-            self.watchdog.dismiss()
             raise Interrupted(self.stop.reason)
         if self.hold.lost.is_set() or time.monotonic() >= self.term_at():
-            self.watchdog.dismiss()
             reason = self.hold.lost.reason or "lease not confirmed alive (process stalled?)"
             raise HoldLost(f"hold lost before the child started: {reason}")
 
     def supervise(self, pid: int) -> int:
-        """From the child's start to its end: wait for the first notice, act on it, return
-        the exit code."""
+        """Wait for the first notice after the child's start, act on it; the exit code."""
         hold, watchdog = self.hold, self.watchdog
         hold.start_guard()
         started = time.monotonic()
         log.info("child-start", pid=pid, rev=hold.revision)
-        # After the spawn, off the handoff's path (a thread's start): a watchdog that died
-        # before is seen all the same, its stdout's end waiting to be read.
+        # After the spawn, off the handoff's path: a watchdog dead before shows all the same.
         watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
         # A keepalive confirmed since the expect line, before the listener above, would be
         # missing from the watchdog's expiry: it could fire an interval early.
         watchdog.heartbeat(self.expiry())
-        hold.lost.subscribe(self.box)
-        self.stop.subscribe(self.box)
-        self._undo += [
-            lambda: hold.lost.unsubscribe(self.box),
-            lambda: self.stop.unsubscribe(self.box),
-        ]
+        for flag in (hold.lost, self.stop):
+            flag.subscribe(self.box)
+            self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
         job = _Job(pid)
         if isinstance(notice, ChildExit):
@@ -459,25 +391,23 @@ class _Run:
                 self.terminate(job, child_running=False, kill_at=self.grace_until())
             watchdog.dismiss()
             if watchdog.fired:  # we were frozen past the deadline; the watchdog stopped it
-                return self._lost(STALLED)
+                log.error("lost", name=hold.name, rev=hold.revision, reason=STALLED)
+                return exit_code(Outcome.LOST_WHILE_RUNNING)
             return exit_code(Outcome.CHILD_EXITED, code)
         if notice is self.stop:
             log.info("signal", signum=self.stop.reason, pid=pid)
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
-        if _watchdog_failed(notice) and not watchdog.fired:
-            # No grace: with the watchdog gone nothing else holds the deadline, and a conch
-            # frozen during a grace (found by the overlap harness: the wrapper stopped half a
-            # second after its watchdog's death) would leave the child running beside the
-            # next holder. SIGKILL at once. A silent watchdog is a dead one: stopped
-            # (SIGSTOP, a debugger), it would have let a conch frozen next run the child past
-            # its lease (17 s, seen), and SIGKILLed next, orphan it.
+        failure = _watchdog_failure(notice)
+        if failure is not None and not watchdog.fired:
+            # No grace: with the watchdog gone or silent (a stopped one is a dead one) nothing
+            # else holds the deadline should conch freeze during a grace (the overlap harness
+            # found it): SIGKILL at once.
             returncode = self.terminate(job, child_running=True, kill_at=time.monotonic())
             watchdog.kill()
             _log_child_exit(pid, returncode, started)
-            return _report(Outcome.WATCHDOG_FAILED, error=_watchdog_failure(notice))
-        reason = self._loss_reason(notice)
-        log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
+            return _report(Outcome.WATCHDOG_FAILED, error=failure)
+        log.error("lost", name=hold.name, rev=hold.revision, reason=self._loss_reason(notice))
         if notice is hold.lost and _slot_taken(hold):
             # Our key is gone in etcd itself: the slot may be someone else's already, so
             # a grace could only be spent beside its new holder. SIGKILL at once.
@@ -487,9 +417,8 @@ class _Run:
         else:
             kill_at = self.grace_until()
         returncode = self.terminate(job, child_running=True, kill_at=kill_at)
-        # Before anything else, as after a child's exit; but a release that cannot get through
-        # (etcd frozen, quorum lost: the usual reason for a loss) is not waited for: past the
-        # lease's earliest expiry it can no longer free the slot sooner.
+        # Before anything else, as after a child's exit; but not waited for past E (etcd frozen,
+        # quorum lost: the usual reason for a loss), when it can no longer free the slot sooner.
         if not self.watchdog.fired:  # else conch was the one frozen, not etcd
             hold.release(
                 log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS)
@@ -498,10 +427,9 @@ class _Run:
         return exit_code(Outcome.LOST_WHILE_RUNNING)
 
     def _first_notice(self) -> object:
-        """The first of: the child's exit (a ChildExit), the hold's loss or ``stop`` (the
-        Flag), the watchdog's end (a WatchdogExited), or _DEADLINE when the SIGTERM planned
-        back from the lease's earliest expiry is due (no keepalive confirmed in time: the
-        expiry is read again at each wake, as keepalives move it on)."""
+        """The first of: a ChildExit, the hold's loss or ``stop`` (the Flag), a WatchdogExited
+        or WatchdogSilent, or _DEADLINE once the deadline's SIGTERM is due (the expiry read
+        again at each wake, as keepalives move it on)."""
         while True:
             try:
                 return self.box.get(timeout=remaining(self.term_at()))
@@ -520,25 +448,21 @@ class _Run:
             )
         return str(self.hold.lost.reason)
 
-    def _lost(self, reason: str) -> int:
-        log.error("lost", name=self.hold.name, rev=self.hold.revision, reason=reason)
-        return exit_code(Outcome.LOST_WHILE_RUNNING)
-
     def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
         """Stop ``job``: SIGTERM now, SIGKILL at ``kill_at`` (``time.monotonic()``; at once if
-        that has passed), sooner if our key is seen gone meanwhile. The watchdog stands by:
-        counting to the deadline it would only send a second SIGTERM into the child's
-        cleanup, but should conch die meanwhile (SIGKILL, OOM) it still finishes the
-        termination. Returns the child's return code (if ``child_running``)."""
+        that has passed), sooner on a ``_hurry`` notice. The watchdog stands by (rather than
+        send a second SIGTERM into the child's cleanup at the deadline), to finish the
+        termination should conch die meanwhile. Returns the child's return code (if
+        ``child_running``)."""
         self.watchdog.stand_by(kill_at)
         return _stop_group(job, self.box, child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
         """Whether ``notice``, come during a termination, calls for SIGKILL now: our key
-        gone in etcd, or the watchdog gone or silent (nothing else would hold the deadline
-        should conch freeze in the grace)."""
-        if _watchdog_failed(notice) and not self.watchdog.fired:
-            log.error(Outcome.WATCHDOG_FAILED.value, error=_watchdog_failure(notice))
+        gone in etcd, or the watchdog gone or silent."""
+        failure = _watchdog_failure(notice)
+        if failure is not None and not self.watchdog.fired:
+            log.error(Outcome.WATCHDOG_FAILED.value, error=failure)
             self.watchdog.kill()
             return True
         return notice is self.hold.lost and _slot_taken(self.hold)
@@ -552,32 +476,25 @@ class _Run:
 STALLED = "wrapper stalled; the watchdog terminated the child"
 
 
-def _watchdog_failed(notice: object) -> bool:
-    """Whether ``notice`` says the watchdog died or stopped answering its probes."""
-    return (isinstance(notice, WatchdogExited) and not notice.fired) or isinstance(
-        notice, WatchdogSilent
-    )
-
-
-def _watchdog_failure(notice: object) -> str:
+def _watchdog_failure(notice: object) -> str | None:
+    """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
     if isinstance(notice, WatchdogSilent):
         return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
-    return "the watchdog exited while the child ran"
+    if isinstance(notice, WatchdogExited) and not notice.fired:
+        return "the watchdog exited while the child ran"
+    return None
 
 
 def _slot_taken(hold: Hold) -> bool:
-    """Whether the hold's loss was seen in etcd itself: our key deleted while the session
-    lives (the guard's watch, a guarded write), or our lease unknown to etcd (revoked, or
-    expired). Not an unanswered keepalive: the lease then lives until its expiry. Decided
-    by the loss's LossReason (``LossReason.slot_taken``), never by its message."""
+    """Whether the hold's loss was seen in etcd itself (our key deleted, our lease unknown),
+    not an unanswered keepalive: ``LossReason.slot_taken``, never the message's words."""
     reason = Loss.of(hold.lost.reason)
     return reason is not None and reason.slot_taken
 
 
 def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
     """Log ``child-exit`` (the child's status as a shell reports it, and how long it ran);
-    return that status. ``None``: not reaped even after SIGKILL (stuck in the kernel),
-    reported as killed by SIGKILL."""
+    return that status. ``None`` (not reaped even after SIGKILL) counts as killed by it."""
     if returncode is None:
         log.warning("child-unreaped", pid=pid, after=f"{REAP_AFTER_KILL:g}s")
         returncode = -signal.SIGKILL
@@ -593,15 +510,13 @@ def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
 def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     """While inside, every signal of STOP_SIGNALS (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1,
     SIGUSR2, SIGALRM, ..., the real-time signals) sets ``stop`` (reason: the signal number)
-    instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped conch
-    sends no keepalives, so its child would run on unsupervised until the watchdog or the
-    lease's expiry ended the hold. Any of them but SIGTERM ignored on entry stays ignored,
-    here and in the child (``posix_spawn`` keeps what is ignored): whoever started us said it
-    must not stop us (``nohup``, a script's background job, which ignores SIGINT). Process-wide
-    signal handlers: for the command, or a caller that owns the process's signals. The
-    previous handlers come back on leaving, unless ``restore`` is False (a process about to
-    exit with its child's status: a late signal must not turn that into death by the
-    signal)."""
+    instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped
+    conch sends no keepalives while its child runs on. Any of them but SIGTERM ignored on
+    entry stays ignored, here and in the child (``posix_spawn`` keeps what is ignored):
+    ``nohup``, a script's background job. Process-wide signal handlers: for the command, or
+    a caller that owns the process's signals. The previous handlers come back on leaving,
+    unless ``restore`` is False (a process about to exit with its child's status: a late
+    signal must not turn that into death by the signal)."""
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGTSTP)}
     for sig, handler in previous.items():
         if handler == signal.SIG_IGN and sig in KEEP_IGNORED:

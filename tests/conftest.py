@@ -132,17 +132,23 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
 
 
-def etcd_watchers(cluster: EtcdCluster) -> int:
-    """The watchers etcd's first member has registered now, from its Prometheus metrics
-    (``etcd_debugging_mvcc_watcher_total``): a watch counts once etcd has set it up."""
+def etcd_metrics(cluster: EtcdCluster) -> list[str]:
+    """The lines of etcd's first member's Prometheus metrics (``/metrics``) now."""
     import urllib.request
 
     url = f"http://{cluster.members[0].endpoint}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("etcd_debugging_mvcc_watcher_total "):
-                return int(float(line.rsplit(" ", 1)[1]))
-    raise AssertionError(f"no etcd_debugging_mvcc_watcher_total at {url}")
+        text: str = response.read().decode()
+    return text.splitlines()
+
+
+def etcd_watchers(cluster: EtcdCluster) -> int:
+    """The watchers etcd's first member has registered now (``etcd_debugging_mvcc_watcher_total``):
+    a watch counts once etcd has set it up."""
+    for line in etcd_metrics(cluster):
+        if line.startswith("etcd_debugging_mvcc_watcher_total "):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no etcd_debugging_mvcc_watcher_total in etcd's metrics")
 
 
 def alive(pid: int) -> bool:

@@ -3,7 +3,9 @@
 ``DelayProxy(("127.0.0.1", etcd_port), delay=1.5)`` listens on ``proxy.port``; what a client
 sends goes through at once, what the server answers reaches the client ``delay`` seconds
 after it arrived, in order. A slow link in one direction, for the test process's own
-client, without a network namespace. ``close()`` ends every connection.
+client, without a network namespace. ``delay`` may be changed: what arrives from then on is
+held back by the new one. ``cut()`` ends every connection so far, dropping what it holds back
+(a link that breaks), and still accepts new ones; ``close()`` ends every connection.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class DelayProxy:
     def __init__(self, target: tuple[str, int], delay: float) -> None:
         self._target = target
-        self._delay = delay
+        self.delay = delay
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = [self._listener]
@@ -41,17 +44,25 @@ class DelayProxy:
             held: queue.SimpleQueue[tuple[float, bytes]] = queue.SimpleQueue()
             for target, args in (
                 (_pump, (client, server)),
-                (_hold, (server, held, self._delay)),
+                (_hold, (server, held, lambda: self.delay)),
                 (_release, (held, client)),
             ):
                 threading.Thread(target=target, args=args, daemon=True).start()
 
+    def cut(self) -> None:
+        connections, self._sockets[1:] = self._sockets[1:], []
+        _shut(connections)
+
     def close(self) -> None:
         self._closed = True
-        for sock in self._sockets:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+        _shut(self._sockets)
+
+
+def _shut(sockets: list[socket.socket]) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:
@@ -64,13 +75,15 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 def _hold(
-    source: socket.socket, held: queue.SimpleQueue[tuple[float, bytes]], delay: float
+    source: socket.socket,
+    held: queue.SimpleQueue[tuple[float, bytes]],
+    delay: Callable[[], float],
 ) -> None:
     """Server to client: each chunk stamped with when it may go on."""
     with contextlib.suppress(OSError):
         while data := source.recv(65536):
-            held.put((time.monotonic() + delay, data))
-    held.put((time.monotonic() + delay, b""))
+            held.put((time.monotonic() + delay(), data))
+    held.put((time.monotonic() + delay(), b""))
 
 
 def _release(held: queue.SimpleQueue[tuple[float, bytes]], sink: socket.socket) -> None:

@@ -20,7 +20,7 @@ from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv
 from conch.etcd.client import Credentials
 from conch.etcd.watch import Watch, WatchNotice
-from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
+from tests.conftest import DEADLINE, Gate, Runner, etcd_metrics, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_security import PASSWORD, etcdctl, openssl
 
@@ -203,14 +203,9 @@ def test_a_watch_opened_with_a_stale_token_starts_with_a_fresh_one(
 
 def authenticate_calls(cluster: EtcdCluster) -> int:
     """Auth.Authenticate calls the member has answered, from its Prometheus metrics."""
-    import urllib.request
-
-    url = f"http://{cluster.members[0].endpoint}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        lines = response.read().decode().splitlines()
     return sum(
         int(float(line.rsplit(" ", 1)[1]))
-        for line in lines
+        for line in etcd_metrics(cluster)
         if line.startswith("grpc_server_handled_total{") and 'grpc_method="Authenticate"' in line
     )
 

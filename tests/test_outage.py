@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 
 from conch.core.loss import Loss, LossReason
-from conch.etcd import Client
+from conch.etcd import Client, kv
+from conch.etcd.status import server_version
 from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_parity import Asyncio, Face, Threaded, _poll
@@ -48,25 +49,37 @@ def runs_alone(gate: Gate, ident: str) -> bool:
     return gate.now_running() == {ident}
 
 
+def store_revision(cluster: EtcdCluster) -> tuple[int, str]:
+    """etcd's current revision and its release, as one member answers them."""
+    with cluster.client() as client:
+        revision = kv.range_prefix(client, b"/revision-probe/", keys_only=True).header.revision
+        return revision, server_version(client) or "?"
+
+
 def restart(cluster: EtcdCluster, outage: float = OUTAGE) -> float:
     """SIGKILL the one member, start it again on its data ``outage`` seconds later (the
     fault's length, not a wait for anything), wait until it serves reads; the instant of
-    the kill."""
+    the kill.
+
+    etcd 3.5.0-3.5.2 can lose writes it acknowledged when it is killed (etcd issue 13766:
+    the consistent index was not saved atomically with the data; fixed in 3.5.3): it comes
+    back at a lower revision and the keys made before the kill are gone or remade. No
+    client keeps its place in a history the server forgot, so the test cannot be run then:
+    an xfail on those releases, a failure on any other."""
+    before, release = store_revision(cluster)
     member = cluster.members[0]
     member.kill()
     killed = time.monotonic()
     time.sleep(outage)
     member.start(cluster.initial_cluster)
     cluster.wait_healthy()
+    after, _ = store_revision(cluster)
+    if after < before:
+        said = f"etcd {release} came back at revision {after} after a SIGKILL at {before}"
+        if release in ("3.5.0", "3.5.1", "3.5.2"):
+            pytest.xfail(f"{said}: it lost acknowledged writes (etcd issue 13766)")
+        pytest.fail(f"{said}: the server lost acknowledged writes")
     return killed
-
-
-@pytest.fixture
-def own_etcd(tmp_path: Path) -> Any:
-    cluster = EtcdCluster(tmp_path / "etcd")
-    cluster.start()
-    yield cluster
-    cluster.stop()
 
 
 _DEADLINE_REASON = re.compile(r"the lease can expire in (-?[0-9.]+)s")

@@ -10,6 +10,7 @@ of ``conch`` on a thread (``asyncio.to_thread``) and the ones that do not block 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import gc
@@ -25,13 +26,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pytest
+from conchpb.etcdserverpb import rpc_pb2
 
 import conch
 import conch.aio
 from conch import keys
 from conch.etcd import Client, kv, lease
-from tests.conftest import DEADLINE, sema_keys
+from tests.conftest import DEADLINE, etcd_watchers, sema_keys
+from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
+from tests.test_auth import alice, authenticate_calls, enable_auth
+from tests.test_security import PASSWORD
 
 
 class Face(Protocol):
@@ -40,8 +45,14 @@ class Face(Protocol):
 
     name: str
     interrupted: type[BaseException]  # what an interrupted wait raises
+    endpoints: str  # what ``connect`` connects to
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face: ...
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face: ...
     def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
     def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
     def semaphore_reading_once(
@@ -80,17 +91,31 @@ class Threaded:
     name = "threaded"
     interrupted: type[BaseException] = conch.Interrupted
 
-    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> None:
         self.endpoints = etcd.endpoints
         self.request_timeout = request_timeout
+        self.credentials = credentials
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
-        """This face on another etcd, its calls with ``request_timeout``."""
-        return type(self)(etcd, request_timeout)
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face:
+        """This face on another etcd, its calls with ``request_timeout`` and
+        ``credentials``."""
+        return type(self)(etcd, request_timeout, credentials)
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[conch.Client]:
-        connect = functools.partial(conch.connect, request_timeout=self.request_timeout)
+        connect = functools.partial(
+            conch.connect, request_timeout=self.request_timeout, credentials=self.credentials
+        )
         client = await asyncio.to_thread(connect, self.endpoints)
         try:
             yield client
@@ -180,16 +205,30 @@ class Asyncio:
     name = "asyncio"
     interrupted: type[BaseException] = asyncio.CancelledError
 
-    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> None:
         self.endpoints = etcd.endpoints
         self.request_timeout = request_timeout
+        self.credentials = credentials
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
-        """This face on another etcd, its calls with ``request_timeout``."""
-        return type(self)(etcd, request_timeout)
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face:
+        """This face on another etcd, its calls with ``request_timeout`` and
+        ``credentials``."""
+        return type(self)(etcd, request_timeout, credentials)
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
-        return conch.aio.connect(self.endpoints, request_timeout=self.request_timeout)
+        return conch.aio.connect(
+            self.endpoints, request_timeout=self.request_timeout, credentials=self.credentials
+        )
 
     def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
@@ -674,6 +713,137 @@ def test_closing_the_client_revokes_the_leases_still_open_on_it(
         run(face, scenario)
     assert sema_keys(client, name) == []
     assert time.monotonic() - started < 15
+
+
+# -- an auth token that expires ------------------------------------------------------------
+
+TOKEN_TTL = 2  # seconds: etcd forgets a simple token left unused for this long
+PAST_TOKEN = TOKEN_TTL + 1.5  # etcd sweeps its expired tokens once a second
+
+
+@pytest.fixture(scope="module")
+def short_token_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A one-member etcd with auth on (user alice) and simple tokens of TOKEN_TTL s."""
+    extra = ["--auth-token=simple", f"--auth-token-ttl={TOKEN_TTL}"]
+    cluster = EtcdCluster(tmp_path_factory.mktemp("short-token"), extra=extra)
+    cluster.start()
+    enable_auth(cluster)
+    yield cluster
+    cluster.stop()
+
+
+def test_a_holder_and_its_waiters_outlive_their_auth_token_expiring(
+    face: Face, short_token_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder and two waiters queued behind it (max=1) on one client, its token left to
+    expire (unused for longer than its TTL) before every release: each release meets the
+    expired token, the client authenticates again and the call goes through; the waiters
+    waited through it, each holds in the order it queued on the key it queued with, no hold
+    is lost, and the log has the same events in both faces."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(short_token_etcd, credentials=conch.Credentials("alice", PASSWORD))
+    renewed: list[int] = []
+
+    async def release_past_the_token(hold: Any) -> None:
+        await asyncio.sleep(PAST_TOKEN)
+        await here.check(hold)  # no etcd call: the lease lives on its keepalives
+        before = authenticate_calls(short_token_etcd)
+        await here.release(hold)
+        renewed.append(authenticate_calls(short_token_etcd) - before)
+
+    async def scenario(fclient: Any) -> None:
+        with alice(short_token_etcd) as client:
+            holder = await here.acquire(here.semaphore(fclient, name, max=1, ttl=10), timeout=10)
+            waiting: list[asyncio.Future[Any]] = []
+            for queued in (2, 3):
+                sema = here.semaphore(fclient, name, max=1, ttl=10)
+                waiting.append(asyncio.ensure_future(here.acquire(sema, timeout=60)))
+                await _poll(functools.partial(_count_is, client, name, queued), "queued")
+            order = revisions(client, name)[1:]
+        await release_past_the_token(holder)
+        held = []
+        for each in waiting:
+            hold = await asyncio.wait_for(each, DEADLINE)
+            held.append(hold.revision)
+            await release_past_the_token(hold)
+        assert held == order
+        with alice(short_token_etcd) as client:
+            assert sema_keys(client, name) == []
+
+    run_at(here, scenario)
+    assert len(renewed) == 3 and all(renewed), renewed  # each release authenticated again
+    events = collections.Counter(re.findall(r"event=([\w-]+)", caplog.text))
+    assert events == {"session": 3, "queued": 2, "acquired": 3, "released": 3}, events
+    assert caplog.text.count("revoked=True") == 3, caplog.text
+
+
+# -- watches resumed past a compaction ---------------------------------------------------
+
+
+def test_watches_resumed_past_a_compaction_still_see_the_loss_and_hand_over_in_order(
+    face: Face, own_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder and two waiters at max=1, through a proxy, all watching (the holder's
+    guard its key, the waiters the semaphore's keys). etcd is compacted past every revision
+    their watches still owe, the holder's key is deleted by hand, and their stream breaks
+    before the deletion reaches them (the proxy holds it back, then drops the connection).
+    Every watch resumes from a revision etcd no longer has and is refused as compacted: the
+    guard looks at its key and finds it gone (a watch resumed from the present would never
+    see the deletion, one whose refusal went unheard would wait forever), and the waiters
+    hold in the order they queued. The same lines in both faces."""
+    caplog.set_level(logging.INFO, logger="conch")
+    proxy = DelayProxy(("127.0.0.1", own_etcd.members[0].client_port), delay=0.0)
+    here = face.at(own_etcd)
+    here.endpoints = f"127.0.0.1:{proxy.port}"
+
+    async def scenario(fclient: Any) -> None:
+        with own_etcd.client() as client:
+            holder = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
+            held_since = time.monotonic()
+            waiting: list[asyncio.Future[Any]] = []
+            for queued in (2, 3):
+                sema = here.semaphore(fclient, name, max=1, ttl=30)
+                waiting.append(asyncio.ensure_future(here.acquire(sema)))
+                await _poll(functools.partial(_count_is, client, name, queued), "queued")
+            order = revisions(client, name)[1:]
+            await _poll(lambda: etcd_watchers(own_etcd) == 3, "the guard's and waiters' watches")
+            # Past the holder's touch (0.5 s into the hold): only its watch can see the loss.
+            await asyncio.sleep(max(0.0, held_since + 1.0 - time.monotonic()))
+            proxy.delay = 5.0
+            for i in range(3):
+                kv.put(client, f"/churn/{name}/{i}".encode(), b"x")
+            now = kv.put(client, f"/churn/{name}".encode(), b"x").header.revision
+            client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=now))
+            kv.delete(client, sema_keys(client, name)[0].key)
+            proxy.cut()
+            proxy.delay = 0.0
+            await here.wait_lost(holder)
+            second = await asyncio.wait_for(waiting[0], DEADLINE)
+            await here.release(holder)
+            assert revisions(client, name)[0] == second.revision == order[0]
+            await here.release(second)
+            third = await asyncio.wait_for(waiting[1], DEADLINE)
+            assert third.revision == order[1]
+            await here.release(third)
+            assert sema_keys(client, name) == []
+
+    try:
+        run_at(here, scenario)
+    finally:
+        proxy.close()
+    said = [
+        (r.__dict__["conch_event"], r.__dict__["conch_fields"])
+        for r in caplog.records
+        if "conch_event" in r.__dict__
+    ]
+    rewatches = [fields["reason"] for event, fields in said if event == "rewatch"]
+    assert all("compacted" in reason for reason in rewatches), rewatches
+    # Found by the guard's look at its key, after its watch was refused as compacted.
+    assert [fields["reason"] for event, fields in said if event == "lost"] == [
+        "our key was deleted"
+    ]
+    events = collections.Counter(event for event, _ in said if event != "rewatch")
+    assert events == {"session": 3, "acquired": 3, "queued": 2, "lost": 1, "released": 3}, events
 
 
 # -- etcd's space alarm (NOSPACE) ----------------------------------------------------------

@@ -1,50 +1,32 @@
-"""The etcd layer for coroutines: the same calls and streams as the threaded layer, awaited,
-with their I/O on the running loop.
-
-Unary calls are ``Client.call_async``: grpc.aio calls on channels bound to the loop, under
-the client's own deadlines, failover and token renewal. The streams are grpc.aio streams
-read by the loop too, one of each per client and loop, shared by all its coroutines: one
-Watch.Watch stream for every watch (``watch.LoopHub``, ``LoopWatch``), one LeaseKeepAlive
-stream for the leases of every session (``lease.LoopKeepAlives``, ``keepalive``), with the
-threaded layer's decisions (failover, probes, backoff, token renewal). So no thread of
-ours hands a message to the loop (gRPC's own poller wakes it), and a process pays no
-thread per call, waiter, hold or session; nothing here uses the loop's default executor.
-
-In a process forked while grpc.aio channels were open, where gRPC's asyncio stack is lost
-(``endpoints.loop_native``), the streams are the threaded client's own, whose threads hand
-each notice and answer to the loop with ``call_soon_threadsafe``.
-"""
+"""The etcd layer for coroutines: the threaded layer's calls and streams, awaited, with their
+I/O on the running loop: ``Client.call_async``, and one Watch.Watch stream (``LoopWatch``)
+and one LeaseKeepAlive stream (``keepalive``) per client and loop, read by the loop, with
+the threaded layer's decisions; no thread of ours hands a message over, and nothing uses the
+loop's default executor. In a process forked while grpc.aio channels were open
+(``endpoints.loop_native``) they are the threaded client's streams, whose threads hand each
+notice and answer to the loop with ``call_soon_threadsafe``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import EtcdError, LeaseNotFound, Unavailable
+from conch.errors import LeaseNotFound, Unavailable
 from conch.etcd import kv, lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
+from conch.etcd.lease import KEEPALIVE_SLACK as KEEPALIVE_SLACK
 from conch.etcd.lease import Grant, KeepAlives, LoopKeepAlives
+from conch.etcd.loop import call_soon as call_soon
+from conch.etcd.loop import resolve
 from conch.etcd.watch import LoopHub, Watch, WatchNotice
 from conch.timer import PerOwner
 
-
-def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> bool:
-    """Schedule ``callback(*args)`` on ``loop`` from any thread; False when the loop is
-    closed (asyncio.run is over, or the service stopped without waiting for us)."""
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        return False
-    return True
-
-
-# -- unary calls -----------------------------------------------------------------------------
+T = TypeVar("T")
 
 
 async def range_(
@@ -54,10 +36,8 @@ async def range_(
     interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.RangeResponse:
     """KV.Range (``kv.range_``), awaited; ``interrupt`` as in ``Client.call_async``."""
-    response: rpc_pb2.RangeResponse = await client.call_async(
-        "kv", "Range", request, timeout, interrupt=interrupt
-    )
-    return response
+    response = await client.call_async("kv", "Range", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.RangeResponse, response)
 
 
 async def txn(
@@ -70,10 +50,8 @@ async def txn(
 ) -> rpc_pb2.TxnResponse:
     """KV.Txn (``kv.txn``), awaited; ``interrupt`` as in ``Client.call_async``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response: rpc_pb2.TxnResponse = await client.call_async(
-        "kv", "Txn", request, timeout, interrupt=interrupt
-    )
-    return response
+    response = await client.call_async("kv", "Txn", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.TxnResponse, response)
 
 
 async def delete_own_key(
@@ -82,8 +60,7 @@ async def delete_own_key(
     """``hold.delete_own_key``, awaited: delete ``key`` if its create_revision is still
     ``revision`` (one KV.Txn); whether it was ours to delete."""
     compare = [kv.create_revision_is(key, revision)]
-    response = await txn(client, compare, [kv.op_delete(key)], [], timeout)
-    return bool(response.succeeded)
+    return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 
 
 async def grant(
@@ -91,10 +68,9 @@ async def grant(
 ) -> Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
-    if response.error:
-        raise EtcdError(f"lease grant refused: {response.error}")
-    return Grant(response.ID, response.TTL)
+    return lease.granted(
+        await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    )
 
 
 async def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:
@@ -119,15 +95,12 @@ async def time_to_live(
     return int(response.TTL)
 
 
-# -- one stream of each kind per client and loop -----------------------------------------
-
-
-def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], Any]) -> Callable[[Client], Any]:
+def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], T]) -> Callable[[Client], T]:
     """``make(client, loop)`` once per client and running loop, made on first use; the ones
     of loops that have ended are dropped then (their streams ended with them)."""
-    tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, Any]] = PerOwner(lambda _c: {})
+    tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, T]] = PerOwner(lambda _c: {})
 
-    def get(client: Client) -> Any:
+    def get(client: Client) -> T:
         loop = asyncio.get_running_loop()
         table = tables(client)
         made = table.get(loop)
@@ -145,13 +118,7 @@ _loop_keepalives = _per_loop(LoopKeepAlives)
 
 
 def _keepalives(client: Client) -> KeepAlives:
-    if loop_native():
-        made: KeepAlives = _loop_keepalives(client)
-        return made
-    return lease.keepalives_for(client)
-
-
-# -- the Watch stream ------------------------------------------------------------------------
+    return _loop_keepalives(client) if loop_native() else lease.keepalives_for(client)
 
 
 class LoopWatch:
@@ -173,17 +140,17 @@ class LoopWatch:
     ) -> None:
         self._on_notice = on_notice
         self._cancelled = False
-        args = (client, key, start_revision)
-        if loop_native():
-            hub = _loop_hub(client)
-            self.watch = Watch(*args, self._deliver, range_end, only_deletes, confirm, hub=hub)
-            return
-        loop = asyncio.get_running_loop()
+        deliver: Callable[[WatchNotice], None] = self._deliver
+        hub = _loop_hub(client) if loop_native() else None
+        if hub is None:  # the threaded stream's reader thread hands each notice over
+            loop = asyncio.get_running_loop()
 
-        def deliver(notice: WatchNotice) -> None:  # the threaded stream's reader thread
-            call_soon(loop, self._deliver, notice)
+            def deliver(notice: WatchNotice) -> None:
+                call_soon(loop, self._deliver, notice)
 
-        self.watch = Watch(*args, deliver, range_end, only_deletes, confirm)
+        self.watch = Watch(
+            client, key, start_revision, deliver, range_end, only_deletes, confirm, hub=hub
+        )
 
     @classmethod
     async def open(
@@ -212,14 +179,6 @@ class LoopWatch:
         self.watch.cancel()
 
 
-# -- the LeaseKeepAlive stream ---------------------------------------------------------------
-
-
-# Beyond a keepalive's own deadline, which the keepalives' timers enforce: how late they
-# may run before the awaiting coroutine stops waiting for them.
-KEEPALIVE_SLACK = 1.0  # seconds
-
-
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     """One LeaseKeepAlive of ``lease_id`` on the client's keepalive stream of the running
     loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``),
@@ -232,30 +191,20 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     keepalives = _keepalives(client)
     if isinstance(keepalives, LoopKeepAlives):
         # Its deadline is a timer of this loop: no thread that could be late to watch for.
-        keepalives.refresh(lease_id, deadline, lambda outcome: _settle(answer, outcome))
-        outcome = await answer
-    else:
+        keepalives.refresh(lease_id, deadline, lambda outcome: resolve(answer, outcome))
+        return lease.ttl_of(await answer)
 
-        def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
-            call_soon(loop, _settle, answer, outcome)
+    def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
+        call_soon(loop, resolve, answer, outcome)
 
-        keepalives.refresh(lease_id, deadline, done)
-        left = max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
-        try:
-            outcome = await asyncio.wait_for(answer, left)
-        except TimeoutError:
-            raise Unavailable("keepalive: no answer in time") from None
-    if isinstance(outcome, EtcdError):
-        raise outcome
-    return outcome
+    keepalives.refresh(lease_id, deadline, done)
+    try:
+        return lease.ttl_of(await asyncio.wait_for(answer, lease.wait_for(deadline)))
+    except TimeoutError:
+        raise Unavailable(lease.NO_ANSWER) from None
 
 
 def forget_lease(client: Client, lease_id: int) -> None:
     """Stop keeping ``lease_id`` alive on the client's keepalive stream (no wait; on the
     loop's thread)."""
     _keepalives(client).forget(lease_id)
-
-
-def _settle(answer: asyncio.Future[lease.Outcome], outcome: lease.Outcome) -> None:
-    if not answer.done():
-        answer.set_result(outcome)

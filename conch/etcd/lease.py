@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -18,10 +20,6 @@ from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-
-if TYPE_CHECKING:
-    import asyncio
-
 from conch.timer import Cancellable, LoopTimer, PerOwner, Scheduler, Timer
 
 
@@ -38,7 +36,11 @@ def grant(
     """Lease.LeaseGrant for ``ttl`` seconds (etcd may raise it to its minimum); ``interrupt``
     as in ``Client.call``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    response = client.call("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    return granted(client.call("lease", "LeaseGrant", request, timeout, interrupt=interrupt))
+
+
+def granted(response: rpc_pb2.LeaseGrantResponse) -> Grant:
+    """The Grant in a LeaseGrantResponse; raises EtcdError when etcd refused it."""
     if response.error:
         raise EtcdError(f"lease grant refused: {response.error}")
     return Grant(response.ID, response.TTL)
@@ -54,64 +56,54 @@ def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:
 
 def time_to_live(client: Client, lease_id: int, timeout: float | None = None) -> int:
     """Lease.LeaseTimeToLive: seconds the lease has left; -1 when it is gone."""
-    response = client.call(
-        "lease", "LeaseTimeToLive", rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id), timeout
-    )
-    return int(response.TTL)
+    request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
+    return int(client.call("lease", "LeaseTimeToLive", request, timeout).TTL)
 
 
-# With several endpoints, a keepalive unanswered for this long (or half the time left, if
-# less) is also sent to the next member, while the first stream keeps listening: the first
-# answer counts. A slow link then costs nothing, a silent member costs this much.
+# A keepalive unanswered this long (or half the time left) also goes to the next member,
+# the first stream still listening: a slow link costs nothing, a silent member this much.
 ASK_ANOTHER_AFTER = 0.5  # seconds
+# How late the keepalives' timers may enforce a deadline before the waiter stops waiting.
+KEEPALIVE_SLACK = 1.0  # seconds
+NO_ANSWER = "keepalive: no answer in time"
 
-# What a keepalive comes to: the lease's TTL in seconds, or the EtcdError that ended it
-# (LeaseNotFound for an answer with TTL <= 0, Unavailable for no answer in time).
+# What a keepalive comes to: the TTL in seconds, LeaseNotFound (TTL <= 0) or Unavailable.
 Outcome = int | EtcdError
 
 
+def ttl_of(outcome: Outcome) -> int:
+    """The TTL a keepalive came to; raises the EtcdError it ended with."""
+    if isinstance(outcome, EtcdError):
+        raise outcome
+    return outcome
+
+
+def wait_for(deadline: float) -> float:
+    """Seconds to wait for the outcome of a keepalive due by ``deadline`` (monotonic)."""
+    return max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK
+
+
 class KeepAlives:
-    """The LeaseKeepAlive stream of one Client, for all of its leases.
-
-    etcd takes keepalives for any number of leases on one stream and answers each with its
-    lease ID, in the order it received them (as the Go client's lessor uses it), so a process
-    with many sessions pays for one stream, its reader and one thread here, not one of each
-    per lease. ``refresh(lease_id, deadline, done)`` sends one keepalive and calls
-    ``done(outcome)`` exactly once (an ``Outcome``): the TTL etcd answered, LeaseNotFound
-    when it answered TTL <= 0, Unavailable when no answer came by ``deadline``.
-
-    Per keepalive, as for a lease on a stream of its own: a stream that breaks is dropped,
-    the client fails over (``Client.on_failover`` listeners, e.g. the watch stream, follow)
-    and the keepalive goes out again on the next stream after a capped backoff. A stream
-    that is only silent is kept: after ASK_ANOTHER_AFTER the keepalive also goes to the next
-    member, on a stream of its own, and whichever answers first counts (a late answer on a
-    slow link is never thrown away for a new connection over that same link); when another
-    member answered, its stream is the one in use from then on and the client fails over
-    from the silent one. Each (stream, lease) counts the keepalives sent and the answers
-    received: etcd answers them in order, so an answer that comes after a keepalive gave up
-    on a stream belongs to that keepalive, and never confirms a later one.
-
-    Threads: everything here runs on one timer thread (``timer``, named conch-keepalive),
-    which makes no call that waits on etcd: it only queues requests and cancels calls.
-    Opening a stream, which may need an Auth.Authenticate or a TLS handshake (seconds
-    against a hung member), runs on a second thread (conch-keepalive-open), so one slow open
-    never holds back another lease's deadline. ``done`` runs on the timer thread and must
-    not block. A stream stays open while it is the one in use or a keepalive waits on it,
-    and none stays open once no lease is kept alive here.
-    """
+    """The LeaseKeepAlive stream of one Client, for all of its leases (etcd answers each
+    keepalive with its lease ID, in order). ``refresh(lease_id, deadline, done)`` sends one
+    keepalive and calls ``done(outcome)`` once: the TTL etcd answered, LeaseNotFound for
+    TTL <= 0, Unavailable for no answer by ``deadline``. A broken stream is dropped, the
+    client fails over, and the keepalive goes out again after a capped backoff; a silent
+    one also goes to the next member after ASK_ANOTHER_AFTER, whose answer, if first, makes
+    it the member in use. Steps run on one timer thread (``timer``, conch-keepalive) that
+    never waits on etcd, streams open on another (conch-keepalive-open); ``done`` runs on
+    the timer thread and must not block. No stream stays open once no lease is left."""
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
         self.timer = Timer("conch-keepalive")  # the threaded sessions' timers run here too
         self._steps: Scheduler = self.timer
         self._opener = Timer("conch-keepalive-open")
-        # Touched only on the timer thread: no lock. First the stream in use, each with its
-        # counts by lease ID.
+        # All on the timer thread: no lock. The stream in use first.
         self._streams: dict[Stream, dict[int, _Counts]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
-        # Ends of streams that broke before they were registered: a stream's reader starts
-        # with it, on the opener thread, and its end can reach the timer thread before the
-        # stream itself does (a member that forgot our token refuses the stream at once).
+        # A stream's reader starts with it, and its end (a member that forgot our token
+        # refuses at once) can reach the timer thread before the stream itself.
         self._early_ends: dict[Stream, EtcdError] = {}
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
@@ -123,15 +115,14 @@ class KeepAlives:
     # -- from any thread ------------------------------------------------------------------
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
-        """Send one LeaseKeepAliveRequest for ``lease_id`` and call ``done(outcome)`` once,
-        from the timer thread, by ``deadline`` (a ``time.monotonic()`` value) at the latest.
-        A keepalive still under way for the lease is given up (its ``done`` gets
-        Unavailable). Raises RuntimeError when the timer thread cannot be started."""
+        """One LeaseKeepAliveRequest for ``lease_id``; ``done(outcome)`` once, by ``deadline``
+        (``time.monotonic()``). One still under way for the lease is given up (Unavailable).
+        Raises RuntimeError when the timer thread cannot be started."""
         self._steps.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
 
     def forget(self, lease_id: int) -> None:
-        """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (its ``done``
-        is not called) and its answers are ignored; the last lease closes the streams."""
+        """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (no ``done``);
+        the last lease closes the streams."""
         self._steps.call_later(0, lambda: self._forget(lease_id))
 
     # -- on the timer thread --------------------------------------------------------------
@@ -142,21 +133,19 @@ class KeepAlives:
             self._finish(previous, Unavailable("keepalive: given up for a newer one"))
         self._leases.add(ask.lease_id)
         self._asks[ask.lease_id] = ask
-        left = ask.deadline - time.monotonic()
-        ask.expiry = self._steps.call_later(left, lambda: self._expire(ask))
+        ask.expiry = self._steps.call_later(ask.left(), lambda: self._expire(ask))
         self._ask(ask)
 
     def _ask(self, ask: _Ask) -> None:
-        """Send ``ask``'s keepalive on the stream to ask next: the one in use, else one to
-        the member after the last one asked (opened first if need be)."""
-        if self._asks.get(ask.lease_id) is not ask or time.monotonic() >= ask.deadline:
+        # On the stream in use, else to the member after the last one asked; once every
+        # member has it, an answer or the deadline settles it.
+        if self._asks.get(ask.lease_id) is not ask or ask.left() <= 0:
             return
         target = self._next_to_ask(ask)
-        if isinstance(target, (BidiStream, LoopStream)):
+        if isinstance(target, Stream):
             self._send(ask, target)
         elif target is not None:
             self._open(target, ask)
-        # None: every endpoint has it; any answer, or the deadline, settles it.
 
     def _next_to_ask(self, ask: _Ask) -> Stream | Endpoint | None:
         current = next(iter(self._streams), None)
@@ -167,18 +156,12 @@ class KeepAlives:
             return None
         endpoints = client.endpoints
         asked = {stream.endpoint for stream in ask.asked}
-        if ask.asked:
-            start = endpoints.index(list(ask.asked)[-1].endpoint) + 1
-        else:
-            start = endpoints.index(client.endpoint)
+        last = list(ask.asked)[-1].endpoint if ask.asked else None
+        start = endpoints.index(client.endpoint) if last is None else endpoints.index(last) + 1
         for step in range(len(endpoints)):
             endpoint = endpoints[(start + step) % len(endpoints)]
-            if endpoint in asked:
-                continue
-            for stream in self._streams:
-                if stream.endpoint == endpoint:
-                    return stream
-            return endpoint
+            if endpoint not in asked:
+                return next((s for s in self._streams if s.endpoint == endpoint), endpoint)
         return None
 
     def _send(self, ask: _Ask, stream: Stream) -> None:
@@ -187,15 +170,17 @@ class KeepAlives:
         counts.sent += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
         client = self._client_ref()
-        if client is None or len(client.endpoints) < 2:
-            return  # no other member to ask: the answer, a broken stream or the deadline
-        left = ask.deadline - time.monotonic()
-        self._ask_again(ask, min(ASK_ANOTHER_AFTER, left / 2))
+        if client is not None and len(client.endpoints) > 1:  # another member to ask
+            self._ask_again(ask, min(ASK_ANOTHER_AFTER, ask.left() / 2))
 
     def _ask_again(self, ask: _Ask, delay: float) -> None:
         if ask.next is not None:
             ask.next.cancel()
         ask.next = self._steps.call_later(delay, lambda: self._ask(ask))
+
+    def _retry(self, ask: _Ask, error: EtcdError) -> None:
+        ask.last_error = error
+        self._ask_again(ask, ask.backoff.next())
 
     def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
         waiting = self._opening.get(endpoint)
@@ -204,19 +189,18 @@ class KeepAlives:
                 waiting.append(ask)
             return
         self._opening[endpoint] = [ask]
-        timeout = max(0.001, ask.deadline - time.monotonic())
         try:
-            self._start_dial(endpoint, timeout)
+            self._start_dial(endpoint, max(0.001, ask.left()))
         except RuntimeError as exc:  # no thread to open it on: retried after a backoff
             self._opened(endpoint, Unavailable(f"cannot open a keepalive stream: {exc}"))
 
     def _opened(self, endpoint: Endpoint, opened: Stream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])
-        if isinstance(opened, (BidiStream, LoopStream)) and opened in self._early_ends:
+        if isinstance(opened, Stream):
             # Ended before it was ours: a failed open, retried after a backoff. Kept, its
             # keepalives would go unanswered until the deadline declared the session lost.
-            opened = self._early_ends.pop(opened)
-        if isinstance(opened, (BidiStream, LoopStream)):
+            opened = self._early_ends.pop(opened, opened)
+        if isinstance(opened, Stream):
             if not self._leases:
                 opened.close()
                 return
@@ -224,11 +208,10 @@ class KeepAlives:
         for ask in waiting:
             if self._asks.get(ask.lease_id) is not ask:
                 continue
-            if isinstance(opened, (BidiStream, LoopStream)):
+            if isinstance(opened, Stream):
                 self._send(ask, opened)
             else:
-                ask.last_error = opened
-                self._ask_again(ask, ask.backoff.next())
+                self._retry(ask, opened)
 
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
@@ -255,59 +238,53 @@ class KeepAlives:
             self._finish(ask, int(item.response.TTL))
 
     def _broken(self, stream: Stream, error: EtcdError) -> None:
-        """``stream`` ended: drop it, fail over, and send what waited on it again."""
         self._drop(stream)
-        client = self._client_ref()
-        if client is not None:
-            client.failover(stream.endpoint)
+        self._failover(stream)
         for ask in list(self._asks.values()):
-            if stream in ask.asked:
-                del ask.asked[stream]
+            if ask.asked.pop(stream, None) is not None:
                 ask.last_error = error
                 if not ask.asked:
                     self._ask_again(ask, ask.backoff.next())
 
+    def _failover(self, stream: Stream) -> None:
+        client = self._client_ref()
+        if client is not None:
+            client.failover(stream.endpoint)
+
     def _settle_on(self, answered: Stream, ask: _Ask) -> None:
-        """The stream that answered is the one in use from now on. If the first one asked
-        stayed silent, its member is at best slower than this one: calls and streams move
-        away from it."""
+        # The stream that answered is the one in use now; a member that stayed silent is at
+        # best slower: calls and streams move away from it.
         if next(iter(self._streams)) is not answered:
             self._streams = {answered: self._streams[answered], **self._streams}
         silent = next(iter(ask.asked))
         if silent is not answered:
-            client = self._client_ref()
-            if client is not None:
-                client.failover(silent.endpoint)
+            self._failover(silent)
 
     def _expire(self, ask: _Ask) -> None:
         if self._asks.get(ask.lease_id) is ask:
-            self._finish(ask, Unavailable(f"keepalive: no answer in time ({ask.last_error})"))
+            self._finish(ask, Unavailable(f"{NO_ANSWER} ({ask.last_error})"))
 
     def _finish(self, ask: _Ask, outcome: Outcome) -> None:
         self._drop_ask(ask)
         ask.done(outcome)
 
-    def _drop_ask(self, ask: _Ask) -> None:
-        if self._asks.get(ask.lease_id) is ask:
-            del self._asks[ask.lease_id]
-        for handle in (ask.next, ask.expiry):
-            if handle is not None:
-                handle.cancel()
+    def _drop_ask(self, ask: _Ask | None) -> None:
+        if ask is not None:
+            if self._asks.get(ask.lease_id) is ask:
+                del self._asks[ask.lease_id]
+            for handle in (ask.next, ask.expiry):
+                if handle is not None:
+                    handle.cancel()
         self._close_unused()
 
     def _forget(self, lease_id: int) -> None:
         self._leases.discard(lease_id)
         for counts in self._streams.values():
             counts.pop(lease_id, None)
-        ask = self._asks.get(lease_id)
-        if ask is not None:
-            self._drop_ask(ask)
-        else:
-            self._close_unused()
+        self._drop_ask(self._asks.get(lease_id))
 
     def _close_unused(self) -> None:
-        """Close every stream but the one in use that no keepalive waits on; all of them
-        when no lease is left."""
+        # Every stream but the one in use that no keepalive waits on; all with no lease.
         if len(self._streams) <= 1 and self._leases:
             return  # the usual case, at every answer: nothing to look through
         waited_on = {stream for ask in self._asks.values() for stream in ask.asked}
@@ -322,30 +299,24 @@ class KeepAlives:
     # -- on other threads -----------------------------------------------------------------
 
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
-        """Have ``_dial`` open a stream to ``endpoint`` on the opener thread. Raises
-        RuntimeError when that thread cannot be started."""
+        """``_dial`` on the opener thread; RuntimeError when it cannot be started."""
         self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
 
     def _dial(self, endpoint: Endpoint, timeout: float) -> None:
-        """On the opener thread: open a stream to ``endpoint`` (Auth.Authenticate first when
-        the token is missing, within ``timeout`` seconds), and hand it to the timer thread."""
-        opened: BidiStream | EtcdError
-        client = self._client_ref()
+        """Open a stream to ``endpoint`` (Auth.Authenticate within ``timeout`` seconds if the
+        token is missing) and hand it to the timer thread."""
+        opened: Stream | EtcdError
         try:
-            if client is None:
-                raise EtcdError("client is closed", "CANCELLED")
+            client = live(self._client_ref)
             opened = BidiStream(
                 client, "lease", "LeaseKeepAlive", self._deliver, timeout, endpoint=endpoint
             )
-        except EtcdError as exc:
-            opened = exc
-        except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
-            opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
+        except Exception as exc:
+            opened = _open_failed(endpoint, exc)
         self._steps.call_later(0, lambda: self._opened(endpoint, opened))
 
     def _deliver(self, item: StreamItem) -> None:
-        """From a stream's reader thread: hand the answer to the timer thread. Answers that
-        come in a burst (keepalives sent together) are handled in one step."""
+        # From a stream's reader: to the timer thread, a burst of answers in one step.
         with self._inbox_lock:
             self._inbox.append(item)
             if self._draining:
@@ -371,39 +342,52 @@ class KeepAlives:
                 log.error("keepalive-answer-failed", error=repr(exc))
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class _Ask:
-    """One keepalive of one lease under way: the streams it went out on (in order, each
-    with the index its answer will have there), when it gives up, whom it tells."""
+    """One keepalive under way: the streams it went out on (in order, each with the index
+    its answer will have there), when it gives up, whom it tells."""
 
-    __slots__ = ("asked", "backoff", "deadline", "done", "expiry", "last_error", "lease_id", "next")
+    lease_id: int
+    deadline: float
+    done: Callable[[Outcome], None]
+    asked: dict[Stream, int] = dataclasses.field(default_factory=dict)
+    backoff: Backoff = dataclasses.field(default_factory=Backoff)
+    last_error: EtcdError = dataclasses.field(default_factory=lambda: Unavailable(NO_ANSWER))
+    next: Cancellable | None = None  # the next stream asked, or the retry
+    expiry: Cancellable | None = None
 
-    def __init__(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
-        self.lease_id = lease_id
-        self.deadline = deadline
-        self.done = done
-        self.asked: dict[Stream, int] = {}
-        self.backoff = Backoff()
-        self.last_error: EtcdError = Unavailable("keepalive: no answer in time")
-        self.next: Cancellable | None = None  # the next stream asked, or the retry
-        self.expiry: Cancellable | None = None
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
 
 
+@dataclasses.dataclass(slots=True)
 class _Counts:
     """Keepalives of one lease sent on one stream, and answers received to them."""
 
-    __slots__ = ("received", "sent")
+    sent: int = 0
+    received: int = 0
 
-    def __init__(self) -> None:
-        self.sent = 0
-        self.received = 0
+
+def live(client_ref: weakref.ref[Client]) -> Client:
+    """The client a stream is opened for; raises EtcdError (CANCELLED) once it is gone."""
+    client = client_ref()
+    if client is None:
+        raise EtcdError("client is closed", "CANCELLED")
+    return client
+
+
+def _open_failed(endpoint: Endpoint, exc: Exception) -> EtcdError:
+    if isinstance(exc, EtcdError):
+        return exc
+    # e.g. gRPC refusing a closed channel: no stream, all the same
+    return EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
 
 
 class LoopKeepAlives(KeepAlives):
-    """``KeepAlives`` on an event loop, for the coroutines of one loop: the same decisions,
-    run by the loop's timers, on grpc.aio streams (``LoopStream``) read by the loop, so no
-    thread of ours hands a keepalive or its answer over. ``refresh``, ``forget`` and
-    ``done`` run on the loop's thread only; opening a stream is a task of the loop that
-    awaits the auth token (``Client.token_async``), then waits for nothing."""
+    """``KeepAlives`` for the coroutines of one loop: the same decisions, on the loop's
+    timers and grpc.aio streams read by the loop. ``refresh``, ``forget`` and ``done`` run
+    on the loop's thread only; a stream is opened by a task that awaits the auth token
+    (``Client.token_async``), then waits for nothing."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client)
@@ -418,24 +402,20 @@ class LoopKeepAlives(KeepAlives):
 
     async def _dial_on_loop(self, endpoint: Endpoint, timeout: float) -> None:
         opened: Stream | EtcdError
-        client = self._client_ref()
         try:
-            if client is None:
-                raise EtcdError("client is closed", "CANCELLED")
+            client = live(self._client_ref)
             token = await client.token_async(timeout)
             opened = LoopStream(client, "lease", "LeaseKeepAlive", self._deliver, token, endpoint)
-        except EtcdError as exc:
-            opened = exc
-        except Exception as exc:  # e.g. gRPC refusing a closed channel: no stream, all the same
-            opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
+        except Exception as exc:
+            opened = _open_failed(endpoint, exc)
         self._opened(endpoint, opened)
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         self._start(_Ask(lease_id, deadline, done))  # on the loop already
 
     def forget(self, lease_id: int) -> None:
-        """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable: its
-        coroutine awaits no timer of its own."""
+        """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
+        coroutine awaits no timer of its own)."""
         ask = self._asks.get(lease_id)
         self._forget(lease_id)
         if ask is not None:
@@ -445,40 +425,28 @@ class LoopKeepAlives(KeepAlives):
         self._on_item(item)
 
 
-_keepalives: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
-
-
-def keepalives_for(client: Client) -> KeepAlives:
-    """The one KeepAlives of ``client``, made on first use, gone with the client."""
-    return _keepalives(client)
+# ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.
+keepalives_for: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
 
 
 class KeepAlive:
-    """The keepalives of one lease, waited for in the calling thread (on the client's one
-    LeaseKeepAlive stream, as ``KeepAlives`` describes)."""
-
-    # Beyond the keepalive's own deadline, which the timer thread enforces: how late that
-    # thread may be scheduled before this thread stops waiting for it.
-    _SLACK = 1.0  # seconds
+    """The keepalives of one lease, waited for in the calling thread (on the client's
+    ``KeepAlives``)."""
 
     def __init__(self, client: Client, lease_id: int) -> None:
         self._keepalives = keepalives_for(client)
         self._lease_id = lease_id
 
     def refresh(self, deadline: float) -> int:
-        """Return the lease's TTL in seconds after this keepalive (LeaseKeepAlive).
-
-        Raises LeaseNotFound when etcd answers TTL <= 0 (expired or revoked), Unavailable when
-        no answer comes by ``deadline`` (a ``time.monotonic()`` value)."""
+        """The lease's TTL in seconds after this keepalive (LeaseKeepAlive). Raises
+        LeaseNotFound when etcd answers TTL <= 0 (expired or revoked), Unavailable when no
+        answer comes by ``deadline`` (``time.monotonic()``)."""
         answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._keepalives.refresh(self._lease_id, deadline, answers.put)
         try:
-            outcome = answers.get(timeout=max(0.0, deadline - time.monotonic()) + self._SLACK)
+            return ttl_of(answers.get(timeout=wait_for(deadline)))
         except queue.Empty:
-            raise Unavailable("keepalive: no answer in time") from None
-        if isinstance(outcome, EtcdError):
-            raise outcome
-        return outcome
+            raise Unavailable(NO_ANSWER) from None
 
     def close(self) -> None:
         self._keepalives.forget(self._lease_id)

@@ -1,18 +1,21 @@
 """What coroutines' calls need of their event loop: calls started in a burst spread over
-the loop's iterations, grpc.aio channels closed on their loop, and a blocking call's
-future awaited (where gRPC's asyncio stack is lost to a fork)."""
+the loop's iterations, grpc.aio channels closed on their loop, callbacks handed to it from
+other threads, and a blocking call's future awaited (where gRPC's asyncio stack is lost
+to a fork)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
 from conch.etcd.endpoints import closed_loop_channel
+
+T = TypeVar("T")
 
 # Calls a loop starts in one of its iterations: the next ones start in the next iterations,
 # in order. 200 acquires created at once started 200 calls in one iteration of 51-54 ms,
@@ -32,15 +35,18 @@ class _Admission:
 
     def admit(self) -> asyncio.Future[None] | None:
         """None: start now; else a future to await, done when this call's turn comes."""
-        if not self._next_pending:
-            self._next_pending = True
-            self._loop.call_soon(self._next_iteration)
+        self._next_soon()
         if self._started < STARTS_PER_ITERATION and not self._waiting:
             self._started += 1
             return None
         turn: asyncio.Future[None] = self._loop.create_future()
         self._waiting.append(turn)
         return turn
+
+    def _next_soon(self) -> None:
+        if not self._next_pending:
+            self._next_pending = True
+            self._loop.call_soon(self._next_iteration)
 
     def _next_iteration(self) -> None:
         self._next_pending = False
@@ -51,8 +57,7 @@ class _Admission:
                 turn.set_result(None)
                 self._started += 1
         if self._waiting or self._started:
-            self._next_pending = True
-            self._loop.call_soon(self._next_iteration)
+            self._next_soon()
 
 
 _admissions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Admission] = (
@@ -77,21 +82,38 @@ def close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:
         closing = channel.close()  # a coroutine that awaits nothing without a grace
         try:
             closing.send(None)
-        except StopIteration:
-            return
-        except RuntimeError:  # the loop ended: its calls cannot be cancelled on it
+        except (StopIteration, RuntimeError):  # RuntimeError: the loop ended, calls and all
             return
         closing.close()
 
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop or not loop.is_running():
+    if running_loop() is loop or not loop.is_running():
         close()
     else:
-        with contextlib.suppress(RuntimeError):  # closed meanwhile
-            loop.call_soon_threadsafe(close)
+        call_soon(loop, close)  # a loop closed meanwhile has nothing to cancel
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> bool:
+    """Schedule ``callback(*args)`` on ``loop`` from any thread; False when the loop is
+    closed (asyncio.run is over, or the service stopped without waiting for us)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve(future: asyncio.Future[T], result: T) -> None:
+    """Set ``future``'s result unless it is done (cancelled meanwhile)."""
+    if not future.done():
+        future.set_result(result)
 
 
 async def settled(call: grpc.Future[Any]) -> Any:
@@ -102,8 +124,7 @@ async def settled(call: grpc.Future[Any]) -> Any:
     done: asyncio.Future[None] = loop.create_future()
 
     def wake(_call: grpc.Future[Any]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(_set_done, done)
+        call_soon(loop, resolve, done, None)  # a loop closed meanwhile: nobody waits
 
     call.add_done_callback(wake)
     try:
@@ -112,8 +133,3 @@ async def settled(call: grpc.Future[Any]) -> Any:
         call.cancel()
         raise
     return call.result()
-
-
-def _set_done(done: asyncio.Future[None]) -> None:
-    if not done.done():
-        done.set_result(None)

@@ -1,11 +1,8 @@
 """Watches: a key or range watched from a start revision, events delivered to a callback.
 
-All the watches of one Client share one Watch.Watch stream (etcd serves many watchers on a
-stream and tells them apart by watch_id), so a process with many waiters and holds pays for
-one stream and one reader thread, not one of each per watch. etcd answers create requests
-in the order it receives them, so the n-th ``created`` answer belongs to the n-th create
-request still unanswered; later answers carry the watch_id it gave.
-"""
+All the watches of one Client share one Watch.Watch stream (one reader, not one per watch).
+etcd answers create requests in order: the n-th ``created`` answer is the n-th create still
+unanswered's; later answers carry the watch_id it gave."""
 
 from __future__ import annotations
 
@@ -23,29 +20,29 @@ from conchpb.mvccpb import kv_pb2
 
 from conch.errors import Compacted, EtcdError, TokenInvalid, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.lease import live
+from conch.etcd.loop import call_soon, running_loop
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.timer import LoopTimer, PerOwner, Scheduler, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
-# A member that hangs (stopped, swapping, cut off without closing connections) leaves a
-# watch silent, and gRPC's own pings take long to give up on it. So a stream silent for
-# PROBE_AFTER seconds asks etcd for a progress report (Watch.Watch progress_request, etcd
-# 3.4+); no answer within PROBE_TIMEOUT seconds and the stream moves to the next endpoint.
+# A hung member leaves a watch silent, and gRPC's pings take long to give up on it: a stream
+# silent for PROBE_AFTER seconds asks for a progress report (etcd 3.4+); none within
+# PROBE_TIMEOUT seconds and it moves to the next endpoint.
 PROBE_AFTER = 10.0
 PROBE_TIMEOUT = 5.0
-# Seconds the shared stream stays open with no watch on it: a waiter replaces its watch
-# at every wake, and a new hold its waiting watch with its guard, each time for a moment
-# with none open; re-opening the stream then would cost the handoff a stream set-up.
+# Seconds the stream stays open with no watch on it: a waiter replacing its watch, or a new
+# hold its waiting watch with its guard, has none for a moment, and a new stream would
+# cost the handoff a stream set-up.
 IDLE_CLOSE = 2.0
 
 
 class WatchNotice(NamedTuple):
-    """What a Watch delivers: ``events`` (etcd mvccpb.Event list) and the response's header
-    ``revision``; with ``confirm``, ``created`` once etcd has confirmed the watch
-    (``revision`` is then the revision the watch covers from, exclusive); or, last,
-    ``error`` (Compacted with the oldest revision left, or another EtcdError) when the watch
-    ended."""
+    """What a Watch delivers: ``events`` (mvccpb.Event list) and the header ``revision``;
+    with ``confirm``, ``created`` once etcd set the watch up (``revision``: covered from,
+    exclusive); or, last, ``error`` (Compacted with the oldest revision left, or another
+    EtcdError) when the watch ended."""
 
     watch: Watch
     events: Sequence[kv_pb2.Event]
@@ -55,20 +52,16 @@ class WatchNotice(NamedTuple):
 
 
 class Watch:
-    """Watch.Watch on one key, or on the range ``[key, range_end)`` when ``range_end`` is
-    given, from ``start_revision`` on (0: from now). Notices go to ``deliver`` from the
-    client's stream reader thread, events in revision order (one etcd watcher); ``deliver``
-    must not block (``cancel()`` waits for a notice being delivered). ``only_deletes`` asks
-    etcd to filter out PUT events; ``confirm`` asks for a ``created`` notice once etcd has
-    set the watch up. ``cancel()`` stops delivery. Raises EtcdError when the client's
-    stream is not open and cannot be opened.
+    """Watch.Watch on ``key``, or ``[key, range_end)``, from ``start_revision`` on (0: from
+    now). Notices go to ``deliver`` from the stream's reader, events in revision order;
+    ``deliver`` must not block. ``only_deletes``: etcd filters out PUTs (NOPUT);
+    ``confirm``: a ``created`` notice once etcd set the watch up. Raises EtcdError when the
+    client's stream is not open and cannot be opened.
 
-    When the shared stream breaks (a member goes away), stays silent through a progress
-    request (a hung member, see ``probe_after``), or calls fail over away from its endpoint,
-    every watch on it moves to the next endpoint and resumes just after the last revision
-    it delivered, so no event is lost or repeated; only after ``MAX_RESUMES`` failed
-    attempts in a row is the error delivered.
-    """
+    A stream that breaks, stays silent through a progress request (``probe_after``
+    seconds), or whose endpoint calls failed over from, moves to the next endpoint; every
+    watch resumes just after the last revision it delivered (no event lost or repeated).
+    The error is delivered only after ``MAX_RESUMES`` failed attempts in a row."""
 
     MAX_RESUMES = 3
 
@@ -86,76 +79,62 @@ class Watch:
     ) -> None:
         self._confirm = confirm
         self._deliver = deliver
-        self._filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
-        self._key = key
-        self._range_end = range_end
+        filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
+        self._create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, filters=filters)
         self._next = start_revision  # first revision still owed; 0 until etcd says "now"
         self._probe_after = probe_after
         self._id: int | None = None  # etcd's watch_id on the current stream
         self._cancelled = False
-        # Held while a notice is handed to ``deliver``, and by cancel(): once cancel()
-        # returns, no notice is on its way any more. Reentrant: a ``deliver`` may cancel
-        # its own watch.
+        # Held while a notice is handed over, and by cancel(), so that none is on its way
+        # once cancel() returns; reentrant, for a ``deliver`` that cancels its own watch.
         self._delivering = threading.RLock()
         self._ended = threading.Event()  # cancelled, or the error delivered
         self._hub = _hub_for(client) if hub is None else hub
         self._hub.add(self)
 
     def cancel(self) -> None:
-        """Stop delivery and tell etcd to drop the watcher (Watch.Watch cancel_request).
-        Nothing is delivered once this returns: a notice being delivered by another thread
-        right now is waited for (``deliver`` must not block)."""
+        """Stop delivery (Watch.Watch cancel_request): nothing is delivered once this returns
+        (a notice being delivered by another thread is waited for)."""
         with self._delivering:
             self._cancelled = True
         self._ended.set()
         self._hub.remove(self)
-
-    def _hand_over(self, notice: WatchNotice) -> None:
-        """Deliver ``notice`` unless cancelled (called with no hub lock held)."""
-        with self._delivering:
-            if not self._cancelled:
-                self._deliver(notice)
-
-    def _create_request(self) -> rpc_pb2.WatchRequest:
-        return rpc_pb2.WatchRequest(
-            create_request=rpc_pb2.WatchCreateRequest(
-                key=self._key,
-                range_end=self._range_end,
-                start_revision=self._next,
-                filters=self._filters,
-            )
-        )
-
-    def _on_created(self, revision: int) -> WatchNotice | None:
-        if self._next == 0:
-            self._next = revision + 1  # "from now" is this revision on
-        return WatchNotice(self, (), revision, created=True) if self._confirm else None
-
-    def _on_events(self, response: rpc_pb2.WatchResponse) -> WatchNotice:
-        self._next = response.events[-1].kv.mod_revision + 1
-        return WatchNotice(self, list(response.events), response.header.revision)
 
     def _end(self, error: EtcdError) -> WatchNotice:
         self._ended.set()
         return WatchNotice(self, (), 0, error)
 
 
+def _hand_over_all(notices: list[WatchNotice]) -> None:
+    for notice in notices:
+        with notice.watch._delivering:
+            if not notice.watch._cancelled:
+                notice.watch._deliver(notice)
+
+
+def _cancel_request(watch_id: int) -> rpc_pb2.WatchRequest:
+    return rpc_pb2.WatchRequest(cancel_request=rpc_pb2.WatchCancelRequest(watch_id=watch_id))
+
+
 def _cancel_error(response: rpc_pb2.WatchResponse) -> EtcdError:
-    if response.compact_revision:
-        return Compacted(
-            f"watch start revision compacted (oldest left {response.compact_revision})",
-            response.compact_revision,
-        )
+    if oldest := response.compact_revision:
+        return Compacted(f"watch start revision compacted (oldest left {oldest})", oldest)
     return EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
 
 
-class _Hub:
-    """The one Watch.Watch stream of a Client and the watches on it.
+# What etcd's reason says when it cancelled a watch for its token or permissions.
+_REFUSALS = ("permission denied", "auth token", "revision of auth store is old")
 
-    State changes under ``_lock``, which is never held across a call that waits on etcd
-    (opening the stream runs outside it). Notices are delivered outside it, from the reader
-    thread (or, for the errors that end watches, the timer thread), so a ``deliver`` may
-    cancel or open watches."""
+
+def _resumable(error: EtcdError) -> bool:
+    """A member gone away, or a stale token (a new stream authenticates again)."""
+    return isinstance(error, (Unavailable, TokenInvalid))
+
+
+class _Hub:
+    """The one Watch.Watch stream of a Client and the watches on it. State changes under
+    ``_lock``, never held across a call that waits on etcd, nor while notices are delivered
+    (so a ``deliver`` may cancel or open watches)."""
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # the hub lives in a map keyed by the client
@@ -173,16 +152,13 @@ class _Hub:
         self._probing = False
         self._idle_check = False
         self._opening = False  # a thread is opening the stream, outside the lock
-        # The end of a stream that broke while it was being opened, before it was installed:
-        # its reader starts with it, and an item for a stream not yet ours would be dropped.
+        # A stream's reader starts with it: its end may come before it is installed.
         self._early_end: tuple[Stream, EtcdError] | None = None
         client.on_failover(self._endpoint_failed)
 
-    # -- watches come and go -----------------------------------------------------------
-
     def add(self, watch: Watch) -> None:
-        """Register ``watch``; open the stream first if there is none (in this thread,
-        outside the lock). Raises EtcdError when that fails: ``watch`` is not registered."""
+        """Register ``watch``, opening the stream if there is none (in this thread, outside
+        the lock). Raises EtcdError when that fails: ``watch`` is not registered."""
         with self._lock:
             self._watches.add(watch)
             if self._stream is not None:
@@ -192,21 +168,16 @@ class _Hub:
             if self._resuming or self._opening:
                 return  # created when that stream is up
             self._opening = True
-        self._install(self._open_or_retry(watch))
+        self._connect(watch)
 
     def remove(self, watch: Watch) -> None:
         with self._lock:
             if watch not in self._watches:
                 return
             self._watches.discard(watch)
-            stream = self._stream
-            if watch._id is not None and stream is not None:
+            if watch._id is not None and self._stream is not None:
                 self._by_id.pop(watch._id, None)
-                stream.send(
-                    rpc_pb2.WatchRequest(
-                        cancel_request=rpc_pb2.WatchCancelRequest(watch_id=watch._id)
-                    )
-                )
+                self._stream.send(_cancel_request(watch._id))
             # Not yet created: its ``created`` answer is matched, then cancelled.
             self._schedule_idle_check()
 
@@ -221,49 +192,35 @@ class _Hub:
             stream = self._stream
             if self._watches or stream is None:
                 return
-            self._stream = None
-            self._unanswered.clear()
-            self._by_id.clear()
+            self._detach()
         stream.close()
 
-    # -- the stream ----------------------------------------------------------------------
-
     def _open(self) -> Stream:
-        """A new Watch.Watch stream. Never called with the lock held: it may need an
-        Auth.Authenticate or a TLS handshake (seconds against a hung member), and the
-        keepalive's failover and a hold's loss callback need the lock meanwhile."""
-        client = self._client_ref()
-        if client is None:
-            raise EtcdError("client is closed", "CANCELLED")
-        return BidiStream(client, "watch", "Watch", self._on_item)
+        # Not under the lock: an Auth.Authenticate or a TLS handshake may take seconds.
+        return BidiStream(live(self._client_ref), "watch", "Watch", self._on_item)
 
-    def _open_or_retry(self, withdraw: Watch | None) -> Stream:
-        """``_open``, by the thread that set ``_opening``. When that fails: ``withdraw`` (the
-        watch whose add failed, if any) is unregistered, the watches still registered (others
-        came meanwhile) wait for a retry, and the EtcdError is raised."""
+    def _connect(self, withdraw: Watch | None) -> None:
+        """Open the stream (by the thread that set ``_opening``) and create every watch on
+        it. If that fails, ``withdraw`` goes, the other watches wait for a retry, and the
+        EtcdError is raised."""
         try:
-            return self._open()
+            stream = self._open()
         except EtcdError as exc:
             with self._lock:
                 self._opening = False
                 if withdraw is not None:
                     self._watches.discard(withdraw)
                 if self._watches:
-                    self._retry_open(exc)
+                    self._failed(exc, None)
             raise
-
-    def _install(self, stream: Stream) -> None:
-        """Make the newly opened ``stream`` the hub's and create every watch on it."""
         with self._lock:
             self._opening = False
+            self._detach()
             self._stream = stream
             self._heard = time.monotonic()
-            self._unanswered.clear()
-            self._by_id.clear()
             early, self._early_end = self._early_end, None
             if early is not None and early[0] is stream:
-                # Broken before it was ours (etcd refused it, as while it restarts): resume
-                # now, not when the probe finds the stream silent, seconds later.
+                # Refused at once (as while etcd restarts): resume now, not at the probe.
                 self._broken(stream, early[1])
                 return
             for watch in list(self._watches):
@@ -271,28 +228,23 @@ class _Hub:
             self._schedule_idle_check()  # every watch cancelled while it opened
             self._schedule_probe()
 
-    def _retry_open(self, error: EtcdError) -> None:
-        """Opening failed with watches waiting (lock held): try again after a pause, or end
-        them all with the error."""
-        self._failures += 1
-        if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
-            self._end_all(error)
-        else:
-            self._resuming = True
-            self._timer.call_later(self._backoff.next(), self._resume)
+    def _detach(self) -> None:
+        self._stream = None
+        self._unanswered.clear()
+        self._by_id.clear()
 
     def _send_create(self, stream: Stream, watch: Watch) -> None:
         watch._id = None
         self._unanswered.append(watch)
-        stream.send(watch._create_request())
+        watch._create.start_revision = watch._next
+        stream.send(rpc_pb2.WatchRequest(create_request=watch._create))
 
     def _on_item(self, item: StreamItem) -> None:
-        """From the stream's reader thread: match the answer to its watch."""
         notices: list[WatchNotice] = []
         with self._lock:
             if item.stream is not self._stream:
                 if self._opening and item.error is not None:
-                    self._early_end = (item.stream, item.error)  # _install will see it
+                    self._early_end = (item.stream, item.error)  # for _connect to see
                 return  # a stream we already left, or one not installed yet
             self._heard = time.monotonic()
             if item.error is not None:
@@ -300,38 +252,8 @@ class _Hub:
                 return
             response = item.response
             if response.created:
-                watch = self._unanswered.popleft() if self._unanswered else None
-                if watch is None:
-                    return
-                if response.canceled and item.stream.token and _refused(response.cancel_reason):
-                    # etcd checks the stream's token when a watch is created and refuses a
-                    # stale one (issued before an auth change, expired, unknown to a
-                    # restarted member) by cancelling it, in 3.5 as "permission denied":
-                    # the stream resumes with a fresh token; a real refusal is delivered
-                    # after MAX_RESUMES attempts.
-                    client = self._client_ref()
-                    if client is not None:
-                        client.invalidate_token(item.stream.token)
-                    self._broken(item.stream, TokenInvalid(response.cancel_reason))
-                    return
-                if response.canceled:  # refused (permission denied, bad range)
-                    self._watches.discard(watch)
-                    if not watch._cancelled:
-                        notices.append(watch._end(_cancel_error(response)))
-                elif watch._cancelled or watch not in self._watches:
-                    item.stream.send(
-                        rpc_pb2.WatchRequest(
-                            cancel_request=rpc_pb2.WatchCancelRequest(watch_id=response.watch_id)
-                        )
-                    )
-                else:
-                    self._failures = 0
-                    self._backoff = Backoff()
-                    watch._id = response.watch_id
-                    self._by_id[response.watch_id] = watch
-                    notice = watch._on_created(response.header.revision)
-                    if notice is not None:
-                        notices.append(notice)
+                if self._unanswered:
+                    self._on_created(item, self._unanswered.popleft(), notices)
             else:
                 watch = self._by_id.get(response.watch_id)
                 if watch is None or watch._cancelled:
@@ -342,42 +264,62 @@ class _Hub:
                     notices.append(watch._end(_cancel_error(response)))
                 elif response.events:
                     self._failures = 0
-                    notices.append(watch._on_events(response))
-        for notice in notices:
-            notice.watch._hand_over(notice)
+                    events = list(response.events)
+                    watch._next = events[-1].kv.mod_revision + 1
+                    notices.append(WatchNotice(watch, events, response.header.revision))
+        _hand_over_all(notices)
+
+    def _on_created(self, item: StreamItem, watch: Watch, notices: list[WatchNotice]) -> None:
+        response = item.response
+        refused = any(words in response.cancel_reason for words in _REFUSALS)
+        if response.canceled and item.stream.token and refused:
+            # etcd refuses a stale token (an auth change, expired, a restarted member) by
+            # cancelling the create, in 3.5 as "permission denied": resume with a fresh
+            # token; a real refusal is delivered after MAX_RESUMES attempts.
+            client = self._client_ref()
+            if client is not None:
+                client.invalidate_token(item.stream.token)
+            self._broken(item.stream, TokenInvalid(response.cancel_reason))
+        elif response.canceled:  # refused (permission denied, bad range)
+            self._watches.discard(watch)
+            if not watch._cancelled:
+                notices.append(watch._end(_cancel_error(response)))
+        elif watch._cancelled or watch not in self._watches:
+            item.stream.send(_cancel_request(response.watch_id))
+        else:
+            self._failures = 0
+            self._backoff.reset()
+            watch._id = response.watch_id
+            self._by_id[response.watch_id] = watch
+            revision = response.header.revision
+            if watch._next == 0:
+                watch._next = revision + 1  # "from now" is this revision on
+            if watch._confirm:
+                notices.append(WatchNotice(watch, (), revision, created=True))
 
     def _broken(self, stream: Stream, error: EtcdError) -> None:
-        """The stream failed (called with the lock held, with the stream current): move
-        every watch to the next endpoint after a pause, or end them all with the error."""
-        self._stream = None
-        self._unanswered.clear()
-        self._by_id.clear()
+        self._detach()
         stream.close()
+        # A stale token is no fault of the member: resume on the same one.
+        self._failed(error, stream.endpoint if isinstance(error, Unavailable) else None)
+
+    def _failed(self, error: EtcdError, left: Endpoint | None) -> None:
+        """A stream broke or would not open (lock held): resume after a pause (away from
+        ``left``), or end every watch with ``error``."""
         self._failures += 1
         if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
-            self._end_all(error)
+            watches, self._watches = [w for w in self._watches if not w._cancelled], set()
+            self._failures = 0
+            self._backoff.reset()
+            notices = [w._end(error) for w in watches]
+            # Not under the lock, nor from inside a caller that holds it.
+            self._timer.call_later(0, lambda: _hand_over_all(notices))
             return
-        # A stale token is no fault of the member: resume on the same one.
-        self._left = stream.endpoint if isinstance(error, Unavailable) else None
+        self._left = left
         self._resuming = True
         self._timer.call_later(self._backoff.next(), self._resume)
 
-    def _end_all(self, error: EtcdError) -> None:
-        watches, self._watches = [w for w in self._watches if not w._cancelled], set()
-        self._failures = 0
-        self._backoff = Backoff()
-        notices = [w._end(error) for w in watches]
-
-        def deliver() -> None:
-            for notice in notices:
-                notice.watch._hand_over(notice)
-
-        # Not under the lock, nor from inside a caller that holds it.
-        self._timer.call_later(0, deliver)
-
     def _resume(self) -> None:
-        """Re-open the stream on the next endpoint and re-create every watch from the
-        revision it still owes."""
         client, left, self._left = self._client_ref(), self._left, None
         if client is not None and left is not None:
             client.failover(left)  # not under our lock: it calls failover listeners
@@ -386,25 +328,18 @@ class _Hub:
             if self._stream is not None or self._opening or not self._watches:
                 return
             self._opening = True
-        try:
-            stream = self._open_or_retry(None)
-        except EtcdError:
-            return
-        self._install(stream)
+        with contextlib.suppress(EtcdError):  # retried, or every watch ended
+            self._connect(None)
 
     def _endpoint_failed(self, failed: Endpoint) -> None:
-        """Calls moved away from ``failed``: a stream on it moves too (a member that no
-        longer answers calls likely leaves its watchers silent)."""
+        # A member that no longer answers calls likely leaves its watchers silent.
         client = self._client_ref()
         if client is None or client.endpoint == failed:
             return  # one endpoint only: nowhere to move, and the stream may be fine
         with self._lock:
             stream = self._stream
-            if stream is None or stream.endpoint != failed:
-                return
-            self._broken(stream, Unavailable(f"watch: calls failed over from {failed}"))
-
-    # -- the probe of a silent stream ----------------------------------------------------
+            if stream is not None and stream.endpoint == failed:
+                self._broken(stream, Unavailable(f"watch: calls failed over from {failed}"))
 
     def _schedule_probe(self) -> None:
         if self._probing or not self._watches:
@@ -414,17 +349,15 @@ class _Hub:
         self._timer.call_later(max(0.0, self._heard + after - time.monotonic()), self._probe)
 
     def _probe(self) -> None:
-        """Ask a silent stream for a progress report; if none comes, treat it as broken."""
         with self._lock:
             self._probing = False
             stream = self._stream
             if stream is None or not self._watches:
                 return
-            after = min(w._probe_after for w in self._watches)
-            if time.monotonic() - self._heard < after:
+            asked = time.monotonic()
+            if asked - self._heard < min(w._probe_after for w in self._watches):
                 self._schedule_probe()
                 return
-            asked = time.monotonic()
             stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
             self._probing = True
         self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe_answered(stream, asked))
@@ -439,23 +372,15 @@ class _Hub:
                     f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
                 )
                 self._broken(stream, error)
-                return
-            self._schedule_probe()
-
-
-def _resumable(error: EtcdError) -> bool:
-    """Errors a new stream may not meet: the member went away, or the token went stale
-    (the new stream authenticates again)."""
-    return isinstance(error, (Unavailable, TokenInvalid))
+            else:
+                self._schedule_probe()
 
 
 class LoopHub(_Hub):
-    """The ``_Hub`` of one Client's watches opened on one event loop: the same decisions,
-    run by the loop's timers, on a grpc.aio stream (``LoopStream``) read by the loop, so
-    notices reach their watch on the loop's thread with no thread of ours handing them
-    over (``Watch(..., hub=)``, on the loop's thread only). A stream is opened only with the
-    auth token at hand; without one it is a failed open (retried after a backoff) while
-    a task of the loop fetches the token (``Client.token_async``)."""
+    """The ``_Hub`` of one Client's watches on one event loop (``Watch(..., hub=)``, on the
+    loop's thread only): the same decisions, on the loop's timers and a grpc.aio stream read
+    by the loop. Opened only with the auth token at hand; without one it is a failed open
+    while a task of the loop fetches it (``Client.token_async``)."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client)
@@ -464,9 +389,7 @@ class LoopHub(_Hub):
         self._authenticating: asyncio.Task[str | None] | None = None
 
     def _open(self) -> Stream:
-        client = self._client_ref()
-        if client is None:
-            raise EtcdError("client is closed", "CANCELLED")
+        client = live(self._client_ref)
         if not client.token_at_hand():
             if self._authenticating is None or self._authenticating.done():
                 self._authenticating = self._loop.create_task(client.token_async())
@@ -474,8 +397,8 @@ class LoopHub(_Hub):
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 
     def _resume(self) -> None:
-        """As ``_Hub._resume``, once the auth token is at hand: fetching it (a stale one was
-        what broke the stream, as under a burst of auth changes) is no failed open."""
+        # Once the auth token is at hand: fetching it (a stale one broke the stream) is no
+        # failed open.
         client = self._client_ref()
         if client is None or client.token_at_hand():
             super()._resume()
@@ -490,24 +413,11 @@ class LoopHub(_Hub):
         super()._resume()
 
     def _endpoint_failed(self, failed: Endpoint) -> None:
-        """From whichever thread failed over (a threaded face's call may): on the loop."""
-        try:
-            on_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
+        # From whichever thread failed over (a threaded face's call may): on the loop.
+        if running_loop() is self._loop:
             super()._endpoint_failed(failed)
-            return
-        with contextlib.suppress(RuntimeError):  # the loop has ended: nothing to move
-            self._loop.call_soon_threadsafe(super()._endpoint_failed, failed)
+        else:  # a loop that has ended has nothing to move
+            call_soon(self._loop, super()._endpoint_failed, failed)
 
 
 _hub_for: PerOwner[Client, _Hub] = PerOwner(_Hub)
-
-
-def _refused(cancel_reason: str) -> bool:
-    """Whether etcd cancelled a watch for its token or permissions."""
-    return any(
-        words in cancel_reason
-        for words in ("permission denied", "auth token", "revision of auth store is old")
-    )

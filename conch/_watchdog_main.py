@@ -40,8 +40,7 @@ class Pipe:
             if not ready:
                 return None
             more = os.read(0, 4096)
-            if not more:
-                self.closed = True
+            self.closed = not more
             self.data += more
         line, _, self.data = self.data.partition(b"\n")
         return line.split() or [b"?"]

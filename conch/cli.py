@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, hints, log, procs
+from conch import __version__, hints, log, procs, supervisor
 from conch.errors import (
     ConchError,
     Interrupted,
@@ -39,22 +39,13 @@ from conch.settings import (
     resolve,
     truthy,
 )
-from conch.supervisor import (
-    adopt_orphans,
-    check_kill_after,
-    default_kill_after,
-    start_watchdog,
-    stop_on_signals,
-    supervise,
-)
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
-    """argparse's help formatter, sized to the terminal as argparse does but without
-    importing shutil: argparse makes one for every add_argument(), and shutil's import
-    (bz2, lzma) was about 2.5 ms of every run's start-up (bench/startup.py)."""
+    """argparse's, sized to the terminal without importing shutil (argparse makes one for
+    every add_argument(); shutil's import was ~2.5 ms of every start, bench/startup.py)."""
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         kwargs.setdefault("width", _columns() - 2)
@@ -102,82 +93,70 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-# The connection options, accepted before the subcommand too, as etcdctl takes its global
-# flags (conch --endpoints HOST:PORT sema ...): (dest, flags, metavar, help). None: a switch.
-_CONNECTION: tuple[tuple[str, tuple[str, ...], str | None, str], ...] = (
-    (
-        "endpoints",
-        ("--endpoints",),
-        "LIST",
-        "comma-separated host:port or http(s)://host:port "
-        "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
-    ),
-    (
-        "dial_timeout",
-        ("--dial-timeout",),
-        "DUR",
-        "give up connecting after DUR (env CONCH_DIAL_TIMEOUT, then ETCDCTL_DIAL_TIMEOUT; "
-        "default 5s)",
-    ),
-    (
-        "cacert",
-        ("--cacert",),
-        "FILE",
-        "CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT, ETCDCTL_CACERT)",
-    ),
-    (
-        "cert",
-        ("--cert",),
-        "FILE",
-        "client certificate for mutual TLS (env CONCH_CERT, ETCDCTL_CERT)",
-    ),
-    ("key", ("--key",), "FILE", "client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)"),
-    (
-        "insecure_skip_tls_verify",
-        ("--insecure-skip-tls-verify",),
-        None,
-        "trust whatever certificate etcd presents: encrypted, but open to a man in the "
-        "middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)",
-    ),
-    (
-        "user",
-        ("--user",),
-        "NAME[:PASSWORD]",
-        "etcd user (env CONCH_USER, ETCDCTL_USER)",
-    ),
-    (
-        "password",
-        ("--password",),
-        "PASSWORD",
-        "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), which spreads "
-        "nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or ETCDCTL_PASSWORD) "
-        "in the environment can be read by every process of the same user, conch's job "
-        "included, in /proc/PID/environ",
-    ),
-    (
-        "password_file",
-        ("--password-file",),
-        "FILE",
-        "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
-    ),
-    (
-        "debug",
-        ("--debug",),
-        None,
-        "also log where each connection setting came from, and the traceback of a failure "
-        "of conch's own (exit 70)",
-    ),
-)
+# Options as "--flag[,-f] [METAVAR]": help; without a METAVAR, a switch. The connection
+# options are accepted before the subcommand too, as etcdctl takes its global flags
+# (conch --endpoints HOST:PORT sema ...).
+_CONNECTION = {
+    "--endpoints LIST": "comma-separated host:port or http(s)://host:port "
+    "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
+    "--dial-timeout DUR": "give up connecting after DUR (env CONCH_DIAL_TIMEOUT, then "
+    "ETCDCTL_DIAL_TIMEOUT; default 5s)",
+    "--cacert FILE": "CA bundle to verify etcd's certificate; implies TLS (env CONCH_CACERT, "
+    "ETCDCTL_CACERT)",
+    "--cert FILE": "client certificate for mutual TLS (env CONCH_CERT, ETCDCTL_CERT)",
+    "--key FILE": "client key for mutual TLS (env CONCH_KEY, ETCDCTL_KEY)",
+    "--insecure-skip-tls-verify": "trust whatever certificate etcd presents: encrypted, but "
+    "open to a man in the middle (env CONCH_INSECURE_SKIP_TLS_VERIFY=1, "
+    "ETCDCTL_INSECURE_SKIP_TLS_VERIFY=true)",
+    "--user NAME[:PASSWORD]": "etcd user (env CONCH_USER, ETCDCTL_USER)",
+    "--password PASSWORD": "etcd password; prefer --password-file (env CONCH_PASSWORD_FILE), "
+    "which spreads nowhere: argv is shown by ps to every user, and CONCH_PASSWORD (or "
+    "ETCDCTL_PASSWORD) in the environment can be read by every process of the same user, "
+    "conch's job included, in /proc/PID/environ",
+    "--password-file FILE": "read the etcd password from FILE (env CONCH_PASSWORD_FILE)",
+    "--debug": "also log where each connection setting came from, and the traceback of a "
+    "failure of conch's own (exit 70)",
+}
 _GLOBAL = "global_"  # the dest prefix of a connection option given before the subcommand
+_SEMA = {
+    "--max N": "capacity N >= 1 (required to run a command); part of the semaphore's identity",
+    "--ttl DUR": "session lease TTL, whole seconds (env CONCH_TTL, default 10s)",
+}
+_WAITING = {  # one or the other
+    "--wait DUR": "wait at most DUR for a slot, then exit 75 (default: wait forever)",
+    "--nonblock,-n": "do not wait: exit 75 at once if no slot is free (--wait 0)",
+}
+_SEMA_AFTER = {
+    "--spread": "at most one slot per host (key ends in the host name)",
+    "--kill-after DUR": "SIGTERM -> SIGKILL escalation, planned back from the lease's earliest "
+    "expiry so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
+    "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
+    "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
+    "as without a grace)",
+    "--record-args": "store the whole command line in the holder's key, not only the program's "
+    "name (env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it",
+    "--who": "list holders and waiters (read-only); exit 0 if any, 1 if none",
+    "--json": "with --who: one JSON object per line",
+    "--quiet,-q": "log only warnings and errors",
+}
 
 
-def _add_connection_options(group: argparse._ActionsContainer, prefix: str) -> None:
-    """The connection options into ``group``, their dests prefixed with ``prefix``."""
-    for dest, flags, metavar, text in _CONNECTION:
-        if metavar is None:
-            group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)
-        else:
+def _option(usage: str) -> tuple[list[str], str, str]:
+    """The flags, dest and metavar ("" for a switch) of an option's ``usage``."""
+    flags, _, metavar = usage.partition(" ")
+    names = flags.split(",")
+    return names, names[0][2:].replace("-", "_"), metavar
+
+
+def _add_options(
+    group: argparse._ActionsContainer, options: Mapping[str, str], prefix: str = ""
+) -> None:
+    for usage, text in options.items():
+        flags, dest, metavar = _option(usage)
+        if metavar:
             group.add_argument(*flags, dest=prefix + dest, metavar=metavar, action=_Once, help=text)
+        else:
+            group.add_argument(*flags, dest=prefix + dest, action="store_true", help=text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,11 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
     )
-    _add_connection_options(
+    _add_options(
         parser.add_argument_group(
             "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's "
             "ETCDCTL_*)"
         ),
+        _CONNECTION,
         _GLOBAL,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -225,63 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
         "slot; 126/127 cannot run / not found; 128+S signal S while queued.",
     )
     sema.add_argument("name", metavar="NAME", help="semaphore name (1-200 bytes of UTF-8)")
-    sema.add_argument(
-        "--max",
-        dest="max_holders",
-        metavar="N",
-        action=_Once,
-        help="capacity N >= 1 (required to run a command); part of the semaphore's identity",
-    )
-    sema.add_argument(
-        "--ttl",
-        metavar="DUR",
-        action=_Once,
-        help="session lease TTL, whole seconds (env CONCH_TTL, default 10s)",
-    )
-    waiting = sema.add_mutually_exclusive_group()
-    waiting.add_argument(
-        "--wait",
-        metavar="DUR",
-        action=_Once,
-        help="wait at most DUR for a slot, then exit 75 (default: wait forever)",
-    )
-    waiting.add_argument(
-        "--nonblock",
-        "-n",
-        action="store_true",
-        help="do not wait: exit 75 at once if no slot is free (--wait 0)",
-    )
-    sema.add_argument(
-        "--spread",
-        action="store_true",
-        help="at most one slot per host (key ends in the host name)",
-    )
-    sema.add_argument(
-        "--kill-after",
-        metavar="DUR",
-        action=_Once,
-        help="SIGTERM -> SIGKILL escalation, planned back from the lease's earliest expiry "
-        "so that the child is dead before it; at most TTL - TTL/3 - margins (1.25s at "
-        "--ttl 3s, 5.41s at 10s), longer is a usage error (env CONCH_KILL_AFTER; default 5s, "
-        "less below --ttl 19s: 2.07s at 10s, so that a slow keepalive is waited for as long "
-        "as without a grace)",
-    )
-    sema.add_argument(
-        "--record-args",
-        action="store_true",
-        help="store the whole command line in the holder's key, not only the program's name "
-        "(env CONCH_RECORD_ARGS=1); anyone who can read the prefix, on any host, sees it",
-    )
-    sema.add_argument(
-        "--who",
-        action="store_true",
-        help="list holders and waiters (read-only); exit 0 if any, 1 if none",
-    )
-    sema.add_argument("--json", action="store_true", help="with --who: one JSON object per line")
-    sema.add_argument("--quiet", "-q", action="store_true", help="log only warnings and errors")
-    _add_connection_options(
+    _add_options(sema, _SEMA)
+    _add_options(sema.add_mutually_exclusive_group(), _WAITING)
+    _add_options(sema, _SEMA_AFTER)
+    _add_options(
         sema.add_argument_group("connection, TLS and authentication (named as etcdctl names them)"),
-        "",
+        _CONNECTION,
     )
     return parser
 
@@ -303,23 +232,21 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
     with connect_with(connection) as client:
         records = who(client, args.name, max_holders)
     capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
-    if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
-        for capacity in capacities:
-            if capacity != max_holders:
-                log.warning(
-                    "other-capacity",
-                    name=args.name,
-                    max="?" if capacity is None else capacity,
-                    hint="one name, several --max: these are separate semaphores",
-                )
+    for capacity in capacities:
+        if capacity != max_holders and (len(capacities) > 1 or max_holders is not None):
+            log.warning(
+                "other-capacity",
+                name=args.name,
+                max="?" if capacity is None else capacity,
+                hint="one name, several --max: these are separate semaphores",
+            )
     try:
         for record in records:
             print(record.to_json() if args.json else record.to_text())
         sys.stdout.flush()
     except BrokenPipeError:
-        # `conch sema X --who | head -1`: the reader has gone. Quietly, with the status a
-        # tool killed by SIGPIPE has (ls, seq), and stdout on /dev/null so that the exit's
-        # own flush does not raise again.
+        # `--who | head -1`: quietly, with the status of a tool killed by SIGPIPE (ls, seq),
+        # and stdout on /dev/null so that the exit's own flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
@@ -344,9 +271,9 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
     # each keepalive its whole patience.
     if ka_found.source == "default":
-        kill_after = default_kill_after(ttl, kill_after)
+        kill_after = supervisor.default_kill_after(ttl, kill_after)
     else:
-        kill_after = check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = supervisor.check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
@@ -365,12 +292,7 @@ def _negative_values_attached(parser: argparse.ArgumentParser, words: list[str])
     """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
     is not a plain negative number for an option, and would say "expected one argument";
     attached, the value reaches its check, which says what is wrong with it."""
-    valued = {
-        option
-        for action in _actions(parser)
-        if action.nargs is None
-        for option in action.option_strings
-    }
+    valued = {f for a in _actions(parser) if a.nargs is None for f in a.option_strings}
     out: list[str] = []
     for word in words:
         if out and out[-1] in valued and _NEGATIVE.match(word):
@@ -450,10 +372,11 @@ def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
             args = _parse_words(parser, [*words[: at + 1], *words[at + 2 :], "--", first], True)
         except UsageError:
             raise error from None
-    for dest, flags, metavar, _ in _CONNECTION:
+    for usage in _CONNECTION:
+        flags, dest, metavar = _option(usage)
         before = getattr(args, _GLOBAL + dest)
         after = getattr(args, dest, None)
-        if metavar is not None and before is not None and after is not None:
+        if metavar and before is not None and after is not None:
             raise UsageError(f"{flags[0]} given twice: give it once")
         setattr(args, dest, after or before)
     return args
@@ -468,18 +391,7 @@ def _options(parser: argparse.ArgumentParser, word: str) -> bool:
     return True
 
 
-def _connection_flags(args: argparse.Namespace) -> ConnectionFlags:
-    return ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
-
-
-_NOT_WITH_WHO = (
-    ("--ttl", "ttl", None),
-    ("--wait", "wait", None),
-    ("--nonblock", "nonblock", False),
-    ("--spread", "spread", False),
-    ("--kill-after", "kill_after", None),
-    ("--record-args", "record_args", False),
-)
+_NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
 
 
 def _run(
@@ -490,16 +402,15 @@ def _run(
     connection: Connection,
     exiting: bool,
 ) -> int:
-    ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
     identity = Identity.current(cmd, record_args=settings.record_args)
     check_host(identity.host)
     if exiting:
-        adopt_orphans()  # the process is ours: reap whatever the child leaves behind
+        supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Its interpreter starts while we connect, instead of after (~20 ms of the run). When it
-    # cannot be started, supervise() tries again and reports it.
+    # cannot be started, supervisor.supervise() tries again and reports it.
     watchdog = None
     with contextlib.suppress(OSError):
-        watchdog = start_watchdog(kill_after)
+        watchdog = supervisor.start_watchdog(settings.kill_after)
     # Dialling writes nothing, so a signal then may simply end us (the watchdog, with no
     # child announced, exits at the end of its pipe); from the first write on, signals are
     # caught and withdraw or forward. When the process exits right after (``exiting``),
@@ -507,11 +418,13 @@ def _run(
     try:
         with (
             connect_with(connection) as client,
-            stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+            supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
-            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+            sema = Semaphore(client, args.name, max_holders, settings.ttl, args.spread, identity)
             try:
-                return supervise(sema, cmd, wait, kill_after, stop, watchdog)
+                return supervisor.supervise(
+                    sema, cmd, settings.wait, settings.kill_after, stop, watchdog
+                )
             except NoSlot as exc:
                 log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
                 return exc.exit_code
@@ -528,7 +441,14 @@ def run() -> NoReturn:
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     procs.prepare_command_process()
-    _slow_grpc_polling()
+    # gRPC's blocking stream iterators wake every 0.1 s (grpc._common.MAXIMUM_WAIT_TIMEOUT)
+    # for a KeyboardInterrupt in the main thread; conch reads them in threads of its own, where
+    # that only burns CPU (15% of a core for 100 waiters). The command owns its interpreter, so
+    # they wake every 5 s (the library leaves gRPC alone).
+    import grpc._common
+
+    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -536,43 +456,29 @@ def run() -> NoReturn:
     os._exit(code)
 
 
-def _slow_grpc_polling() -> None:
-    """gRPC's blocking stream iterators wake every 0.1 s (``grpc._common``'s
-    MAXIMUM_WAIT_TIMEOUT) so that a main thread blocked in one can take a KeyboardInterrupt.
-    conch reads its streams in threads of its own, where that polling only burns CPU: 1.4 ms
-    a second per waiting process, measured, 15% of a core for 100 waiters. The command owns
-    its interpreter, so it wakes them every 5 s instead (the library leaves gRPC alone)."""
-    import grpc._common
-
-    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
-        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-
-
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
     the process exits right after, so stop signals stay caught to the end."""
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
-    cmd: list[str] = []
-    has_cmd = "--" in words
-    if has_cmd:
-        split = words.index("--")
-        words, cmd = words[:split], words[split + 1 :]
+    split = words.index("--") if "--" in words else len(words)
+    words, cmd, has_cmd = words[:split], words[split + 1 :], split < len(words)
     try:
         args = _parse(words, has_cmd)
         if args.command != "sema":
             raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
         log.set_quiet(args.quiet)
         log.set_debug(args.debug)
-        max_holders = _parse_max(args.max_holders)
+        max_holders = _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)
-        connection = resolve(_connection_flags(args), os.environ)
+        flags = ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
+        connection = resolve(flags, os.environ)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")
-            for flag, attr, unset in _NOT_WITH_WHO:
-                if getattr(args, attr) != unset:
+            for flag in _NOT_WITH_WHO:
+                if getattr(args, flag[2:].replace("-", "_")) not in (None, False):
                     raise UsageError(f"--who takes no {flag}")
             return _who(args, max_holders, connection)
         if args.json:

@@ -1,6 +1,5 @@
-"""conch's exceptions, and the one table that maps every way conch ends to its exit code
-(contract section 8): each ending is an ``Outcome``, ``EXIT_CODES`` maps it to a code, and
-``exit_code`` reads the table. Nothing else in conch spells an exit number."""
+"""conch's exceptions, and the one table (``EXIT_CODES``, contract section 8) that maps every
+way conch ends (an ``Outcome``) to its exit code. Nothing else in conch spells one."""
 
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ class Outcome(enum.Enum):
     NONE_HELD = "none-held"  # --who: nobody does
 
 
-# The one table (contract section 8). None: the status given with the outcome (the child's,
-# as a shell reports it; 128 + S for a signal S to a queued conch: ``signalled(S)``).
+# None: the status given with the outcome (the child's, as a shell reports it; 128 + S for a
+# signal S to a queued conch: ``signalled(S)``).
 EXIT_CODES: dict[Outcome, int | None] = {
     Outcome.CHILD_EXITED: None,
     Outcome.SIGNAL: None,
@@ -53,8 +52,7 @@ EXIT_CODES: dict[Outcome, int | None] = {
 
 
 def exit_code(outcome: Outcome, status: int | None = None) -> int:
-    """The exit code of ``outcome`` (EXIT_CODES); ``status``: the one to give where the
-    table says None (the child's, or ``signalled(S)``)."""
+    """The exit code of ``outcome`` (EXIT_CODES); ``status``: the one where it says None."""
     code = EXIT_CODES[outcome]
     if code is not None:
         return code
@@ -73,8 +71,8 @@ def exit_status(returncode: int) -> int:
 
 
 class ConchError(Exception):
-    """Base of every error conch raises on purpose. ``outcome`` is how the command ends on
-    it, ``exit_code`` what it exits with (EXIT_CODES)."""
+    """Base of every error conch raises on purpose: the command ends on it as ``outcome``,
+    exiting with ``exit_code``."""
 
     outcome = Outcome.INTERNAL_ERROR
     status: int | None = None
@@ -102,9 +100,8 @@ class EtcdError(ConchError):
 
 class Unavailable(EtcdError):
     """No endpoint answered within the deadline (connection refused, timed out, no leader).
-    ``code`` is the gRPC status of the last failure (UNAVAILABLE, DEADLINE_EXCEEDED, or
-    UNKNOWN for etcd's "context deadline exceeded"); UNAVAILABLE when conch gave up itself
-    (a stream without an answer in time)."""
+    ``code``: the gRPC status of the last failure (UNKNOWN for etcd's "context deadline
+    exceeded"), UNAVAILABLE when conch gave up itself (a stream unanswered in time)."""
 
     def __init__(self, message: str, code: str = "UNAVAILABLE") -> None:
         super().__init__(message, code)
@@ -143,8 +140,8 @@ class SessionLost(ConchError):
 
 
 class HoldLost(ConchError):
-    """The hold is no longer certainly ours: the session's lease was lost (or its last
-    confirmed keepalive is older than the TTL), or our key was seen deleted."""
+    """The hold is no longer certainly ours: the session's lease was lost or not confirmed
+    within the TTL, or our key was seen deleted."""
 
     outcome = Outcome.LOST_WHILE_RUNNING
 
@@ -156,9 +153,9 @@ class NoSlot(ConchError):
 
     @classmethod
     def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
-        """The wait for ``name``[``max``] ran out; ``detail`` is the waiting machine's
-        account (``no free slot in time``, perhaps with ``: <cause>`` after it), said once:
-        ``no free slot of reports[2] in time: <cause>``."""
+        """The wait for ``name``[``max``] ran out; ``detail``, the waiting machine's account
+        (``no free slot in time[: <cause>]``), said once: ``no free slot of reports[2] in
+        time: <cause>``."""
         said = f"no free slot of {name}[{max}] in time"
         head, _, cause = detail.partition(": ")
         if head != "no free slot in time":

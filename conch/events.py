@@ -8,18 +8,13 @@
 
     unsubscribe = conch.events.subscribe(on_event)
 
-Every transition conch logs (``conch.log``: one place, both faces, the command too) is also
-handed to each subscribed callback as a typed event, whether or not the ``conch`` logger is
-enabled: ``Queued`` (a waiter's key is in the queue, with its place), ``Acquired`` (the wait
-ended in a hold, with how long it took), ``Released`` (the slot given back, with how long it
-was held) and ``Lost`` (the hold, or the session under it, was lost). Figures are in
-seconds (floats) and revisions as etcd numbers them.
-
-A callback runs on the thread (or event loop) that made the transition, synchronously, often
-a conch thread (the keepalive thread declares a loss): keep it short, never block in it, and
-hand anything slow to a queue of your own. An exception it raises is swallowed (the thread
-that logs must go on); the other callbacks still run. ``subscribe`` is thread-safe; the
-subscribers are the process's, one list for every client.
+Every transition conch logs (``conch.log``, both faces and the command) is also handed to
+each subscribed callback as a typed event, whether or not the ``conch`` logger is enabled:
+``Queued``, ``Acquired``, ``Released``, ``Lost``. Figures are in seconds (floats),
+revisions as etcd numbers them. A callback runs synchronously on the thread (or event
+loop) that made the transition, often a conch thread (the keepalive thread declares a
+loss): never block in it. An exception it raises is swallowed; the other callbacks still
+run. ``subscribe`` is thread-safe; the subscribers are the process's, for every client.
 """
 
 from __future__ import annotations
@@ -38,9 +33,8 @@ __all__ = ["Acquired", "Event", "Lost", "Queued", "Released", "subscribe"]
 class Queued:
     """Our waiter key is in the queue of ``name``[``max``] at create_revision ``revision``
     (its fencing token, if it gets the slot). ``position``: our place among every key of
-    the semaphore by create_revision, holders included (``max + 1`` is next in line once
-    the holders are ``max``), counted once, when it queued (None when etcd could not be
-    asked); ``ahead`` = position - 1, the keys ahead of ours."""
+    the semaphore by create_revision, holders included, counted when it queued (None when
+    etcd could not be asked); ``ahead`` = position - 1."""
 
     name: str
     max: int
@@ -51,9 +45,8 @@ class Queued:
 
 @dataclass(frozen=True)
 class Acquired:
-    """A slot of ``name``[``max``] is held: ``revision`` is the fencing token (our key's
-    create_revision), ``lease_id`` the session's lease, ``waited`` the seconds from the
-    call to ``acquire`` to the hold (0.0-ish when a slot was free)."""
+    """A slot of ``name``[``max``] is held: ``revision`` is the fencing token, ``lease_id``
+    the session's lease, ``waited`` the seconds from the call to ``acquire`` to the hold."""
 
     name: str
     max: int
@@ -65,8 +58,8 @@ class Acquired:
 @dataclass(frozen=True)
 class Released:
     """The hold of ``name`` at ``revision`` was given back after ``held`` seconds (None if
-    not known). ``revoked``: etcd confirmed the revoke (or the key's delete); False means
-    the key goes when its lease expires. ``after_loss``: the hold had been lost first."""
+    not known). ``revoked``: etcd confirmed the revoke (or the delete); else the key goes
+    when its lease expires. ``after_loss``: the hold had been lost first."""
 
     name: str
     revision: int
@@ -77,8 +70,7 @@ class Released:
 
 @dataclass(frozen=True)
 class Lost:
-    """The hold of ``name`` at ``revision`` was lost (its session's lease is gone or not
-    certainly alive, or our key was deleted); ``reason`` says which, as HoldLost does."""
+    """The hold of ``name`` at ``revision`` was lost; ``reason`` says why, as HoldLost does."""
 
     name: str
     revision: int
@@ -114,7 +106,7 @@ def subscribe(callback: Callback) -> Callable[[], None]:
 
 
 def _seconds(value: object) -> float | None:
-    """A duration as the log line has it (``"1.204s"``), in seconds."""
+    """A duration as the log line has it (``"1.204s"``), in seconds; None if it is none."""
     text = str(value)
     try:
         return float(text[:-1] if text.endswith("s") else text)
@@ -130,25 +122,18 @@ def _int(value: object, base: int = 10) -> int | None:
 
 
 def _event(event: str, fields: dict[str, object]) -> Event | None:
-    """The typed event for one log line, or None for a line that is no hold's transition."""
     name = str(fields.get("name", ""))
     revision = _int(fields.get("rev", ""))
+    size = _int(fields.get("max", 0)) or 0
     if revision is None:
         return None
     if event == "queued":
-        ahead = _int(fields["ahead"]) if "ahead" in fields else None
-        position = _int(fields["position"]) if "position" in fields else None
-        return Queued(name, _int(fields.get("max", 0)) or 0, revision, position, ahead)
+        return Queued(name, size, revision, _int(fields.get("position")), _int(fields.get("ahead")))
     if event == "acquired":
-        return Acquired(
-            name,
-            _int(fields.get("max", 0)) or 0,
-            revision,
-            _int(fields.get("lease", "0"), 16) or 0,
-            _seconds(fields.get("waited", 0)) or 0.0,
-        )
+        lease_id = _int(fields.get("lease", "0"), 16) or 0
+        return Acquired(name, size, revision, lease_id, _seconds(fields.get("waited", 0)) or 0.0)
     if event == "released":
-        held = _seconds(fields["held"]) if "held" in fields else None
+        held = _seconds(fields.get("held"))
         revoked = fields.get("revoked") is True
         return Released(name, revision, held, revoked, fields.get("after") == "loss")
     if event == "lost":
@@ -157,13 +142,8 @@ def _event(event: str, fields: dict[str, object]) -> Event | None:
 
 
 def _dispatch(event: str, fields: dict[str, object]) -> None:
-    callbacks = _callbacks
-    if not callbacks:
-        return
     typed = _event(event, fields)
-    if typed is None:
-        return
-    for callback in callbacks:
-        # A hook's failure is not conch's: the other callbacks still run.
-        with contextlib.suppress(Exception):
-            callback(typed)
+    if typed is not None:
+        for callback in _callbacks:
+            with contextlib.suppress(Exception):  # a hook's failure is not conch's
+                callback(typed)

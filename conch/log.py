@@ -2,23 +2,18 @@
 
     conch: event=acquired name=heavy-jobs max=2 rev=8812 waited=1.204s
 
-Values with spaces, quotes or ``=`` are double-quoted. Lines go to the standard ``logging``
-logger ``conch`` (INFO for transitions, WARNING and ERROR for trouble), so a service that
-embeds the library routes them with the rest of its logs; with no logging set up, Python
-shows the warnings and errors on stderr and drops the rest. The command sends every line to
-stderr as it is (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
-``set_debug(True)`` adds the DEBUG lines (where each setting came from).
-Logging never raises: a closed stderr must not kill a supervisor.
+Values with spaces, quotes or ``=`` are double-quoted. Lines go to the ``logging`` logger
+``conch`` (INFO for transitions, WARNING and ERROR for trouble); with no logging set up,
+Python shows the warnings and errors on stderr and drops the rest. The command sends every
+line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
+``set_debug(True)`` adds the DEBUG lines. Logging never raises: a closed stderr must not
+kill a supervisor.
 
-Each record also carries its fields as attributes (``logging``'s ``extra``), so a structured
-handler (python-json-logger, structlog's stdlib bridge, an OpenTelemetry log handler) emits
-them as fields, not as text to parse: ``conch_event`` (``acquired``), then each field under
-its own name (``rev``, ``lease``, ``waited``, ...), values as in the line (durations are
-strings such as ``"1.204s"``). A field whose name is one of ``logging.LogRecord``'s own
-attributes (``name``: the semaphore's) is given as ``conch_<field>`` (``conch_name``).
-``conch_fields`` has them all under their own names, in one dict. Every transition is also
-handed, as a typed event, to the callbacks subscribed in ``conch.events``, whatever the
-logging level or ``--quiet``.
+Each record also carries its fields (``logging``'s ``extra``) for structured handlers:
+``conch_event`` (``acquired``), each field under its own name (``rev``, ``waited``: values
+as in the line), or as ``conch_<field>`` where ``logging.LogRecord`` has that attribute
+(``conch_name``), and ``conch_fields``, all of them in one dict. Every transition is also
+handed, as a typed event, to the callbacks of ``conch.events``, whatever the level.
 """
 
 from __future__ import annotations
@@ -47,11 +42,10 @@ class _Stderr(logging.Handler):
     """Each line to whatever ``sys.stderr`` is at the time, flushed; errors swallowed."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
+        # AttributeError: sys.stderr is None
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             sys.stderr.write(record.getMessage() + "\n")
             sys.stderr.flush()
-        except (OSError, ValueError, AttributeError):  # AttributeError: sys.stderr is None
-            pass
 
 
 def to_stderr() -> None:
@@ -70,11 +64,9 @@ def _format_value(value: object) -> str:
 
 
 def _line(level: str, event: str, fields: dict[str, object]) -> str:
-    parts = [f"event={event}"]
-    if level != "info":
-        parts.insert(0, f"level={level}")
-    parts.extend(f"{key}={_format_value(value)}" for key, value in fields.items())
-    return "conch: " + " ".join(parts)
+    head = [] if level == "info" else [f"level={level}"]
+    pairs = [f"{key}={_format_value(value)}" for key, value in fields.items()]
+    return "conch: " + " ".join([*head, f"event={event}", *pairs])
 
 
 # What a LogRecord already has (and makeRecord refuses to overwrite), or a formatter adds.
@@ -89,20 +81,16 @@ def _extra(event: str, fields: dict[str, object]) -> dict[str, object]:
 
 
 def _emit(level: int, name: str, event: str, fields: dict[str, object]) -> None:
-    # An embedder's handler or hook that raises must not kill the conch thread that logs
-    # (the keepalive thread is the one that declares a lost session).
+    # An embedder's handler or hook that raises must not kill the conch thread that logs.
     if _hooks is not None:
         with contextlib.suppress(Exception):
             _hooks(event, fields)
-    if level == logging.INFO and _quiet:
-        return
-    if LOGGER.isEnabledFor(level):
+    if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
             LOGGER.log(level, _line(name, event, fields), extra=_extra(event, fields))
 
 
-# conch.events' dispatcher, set when its first callback is subscribed: the one place every
-# transition passes, so neither face has code of its own for the hooks.
+# conch.events' dispatcher, set while it has callbacks: every transition passes here.
 _hooks: Callable[[str, dict[str, object]], None] | None = None
 
 

@@ -7,16 +7,13 @@
     stop = conch.otel.instrument()   # the global tracer provider, or tracer_provider=...
 
 Two spans per hold, in the process that holds it: ``conch.acquire``, from the call to
-``acquire()`` to the hold (its start is the acquired moment less the ``waited`` figure), and
-``conch.hold``, from the hold to its release or loss (a loss ends it with an ERROR status and
-the reason, and a ``conch.lost`` event). Attributes: ``conch.name``, ``conch.max``,
-``conch.revision`` (the fencing token), ``conch.lease`` (hex), ``conch.waited_s``;
-``conch.queue.position`` on the acquire span when the wait queued. Spans have no parent
-unless one is current where the transition happens (the acquire's, when ``acquire()`` is
-called in one: the hook runs on the caller's thread or task for ``queued`` and
-``acquired``). Waits that end without a hold (NoSlot, a cancel) make no span.
-
-A dependency of the ``otel`` extra only: ``import conch`` never imports OpenTelemetry.
+``acquire()`` to the hold (the acquired moment less ``waited``), and ``conch.hold``, from the
+hold to its release or loss (a loss: an ERROR status with the reason, and a ``conch.lost``
+event). Attributes: ``conch.name``, ``conch.max``, ``conch.revision`` (the fencing token),
+``conch.lease`` (hex), ``conch.waited_s``, and ``conch.queue.position`` on the acquire span
+when the wait queued. Spans have a parent only if one is current where the transition
+happens (``queued`` and ``acquired`` are on the caller's thread or task). Waits that end
+without a hold make no span. ``import conch`` never imports OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -43,10 +40,9 @@ def instrument(tracer_provider: trace.TracerProvider | None = None) -> Callable[
 
     def on_event(event: events.Event) -> None:
         key = (event.name, event.revision)
-        if isinstance(event, events.Queued):
-            if event.position is not None:
-                with lock:
-                    positions[key] = event.position
+        if isinstance(event, events.Queued) and event.position is not None:
+            with lock:
+                positions[key] = event.position
         elif isinstance(event, events.Acquired):
             now = time.time_ns()
             attributes: dict[str, str | int | float] = {
@@ -58,12 +54,10 @@ def instrument(tracer_provider: trace.TracerProvider | None = None) -> Callable[
             }
             with lock:
                 position = positions.pop(key, None)
+            queued = {} if position is None else {"conch.queue.position": position}
+            start = now - int(event.waited * 1e9)
             acquire = tracer.start_span(
-                "conch.acquire",
-                start_time=now - int(event.waited * 1e9),
-                attributes=attributes
-                if position is None
-                else {**attributes, "conch.queue.position": position},
+                "conch.acquire", start_time=start, attributes={**attributes, **queued}
             )
             acquire.end(end_time=now)
             hold = tracer.start_span("conch.hold", start_time=now, attributes=attributes)

@@ -284,25 +284,14 @@ def _children() -> dict[int, _Stat]:
     global _children_files
     if _children_files is None:
         _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))
-    if _children_files:
-        for _ in range(3):
-            pids = _children_of_threads()
-            if pids is not None:
-                return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
+    for _ in range(3 if _children_files else 0):
+        # A thread that ends meanwhile moves its children to another, perhaps one already read.
+        with contextlib.suppress(FileNotFoundError):
+            files = [_read(_PER_THREAD_CHILDREN.format(t)) for t in os.listdir("/proc/self/task")]
+            pids = {int(pid) for content in files for pid in content.split()}
+            return {pid: stat for pid in pids if (stat := _stat(pid)) is not None}
     stats = {int(name): _stat(int(name)) for name in os.listdir("/proc") if name.isdigit()}
     return {pid: stat for pid, stat in stats.items() if stat and stat.ppid == os.getpid()}
-
-
-def _children_of_threads() -> set[int] | None:
-    """The pids in our threads' ``children`` files; None if a thread ended meanwhile (its
-    children moved to another thread, perhaps one already read)."""
-    found: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            found.update(int(pid) for pid in _read(_PER_THREAD_CHILDREN.format(tid)).split())
-        except FileNotFoundError:
-            return None
-    return found
 
 
 def _read(path: str) -> bytes:

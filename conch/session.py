@@ -1,11 +1,7 @@
 """A session: one lease, kept alive, and the moment it is lost (contract section 3).
 
-Several holds may share one session, as with etcd's ``concurrency.Session``: one lease
-however many holds ride on it. Every session of a client keeps its lease alive on the
-client's one LeaseKeepAlive stream, from the client's one keepalive thread
-(``lease.KeepAlives``), so sessions cost no thread each. That thread holds only the
-``_Keeper`` (the lease and its loss), never the Session itself, so a Session nobody
-references any more is noticed (``weakref.finalize``) and its lease revoked.
+The keepalive thread holds only the session's ``_Keeper`` (the lease and its loss), never
+the Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked.
 """
 
 from __future__ import annotations
@@ -15,29 +11,23 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from conch import log
 from conch.core.loss import Loss
-from conch.core.session import (
-    SEND_GRID as SEND_GRID,  # seconds; named here too
-)
-from conch.core.session import (
-    Expired,
-    SendKeepalive,
-    SessionAction,
-    SessionMachine,
-    WakeAt,
-)
-from conch.core.session import (
-    keepalive_margin as keepalive_margin,  # seconds; named here too
-)
-from conch.errors import EtcdError, LeaseNotFound, UsageError
+from conch.core.session import SEND_GRID as SEND_GRID  # seconds; named here too
+from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
+from conch.core.session import keepalive_margin as keepalive_margin  # named here too
+from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
-from conch.timer import Handle, timer_for
+from conch.timer import Cancellable, Scheduler, timer_for
 
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
+
+ListenerT = TypeVar("ListenerT")
+KeeperT = TypeVar("KeeperT", bound="Keeper")
 
 
 def check_ttl(ttl: int) -> None:
@@ -52,115 +42,86 @@ def check_client(client: object) -> None:
         raise UsageError(f"bad client {client!r}: want a conch.Client (conch.connect(...))")
 
 
-class _Keeper:
-    """The lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
-    the loss decision), executed: everything the keepalives need, and nothing that keeps
-    the Session alive.
+def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[[], None]:
+    """Add ``listener`` to ``listeners``; returns the function that removes it."""
+    key = object()
+    listeners[key] = listener
 
-    Its steps run on the client's keepalive thread (``lease.KeepAlives.timer``), shared by
-    every session of the client: a session costs no thread. That thread makes no call that
-    waits on etcd, so one session's slow step (a guard's Range, a revoke) never holds back
-    another's loss."""
+    def remove() -> None:
+        listeners.pop(key, None)
 
-    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
-        self.client = client
+    return remove
+
+
+class Keeper:
+    """A lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
+    the loss decision), executed on ``timer`` for either face, which sends each keepalive
+    (``send``, its outcome to ``settle``), declares the loss and calls a listener (``tell``)."""
+
+    def __init__(self, lease_id: int, ttl: int, granted_at: float, timer: Scheduler) -> None:
         self.lease_id = lease_id
-        self.ttl = ttl
         self.machine = SessionMachine(ttl, granted_at)
-        self.interval = self.machine.interval
-        self.lost = Flag("session-lost")
-        self.listeners: list[Callable[[], None]] = []
-        self.expiry_listeners: list[Callable[[Loss], None]] = []
-        self.stop = threading.Event()
-        self.keepalives = lease.keepalives_for(client)
-        self._next: Handle | None = None
-        # The client's close() revokes a lease still open on it: a waiter's key or a hold
-        # left behind goes at once instead of after the TTL.
-        self.forget_client = client.on_close(self.client_closing)
+        self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
+        self.timer = timer
+        self.next_wake: Cancellable | None = None
 
     @property
     def alive_until(self) -> float:
         return self.machine.alive_until
 
-    def client_closing(self, seconds: float) -> None:
-        if not self.stop.is_set():
-            self.close(seconds)
+    def certainly_alive(self) -> bool:
+        return self.machine.certainly_alive(time.monotonic())
+
+    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
+        """Call ``listener(loss)`` each time E passes unconfirmed (the machine's Expired);
+        returns a function that removes it."""
+        return listen(self.expiry_listeners, listener)
 
     def start(self) -> None:
-        """Schedule the first keepalive one interval from the grant. Raises RuntimeError
-        when the keepalive thread cannot be started."""
+        """Schedule the first keepalive (RuntimeError: no keepalive thread to be had)."""
         self.execute(self.machine.start())
 
     def execute(self, actions: list[SessionAction]) -> None:
-        """Run the machine's ``actions`` (on the keepalive thread, but for ``start``)."""
         for action in actions:
             if isinstance(action, WakeAt):
-                if self._next is not None:
-                    self._next.cancel()
+                if self.next_wake is not None:
+                    self.next_wake.cancel()
                 delay = action.at - time.monotonic()
-                self._next = self.keepalives.timer.call_later(delay, self.wake)
+                self.next_wake = self.timer.call_later(delay, self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
             elif isinstance(action, Expired):
-                for listener in tuple(self.expiry_listeners):
-                    _call(listener, action.loss)
+                for listener in tuple(self.expiry_listeners.values()):
+                    self.tell(listener, action.loss)
             else:
                 self.declare_lost(action.loss)
 
-    def send(self, deadline: float) -> None:
-        sent = time.monotonic()
-        self.keepalives.refresh(
-            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
-        )
-
     def wake(self) -> None:
-        if not self.stop.is_set():
-            self.execute(self.machine.wake(time.monotonic()))
+        self.execute(self.machine.wake(time.monotonic()))
 
-    def answered(self, sent: float, outcome: lease.Outcome) -> None:
-        if self.stop.is_set():
-            self.keepalives.forget(self.lease_id)  # closed while it was under way
-            return
-        if isinstance(outcome, LeaseNotFound):
-            self.execute(self.machine.lease_gone())
-            return
-        if isinstance(outcome, EtcdError):
-            self.execute(self.machine.unanswered(time.monotonic()))
-            return
-        # Scheduled before the listeners run, so that none of them can stop the keepalives.
-        self.execute(self.machine.answered(sent, outcome))
-        for listener in tuple(self.listeners):
-            _call(listener)
+    def settle(self, sent: float, outcome: lease.Outcome) -> None:
+        self.execute(self.machine.settle(sent, time.monotonic(), outcome))
+
+    def stop(self) -> None:
+        self.machine.close()
+        if self.next_wake is not None:
+            self.next_wake.cancel()
+
+    def send(self, deadline: float) -> None:
+        raise NotImplementedError
 
     def declare_lost(self, reason: Loss) -> None:
-        if self.stop.is_set():
-            return
-        self.keepalives.forget(self.lease_id)
-        self.lost.set(reason)
+        raise NotImplementedError
 
-    def close(self, timeout: float | None) -> bool:
-        self.stop.set()
-        self.machine.close()
-        if self._next is not None:
-            self._next.cancel()
-        self.forget_client()
-        try:
-            lease.revoke(self.client, self.lease_id, timeout)
-        except EtcdError as exc:
-            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
-            return False
-        finally:
-            # After the revoke, which is what a waiter waits for. A keepalive answered
-            # meanwhile changes nothing (``stop`` is set).
-            self.keepalives.forget(self.lease_id)
-        return True
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        raise NotImplementedError
 
 
-def _call(listener: Callable[..., None], *args: object) -> None:
-    try:
-        listener(*args)
-    except Exception as exc:  # one embedder's bug must not end the others' calls
-        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
+def log_granted(lease_id: int, asked: int, granted: int) -> None:
+    """Log a new session's lease, and a TTL etcd raised above the one asked for."""
+    log.info("session", lease=f"{lease_id:x}", ttl=f"{granted}s")
+    if granted != asked:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
+        log.warning("ttl-raised", asked=f"{asked}s", granted=f"{granted}s", by="etcd")
 
 
 def warn_session_dropped(face: str, lease_id: int) -> None:
@@ -174,110 +135,115 @@ def warn_session_dropped(face: str, lease_id: int) -> None:
     log.warning("session-dropped", lease=f"{lease_id:x}")
 
 
+def _call(listener: Callable[..., None], *args: object) -> None:
+    try:
+        listener(*args)
+    except Exception as exc:  # one embedder's bug must not end the others' calls
+        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
+
+
+class _Keeper(Keeper):
+    """The threaded face's, on the client's keepalive thread (``lease.KeepAlives.timer``),
+    which makes no call that waits on etcd: one session's slow step never holds back
+    another's loss."""
+
+    def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
+        self.keepalives = lease.keepalives_for(client)
+        super().__init__(lease_id, ttl, granted_at, self.keepalives.timer)
+        self.client = client
+        self.lost = Flag("session-lost")
+        self.listeners: dict[object, Callable[[], None]] = {}
+        # The client's close() revokes a lease still open on it: a waiter's key or a hold
+        # left behind goes at once instead of after the TTL.
+        self.forget_client = client.on_close(self.client_closing)
+
+    def client_closing(self, seconds: float) -> None:
+        if not self.machine.closed:
+            self.close(seconds)
+
+    def send(self, deadline: float) -> None:
+        sent = time.monotonic()
+        self.keepalives.refresh(
+            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
+        )
+
+    def answered(self, sent: float, outcome: lease.Outcome) -> None:
+        if self.machine.closed:
+            self.keepalives.forget(self.lease_id)  # closed while it was under way
+            return
+        # Scheduled before the listeners run, so that none of them can stop the keepalives.
+        self.settle(sent, outcome)
+        if not isinstance(outcome, EtcdError):
+            for listener in tuple(self.listeners.values()):
+                _call(listener)
+
+    def declare_lost(self, reason: Loss) -> None:
+        if not self.machine.closed:  # close() may come from another thread meanwhile
+            self.keepalives.forget(self.lease_id)
+            self.lost.set(reason)
+
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        _call(listener, loss)
+
+    def close(self, timeout: float | None) -> bool:
+        self.stop()
+        self.forget_client()
+        try:
+            lease.revoke(self.client, self.lease_id, timeout)
+        except EtcdError as exc:
+            log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
+            return False
+        finally:
+            # After the revoke, which is what a waiter waits for. A keepalive answered
+            # meanwhile changes nothing (the machine is closed).
+            self.keepalives.forget(self.lease_id)
+        return True
+
+
 def _dropped(keeper: _Keeper) -> None:
     """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
     and revoke its lease from the client's timer thread (not the collecting thread, which
     may be anyone's)."""
     warn_session_dropped("conch", keeper.lease_id)
-    keeper.stop.set()
+    keeper.stop()
     timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
 
 
-class Session:
-    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early, so that a client's sessions send together) on the client's
-    LeaseKeepAlive stream, which every session of the client shares, from the client's
-    keepalive thread (no thread per session).
+class SessionBase(Generic[KeeperT]):
+    """What the Sessions of both faces share: the lease's figures, read from its keeper,
+    and the claims (one key per semaphore on a session)."""
 
-    ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
-    TTL <= 0: expired or revoked); its ``reason`` is a ``conch.core.loss.Loss`` (a str, with
-    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered (etcd away) is
-    sent again, with backoff, and loses nothing by itself: until ``alive_until`` the lease
-    is alive for sure, and past it unconfirmed the holds on the session are lost
-    (``on_expired``) while the session itself, and a waiter's place on it, lives on until
-    etcd says otherwise (``conch.core.session`` has the rule). ``close()``
-    (or leaving the ``with`` block) revokes the lease, so every key on it goes at once.
-    Raises Unavailable (or another EtcdError) when LeaseGrant fails, Interrupted when
-    ``interrupt`` is set while it retries.
-
-    To share one lease between holds (``Semaphore.acquire(session=...)``)::
-
-        with conch.Session(client, ttl=10) as session:
-            with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
-                ...
-
-    A hold on a shared session releases by deleting its own key; the session's loss loses
-    every hold on it. One session holds at most one key per semaphore at a time (a second
-    acquire of the same semaphore on it raises UsageError while the first is held or
-    waiting): make a session per concurrent holder of one semaphore. A session dropped
-    without ``close()`` is revoked when collected, with a ResourceWarning.
-    """
-
-    def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
-        check_client(client)
-        check_ttl(ttl)
-        self._client = client
-        asked = time.monotonic()
-        granted = lease.grant(client, ttl, interrupt=interrupt)
-        # etcd restarts the countdown when it receives a grant or keepalive, which is after
-        # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
-        self._keeper = _Keeper(client, granted.id, granted.ttl, asked)
-        self.lease_id = granted.id
-        self.ttl = granted.ttl
-        self.interval = self._keeper.interval
-        self.lost = self._keeper.lost
+    def __init__(self) -> None:
+        self._keeper: KeeperT | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _dropped, self._keeper)
-        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
-        try:
-            self._keeper.start()
-        except BaseException:  # no keepalive thread to be had: leave no lease behind
-            self._finalizer.detach()
-            self._keeper.close(None)
-            raise
-        log.info("session", lease=f"{self.lease_id:x}", ttl=f"{self.ttl}s")
-        if self.ttl != ttl:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
-            log.warning("ttl-raised", asked=f"{ttl}s", granted=f"{self.ttl}s", by="etcd")
 
     @property
-    def client(self) -> Client:
-        return self._client
+    def _kept(self) -> KeeperT:
+        if self._keeper is None:
+            raise UsageError("session not open: await it or use async with")
+        return self._keeper
+
+    @property
+    def lease_id(self) -> int:
+        return self._kept.lease_id
+
+    @property
+    def interval(self) -> float:
+        """Seconds between keepalives (TTL/3)."""
+        return self._kept.machine.interval
 
     @property
     def alive_until(self) -> float:
-        """``time.monotonic()`` until which the lease is alive for sure (last confirmed
+        """``time.monotonic()`` until which the lease is alive for sure (the last confirmed
         keepalive's send time + TTL)."""
-        return self._keeper.alive_until
+        return self._kept.alive_until
 
     def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, and etcd's countdown from our
-        last confirmed keepalive has not run out (a process frozen past its TTL fails this),
-        and not closed (a hold left on a shared session closed under it is no longer ours)."""
-        keeper = self._keeper
-        return not (keeper.lost.is_set() or keeper.stop.is_set()) and (
-            time.monotonic() < keeper.alive_until
-        )
-
-    def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
-        confirmed since (``loss``: LossReason.NO_KEEPALIVE): the lease may be gone, or may
-        live on through an outage of etcd; a hold on the session is lost then. It runs on
-        the client's keepalive thread and must not block. Returns a function that removes
-        it."""
-        self._keeper.expiry_listeners.append(listener)
-        return lambda: self._keeper.expiry_listeners.remove(listener)
-
-    def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
-        moved. It runs on the client's keepalive thread, which every session of the client
-        shares: it must not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one
-        that raises is logged. Returns a function that removes it.
-
-        ``lost`` callbacks (``lost.add_callback``) run on that thread too, when the loss is
-        declared there, under the same rule."""
-        self._keeper.listeners.append(listener)
-        return lambda: self._keeper.listeners.remove(listener)
+        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
+        shared session closed under it is no longer ours), and etcd's countdown from our
+        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
+        return self._kept.certainly_alive()
 
     def _claim(self, key: bytes) -> None:
         """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
@@ -294,12 +260,79 @@ class Session:
         with self._claims_lock:
             self._claims.discard(key)
 
+
+class Session(SessionBase[_Keeper]):
+    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
+    SEND_GRID early) on the client's one LeaseKeepAlive stream, from its keepalive thread
+    (as etcd's ``concurrency.Session``; no thread per session).
+
+    ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
+    TTL <= 0); its ``reason`` is a ``conch.core.loss.Loss`` (LossReason.LEASE_NOT_FOUND).
+    An unanswered keepalive is sent again, with backoff, and loses nothing by itself: past
+    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``), while
+    the session, and a waiter's place on it, lives on until etcd says otherwise
+    (``conch.core.session``). ``close()`` (or leaving ``with``) revokes the lease: every key
+    on it goes at once. Raises Unavailable (or another EtcdError) when LeaseGrant fails,
+    Interrupted when ``interrupt`` is set while it retries.
+
+    To share one lease between holds (``Semaphore.acquire(session=...)``)::
+
+        with conch.Session(client, ttl=10) as session:
+            with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
+                ...
+
+    A hold on a shared session releases by deleting its own key; the session's loss loses
+    every hold on it. A session holds at most one key per semaphore (a second acquire of it
+    raises UsageError while the first holds or waits). A session dropped without
+    ``close()`` is revoked when collected, with a ResourceWarning.
+    """
+
+    def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
+        check_client(client)
+        check_ttl(ttl)
+        super().__init__()
+        self._client = client
+        asked = time.monotonic()
+        granted = lease.grant(client, ttl, interrupt=interrupt)
+        # etcd restarts the countdown when it receives a grant or keepalive, which is after
+        # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
+        self._keeper = keeper = _Keeper(client, granted.id, granted.ttl, asked)
+        self.ttl = granted.ttl
+        self.lost = keeper.lost
+        self._finalizer = weakref.finalize(self, _dropped, keeper)
+        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
+        try:
+            keeper.start()
+        except BaseException:  # no keepalive thread to be had: leave no lease behind
+            self._finalizer.detach()
+            keeper.close(None)
+            raise
+        log_granted(self.lease_id, ttl, self.ttl)
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
+        """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
+        confirmed since (``loss``: LossReason.NO_KEEPALIVE; a hold on the session is lost
+        then), on the client's keepalive thread: it must not block. Returns a function that
+        removes it."""
+        return self._kept.add_expiry_listener(listener)
+
+    def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
+        moved, on the client's keepalive thread (shared by its sessions): it must not block
+        (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one that raises is logged.
+        Returns a function that removes it. ``lost`` callbacks run on that thread too."""
+        return listen(self._kept.listeners, listener)
+
     def close(self, timeout: float | None = None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
         self._finalizer.detach()
-        return self._keeper.close(timeout)
+        return self._kept.close(timeout)
 
     def __enter__(self) -> Session:
         return self

@@ -14,6 +14,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 from conch import log
@@ -21,18 +22,9 @@ from conch.errors import UsageError
 from conch.etcd.client import TLS, Client, Credentials, Endpoint, connect
 from conch.hints import shown
 
-_UNITS = {
-    "ns": 1e-9,
-    "us": 1e-6,
-    "µs": 1e-6,
-    "μs": 1e-6,
-    "ms": 1e-3,
-    "s": 1.0,
-    "m": 60.0,
-    "h": 3600.0,
-}
-_PART = re.compile(r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
-_NUMBER = re.compile(r"\d+\.?\d*|\.\d+")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+_NUMBER = r"\d+\.?\d*|\.\d+"
+_PART = re.compile(f"({_NUMBER})({'|'.join(_UNITS)})")  # "ms" before "m": the first unit wins
 MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
 _EXAMPLES = "want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
 
@@ -43,7 +35,7 @@ def parse_duration(flag: str, text: str) -> float:
     value = text.strip()
     if value.startswith("-"):
         raise UsageError(f"bad {flag} {shown(text)}: a duration is not negative; {_EXAMPLES}")
-    if _NUMBER.fullmatch(value):
+    if re.fullmatch(_NUMBER, value):
         total = float(value)
     else:
         pos, total = 0, 0.0
@@ -134,15 +126,8 @@ DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 # a secret is treated as the secret: all removed, none passed on). For whoever starts
 # processes that must not see them.
 CREDENTIAL_VARIABLES = (
-    "CONCH_USER",
-    "CONCH_PASSWORD",
-    "CONCH_PASSWORD_FILE",
-    "CONCH_CERT",
-    "CONCH_KEY",
-    "ETCDCTL_USER",
-    "ETCDCTL_PASSWORD",
-    "ETCDCTL_CERT",
-    "ETCDCTL_KEY",
+    *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
+    *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
 )
 
 
@@ -195,8 +180,7 @@ def connect_with(connection: Connection) -> Client:
 
 def _read_file(what: str, path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return Path(path).read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
@@ -208,15 +192,11 @@ def truthy(text: str) -> bool:
 
 def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
     files: dict[str, bytes] = {}
-    for flag, given, name in (
-        ("--cacert", flags.cacert, "CACERT"),
-        ("--cert", flags.cert, "CERT"),
-        ("--key", flags.key, "KEY"),
-    ):
-        found = setting(flag, given, name, "", environ)
+    for name in ("cacert", "cert", "key"):
+        found = setting("--" + name, getattr(flags, name), name.upper(), "", environ)
         if found.value:
-            log.debug("setting", setting=flag[2:], value=found.value, source=found.source)
-            files[flag[2:]] = _read_file(named(flag, found), found.value)
+            log.debug("setting", setting=name, value=found.value, source=found.source)
+            files[name] = _read_file(named("--" + name, found), found.value)
     if ("cert" in files) != ("key" in files):
         raise UsageError("--cert and --key go together")
     if files:
@@ -280,23 +260,23 @@ def _credentials(flags: ConnectionFlags, environ: Mapping[str, str]) -> Credenti
             raise UsageError("--password and --password-file need --user")
         return None
     name, _, inline = user.value.partition(":")
-    levels = (
-        ("--user", flags.password, "--password", flags.password_file, "--password-file"),
-        (
-            "CONCH_USER",
-            environ.get("CONCH_PASSWORD"),
-            "CONCH_PASSWORD",
-            environ.get("CONCH_PASSWORD_FILE") or None,
-            "CONCH_PASSWORD_FILE",
-        ),
-        ("ETCDCTL_USER", environ.get("ETCDCTL_PASSWORD"), "ETCDCTL_PASSWORD", None, ""),
-    )
+    given = {
+        **environ,
+        "--password": flags.password,
+        "--password-file": flags.password_file,
+        "CONCH_PASSWORD_FILE": environ.get("CONCH_PASSWORD_FILE") or None,
+    }
     password, source = "", ""
-    for user_source, given, given_source, path, path_source in levels:
+    for user_source, password_source, path_source in (
+        ("--user", "--password", "--password-file"),
+        ("CONCH_USER", "CONCH_PASSWORD", "CONCH_PASSWORD_FILE"),
+        ("ETCDCTL_USER", "ETCDCTL_PASSWORD", ""),
+    ):
+        path = given.get(path_source)
         if user.source == user_source and inline:
             password, source = inline, f"{user_source} (NAME:PASSWORD)"
-        elif given:
-            password, source = given, given_source
+        elif given.get(password_source):
+            password, source = given[password_source] or "", password_source
         elif path is not None:
             data = _read_file(path_source, path)
             password, source = data.decode("utf-8", "replace").rstrip("\r\n"), path_source

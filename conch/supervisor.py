@@ -19,6 +19,7 @@ import queue
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 
 from conch import etcd, hints, log, procs
 from conch.core.loss import Loss
@@ -204,9 +205,8 @@ def supervise(
         except HoldLost as exc:  # before the child started: queued for again
             lost = exc
         finally:
-            # After the release: the watchdog's exit does not compete with the next holder's
-            # start, and conch does not exit before it (an outer conch, our subreaper, would
-            # find it re-parented to it and stop it as a process escaped from its job).
+            # After the release (the next holder's start comes first), and before conch exits
+            # (an outer conch, our subreaper, would stop it as a process escaped its job).
             watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
         watchdog = None  # dismissed with its round
         sema.pause_before_reentry(lost, deadline, stop, backoff)
@@ -255,15 +255,17 @@ def run_child(
 ) -> int:
     """Start ``argv`` in its own process group and wait for whichever comes first: its exit
     (return its status), the loss of ``hold``, the deadline (no keepalive confirmed in time)
-    or its watchdog's death (terminate it so that it is dead before the lease can expire,
-    return 70), or ``stop`` (terminate it, return its status). Raises HoldLost if the hold
-    is lost (or its lease not certainly alive long enough) before the child starts,
-    Interrupted if ``stop`` is set before it starts. ``hold`` is released as soon as the
-    child has exited with nothing left in its group and, after ``adopt_orphans()``, nothing
-    left outside it either: what it left in the background counts as the child until gone
-    (a ``stragglers`` or ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later),
-    and is terminated with the child's group on a loss or ``stop``. ``watchdog`` (started in
-    advance) is armed with the child's group; without one, one is started here."""
+    or its watchdog's death or silence (terminate it so that it is dead before the lease
+    can expire, return 70), or ``stop`` (terminate it, return its status). Returns 127 or
+    126 when ``argv`` cannot be found or executed, 70 when the watchdog does not run or
+    answer (nothing started). Raises HoldLost if the hold is lost (or its lease not
+    certainly alive long enough) before the child starts, Interrupted if ``stop`` is set
+    before it starts. ``hold`` is released as soon as the child has exited with nothing
+    left in its group and, after ``adopt_orphans()``, nothing left outside it either: what
+    it left in the background counts as the child until gone (a ``stragglers`` or
+    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
+    with the child's group on a loss or ``stop``. ``watchdog`` (started in advance) is
+    armed with the child's group; without one, one is started here."""
     try:
         watchdog = watchdog or start_watchdog(kill_after, environ)
     except OSError as exc:
@@ -367,19 +369,15 @@ class _Run:
         hold.start_guard()
         started = time.monotonic()
         log.info("child-start", pid=pid, rev=hold.revision)
-        # After the spawn, off the handoff's path: a watchdog that died before is seen all
-        # the same, its stdout's end waiting to be read.
+        # After the spawn, off the handoff's path: a watchdog dead before shows all the same.
         watchdog.watch(self.box)
         self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
         # A keepalive confirmed since the expect line, before the listener above, would be
         # missing from the watchdog's expiry: it could fire an interval early.
         watchdog.heartbeat(self.expiry())
-        hold.lost.subscribe(self.box)
-        self.stop.subscribe(self.box)
-        self._undo += [
-            lambda: hold.lost.unsubscribe(self.box),
-            lambda: self.stop.unsubscribe(self.box),
-        ]
+        for flag in (hold.lost, self.stop):
+            flag.subscribe(self.box)
+            self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
         job = _Job(pid)
         if isinstance(notice, ChildExit):
@@ -409,8 +407,7 @@ class _Run:
             watchdog.kill()
             _log_child_exit(pid, returncode, started)
             return _report(Outcome.WATCHDOG_FAILED, error=failure)
-        reason = self._loss_reason(notice)
-        log.error("lost", name=hold.name, rev=hold.revision, reason=reason)
+        log.error("lost", name=hold.name, rev=hold.revision, reason=self._loss_reason(notice))
         if notice is hold.lost and _slot_taken(hold):
             # Our key is gone in etcd itself: the slot may be someone else's already, so
             # a grace could only be spent beside its new holder. SIGKILL at once.

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from conch.flag import Flag, Mailbox
+from conch.settings import CREDENTIAL_VARIABLES
 
 GOODBYE = b"x\n"
 
@@ -46,19 +47,8 @@ watchdog that cannot answer that fast cannot be trusted to SIGKILL by the deadli
 # and ``ETCDCTL_USER`` may hold NAME:PASSWORD), the paths to secrets among them alike (the
 # password file, the client certificate and its key): the child and the watchdog start
 # without them, so no job conch runs is handed the cluster's credentials. The CA bundle and
-# the endpoints, no secrets, are passed on. The same list as conch.settings'
-# CREDENTIAL_VARIABLES (not imported: this module stays light).
-CREDENTIALS = (
-    "CONCH_USER",
-    "CONCH_PASSWORD",
-    "CONCH_PASSWORD_FILE",
-    "CONCH_CERT",
-    "CONCH_KEY",
-    "ETCDCTL_USER",
-    "ETCDCTL_PASSWORD",
-    "ETCDCTL_CERT",
-    "ETCDCTL_KEY",
-)
+# the endpoints, no secrets, are passed on.
+CREDENTIALS = CREDENTIAL_VARIABLES
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
@@ -87,9 +77,9 @@ class Watchdog:
     ``arm(pgid)`` names its process group. ``heartbeat(expiry)`` after each confirmed
     keepalive, ``stand_by(kill_at)`` while conch terminates the group itself, ``dismiss()``
     once conch is done with the child (or never had one), ``close()`` to see it gone.
-    ``watch(box)`` reports its end. ``environ`` is the environment it starts with (default
-    ``os.environ``), less CREDENTIALS. Raises OSError when the watchdog process cannot be
-    started."""
+    ``watch(box)`` reports its end or silence. ``environ`` is the environment it starts
+    with (default ``os.environ``), less CREDENTIALS. Raises OSError when the watchdog
+    process cannot be started."""
 
     def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
@@ -121,28 +111,31 @@ class Watchdog:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
         that, or until ``stop`` is set; one whose script is gone exits at once and never
         says it) and has not exited since (killed while conch queued)."""
-        deadline = time.monotonic() + timeout
-        while not self._ready:
-            left = deadline - time.monotonic()
-            if left <= 0 or (stop is not None and stop.is_set()):
-                return False
-            # In slices: a signal handler's flag does not cut a wait on the pipe short.
-            if self._readable(min(left, 0.05)):
-                self._ready = self._take(1) == READY
-                if not self._ready:
-                    return False
-        return self._process.poll() is None and not self._exited.is_set()
+        if not self._ready:
+            self._ready = self._read_for(READY, time.monotonic() + timeout, stop)
+        return self._ready and not self.ended
 
     def answers(self, timeout: float) -> bool:
         """Whether the watchdog, ready and not watched yet, answers a probe within
         ``timeout`` seconds (ANSWER_TIMEOUT): one stopped while conch queued is failed
         before the child starts, as a dead one is."""
         self._send(PROBE)
-        deadline = time.monotonic() + timeout
-        while self._answered_in_time(deadline - time.monotonic()):
-            chunk = self._take()
-            if ANSWER in chunk or not chunk:
-                return bool(chunk)
+        return self._read_for(ANSWER, time.monotonic() + timeout)
+
+    def _read_for(self, want: bytes | None, deadline: float, stop: Flag | None = None) -> bool:
+        """Read the watchdog's stdout (no reader thread yet) until ``want`` is in it (None:
+        until its end: True then); False at its end, at ``deadline``, or once ``stop`` is
+        set (looked at every 50 ms: a signal handler's flag does not cut a wait short)."""
+        while stop is None or not stop.is_set():
+            left = deadline - time.monotonic()
+            if self._answered_in_time(min(left, 0.05)):
+                chunk = self._take()
+                if not chunk:
+                    return want is None
+                if want is not None and want in chunk:
+                    return True
+            elif left <= 0:
+                return False
         return False
 
     @property
@@ -164,7 +157,7 @@ class Watchdog:
 
     def _answered_in_time(self, timeout: float | None) -> bool:
         # Once more after the timeout: a thread of ours woken late (the GIL) must not miss
-        # an answer that came in time.
+        # bytes that came in time.
         return self._readable(timeout) or self._readable(0)
 
     def _take(self, size: int = 64) -> bytes:
@@ -281,18 +274,11 @@ class Watchdog:
                 self._process.stdin.close()
         deadline = time.monotonic() + timeout
         # The reader thread, once started, is the one reading its stdout.
-        ended = self._exited.wait(timeout) if self._reader else self._drain(deadline)
+        ended = self._exited.wait(timeout) if self._reader else self._read_for(None, deadline)
         if ended and reap:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(max(0.0, deadline - time.monotonic()))
         return ended
-
-    def _drain(self, deadline: float) -> bool:
-        """Read the watchdog's stdout to its end, until ``deadline``; whether it ended."""
-        while (left := deadline - time.monotonic()) > 0:
-            if self._readable(left) and not self._take():
-                return True
-        return False
 
     @property
     def fired(self) -> bool:

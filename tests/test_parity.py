@@ -34,6 +34,8 @@ from conch.etcd import Client, kv, lease
 from tests.conftest import DEADLINE, etcd_watchers, sema_keys
 from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
+from tests.test_auth import alice, authenticate_calls, enable_auth
+from tests.test_security import PASSWORD
 
 
 class Face(Protocol):
@@ -44,7 +46,12 @@ class Face(Protocol):
     interrupted: type[BaseException]  # what an interrupted wait raises
     endpoints: str  # what ``connect`` connects to
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face: ...
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face: ...
     def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
     def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
     def semaphore_reading_once(
@@ -83,17 +90,31 @@ class Threaded:
     name = "threaded"
     interrupted: type[BaseException] = conch.Interrupted
 
-    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> None:
         self.endpoints = etcd.endpoints
         self.request_timeout = request_timeout
+        self.credentials = credentials
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
-        """This face on another etcd, its calls with ``request_timeout``."""
-        return type(self)(etcd, request_timeout)
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face:
+        """This face on another etcd, its calls with ``request_timeout`` and
+        ``credentials``."""
+        return type(self)(etcd, request_timeout, credentials)
 
     @contextlib.asynccontextmanager
     async def connect(self) -> AsyncIterator[conch.Client]:
-        connect = functools.partial(conch.connect, request_timeout=self.request_timeout)
+        connect = functools.partial(
+            conch.connect, request_timeout=self.request_timeout, credentials=self.credentials
+        )
         client = await asyncio.to_thread(connect, self.endpoints)
         try:
             yield client
@@ -183,16 +204,30 @@ class Asyncio:
     name = "asyncio"
     interrupted: type[BaseException] = asyncio.CancelledError
 
-    def __init__(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> None:
         self.endpoints = etcd.endpoints
         self.request_timeout = request_timeout
+        self.credentials = credentials
 
-    def at(self, etcd: EtcdCluster, request_timeout: float = 5.0) -> Face:
-        """This face on another etcd, its calls with ``request_timeout``."""
-        return type(self)(etcd, request_timeout)
+    def at(
+        self,
+        etcd: EtcdCluster,
+        request_timeout: float = 5.0,
+        credentials: conch.Credentials | None = None,
+    ) -> Face:
+        """This face on another etcd, its calls with ``request_timeout`` and
+        ``credentials``."""
+        return type(self)(etcd, request_timeout, credentials)
 
     def connect(self) -> contextlib.AbstractAsyncContextManager[conch.aio.Client]:
-        return conch.aio.connect(self.endpoints, request_timeout=self.request_timeout)
+        return conch.aio.connect(
+            self.endpoints, request_timeout=self.request_timeout, credentials=self.credentials
+        )
 
     def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
@@ -677,6 +712,68 @@ def test_closing_the_client_revokes_the_leases_still_open_on_it(
         run(face, scenario)
     assert sema_keys(client, name) == []
     assert time.monotonic() - started < 15
+
+
+# -- an auth token that expires ------------------------------------------------------------
+
+TOKEN_TTL = 2  # seconds: etcd forgets a simple token left unused for this long
+PAST_TOKEN = TOKEN_TTL + 1.5  # etcd sweeps its expired tokens once a second
+
+
+@pytest.fixture(scope="module")
+def short_token_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A one-member etcd with auth on (user alice) and simple tokens of TOKEN_TTL s."""
+    extra = ["--auth-token=simple", f"--auth-token-ttl={TOKEN_TTL}"]
+    cluster = EtcdCluster(tmp_path_factory.mktemp("short-token"), extra=extra)
+    cluster.start()
+    enable_auth(cluster)
+    yield cluster
+    cluster.stop()
+
+
+def test_a_holder_and_its_waiters_outlive_their_auth_token_expiring(
+    face: Face, short_token_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder and two waiters queued behind it (max=1) on one client, its token left to
+    expire (unused for longer than its TTL) before every release: each release meets the
+    expired token, the client authenticates again and the call goes through; the waiters
+    waited through it, each holds in the order it queued on the key it queued with, no hold
+    is lost, and the log has the same events in both faces."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(short_token_etcd, credentials=conch.Credentials("alice", PASSWORD))
+    renewed: list[int] = []
+
+    async def release_past_the_token(hold: Any) -> None:
+        await asyncio.sleep(PAST_TOKEN)
+        await here.check(hold)  # no etcd call: the lease lives on its keepalives
+        before = authenticate_calls(short_token_etcd)
+        await here.release(hold)
+        renewed.append(authenticate_calls(short_token_etcd) - before)
+
+    async def scenario(fclient: Any) -> None:
+        with alice(short_token_etcd) as client:
+            holder = await here.acquire(here.semaphore(fclient, name, max=1, ttl=10), timeout=10)
+            waiting: list[asyncio.Future[Any]] = []
+            for queued in (2, 3):
+                sema = here.semaphore(fclient, name, max=1, ttl=10)
+                waiting.append(asyncio.ensure_future(here.acquire(sema, timeout=60)))
+                await _poll(functools.partial(_count_is, client, name, queued), "queued")
+            order = revisions(client, name)[1:]
+        await release_past_the_token(holder)
+        held = []
+        for each in waiting:
+            hold = await asyncio.wait_for(each, DEADLINE)
+            held.append(hold.revision)
+            await release_past_the_token(hold)
+        assert held == order
+        with alice(short_token_etcd) as client:
+            assert sema_keys(client, name) == []
+
+    run_at(here, scenario)
+    assert len(renewed) == 3 and all(renewed), renewed  # each release authenticated again
+    events = collections.Counter(re.findall(r"event=([\w-]+)", caplog.text))
+    assert events == {"session": 3, "queued": 2, "acquired": 3, "released": 3}, events
+    assert caplog.text.count("revoked=True") == 3, caplog.text
 
 
 # -- watches resumed past a compaction ---------------------------------------------------

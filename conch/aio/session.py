@@ -10,137 +10,78 @@ from typing import Any
 
 from conch import errors, log
 from conch.aio.client import Client
-from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
+from conch.aio.tasks import outlast_cancel, spawn
 from conch.core.loss import CLOSED, Loss
-from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
-from conch.errors import EtcdError, LeaseNotFound
+from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-
-# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-from conch.session import check_ttl, warn_session_dropped
-
-# -- the session --------------------------------------------------------------------------
+from conch.etcd import lease
+from conch.session import Keeper, SessionBase, check_ttl, listen, log_granted, warn_session_dropped
+from conch.timer import LoopTimer
 
 
-class _Keeper:
-    """A coroutine session's lease and its SessionMachine (``conch.core.session``: the
-    keepalive schedule, E, the loss decision), executed on the loop's timers: everything
-    the keepalives need, and nothing that keeps the Session alive (a dropped Session is
-    noticed)."""
+class _Keeper(Keeper):
+    """The asyncio face's ``conch.session.Keeper``, on the loop's timers."""
 
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        super().__init__(lease_id, ttl, granted_at, LoopTimer(self.loop))
         self.client = client
-        self.lease_id = lease_id
-        self.ttl = ttl
-        self.machine = SessionMachine(ttl, granted_at)
-        self.interval = self.machine.interval
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
-        self.closed = False
         self.revoked: asyncio.Future[bool] | None = None
         self.listeners: dict[object, Callable[[Loss], None]] = {}
-        self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
-        self.loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        self._ended = self.loop.create_future()
         self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
-        self.execute(self.machine.start())
-
-    @property
-    def alive_until(self) -> float:
-        return self.machine.alive_until
+        self.start()
 
     async def _live(self) -> None:
-        """Parked until the session ends: closed, lost, or the loop ending (asyncio.run
-        cancels what is left). Then the client's keepalive stream no longer counts this
-        lease among those it serves."""
+        """Parked until cancelled: the session closed or lost, or the loop ending (asyncio.run
+        cancels what is left); then the client's keepalive stream forgets the lease."""
         try:
-            await self._ended
+            await self.loop.create_future()
         finally:
-            if self._timer is not None:
-                self._timer.cancel()
+            if self.next_wake is not None:
+                self.next_wake.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
 
-    def _end(self) -> None:
-        if not self._ended.done():
-            self._ended.set_result(None)
+    def send(self, deadline: float) -> None:
+        spawn(self.loop, self._keepalive(deadline))
 
-    def execute(self, actions: list[SessionAction]) -> None:
-        """Run the machine's ``actions`` on the loop."""
-        for action in actions:
-            if isinstance(action, WakeAt):
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = self.loop.call_later(action.at - time.monotonic(), self.wake)
-            elif isinstance(action, SendKeepalive):
-                spawn(self.loop, self.send(action.deadline))
-            elif isinstance(action, Expired):
-                for listener in list(self.expiry_listeners.values()):
-                    run_callback(listener, action.loss)
-            else:
-                self.declare_lost(action.loss)
-
-    def wake(self) -> None:
-        if not self.closed:
-            self.execute(self.machine.wake(time.monotonic()))
-
-    async def send(self, deadline: float) -> None:
-        """One keepalive, and the machine told of its answer."""
+    async def _keepalive(self, deadline: float) -> None:
         sent = time.monotonic()
+        outcome: lease.Outcome
         try:
-            ttl = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
-        except LeaseNotFound:
-            actions = self.machine.lease_gone()
-        except EtcdError:
-            actions = self.machine.unanswered(time.monotonic())
-        else:
-            actions = self.machine.answered(sent, ttl)
-        if not self.closed:
-            self.execute(actions)
+            outcome = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
+        except EtcdError as exc:
+            outcome = exc
+        self.settle(sent, outcome)
 
     def declare_lost(self, reason: Loss) -> None:
-        if self.closed or self.lost.is_set():
-            return
         self.reason = reason
         self.lost.set()
-        self._end()
+        self.task.cancel()
         for key in list(self.listeners):
             listener = self.listeners.pop(key, None)
             if listener is not None:
                 run_callback(listener, reason)
 
-    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` on the loop each time E passes unconfirmed
-        (``SessionMachine``'s Expired); returns a function that removes it."""
-        key = object()
-        self.expiry_listeners[key] = listener
-        return lambda: self.expiry_listeners.pop(key, None) and None
+    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
+        run_callback(listener, loss)
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
         already); returns a function that removes it."""
-        key = object()
-        if self.lost.is_set():
-            self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
-        else:
-            self.listeners[key] = listener
-
-        def remove() -> None:
-            self.listeners.pop(key, None)
-
-        return remove
-
-    def certainly_alive(self) -> bool:
-        return not self.closed and self.machine.certainly_alive(time.monotonic())
+        if not self.lost.is_set():
+            return listen(self.listeners, listener)
+        self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
+        return lambda: None
 
     async def close(self, timeout: float | None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``
         seconds; whether confirmed. A second close waits for the first one's revoke."""
         if self.revoked is None:
-            self.closed = True
-            self.machine.close()
-            self._end()
+            self.stop()
+            self.task.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
             self.client._keepers.discard(self)
             self.revoked = self.loop.create_task(self._revoke(timeout))
@@ -169,28 +110,19 @@ def _session_dropped(keeper: _Keeper) -> None:
     etcd_aio.call_soon(keeper.loop, lambda: spawn(keeper.loop, keeper.close(None)))
 
 
-class Session:
-    """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 by a task
-    on the loop, on the client's one LeaseKeepAlive stream (shared with the threaded face's
-    sessions); the coroutine face of ``conch.Session``. Open it with ``async with
-    Session(client, ttl)`` or ``session = await Session(client, ttl)``; ``await
-    session.close()`` revokes the lease, so every key on it goes at once.
+class Session(SessionBase[_Keeper]):
+    """The coroutine face of ``conch.Session``: one etcd lease of ``ttl`` seconds
+    (Lease.LeaseGrant), refreshed every TTL/3 on the loop, on the client's one
+    LeaseKeepAlive stream. Open it with ``async with Session(client, ttl)`` or ``session =
+    await Session(client, ttl)``; ``await session.close()`` revokes the lease, so every key
+    on it goes at once. Raises UsageError for a bad ttl or client, Unavailable (or another
+    EtcdError) when LeaseGrant fails.
 
     ``lost`` (an ``asyncio.Event``) is set when etcd says the lease is gone (a keepalive
-    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss`` (a str, with
-    ``.reason`` LossReason.LEASE_NOT_FOUND). A keepalive left unanswered is sent again with
-    backoff and loses nothing by itself: past ``alive_until`` unconfirmed the holds on the
-    session are lost, the session (a waiter's place) lives on until etcd says otherwise,
-    as ``conch.Session`` (the rule is ``conch.core.session``'s).
-    ``alive_until`` is the ``time.monotonic()`` until which the lease is alive for sure (the
-    last answered keepalive's send time + TTL). Raises UsageError for a bad ttl or client,
-    Unavailable (or another EtcdError) when LeaseGrant fails.
-
-    Share it between holds with ``sema.acquire(session=session)``: a hold on a shared
-    session releases by deleting its own key, the session's loss loses every hold on it,
-    and it holds at most one key per semaphore at a time (a second acquire of the same
-    semaphore on it raises UsageError while the first waits or holds). A session dropped
-    without ``close()`` is revoked when collected, with a ResourceWarning.
+    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss``
+    (LossReason.LEASE_NOT_FOUND). The loss rule, ``alive_until``, sharing between holds
+    (``sema.acquire(session=session)``, one key per semaphore) and a dropped session's
+    revoke are as ``conch.Session``'s.
     """
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
@@ -199,10 +131,9 @@ class Session:
                 f"bad client {client!r}: want a conch.aio.Client (conch.aio.connect(...))"
             )
         check_ttl(ttl)
+        super().__init__()
         self.client = client
         self.ttl = ttl
-        self._keeper: _Keeper | None = None
-        self._claims: set[bytes] = set()
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
@@ -216,9 +147,7 @@ class Session:
         self._keeper = keeper
         self._finalizer = weakref.finalize(self, _session_dropped, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
-        log.info("session", lease=f"{granted.id:x}", ttl=f"{granted.ttl}s")
-        if granted.ttl != self.ttl:  # etcd's minimum TTL is 1.5 election timeouts
-            log.warning("ttl-raised", asked=f"{self.ttl}s", granted=f"{granted.ttl}s", by="etcd")
+        log_granted(granted.id, self.ttl, granted.ttl)
         self.ttl = granted.ttl
         return self
 
@@ -232,21 +161,6 @@ class Session:
         await self.close()
 
     @property
-    def _kept(self) -> _Keeper:
-        if self._keeper is None:
-            raise errors.UsageError("session not open: await it or use async with")
-        return self._keeper
-
-    @property
-    def lease_id(self) -> int:
-        return self._kept.lease_id
-
-    @property
-    def interval(self) -> float:
-        """Seconds between keepalives (TTL/3)."""
-        return self._kept.interval
-
-    @property
     def lost(self) -> asyncio.Event:
         return self._kept.lost
 
@@ -255,27 +169,6 @@ class Session:
         """Why the session was lost (a Loss: its message, and its ``reason``, a
         LossReason); None while it is not."""
         return self._kept.reason
-
-    @property
-    def alive_until(self) -> float:
-        """``time.monotonic()`` until which the lease is alive for sure."""
-        return self._kept.alive_until
-
-    def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, not closed, and etcd's
-        countdown from our last answered keepalive not run out."""
-        return self._kept.certainly_alive()
-
-    def _claim(self, key: bytes) -> None:
-        if key in self._claims:
-            raise errors.UsageError(
-                f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
-                "one hold per semaphore per session; use another session"
-            )
-        self._claims.add(key)
-
-    def _unclaim(self, key: bytes) -> None:
-        self._claims.discard(key)
 
     async def close(self, timeout: float | None = None) -> bool:
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most

@@ -1,27 +1,23 @@
 """The codec: each action of the Waiter as the etcd request(s) that carry it out, and each
 etcd response (or error, or watch notice) as the input the Waiter is fed. Pure functions on
 protobuf messages and ``conch.core.messages`` records: no I/O, no clock, no threads. Both
-faces execute what it builds and feed back what it decodes, so they cannot read etcd
-differently; the simulator may drive it the same way.
-
-A request is a ``Call`` (the etcd service and method, and the protobuf request), which a
-face sends with its own client: ``client.call(c.service, c.method, c.request, ...)`` on a
-thread, ``await client.call_async(...)`` on the loop.
+faces and the simulator execute what it builds and feed back what it decodes, so they cannot
+read etcd differently. A request is a ``Call``, which a face sends with its own client:
+``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
 
 **Reading several Ranges at one revision** (the standing read, the gap-closing read of a
 watch) is a plan of the core too (``ReadTogether``): one read-only KV.Txn, or the first
 Range and the others pinned to its revision. The plan is ``read_plan(server_version)``:
 
-* etcd 3.5.0 to 3.5.6 take the server down on some read-only Txns: before 3.5.5 a read-only
-  Txn whose client deadline passes while it is applied panics the server ("unexpected
-  error during txn", etcd issue 14110, fixed by etcd PR 14149 and, in 3.5.5, its backport
-  14178); in 3.5.5 and 3.5.6 such a Txn, once it has failed, can crash the server in the
-  "apply request took too long" warning (a nil response, etcd issue 14891, fixed in 3.5.7 by
-  PR 14899). On those releases, and on a server whose version is unknown, the Ranges are
-  read pinned to one revision (a Range's deadline only fails that Range).
-* Under etcd's space alarm (NOSPACE) etcd refuses every Txn, read-only ones too, once its
-  database is over its quota, while KV.Range is still served: a Txn refused so is read
-  again as pinned Ranges, at once (``ReadTogether.refused``).
+* etcd 3.5.0 to 3.5.6 can take the server down on a read-only Txn (whose deadline passes
+  while it is applied: etcd issue 14110, fixed in 3.5.5; or once it has failed, in the
+  "apply request took too long" warning: issue 14891, fixed in 3.5.7). On those releases,
+  and on a server whose version is unknown, the Ranges are read pinned to one revision (a
+  Range's deadline only fails that Range).
+* Under etcd's space alarm (NOSPACE), etcd before 3.4.20 (in 3.4) and before 3.5.7 (in
+  3.5) refuses a read-only Txn too once its database is over its quota (etcd PRs 14254 and
+  14884 let it through), while KV.Range is still served: a Txn refused so is read again as
+  pinned Ranges, at once (``ReadTogether.refused``), whatever the release.
 """
 
 from __future__ import annotations
@@ -40,38 +36,13 @@ from conch.core.waiter import window_size
 from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import kv  # its request builders only: pure functions of protobuf
 
-__all__ = [
-    "Call",
-    "ReadPlan",
-    "ReadTogether",
-    "Together",
-    "count_ahead_request",
-    "enqueue_answer",
-    "enqueue_call",
-    "failed",
-    "failure",
-    "key_rev",
-    "keys_answer",
-    "keys_reads",
-    "read_plan",
-    "standing_answer",
-    "standing_reads",
-    "status_call",
-    "touch_answer",
-    "touch_call",
-    "txn_panics",
-    "watch_input",
-    "watch_range",
-    "withdraw_call",
-]
-
-Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest | rpc_pb2.StatusRequest
+Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
 
 
 @dataclass(frozen=True)
 class Call:
-    """One unary etcd RPC to send: ``service`` ("kv", "maintenance"), ``method`` ("Txn",
-    "Range", "Status") and its protobuf ``request``."""
+    """One unary etcd RPC to send: ``service`` ("kv"), ``method`` ("Txn", "Range") and its
+    protobuf ``request``."""
 
     service: str
     method: str
@@ -89,9 +60,6 @@ def _txn(
 def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
     """A KeyValue as the machine sees it (key, create_revision, mod_revision)."""
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
-
-
-# -- SendEnqueue ---------------------------------------------------------------------------
 
 
 def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
@@ -127,23 +95,23 @@ def enqueue_answer(
     )
 
 
-# -- ReadStanding and ReadKeys: Ranges read together ---------------------------------------
-
-
 def standing_reads(
     action: messages.ReadStanding, prefix: bytes, max: int
 ) -> list[rpc_pb2.RangeRequest]:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
     one just ahead (2 keys descending). Read them with ``ReadTogether``."""
-    common: dict[str, object] = {
-        "keys_only": True,
-        "max_create_revision": action.revision,
-        "sort_target": kv.CREATE,
-    }
-    window = kv.prefix_request(prefix, limit=window_size(max), sort_order=kv.ASCEND, **common)
-    mine_and_prev = kv.prefix_request(prefix, limit=2, sort_order=kv.DESCEND, **common)
-    return [window, mine_and_prev]
+    return [
+        kv.prefix_request(
+            prefix,
+            limit=limit,
+            sort_order=order,
+            keys_only=True,
+            max_create_revision=action.revision,
+            sort_target=kv.CREATE,
+        )
+        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
+    ]
 
 
 def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
@@ -174,37 +142,23 @@ class ReadPlan(enum.Enum):
     PINNED_RANGES = "pinned-ranges"  # the first Range, then the others at its revision
 
 
-# etcd releases whose read-only Txn can take the server down (see the module docstring):
-# from 3.5.0 up to, not including, 3.5.7.
+# etcd releases whose read-only Txn can take the server down (see the module docstring).
 TXN_PANIC_FROM = (3, 5, 0)
 TXN_PANIC_FIXED = (3, 5, 7)
 
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 
-def txn_panics(server_version: str) -> bool:
-    """Whether etcd ``server_version`` (Maintenance.Status's ``version``, "3.5.1") is a
-    release on which a read-only Txn can crash the server; an unreadable version counts as
-    one."""
-    match = _VERSION.match(server_version)
-    if match is None:
-        return True
-    version = tuple(int(part) for part in match.groups())
-    return TXN_PANIC_FROM <= version < TXN_PANIC_FIXED
-
-
 def read_plan(server_version: str | None) -> ReadPlan:
-    """How to read Ranges together from the server of ``server_version`` (None: not known,
-    Maintenance.Status did not answer): pinned Ranges on a release whose read-only Txn can
-    crash it or when the release is not known, else one read-only Txn."""
-    if server_version is None or txn_panics(server_version):
+    """How to read Ranges together from the server of ``server_version`` (Maintenance.Status's
+    ``version``, "3.5.1"; None: not known, Status did not answer): pinned Ranges on a release
+    whose read-only Txn can crash it or when the release is not known or unreadable, else
+    one read-only Txn."""
+    match = _VERSION.match(server_version or "")
+    version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
+    if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
         return ReadPlan.PINNED_RANGES
     return ReadPlan.TXN
-
-
-def status_call() -> Call:
-    """Maintenance.Status, whose answer's ``version`` is the server's release."""
-    return Call("maintenance", "Status", rpc_pb2.StatusRequest())
 
 
 @dataclass(frozen=True)
@@ -216,8 +170,7 @@ class Together:
 
 
 class ReadTogether:
-    """Read ``reads`` (RangeRequests) at one revision, by ``plan``; a small machine a face
-    drives as::
+    """Read ``reads`` (RangeRequests) at one revision, by ``plan``; a face drives it as::
 
         read = ReadTogether(reads, plan)
         while (call := read.next_call()) is not None:
@@ -228,9 +181,8 @@ class ReadTogether:
         return read.result
 
     A read-only Txn refused under the space alarm (``Failure.NO_SPACE``) is read again as
-    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises
-    it); a pinned Range whose revision was compacted meanwhile raises Compacted, which the
-    machine takes as a reason to read again (``failure``)."""
+    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises it:
+    Compacted, when a pinned Range's revision was compacted, the machine reads again)."""
 
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads
@@ -239,11 +191,10 @@ class ReadTogether:
         self.fell_back = False  # the Txn was refused under the space alarm
         self._answers: list[rpc_pb2.RangeResponse] = []
         self._revision = 0
-        self._done = False
 
     def next_call(self) -> Call | None:
         """The next request to send, or None when ``result`` is ready."""
-        if self._done:
+        if len(self._answers) == len(self.reads):
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
@@ -260,12 +211,10 @@ class ReadTogether:
         if isinstance(response, rpc_pb2.TxnResponse):
             self._revision = int(response.header.revision)
             self._answers = [r.response_range for r in response.responses]
-            self._done = True
             return
         if not self._answers:
             self._revision = int(response.header.revision)
         self._answers.append(response)
-        self._done = len(self._answers) == len(self.reads)
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
@@ -277,11 +226,8 @@ class ReadTogether:
 
     @property
     def result(self) -> Together:
-        assert self._done
+        assert len(self._answers) == len(self.reads)
         return Together(self._revision, self._answers)
-
-
-# -- Touch, Withdraw, the count for the log ------------------------------------------------
 
 
 def touch_call(key: bytes, revision: int, value: bytes, lease_id: int) -> Call:
@@ -299,26 +245,21 @@ def withdraw_call(action: messages.Withdraw) -> Call:
     """A Withdraw without ``revoke`` as one KV.Txn: delete our key if its create_revision is
     ``action.revision``, or, when that is 0 (our enqueue's outcome unknown), if it is on
     ``action.lease_id``."""
-    if action.revision:
-        return _txn(
-            [kv.create_revision_is(action.key, action.revision)], [kv.op_delete(action.key)]
+    compare = kv.create_revision_is(action.key, action.revision)
+    if not action.revision:
+        compare = rpc_pb2.Compare(
+            result=rpc_pb2.Compare.EQUAL,
+            target=rpc_pb2.Compare.LEASE,
+            key=action.key,
+            lease=action.lease_id,
         )
-    on_our_lease = rpc_pb2.Compare(
-        result=rpc_pb2.Compare.EQUAL,
-        target=rpc_pb2.Compare.LEASE,
-        key=action.key,
-        lease=action.lease_id,
-    )
-    return _txn([on_our_lease], [kv.op_delete(action.key)])
+    return _txn([compare], [kv.op_delete(action.key)])
 
 
 def count_ahead_request(prefix: bytes, revision: int) -> rpc_pb2.RangeRequest:
     """A Range of the keys under ``prefix`` created before ``revision`` (keys only), for the
     ``queued`` log line: etcd's count ignores max_create_revision, so they are read."""
     return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
-
-
-# -- watches -------------------------------------------------------------------------------
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:
@@ -342,12 +283,6 @@ class Notice(Protocol):
     def events(self) -> Sequence[kv_pb2.Event]: ...
 
 
-_EVENT_TYPES = {
-    kv_pb2.Event.DELETE: messages.EventType.DELETE,
-    kv_pb2.Event.PUT: messages.EventType.PUT,
-}
-
-
 def watch_input(watch_id: int, notice: Notice) -> messages.Input:
     """A notice of watch ``watch_id`` as the machine's input: WatchBroken (compacted or
     given up), WatchCreated, or WatchEvents."""
@@ -356,11 +291,13 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Input:
         return messages.WatchBroken(watch_id, compacted, str(notice.error))
     if notice.created:
         return messages.WatchCreated(watch_id, notice.revision)
-    events = [messages.Event(_EVENT_TYPES[e.type], key_rev(e.kv)) for e in notice.events]
+    delete, put = messages.EventType.DELETE, messages.EventType.PUT
+    events = [
+        messages.Event(delete if e.type == kv_pb2.Event.DELETE else put, key_rev(e.kv))
+        for e in notice.events
+    ]
     return messages.WatchEvents(watch_id, events, notice.revision)
 
-
-# -- failures ------------------------------------------------------------------------------
 
 # The one table from what etcd said (the etcd layer's exception, which names the gRPC status:
 # conch.etcd.client.map_rpc_error) to what the recipe does about it.

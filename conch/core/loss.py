@@ -1,10 +1,9 @@
 """Why a session or a hold was lost, as a type the supervisor and the library switch on.
 
-A loss is a ``Loss``: a ``str`` (the human message, as ``hold.reason``, ``session.reason``
-and ``on_lost(callback)`` have always given it) that also carries ``reason``, a
-``LossReason``. Code that only logs or shows it needs nothing new; code that decides by it
-(the supervisor's "SIGKILL at once, or a grace?") compares ``loss.reason`` with a member,
-never the message's words.
+A loss is a ``Loss``: a ``str`` (the message, as ``hold.reason``, ``session.reason`` and
+``on_lost(callback)`` give it) that also carries ``reason``, a ``LossReason``: code that
+decides by it (the supervisor's "SIGKILL at once, or a grace?") compares ``loss.reason``
+with a member, never the message's words.
 """
 
 from __future__ import annotations
@@ -15,32 +14,25 @@ import enum
 class LossReason(enum.Enum):
     """What ended a session or a hold, by what etcd (or our own clock) said."""
 
-    # The lease's earliest expiry E (the last confirmed keepalive's send time + TTL) has
-    # passed with no later keepalive confirmed: the lease may be gone, or may have survived
-    # an outage of etcd; nobody can say until etcd answers. A hold is lost then; a waiter's
-    # session is not (it keeps its key while etcd may still have its lease).
+    # E passed with no later keepalive confirmed: the lease may be gone, or may have lived
+    # through an outage of etcd. A hold is lost then; a waiter's session is not.
     NO_KEEPALIVE = "no-keepalive-confirmed"
-    # etcd answered that our lease is gone (a keepalive's TTL <= 0, LeaseNotFound): it
-    # expired or was revoked, and every key on it went with it.
+    # etcd answered that our lease is gone (a keepalive's TTL <= 0): expired or revoked.
     LEASE_NOT_FOUND = "lease-not-found"
-    # Our key is gone while the lease lives (a watch event, a look at the key, a touch or a
-    # guarded write whose compare on our create_revision failed): deleted by hand, or the
-    # lease's expiry seen through the key first.
+    # Our key is gone while the lease lives (a watch event, a look at the key, a failed
+    # compare on our create_revision): deleted by hand, or the lease's expiry seen first.
     KEY_DELETED = "key-deleted"
-    # The session was closed (close(), the client's close(), a dropped Session) while a
-    # hold still rode on it.
+    # The session was closed (close(), the client's close(), dropped) under a hold.
     SESSION_CLOSED = "session-closed"
-    # The wrapper itself stalled (stopped, frozen) past its deadline: its watchdog
-    # terminated the child.
+    # The wrapper itself stalled past its deadline: its watchdog terminated the child.
     STALLED = "stalled"
 
     @property
     def slot_taken(self) -> bool:
         """Whether this loss was seen in etcd itself, so that the slot may already be
-        someone else's (a grace for the child could only be spent beside its new holder):
-        our lease or our key is gone, or the session was closed (its lease revoked) under
-        the hold. Not NO_KEEPALIVE: the lease then lives at least until
-        its expiry, which the child's deadline is planned back from."""
+        someone else's (a grace for the child would be spent beside its new holder): our
+        lease or key is gone, or the session was closed under the hold. Not NO_KEEPALIVE:
+        the lease then lives at least until E, which the child's deadline is planned from."""
         return self in (
             LossReason.LEASE_NOT_FOUND,
             LossReason.KEY_DELETED,
@@ -49,11 +41,9 @@ class LossReason(enum.Enum):
 
 
 class Loss(str):
-    """A loss: its message (``str(loss)``, what is logged and shown) and its ``reason``.
-
-    ``Loss(LossReason.KEY_DELETED, "our key was deleted")``. A ``str`` subclass, so every
-    place that took the message as a string (``on_lost(callback)``, ``hold.reason``) still
-    does; ``Loss.of(obj)`` reads the reason back from whatever a Flag was set with."""
+    """A loss: its message (``str(loss)``, what is logged and shown) and its ``reason``:
+    ``Loss(LossReason.KEY_DELETED, "our key was deleted")``. ``Loss.of(obj)`` reads the
+    reason back from whatever a Flag was set with."""
 
     reason: LossReason
 

@@ -49,30 +49,33 @@ class Failure(enum.Enum):
     OTHER = "other"  # anything else (permission denied, ...): given up, not retried
 
 
+@dataclass(frozen=True)
+class Tagged:
+    """An action that asks, or an input that answers: the driver feeds back an action's
+    answer under the action's ``id``."""
+
+    id: int
+
+
 # -- inputs --------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SessionOpened:
+class SessionOpened(Tagged):
     """Answer to ``OpenSession``: the new lease and our key on it."""
 
-    id: int
     lease_id: int
     key: bytes
 
 
 @dataclass(frozen=True)
-class EnqueueAnswer:
-    """Answer to ``SendEnqueue`` (one KV.Txn: create-if-absent put of our key, and a Range of
-    the first N keys by create_revision; else a Range of the key found).
+class EnqueueAnswer(Tagged):
+    """Answer to ``SendEnqueue``. ``revision``: the response header's. ``created``: the put
+    happened; ``heads`` are then the first N keys (our key among them: we hold at
+    ``revision``). Else ``existing`` is the key found in our place (None: deleted between
+    compare and read) and ``existing_ours`` whether it is on our lease (an earlier attempt
+    of ours went through). ``value``: what our key holds (written, or found ours)."""
 
-    ``revision``: the response header's. ``created``: the put happened; ``heads`` are then
-    the first N keys (our key among them: we hold at ``revision``). Else ``existing`` is
-    the key found in our place (None: deleted between compare and read) and
-    ``existing_ours`` whether it is on our lease (an earlier attempt of ours went through).
-    ``value``: what our key holds (written, or found ours)."""
-
-    id: int
     revision: int
     created: bool
     value: bytes = b""
@@ -82,92 +85,79 @@ class EnqueueAnswer:
 
 
 @dataclass(frozen=True)
-class StandingAnswer:
-    """Answer to ``ReadStanding`` (one read-only KV.Txn of two Ranges, keys only, both with
-    max_create_revision = our key's): ``window`` the first ``window_size(N)`` keys
-    ascending, ``mine_and_prev`` the last two descending (ours first, if still there)."""
+class StandingAnswer(Tagged):
+    """Answer to ``ReadStanding``: ``window`` the first ``window_size(N)`` keys ascending,
+    ``mine_and_prev`` the last two descending (ours first, if still there)."""
 
-    id: int
     revision: int
     window: Sequence[KeyRev]
     mine_and_prev: Sequence[KeyRev]
 
 
 @dataclass(frozen=True)
-class KeysAnswer:
+class KeysAnswer(Tagged):
     """Answer to ``ReadKeys``: each key in the order asked, None when absent."""
 
-    id: int
     revision: int
     kvs: Sequence[KeyRev | None]
 
 
 @dataclass(frozen=True)
-class TouchAnswer:
+class TouchAnswer(Tagged):
     """Answer to ``Touch``: ``succeeded`` false when our key is gone (compare failed)."""
 
-    id: int
     revision: int
     succeeded: bool
 
 
 @dataclass(frozen=True)
-class LeaseAnswer:
-    """Answer to ``CheckLease`` (Lease.LeaseTimeToLive): ``ttl`` seconds left, <= 0 gone."""
+class LeaseAnswer(Tagged):
+    """Answer to ``CheckLease``: ``ttl`` seconds left, <= 0 gone."""
 
-    id: int
     ttl: int
 
 
 @dataclass(frozen=True)
-class Withdrawn:
+class Withdrawn(Tagged):
     """``Withdraw`` is over (confirmed or not: it is best effort, the lease expires anyway)."""
-
-    id: int
 
 
 @dataclass(frozen=True)
-class Failed:
-    """A request (``id``) failed; ``detail`` says how, for the log; ``cause`` is the
-    driver's own (an exception), handed back in GaveUp.cause."""
+class Failed(Tagged):
+    """A request failed; ``detail`` says how, for the log; ``cause`` is the driver's own
+    (an exception), handed back in GaveUp.cause."""
 
-    id: int
     failure: Failure
     detail: str = ""
     cause: object = None
 
 
 @dataclass(frozen=True)
-class WatchCreated:
-    """etcd confirmed watch ``id``: it covers the revisions after ``revision``."""
+class WatchCreated(Tagged):
+    """etcd confirmed the watch: it covers the revisions after ``revision``."""
 
-    id: int
     revision: int
 
 
 @dataclass(frozen=True)
-class WatchEvents:
-    """Watch ``id`` delivered ``events`` (in revision order); ``revision``: the header's."""
+class WatchEvents(Tagged):
+    """The watch delivered ``events`` (in revision order); ``revision``: the header's."""
 
-    id: int
     events: Sequence[Event]
     revision: int
 
 
 @dataclass(frozen=True)
-class WatchBroken:
-    """Watch ``id`` ended: its start revision was compacted, or its stream gave up."""
+class WatchBroken(Tagged):
+    """The watch ended: its start revision was compacted, or its stream gave up."""
 
-    id: int
     compacted: bool = False
     detail: str = ""
 
 
 @dataclass(frozen=True)
-class PauseOver:
+class PauseOver(Tagged):
     """The ``Pause`` with this id has run its length."""
-
-    id: int
 
 
 @dataclass(frozen=True)
@@ -208,71 +198,62 @@ Input: TypeAlias = (
 )
 
 
-# -- actions -------------------------------------------------------------------------------
+# -- actions: each names its etcd call; conch.core.codec builds it -------------------------
 
 
 @dataclass(frozen=True)
-class OpenSession:
+class OpenSession(Tagged):
     """Grant a new lease and keep it alive (private session only). Answer: SessionOpened,
     or Failed (UNREACHABLE: no session could be established)."""
 
-    id: int
-
 
 @dataclass(frozen=True)
-class SendEnqueue:
-    """KV.Txn: if ``key``'s create_revision is 0, put it (the driver's identity value, bound
-    to ``lease_id``) and Range the first N keys by create_revision (keys only); else Range
-    ``key``. Answer: EnqueueAnswer."""
+class SendEnqueue(Tagged):
+    """KV.Txn: put our ``key`` (on ``lease_id``) if absent and Range the first N keys, else
+    Range ``key`` (``codec.enqueue_call``). Answer: EnqueueAnswer."""
 
-    id: int
     key: bytes
     lease_id: int
 
 
 @dataclass(frozen=True)
-class ReadStanding:
-    """The standing read of our ``key`` created at ``revision`` (see StandingAnswer)."""
+class ReadStanding(Tagged):
+    """Two Ranges read together of the keys up to our ``key`` created at ``revision``
+    (``codec.standing_reads``). Answer: StandingAnswer."""
 
-    id: int
     key: bytes
     revision: int
 
 
 @dataclass(frozen=True)
-class ReadKeys:
-    """One read-only KV.Txn of a Range per key (closing the gap between a read and a watch's
+class ReadKeys(Tagged):
+    """A Range per key, read together (closing the gap between a read and a watch's
     creation). Answer: KeysAnswer."""
 
-    id: int
     keys: Sequence[bytes]
 
 
 @dataclass(frozen=True)
-class OpenWatch:
+class OpenWatch(Tagged):
     """Watch.Watch from now (etcd's ``created`` answer is wanted: WatchCreated): with
     ``prefix``, the deletions (NOPUT filter) under the semaphore's prefix ``key``; else
     every change of the one ``key``. Answers: WatchCreated, WatchEvents, WatchBroken; or
     Failed at once when the watch cannot be opened."""
 
-    id: int
     key: bytes
     prefix: bool
 
 
 @dataclass(frozen=True)
-class CancelWatch:
+class CancelWatch(Tagged):
     """Stop watch ``id`` (no answer)."""
-
-    id: int
 
 
 @dataclass(frozen=True)
-class Touch:
-    """Re-put our ``key`` (``value``, on ``lease_id``) if its create_revision is still
-    ``revision`` (KV.Txn): the change wakes the waiter behind. Answer: TouchAnswer."""
+class Touch(Tagged):
+    """KV.Txn: re-put our ``key`` (``value``, on ``lease_id``) if its create_revision is
+    still ``revision``: the change wakes the waiter behind. Answer: TouchAnswer."""
 
-    id: int
     key: bytes
     revision: int
     value: bytes
@@ -280,21 +261,19 @@ class Touch:
 
 
 @dataclass(frozen=True)
-class CheckLease:
+class CheckLease(Tagged):
     """Lease.LeaseTimeToLive of ``lease_id``. Answer: LeaseAnswer (or Failed)."""
 
-    id: int
     lease_id: int
 
 
 @dataclass(frozen=True)
-class Withdraw:
+class Withdraw(Tagged):
     """Take our key out of the queue, best effort (WITHDRAW_TIMEOUT): with ``revoke``,
     revoke ``lease_id`` (a private session: its close); else delete ``key`` by a KV.Txn
     comparing its create_revision with ``revision``, or when ``revision`` is 0 (our enqueue's
     outcome unknown) comparing its lease with ``lease_id``. Answer: Withdrawn."""
 
-    id: int
     key: bytes
     revision: int
     lease_id: int
@@ -302,11 +281,10 @@ class Withdraw:
 
 
 @dataclass(frozen=True)
-class Pause:
+class Pause(Tagged):
     """Wait ``seconds`` (cut short by the deadline or an interrupt, which the driver feeds
     then), then feed PauseOver(id)."""
 
-    id: int
     seconds: float
 
 
@@ -381,11 +359,6 @@ class GaveUp:
     reason: Reason
     detail: str = ""
     cause: object = None
-
-    @property
-    def interrupt(self) -> object:
-        """``cause`` under its first name."""
-        return self.cause
 
 
 Outcome: TypeAlias = Held | GaveUp

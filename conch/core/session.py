@@ -2,24 +2,15 @@
 the loss decision. No I/O, no threads, no clock: the driver passes ``now``
 (``time.monotonic()`` seconds) into every step and executes the actions it gets back.
 
-The loss rule. A late keepalive loses nothing by itself:
+The loss rule (docs/failure-semantics.md has the why). E (``alive_until``) is the send
+time of the last keepalive etcd answered plus the TTL it answered with. E passing with no
+later keepalive confirmed is ``Expired``: a hold on the session is lost then
+(``LossReason.NO_KEEPALIVE``), a waiter's session is not. The session is ``Lost`` only
+when etcd says its lease is gone (TTL <= 0: ``LossReason.LEASE_NOT_FOUND``). A keepalive
+unanswered by its deadline is sent again after a pause (KEEPALIVE_RETRY, doubling up to
+KEEPALIVE_RETRY_CAP) for as long as the session is open.
 
-- E (``alive_until``) is the send time of the last keepalive etcd answered, plus the TTL it
-  answered with: etcd restarts its countdown when it receives a keepalive, after we sent it,
-  so until E the lease is alive for sure. A holder's child is kept to E by the supervisor's
-  deadline (SIGTERM planned back from E), not by this machine.
-- E passing with no later keepalive confirmed is ``Expired``: the lease may be gone, or may
-  have lived through an outage of etcd (etcd restarts every lease's countdown when a leader
-  takes over). A hold on the session is lost then (``LossReason.NO_KEEPALIVE``); a waiter's
-  session is not: it keeps its key, and its place, until etcd says otherwise.
-- The session is ``Lost`` only when etcd says its lease is gone (a keepalive answered with
-  TTL <= 0: LeaseNotFound, ``LossReason.LEASE_NOT_FOUND``).
-- A keepalive left unanswered by its deadline is sent again after a pause (KEEPALIVE_RETRY,
-  doubling, at most KEEPALIVE_RETRY_CAP), each with a deadline of its own, for as long as
-  the session is open.
-
-Driven by ``conch.session`` (on the client's keepalive thread) and ``conch.aio.session``
-(on the loop); the simulator drives it too::
+Driven by ``conch.session.Keeper`` (both faces) and by the simulator::
 
     machine = SessionMachine(ttl=10, granted_at=asked)
     execute(machine.start())              # [WakeAt(...)]
@@ -28,9 +19,8 @@ Driven by ``conch.session`` (on the client's keepalive thread) and ``conch.aio.s
     execute(machine.unanswered(now))      # no answer by its deadline (etcd away)
     execute(machine.lease_gone())         # answered TTL <= 0: [Lost(loss)]
 
-where ``execute`` sends each SendKeepalive at once (remembering ``now`` as its send time),
-keeps one timer for the latest WakeAt (a new one replaces the one before), and reports
-Expired to the holds and Lost to everyone.
+where ``execute`` sends each SendKeepalive at once (its send time is ``now``), keeps one
+timer for the latest WakeAt, and reports Expired to the holds and Lost to everyone.
 """
 
 from __future__ import annotations
@@ -40,17 +30,14 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
+from conch.errors import EtcdError, LeaseNotFound
 
-# Keepalives go out at most this much (or an eighth of the interval) before they are due,
-# on a grid of that step: the sessions of a client then send, and etcd answers, in bursts
-# that the keepalive thread handles in one wake-up each (200 sessions of 10 s: 15-21 ms/s
-# of CPU against 26-30 sent each on its own time). Early is safe: the lease is refreshed
-# sooner, and each keepalive's deadline counts from when it was sent.
+# Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
+# step, so that a client's sessions send in bursts the keepalive thread serves in one
+# wake-up (docs/design.md). Early is safe: each deadline counts from its send time.
 SEND_GRID = 0.5  # seconds
 
-# The pause before a keepalive left unanswered is sent again, doubling up to the cap:
-# while etcd is away (restarting, a leader election) the session keeps asking, gently, so
-# that the first keepalive after its return confirms the lease.
+# The pause before an unanswered keepalive is sent again, doubling up to the cap.
 KEEPALIVE_RETRY = 0.25  # seconds
 KEEPALIVE_RETRY_CAP = 1.0  # seconds
 
@@ -63,8 +50,8 @@ def keepalive_margin(ttl: float) -> float:
 
 @dataclass(frozen=True)
 class SendKeepalive:
-    """Send one keepalive of the lease now (Lease.LeaseKeepAlive); it is unanswered if no
-    answer comes by ``deadline`` (``time.monotonic()`` seconds)."""
+    """Send one keepalive now (Lease.LeaseKeepAlive); unanswered if not by ``deadline``
+    (``time.monotonic()`` seconds)."""
 
     deadline: float
 
@@ -79,8 +66,7 @@ class WakeAt:
 
 @dataclass(frozen=True)
 class Expired:
-    """E passed with no keepalive confirmed since: holds on the session are lost with
-    ``loss`` (NO_KEEPALIVE); waiters carry on. Given once per E."""
+    """E passed unconfirmed (once per E): holds are lost with ``loss``; waiters carry on."""
 
     loss: Loss
 
@@ -154,9 +140,8 @@ class SessionMachine:
         return self._wake_after()
 
     def unanswered(self, now: float) -> list[SessionAction]:
-        """The keepalive under way got no answer by its deadline (etcd away, a stream that
-        broke and could not be opened again in time, or any refusal but LeaseNotFound):
-        nothing is lost for that; send again after a pause."""
+        """The keepalive under way got no answer by its deadline, or a refusal other than
+        LeaseNotFound: nothing is lost for that; send again after a pause."""
         self._in_flight = False
         if self.done:
             return []
@@ -164,9 +149,17 @@ class SessionMachine:
         self._retry = min(self._retry * 2, KEEPALIVE_RETRY_CAP)
         return self._wake_after()
 
+    def settle(self, sent: float, now: float, outcome: float | EtcdError) -> list[SessionAction]:
+        """What the keepalive sent at ``sent`` came to, at ``now``: a TTL (``answered``),
+        LeaseNotFound (``lease_gone``) or another EtcdError (``unanswered``)."""
+        if isinstance(outcome, LeaseNotFound):
+            return self.lease_gone()
+        if isinstance(outcome, EtcdError):
+            return self.unanswered(now)
+        return self.answered(sent, outcome)
+
     def lease_gone(self) -> list[SessionAction]:
-        """etcd answered that the lease is gone (TTL <= 0, LeaseNotFound): the session is
-        lost."""
+        """etcd answered that the lease is gone (TTL <= 0): the session is lost."""
         self._in_flight = False
         if self.done:
             return []
@@ -178,7 +171,6 @@ class SessionMachine:
         self.closed = True
 
     def _on_grid(self, due: float) -> float:
-        """A keepalive's send time: its due time, brought forward onto the grid."""
         step = min(SEND_GRID, self.interval / 8)
         return due - due % step
 

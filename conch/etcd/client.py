@@ -1,16 +1,11 @@
 """The connection to an etcd cluster: endpoints, deadlines, failover, and error mapping.
 
-Every unary call carries a deadline. A call that fails with UNAVAILABLE (connection refused,
-member stopped, no leader) or runs out its per-attempt time moves to the next endpoint and is
-tried again, with capped exponential backoff between rounds, until the call's own deadline.
-Streams (watch, keepalive) run on the current endpoint; their owners re-open them after a
-failure, which lands them on the next endpoint.
-
-With credentials, calls and streams carry an auth token. etcd refuses a stale one: expired,
-issued before an auth change (a JWT token carries the auth revision it was issued at), or
-unknown to a member that restarted (simple tokens live in each member's memory). One thread
-then authenticates for all (``Client.token``), and the call is retried with the fresh
-token within its own deadline.
+Every unary call carries a deadline; one that fails with UNAVAILABLE or runs out its
+per-attempt time is tried again on the next endpoint (``retry.Attempts``) until then. Streams
+run on the current endpoint; their owners re-open them after a failure, on the next one.
+With credentials, calls and streams carry an auth token; etcd refuses a stale one (expired,
+issued before an auth change, unknown to a member that restarted): one thread then
+authenticates for all (``Client.token``), and the call is retried within its deadline.
 """
 
 from __future__ import annotations
@@ -25,13 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import (
-    AuthenticationFailed,
-    EtcdError,
-    Interrupted,
-    Unavailable,
-    UsageError,
-)
+from conch.errors import AuthenticationFailed, EtcdError, Interrupted, Unavailable, UsageError
 from conch.etcd.endpoints import (
     TLS,
     Credentials,
@@ -42,9 +31,8 @@ from conch.etcd.endpoints import (
     loop_native,
     parse_endpoints,
 )
-from conch.etcd.grpc_errors import map_rpc_error
 from conch.etcd.loop import admission, close_loop_channel, settled
-from conch.etcd.retry import Attempts, Backoff
+from conch.etcd.retry import Attempts, Backoff, map_rpc_error
 from conch.flag import Flag
 
 if TYPE_CHECKING:
@@ -108,20 +96,34 @@ class Client:
         self.pid = os.getpid()
 
     @classmethod
-    def _to_dial(
+    @contextlib.contextmanager
+    def _dialling(
         cls,
         endpoints: Sequence[Endpoint],
         dial_timeout: float,
         request_timeout: float,
         tls: TLS | None,
         credentials: Credentials | None,
-    ) -> Client:
-        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client
-        they dial with."""
+    ) -> Iterator[Client]:
+        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client they
+        dial with, closed when the dial fails; an EtcdError but AuthenticationFailed raised
+        as Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
         check_timeout("request_timeout", request_timeout)
         check_fork_support()
-        return cls(endpoints, request_timeout, tls, credentials)
+        client = cls(endpoints, request_timeout, tls, credentials)
+        try:
+            yield client
+        except BaseException as exc:
+            client.close()
+            if not isinstance(exc, EtcdError) or isinstance(exc, AuthenticationFailed):
+                raise
+            eps = ",".join(str(e) for e in endpoints)
+            if isinstance(exc, Unavailable):
+                message = f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
+            else:
+                message = f"etcd at {eps} answered with an error: {exc}"
+            raise Unavailable(message, exc.code) from None
 
     @classmethod
     def connect(
@@ -137,18 +139,11 @@ class Client:
         AuthenticationFailed. Writes nothing to etcd. Raises UsageError for a timeout that is
         not above 0 or is over 10 years, and in a process forked from one that used gRPC with
         its fork support off (its calls would hang)."""
-        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
-        try:
+        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
             if credentials is not None:
                 client.authenticate(timeout=dial_timeout)
             else:
                 client.call("maintenance", "Status", rpc_pb2.StatusRequest(), dial_timeout)
-        except AuthenticationFailed:
-            client.close()
-            raise
-        except EtcdError as exc:
-            client.close()
-            raise dial_failed(exc, endpoints, dial_timeout) from None
         return client
 
     @classmethod
@@ -163,22 +158,12 @@ class Client:
         """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
         else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
         the client before it propagates."""
-        client = cls._to_dial(endpoints, dial_timeout, request_timeout, tls, credentials)
-        try:
+        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
             if credentials is not None:
                 await client._authenticate_async(credentials, dial_timeout)
             else:
                 request = rpc_pb2.StatusRequest()
                 await client.call_async("maintenance", "Status", request, dial_timeout)
-        except AuthenticationFailed:
-            client.close()
-            raise
-        except EtcdError as exc:
-            client.close()
-            raise dial_failed(exc, endpoints, dial_timeout) from None
-        except BaseException:
-            client.close()
-            raise
         return client
 
     def __enter__(self) -> Client:
@@ -218,9 +203,8 @@ class Client:
     def _stubs_for(
         self, endpoint: Endpoint, loop: asyncio.AbstractEventLoop | None = None
     ) -> Stubs:
-        """The stubs of ``endpoint``: blocking ones, or with ``loop`` (the running loop)
-        grpc.aio ones bound to it. Raises UsageError in a forked process, the closed
-        client's EtcdError once closed."""
+        """The blocking stubs of ``endpoint``, or grpc.aio ones bound to ``loop`` (running).
+        Raises UsageError in a forked process, the closed client's EtcdError once closed."""
         if os.getpid() != self.pid:
             raise UsageError(
                 f"this Client was connected in process {self.pid}, not in this one "
@@ -230,18 +214,16 @@ class Client:
             if self._closed:
                 raise _closed_error()
             stubs = self._table(loop).get(endpoint)
-        if stubs is not None:
-            return stubs
-        # Dialled outside the lock: with --insecure-skip-tls-verify it is a TLS handshake
-        # (up to 5 s against a hung member) that other calls must not wait behind.
-        dialled = Stubs.dial(endpoint, self._tls, loop_native=loop is not None)
-        with self._lock:
-            closed = self._closed
-            stubs = None if closed else self._table(loop).setdefault(endpoint, dialled)
-        if stubs is not dialled:
-            close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
         if stubs is None:
-            raise _closed_error()
+            # Dialled outside the lock: with --insecure-skip-tls-verify it is a TLS handshake
+            # (up to 5 s against a hung member) that other calls must not wait behind.
+            dialled = Stubs.dial(endpoint, self._tls, loop_native=loop is not None)
+            with self._lock:
+                stubs = None if self._closed else self._table(loop).setdefault(endpoint, dialled)
+            if stubs is not dialled:
+                close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
+            if stubs is None:
+                raise _closed_error()
         return stubs
 
     def _table(self, loop: asyncio.AbstractEventLoop | None) -> dict[Endpoint, Stubs]:
@@ -274,9 +256,8 @@ class Client:
         return self._add(self._close_hooks, hook)
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
-        """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time
-        calls move away from an endpoint, so that streams still on it can move too. Returns
-        a function that removes it."""
+        """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time calls
+        move away from an endpoint, so streams still on it can move too. Returns its remover."""
         return self._add(self._failover_listeners, listener)
 
     def _add(self, callbacks: list[Any], callback: Any) -> Callable[[], None]:
@@ -306,9 +287,8 @@ class Client:
         return token
 
     def invalidate_token(self, stale: str | None = None) -> None:
-        """Forget the token, or only the token ``stale`` when given (a caller that failed
-        with a token another thread has already replaced keeps the replacement): the next
-        call or stream authenticates again."""
+        """Forget the token, or only ``stale`` when given (a token another thread has already
+        replaced stays): the next call or stream authenticates again."""
         with self._lock:
             if stale is None or self._token == stale:
                 self._token = None
@@ -320,10 +300,9 @@ class Client:
     def token(self, timeout: float | None = None) -> str | None:
         """The auth token calls carry now (None without credentials), from Auth.Authenticate
         within ``timeout`` seconds (default ``request_timeout``) when there is none.
-
-        Single-flight: when the token was invalidated, one thread authenticates and the others
-        wait for its token, so a burst of stale tokens costs one Authenticate, not one per
-        thread. Raises AuthenticationFailed, or Unavailable when no token comes in time."""
+        Single-flight: one thread authenticates and the others wait for its token, so a burst
+        of stale tokens costs one Authenticate. Raises AuthenticationFailed, or Unavailable
+        when no token comes in time."""
         credentials, token = self._credentials, self._token  # read once: others reset it
         if credentials is None or token is not None:
             return token
@@ -347,19 +326,15 @@ class Client:
         _authenticating: bool = False,
         interrupt: Flag | None = None,
     ) -> Any:
-        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``.
-
-        Fails over and retries on UNAVAILABLE, and authenticates again and retries when the
-        token is stale (expired, issued before an auth change, unknown to a member that
-        restarted), until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``,
-        when set, ends the retries (not an attempt in flight) with Interrupted. Raises
-        Unavailable, PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted,
-        Interrupted or EtcdError.
-        """
+        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``. Fails over and
+        retries on UNAVAILABLE, and authenticates again and retries when the token is stale,
+        until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``, when set,
+        ends the retries (not an attempt in flight) with Interrupted. Raises Unavailable,
+        PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted, Interrupted or
+        EtcdError."""
         attempts = Attempts(self, timeout)
         while True:
             endpoint, attempt = attempts.next()
-            error: EtcdError
             token = None
             try:
                 stub = getattr(self._stubs_for(endpoint), service)
@@ -378,7 +353,8 @@ class Client:
     def _attempt_error(self, exc: Exception, endpoint: Endpoint) -> EtcdError:
         """What an attempt's exception on ``endpoint`` means: gRPC's error mapped, our own
         Unavailable (no token in time) as it is; gRPC's ValueError "Cannot invoke RPC on
-        closed channel!" raised as the closed client's error (any other raised as it is)."""
+        closed channel!" (or grpc.aio's UsageError) raised as the closed client's error
+        (any other raised as it is)."""
         if isinstance(exc, grpc.RpcError):
             return map_rpc_error(exc, endpoint)
         if isinstance(exc, Unavailable):
@@ -397,14 +373,11 @@ class Client:
         interrupt: asyncio.Event | None = None,
     ) -> Any:
         """``call`` for coroutines: the same RPC, deadlines, failover, backoff and token
-        renewal (``Attempts`` makes every decision for both), each attempt a grpc.aio call
-        on a channel bound to the running loop, so no thread of ours hands its answer over
-        (in a process forked while grpc.aio channels were open, where gRPC's asyncio stack
-        is lost, a blocking call's ``.future()`` whose end wakes the loop).
-        ``interrupt``, when set, ends the retries (not an attempt in flight) with
-        Interrupted, as ``call``'s Flag does. Cancelling the awaiting task cancels the
-        attempt in flight (a write may then have been applied, as after a timeout). Raises
-        as ``call``."""
+        renewal (``Attempts`` decides for both), each attempt a grpc.aio call on a channel
+        bound to the running loop (in a process forked while grpc.aio channels were open, a
+        blocking call's ``.future()`` whose end wakes the loop). ``interrupt`` as ``call``'s
+        Flag. Cancelling the awaiting task cancels the attempt in flight (a write may then
+        have been applied, as after a timeout). Raises as ``call``."""
         import asyncio
 
         import grpc.aio
@@ -417,21 +390,14 @@ class Client:
             await turn
         while True:
             endpoint, attempt = attempts.next()
-            error: EtcdError
             token = None
             try:
                 stub = getattr(self._stubs_for(endpoint, loop if native else None), service)
                 if not _authenticating:
                     token = await self.token_async(max(0.001, attempts.left()))
-                if not native:
-                    return await settled(
-                        getattr(stub, method).future(
-                            request, timeout=attempt, metadata=_metadata(token)
-                        )
-                    )
-                return await getattr(stub, method)(
-                    request, timeout=attempt, metadata=_metadata(token)
-                )
+                rpc = getattr(stub, method) if native else getattr(stub, method).future
+                answer = rpc(request, timeout=attempt, metadata=_metadata(token))
+                return await (answer if native else settled(answer))
             # grpc.aio refuses a call on a closed channel with its own UsageError.
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
@@ -446,10 +412,9 @@ class Client:
                 raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:
-        """``token`` for coroutines: the auth token calls carry now (None without
-        credentials), from Auth.Authenticate (``call_async``) within ``timeout`` seconds
-        (default ``request_timeout``) when there is none. Single-flight per event loop: the
-        coroutines that find no token await one Authenticate. Raises as ``token``."""
+        """``token`` for coroutines: Auth.Authenticate through ``call_async`` within ``timeout``
+        seconds (default ``request_timeout``) when there is no token, single-flight per event
+        loop (the coroutines that find none await one Authenticate). Raises as ``token``."""
         import asyncio
 
         credentials, token = self._credentials, self._token  # read once: others reset it
@@ -481,12 +446,11 @@ class Client:
         endpoint: Endpoint | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[Endpoint, Any]:
-        """Open a bidirectional stream on ``endpoint`` (default: the current one) with
-        ``token`` (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that
-        running loop, whose caller brings the token); the caller owns failover and, when the
-        stream ends with TokenInvalid, ``invalidate_token(token)``. Streams ask for
-        ``hasleader``: etcd then ends them when the member loses its leader (partitioned from
-        the quorum), instead of leaving them silent."""
+        """Open a bidirectional stream on ``endpoint`` (default: the current one) with ``token``
+        (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop,
+        whose caller brings the token); the caller owns failover and, when the stream ends
+        with TokenInvalid, ``invalidate_token(token)``. With ``hasleader``, etcd ends a stream
+        when its member loses the leader (partitioned from the quorum), not leaving it silent."""
         import grpc.aio
 
         if loop is None:
@@ -497,11 +461,8 @@ class Client:
         try:
             # The call is both the handle to cancel and the iterator of responses.
             return endpoint, getattr(stub, method)(requests, metadata=metadata)
-        # gRPC's "Cannot invoke RPC on closed channel!", or grpc.aio's UsageError
-        except (ValueError, grpc.aio.UsageError):
-            if self._closed:
-                raise _closed_error() from None
-            raise
+        except (ValueError, grpc.aio.UsageError) as exc:
+            raise self._attempt_error(exc, endpoint) from None
 
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
@@ -511,19 +472,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 def _closed_error() -> EtcdError:
     """What a call or stream on a closed Client raises."""
     return EtcdError("client is closed", "CANCELLED")
-
-
-def dial_failed(
-    error: EtcdError, endpoints: Sequence[Endpoint], dial_timeout: float
-) -> Unavailable:
-    """What a dial that failed with ``error`` (not AuthenticationFailed) raises: Unavailable,
-    naming the endpoints."""
-    eps = ",".join(str(e) for e in endpoints)
-    if isinstance(error, Unavailable):
-        return Unavailable(
-            f"cannot reach etcd at {eps} within {dial_timeout:g}s: {error}", error.code
-        )
-    return Unavailable(f"etcd at {eps} answered with an error: {error}", error.code)
 
 
 def connect(

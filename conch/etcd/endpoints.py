@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
-from conchpb.etcdserverpb import rpc_pb2_grpc
+from conchpb.etcdserverpb import rpc_pb2_grpc as pb
 
 from conch.errors import Unavailable, UsageError
 
@@ -97,12 +97,11 @@ class TLS:
 
 
 def _presented_certificate(
-    endpoint: Endpoint, cert: bytes | None, key: bytes | None, timeout: float = 5.0
+    endpoint: Endpoint, cert: bytes | None, key: bytes | None
 ) -> tuple[bytes, str]:
     """The PEM certificate ``endpoint`` presents, and a host name it is valid for. One TLS
-    handshake without verification, showing our client certificate (``cert``, ``key``: PEM)
-    if we have one, since an etcd that requires one ends the handshake without it."""
-    import os
+    handshake (of at most 5 s) without verification, showing our client certificate
+    (``cert``, ``key``: PEM) if we have one: an etcd that requires one ends it without."""
     import socket
     import ssl
     import tempfile
@@ -123,7 +122,7 @@ def _presented_certificate(
                 context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
             address = (endpoint.host, endpoint.port)
             with (
-                socket.create_connection(address, timeout=timeout) as sock,
+                socket.create_connection(address, timeout=5.0) as sock,
                 context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
             ):
                 der = tls.getpeercert(binary_form=True)
@@ -136,12 +135,9 @@ def _presented_certificate(
             decoded = ssl._ssl._test_decode_cert(write("server.pem", pem.encode()))  # type: ignore[attr-defined]
         except (ssl.SSLError, AttributeError):
             decoded = {}
-    name = endpoint.host
-    names = [value for kind, value in decoded.get("subjectAltName", ()) if kind == "DNS"]
-    names += [value for kind, value in decoded.get("subjectAltName", ()) if kind == "IP Address"]
-    if names and name not in names:
-        name = names[0]
-    return pem.encode(), name
+    alt = decoded.get("subjectAltName", ())
+    names = [v for k, v in alt if k == "DNS"] + [v for k, v in alt if k == "IP Address"]
+    return pem.encode(), names[0] if names and endpoint.host not in names else endpoint.host
 
 
 @dataclass(frozen=True)
@@ -159,42 +155,29 @@ class Stubs(NamedTuple):
 
     endpoint: Endpoint
     channel: Any  # grpc.Channel, or grpc.aio.Channel
-    kv: rpc_pb2_grpc.KVStub
-    lease: rpc_pb2_grpc.LeaseStub
-    watch: rpc_pb2_grpc.WatchStub
-    maintenance: rpc_pb2_grpc.MaintenanceStub
-    auth: rpc_pb2_grpc.AuthStub
+    kv: pb.KVStub
+    lease: pb.LeaseStub
+    watch: pb.WatchStub
+    maintenance: pb.MaintenanceStub
+    auth: pb.AuthStub
 
     @classmethod
     def dial(cls, endpoint: Endpoint, tls: TLS | None, loop_native: bool = False) -> Stubs:
         """Raises Unavailable when skip_verify cannot fetch the endpoint's certificate."""
         global _dialled_in
         _dialled_in = os.getpid()
-        creds, options = (None, CHANNEL_OPTIONS)
+        stack: Any = grpc
+        if loop_native:
+            from grpc import aio as stack  # only for coroutines: the command never loads it
         if endpoint.tls or tls is not None:
             creds, options = (tls or TLS()).credentials(endpoint)
-        channel: Any
-        if loop_native:
-            from grpc import aio  # only for coroutines: the command never loads it
-
-            if creds is None:
-                channel = aio.insecure_channel(endpoint.target, options=options)
-            else:
-                channel = aio.secure_channel(endpoint.target, creds, options=options)
-            _loop_channels.add(channel)
-        elif creds is None:
-            channel = grpc.insecure_channel(endpoint.target, options=options)
+            channel = stack.secure_channel(endpoint.target, creds, options=options)
         else:
-            channel = grpc.secure_channel(endpoint.target, creds, options=options)
-        return cls(
-            endpoint,
-            channel,
-            rpc_pb2_grpc.KVStub(channel),
-            rpc_pb2_grpc.LeaseStub(channel),
-            rpc_pb2_grpc.WatchStub(channel),
-            rpc_pb2_grpc.MaintenanceStub(channel),
-            rpc_pb2_grpc.AuthStub(channel),
-        )
+            channel = stack.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
+        if loop_native:
+            _loop_channels.add(channel)
+        services = (pb.KVStub, pb.LeaseStub, pb.WatchStub, pb.MaintenanceStub, pb.AuthStub)
+        return cls(endpoint, channel, *(stub(channel) for stub in services))
 
 
 # The process that last dialled a channel: a child forked from it inherits gRPC's state.
@@ -242,12 +225,17 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
 # blocking stack for its coroutines too (``loop_native``).
 _loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
 _loop_native_lost_in: int | None = None
+# A child keeps the grpc.aio channels open at the fork referenced for good: gRPC's destructor,
+# run there (the parent's Client closed or collected in the child), hung the child or wrote
+# into the connection it shares with the parent, which then lost its keepalives.
+_parents_channels: list[Any] = []
 
 
 def _after_fork_in_child() -> None:
     global _loop_native_lost_in
     if _loop_channels:
         _loop_native_lost_in = os.getpid()
+        _parents_channels.extend(_loop_channels)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

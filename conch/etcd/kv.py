@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -35,10 +35,9 @@ def range_(
 ) -> rpc_pb2.RangeResponse:
     """KV.Range, linearizable unless the request says serializable; ``interrupt`` as in
     ``Client.call``."""
-    response: rpc_pb2.RangeResponse = client.call(
-        "kv", "Range", request, timeout, interrupt=interrupt
+    return cast(
+        rpc_pb2.RangeResponse, client.call("kv", "Range", request, timeout, interrupt=interrupt)
     )
-    return response
 
 
 CREATE = rpc_pb2.RangeRequest.CREATE  # sort_target: by create_revision
@@ -68,20 +67,16 @@ def put(
     client: Client, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None
 ) -> rpc_pb2.PutResponse:
     """KV.Put, attached to ``lease`` when non-zero."""
-    response: rpc_pb2.PutResponse = client.call(
-        "kv", "Put", rpc_pb2.PutRequest(key=key, value=value, lease=lease), timeout
-    )
-    return response
+    request = rpc_pb2.PutRequest(key=key, value=value, lease=lease)
+    return cast(rpc_pb2.PutResponse, client.call("kv", "Put", request, timeout))
 
 
 def delete(
     client: Client, key: bytes, range_end: bytes = b"", timeout: float | None = None
 ) -> rpc_pb2.DeleteRangeResponse:
     """KV.DeleteRange of one key, or of ``[key, range_end)``."""
-    response: rpc_pb2.DeleteRangeResponse = client.call(
-        "kv", "DeleteRange", rpc_pb2.DeleteRangeRequest(key=key, range_end=range_end), timeout
-    )
-    return response
+    request = rpc_pb2.DeleteRangeRequest(key=key, range_end=range_end)
+    return cast(rpc_pb2.DeleteRangeResponse, client.call("kv", "DeleteRange", request, timeout))
 
 
 def txn(
@@ -95,8 +90,9 @@ def txn(
     """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically;
     ``interrupt`` as in ``Client.call``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response: rpc_pb2.TxnResponse = client.call("kv", "Txn", request, timeout, interrupt=interrupt)
-    return response
+    return cast(
+        rpc_pb2.TxnResponse, client.call("kv", "Txn", request, timeout, interrupt=interrupt)
+    )
 
 
 def create_revision_is(key: bytes, revision: int) -> rpc_pb2.Compare:

@@ -5,6 +5,7 @@ crash on a read-only Txn whose deadline passes."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 
@@ -23,23 +24,18 @@ ASK_AGAIN_AFTER = 10.0
 class _Versions:
     def __init__(self) -> None:
         self.lock = threading.Lock()  # one Status at a time per client on threads
-        self.known: dict[Endpoint, str] = {}
-        self.failed_at: dict[Endpoint, float] = {}
+        self.known: dict[Endpoint, tuple[str | None, float]] = {}  # None: Status failed then
         self.asking: dict[tuple[Endpoint, asyncio.AbstractEventLoop], asyncio.Task[str | None]] = {}
 
     def remembered(self, endpoint: Endpoint) -> tuple[bool, str | None]:
         """(whether to answer from memory, the version remembered)."""
-        if endpoint in self.known:
-            return True, self.known[endpoint]
-        failed = self.failed_at.get(endpoint)
-        return failed is not None and time.monotonic() - failed < ASK_AGAIN_AFTER, None
+        version, at = self.known.get(endpoint, (None, -math.inf))
+        return version is not None or time.monotonic() - at < ASK_AGAIN_AFTER, version
 
     def learn(self, endpoint: Endpoint, response: rpc_pb2.StatusResponse | None) -> str | None:
-        if response is None:
-            self.failed_at[endpoint] = time.monotonic()
-            return None
-        self.known[endpoint] = str(response.version)
-        return self.known[endpoint]
+        version = None if response is None else str(response.version)
+        self.known[endpoint] = (version, time.monotonic())
+        return version
 
 
 _versions: PerOwner[Client, _Versions] = PerOwner(lambda _client: _Versions())

@@ -1,94 +1,100 @@
-"""The bidirectional streams (Watch.Watch, Lease.LeaseKeepAlive) of a Client, two ways.
-
-``BidiStream`` reads its answers on a thread of its own (the threaded face's streams);
-``LoopStream`` is the same stream on an event loop (grpc.aio): its answers are read by a
-task of that loop, so no thread hands them over. Both deliver ``StreamItem``s to one
-callback, one per response, then one with ``error`` set when the stream ends.
-"""
+"""The bidirectional streams (Watch.Watch, Lease.LeaseKeepAlive) of a Client, read by a
+thread of their own (``BidiStream``) or by a task of an event loop (``LoopStream``, grpc.aio).
+Both deliver ``StreamItem``s to one callback: one per response, then one with ``error`` set
+when the stream ends."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.grpc_errors import map_rpc_error
+from conch.etcd.retry import map_rpc_error
 
 if TYPE_CHECKING:
-    import asyncio
-
     from conch.etcd.client import Client
     from conch.etcd.endpoints import Endpoint
 
 
-class BidiStream:
-    """A bidirectional gRPC stream whose answers arrive in a mailbox.
+Deliver = Callable[["StreamItem"], None]
 
-    ``send()`` queues a request. A reader thread puts ``StreamItem``s into ``deliver``: one per
-    response, then one with ``error`` set when the stream ends for any reason; when that is
-    TokenInvalid, the token it was opened with is invalidated, so that the owner's next
-    stream carries a fresh one. ``timeout`` (seconds) bounds the Auth.Authenticate that
-    opening may need. ``close()`` cancels the call; nothing is delivered after it. It runs on
-    ``endpoint``, by default the client's current one.
-    """
+
+class _Stream:
+    """What both kinds share: the call, its request queue, and the end of its reading."""
+
+    _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
+
+    def _open(self, client: Client, deliver: Deliver, token: str | None, call: Any) -> None:
+        self._client, self._deliver, self.token = client, deliver, token
+        self._closed = False
+        self.endpoint, self._call = call
+
+    def send(self, request: Any) -> None:
+        self._requests.put_nowait(request)
+
+    def close(self) -> None:
+        self._closed = True
+        self._requests.put_nowait(None)
+        self._call.cancel()
+
+    def _hand_over(self, item: StreamItem) -> None:
+        self._deliver(item)
+
+    def _ended(self, rpc_error: grpc.RpcError | None) -> None:
+        """The responses ended: by the server (``rpc_error`` None) or with ``rpc_error``."""
+        error: EtcdError = Unavailable(f"stream closed by server ({self.endpoint})")
+        if rpc_error is not None:
+            error = map_rpc_error(rpc_error, self.endpoint)
+        if isinstance(error, TokenInvalid):
+            self._client.invalidate_token(self.token)
+        if not self._closed:
+            self._hand_over(StreamItem(self, None, error))  # type: ignore[arg-type]
+
+
+class BidiStream(_Stream):
+    """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one).
+    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
+    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
+    also invalidates the token it was opened with, so the owner's next stream carries a fresh
+    one). ``timeout`` (seconds) bounds the Auth.Authenticate that opening may need.
+    ``close()`` cancels the call; nothing is delivered after it."""
 
     def __init__(
         self,
         client: Client,
         service: str,
         method: str,
-        deliver: Callable[[StreamItem], None],
+        deliver: Deliver,
         timeout: float | None = None,
         endpoint: Endpoint | None = None,
     ) -> None:
         import queue
 
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._client = client
-        self._deliver = deliver
-        self._closed = False
-        self.token = client.token(timeout)
-        self.endpoint, self._call = client.open_stream(
-            service,
-            method,
-            iter(self._requests.get, None),
-            token=self.token,
-            endpoint=endpoint,
-        )
-        self._reader = threading.Thread(
-            target=self._read, args=(self._call,), name=f"conch-{method}", daemon=True
-        )
+        self._requests = queue.SimpleQueue()
+        token = client.token(timeout)
+        requests = iter(self._requests.get, None)
+        call = client.open_stream(service, method, requests, token=token, endpoint=endpoint)
+        self._open(client, deliver, token, call)
+        self._reader = threading.Thread(target=self._read, name=f"conch-{method}", daemon=True)
         self._reader.start()
 
-    def send(self, request: Any) -> None:
-        self._requests.put(request)
-
-    def close(self) -> None:
-        self._closed = True
-        self._requests.put(None)
-        self._call.cancel()
-
-    def _read(self, responses: Iterator[Any]) -> None:
-        error: EtcdError
+    def _read(self) -> None:
         try:
-            for response in responses:
+            for response in self._call:
                 if self._closed:
                     return
                 self._deliver(StreamItem(self, response, None))
-            error = Unavailable(f"stream closed by server ({self.endpoint})")
         except grpc.RpcError as rpc_error:
-            error = map_rpc_error(rpc_error, self.endpoint)
-        if isinstance(error, TokenInvalid):
-            self._client.invalidate_token(self.token)
-        if not self._closed:
-            self._deliver(StreamItem(self, None, error))
+            self._ended(rpc_error)
+        else:
+            self._ended(None)
 
 
-class LoopStream:
+class LoopStream(_Stream):
     """A BidiStream on the running event loop (grpc.aio), read by a task of that loop, so
     no thread of ours hands its answers over. The same ``deliver`` (called on the loop; an
     exception it raises is logged, the stream reads on), ``send()`` and ``close()``, all on
@@ -100,30 +106,18 @@ class LoopStream:
         client: Client,
         service: str,
         method: str,
-        deliver: Callable[[StreamItem], None],
+        deliver: Deliver,
         token: str | None,
         endpoint: Endpoint | None = None,
     ) -> None:
         import asyncio
 
         loop = asyncio.get_running_loop()
-        self._requests: asyncio.Queue[Any] = asyncio.Queue()
-        self._client = client
-        self._deliver = deliver
-        self._closed = False
-        self.token = token
-        self.endpoint, self._call = client.open_stream(
-            service, method, self._outgoing(), token=token, endpoint=endpoint, loop=loop
-        )
+        self._requests = asyncio.Queue()
+        requests = self._outgoing()
+        call = client.open_stream(service, method, requests, None, token, endpoint, loop)
+        self._open(client, deliver, token, call)
         self._reader = loop.create_task(self._read())
-
-    def send(self, request: Any) -> None:
-        self._requests.put_nowait(request)
-
-    def close(self) -> None:
-        self._closed = True
-        self._requests.put_nowait(None)
-        self._call.cancel()
 
     async def _outgoing(self) -> AsyncIterator[Any]:
         while (request := await self._requests.get()) is not None:
@@ -132,21 +126,17 @@ class LoopStream:
     async def _read(self) -> None:
         import asyncio
 
-        error: EtcdError
         try:
             async for response in self._call:
                 if self._closed:
                     return
                 self._hand_over(StreamItem(self, response, None))
-            error = Unavailable(f"stream closed by server ({self.endpoint})")
         except asyncio.CancelledError:  # close(), or the loop's end
             return
         except grpc.RpcError as rpc_error:
-            error = map_rpc_error(rpc_error, self.endpoint)
-        if isinstance(error, TokenInvalid):
-            self._client.invalidate_token(self.token)
-        if not self._closed:
-            self._hand_over(StreamItem(self, None, error))
+            self._ended(rpc_error)
+        else:
+            self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
         try:

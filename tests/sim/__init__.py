@@ -1,5 +1,5 @@
 """The recipe's deterministic simulator: ``model`` (etcd's semantics, pure Python),
 ``real`` (the same interface on a real etcd, for the comparison), ``scenarios`` (operation
 sequences run on both), ``schedule`` (the seeded scheduler and the properties), ``variants``
-(Waiters with a known mistake, and the proposed fix). docs/design.md, "What the simulator
-explores, and what it cannot", says what it covers."""
+(broken Waiters and read plans, each with one known mistake the simulator must catch).
+docs/design.md, "What the simulator explores, and what it cannot", says what it covers."""

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, hints, log, procs
+from conch import __version__, hints, log, procs, supervisor
 from conch.errors import (
     ConchError,
     Interrupted,
@@ -38,14 +38,6 @@ from conch.settings import (
     parse_ttl,
     resolve,
     truthy,
-)
-from conch.supervisor import (
-    adopt_orphans,
-    check_kill_after,
-    default_kill_after,
-    start_watchdog,
-    stop_on_signals,
-    supervise,
 )
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
@@ -279,9 +271,9 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
     # each keepalive its whole patience.
     if ka_found.source == "default":
-        kill_after = default_kill_after(ttl, kill_after)
+        kill_after = supervisor.default_kill_after(ttl, kill_after)
     else:
-        kill_after = check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = supervisor.check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
@@ -410,16 +402,15 @@ def _run(
     connection: Connection,
     exiting: bool,
 ) -> int:
-    ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
     identity = Identity.current(cmd, record_args=settings.record_args)
     check_host(identity.host)
     if exiting:
-        adopt_orphans()  # the process is ours: reap whatever the child leaves behind
+        supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Its interpreter starts while we connect, instead of after (~20 ms of the run). When it
-    # cannot be started, supervise() tries again and reports it.
+    # cannot be started, supervisor.supervise() tries again and reports it.
     watchdog = None
     with contextlib.suppress(OSError):
-        watchdog = start_watchdog(kill_after)
+        watchdog = supervisor.start_watchdog(settings.kill_after)
     # Dialling writes nothing, so a signal then may simply end us (the watchdog, with no
     # child announced, exits at the end of its pipe); from the first write on, signals are
     # caught and withdraw or forward. When the process exits right after (``exiting``),
@@ -427,11 +418,13 @@ def _run(
     try:
         with (
             connect_with(connection) as client,
-            stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+            supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
-            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+            sema = Semaphore(client, args.name, max_holders, settings.ttl, args.spread, identity)
             try:
-                return supervise(sema, cmd, wait, kill_after, stop, watchdog)
+                return supervisor.supervise(
+                    sema, cmd, settings.wait, settings.kill_after, stop, watchdog
+                )
             except NoSlot as exc:
                 log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
                 return exc.exit_code
@@ -448,7 +441,14 @@ def run() -> NoReturn:
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     procs.prepare_command_process()
-    _slow_grpc_polling()
+    # gRPC's blocking stream iterators wake every 0.1 s (grpc._common.MAXIMUM_WAIT_TIMEOUT)
+    # for a KeyboardInterrupt in the main thread; conch reads them in threads of its own, where
+    # that only burns CPU (15% of a core for 100 waiters). The command owns its interpreter, so
+    # they wake every 5 s (the library leaves gRPC alone).
+    import grpc._common
+
+    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -456,27 +456,13 @@ def run() -> NoReturn:
     os._exit(code)
 
 
-def _slow_grpc_polling() -> None:
-    """gRPC's blocking stream iterators wake every 0.1 s (``grpc._common``'s
-    MAXIMUM_WAIT_TIMEOUT) for a KeyboardInterrupt in the main thread; conch reads them in
-    threads of its own, where that only burns CPU (15% of a core for 100 waiters). The
-    command owns its interpreter, so they wake every 5 s (the library leaves gRPC alone)."""
-    import grpc._common
-
-    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
-        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-
-
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
     the process exits right after, so stop signals stay caught to the end."""
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
-    cmd: list[str] = []
-    has_cmd = "--" in words
-    if has_cmd:
-        split = words.index("--")
-        words, cmd = words[:split], words[split + 1 :]
+    split = words.index("--") if "--" in words else len(words)
+    words, cmd, has_cmd = words[:split], words[split + 1 :], split < len(words)
     try:
         args = _parse(words, has_cmd)
         if args.command != "sema":

@@ -360,10 +360,5 @@ class GaveUp:
     detail: str = ""
     cause: object = None
 
-    @property
-    def interrupt(self) -> object:
-        """``cause`` under its first name."""
-        return self.cause
-
 
 Outcome: TypeAlias = Held | GaveUp

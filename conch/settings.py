@@ -84,11 +84,8 @@ def conch_setting(
     flag: str, given: str | None, name: str, default: str, environ: Mapping[str, str]
 ) -> Setting:
     """As ``setting``, for what etcdctl has no equivalent of (``CONCH_TTL``)."""
-    if given is not None:
-        return Setting(given, flag)
-    if "CONCH_" + name in environ:
-        return Setting(environ["CONCH_" + name], "CONCH_" + name)
-    return Setting(default, "default")
+    own = {variable: value for variable, value in environ.items() if variable == "CONCH_" + name}
+    return setting(flag, given, name, default, own)
 
 
 def named(flag: str, found: Setting) -> str:

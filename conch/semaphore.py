@@ -1,18 +1,11 @@
 """The counting semaphore recipe of 04_sema.md: enqueue, rank, wait, hold, release, who.
 
 Every holder or waiter owns one key under ``/conch/v1/sema/<name>/<max>/``, bound to its
-session's lease. Keys rank by create_revision; the first ``max`` hold a slot. The holders
-and the next waiters (``window_size(N)`` keys in all) form the *window*: a waiter in it
-watches the deletions under the prefix and holds straight from a release's own event; a
-waiter behind it watches its immediate predecessor; the last waiter of the window touches
-its key once to pull the next one in. A release wakes the waiters of the window and one
-behind it: constant work per release, whatever the length of the queue (docs/design.md,
-"Waiting", has the reasoning and the races).
-
-The decisions are ``conch.core.waiter.Waiter``'s, a pure state machine. This module is its
-threaded driver (``_Wait``: the machine's actions on the calling thread) and what the two
-faces' drivers share (``Driver``, ``exchange``): the etcd calls of each action, the
-withdraw, the log lines and what an outcome means to the caller.
+session's lease; keys rank by create_revision, the first ``max`` hold a slot. How a waiter
+waits (the window, the touch; constant work per release): docs/design.md, "Waiting". The
+decisions are ``conch.core.waiter.Waiter``'s; this module is its threaded driver
+(``_Wait``) and what both faces' drivers share (``Driver``: the etcd calls of each action,
+the withdraw, the log lines, what an outcome means to the caller).
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ class Bounded(NamedTuple):
 
 
 class Recipe:
-    """What the Semaphores of both faces share: their keys and the acquire's bookkeeping."""
+    """What both faces' Semaphores share: their keys and the acquire's bookkeeping."""
 
     client: object
     name: str
@@ -70,8 +63,7 @@ class Recipe:
         return keys.holder_key(self.name, self.max, lease_id)
 
     def _claim(self, session: Any, timeout: float | None) -> bytes | None:
-        """The checks before any etcd call (UsageError), and our key reserved on a shared
-        ``session``: the key, for ``session._unclaim`` if the wait ends without a hold."""
+        """The checks before any etcd call, and our key claimed on a shared ``session``."""
         if timeout is not None:
             check_timeout("timeout", timeout, zero=True)
         if session is None:
@@ -171,12 +163,10 @@ class Semaphore(Recipe):
         interrupt.wait(pause if left is None else min(pause, left))
 
     def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, Any]:
-        """Step 1: the value our key says and the response of ``enqueue``."""
         return drive(self.client, enqueue(self, messages.SendEnqueue(0, key, lease_id)), interrupt)
 
     def _standing(self, key: bytes, revision: int, interrupt: Flag) -> codec.Together:
-        """Steps 2-3 (``codec.standing_reads``): the window, and our key with the one just
-        ahead, seen at one revision, read by the plan for the endpoint's etcd release."""
+        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
         reads = codec.standing_reads(messages.ReadStanding(0, key, revision), self.prefix, self.max)
         return drive(self.client, together(reads), interrupt)
 
@@ -185,17 +175,13 @@ class Semaphore(Recipe):
 
 
 def enqueue(sema: Recipe, action: messages.SendEnqueue) -> Steps[tuple[bytes, Any]]:
-    """``codec.enqueue_call``: our key put, create-if-absent, bound to the lease, and the
-    first ``max`` keys read in the same KV.Txn (else the key found in our place). Returns
-    the value sent and the response."""
+    """Step 1 (``codec.enqueue_call``): the value our key says, and the Txn's response."""
     value = sema.identity.entering().to_json()
     return value, (yield codec.enqueue_call(action, sema.prefix, sema.max, value))
 
 
 def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
-    """Ranges seen at one revision, read by the endpoint's plan (``codec.ReadTogether``
-    decides, also to go on with pinned Ranges when etcd's space alarm refuses the
-    read-only Txn)."""
+    """Ranges seen at one revision, read as ``codec.ReadTogether`` decides."""
     read = codec.ReadTogether(reads, (yield PLAN))
     while (call := read.next_call()) is not None:
         try:
@@ -206,9 +192,7 @@ def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
 
 
 def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
-    """Delete our key from a shared session (its lease lives on), best effort within
-    WITHDRAW_TIMEOUT (``codec.withdraw_call``): if etcd cannot be reached it stays until
-    the session ends."""
+    """Our key deleted from a shared session, best effort: else it stays till the session ends."""
     try:
         yield Bounded(codec.withdraw_call(action), WITHDRAW_TIMEOUT)
     except EtcdError as exc:
@@ -216,9 +200,8 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
-    """``note`` as its log line: ``queued`` with ``max`` and the count of the keys ahead
-    (read here when the machine does not say: etcd's count ignores the create_revision
-    filter), ``spread-busy`` with our host."""
+    """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
+    create_revision filter)."""
     fields = dict(note.fields)
     if note.event == "queued":
         fields = {"max": sema.max, **fields}
@@ -236,8 +219,7 @@ def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
 
 
 class Exchange(Generic[T]):
-    """Steps in execution: ``step`` is the one to execute, then ``reply`` with its result
-    or ``fail`` with its exception, until ``done`` (the result is ``answer``)."""
+    """Steps under way: execute ``step``, then ``reply`` or ``fail``, until ``done``."""
 
     answer: T
 
@@ -273,10 +255,9 @@ class Next(NamedTuple):
 
 
 class Driver(Generic[W]):
-    """What the two faces' drivers of one ``waiter.Waiter`` share: the machine (on a shared
-    session's ``lease_id``, else on private sessions it asks for), its watches by id, its
-    deadline and pauses, the steps that drive it (``steps``) and what its outcome means
-    (``held``). A face executes the steps and says what has ``arrived``."""
+    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (on a shared
+    session's ``lease_id``, else on private sessions), its watches, deadline and pauses,
+    the ``steps`` that drive it and what its outcome means (``held``)."""
 
     def __init__(self, sema: Recipe, lease_id: int | None, timeout: float | None) -> None:
         self.sema = sema
@@ -289,13 +270,11 @@ class Driver(Generic[W]):
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
 
     def arrived(self) -> messages.Input | None:
-        """What came from elsewhere and goes in before the next action (the face's)."""
         raise NotImplementedError  # pragma: no cover
 
     def steps(self) -> Steps[messages.Outcome]:
-        """The machine driven to its outcome, as steps: each action's (``exchange``), and
-        ``Next`` when there is nothing to do but wait for an input, the deadline or the end
-        of a pause (first: notices coming all the time must not starve a pause)."""
+        """The machine driven to its outcome: each action's steps, and ``Next`` when there is
+        nothing to do but wait (a pause over first: a stream of notices must not starve it)."""
         machine = self.machine
         todo = deque(machine.start())
         while machine.outcome is None or todo:
@@ -327,10 +306,8 @@ class Driver(Generic[W]):
         return messages.PauseOver(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
-        """``action`` done, as steps (a ``codec.Call``, ``Bounded``, PLAN, or an action of
-        the face's own: its sessions, watches and hooks), and its answer (None: none now).
-        An EtcdError is answered as ``Failed``; after an Interrupted there is none (the
-        interrupt is fed next)."""
+        """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
+        its answer: ``Failed`` for an EtcdError, none after Interrupted (it is fed next)."""
         if isinstance(action, messages.CancelWatch):
             self.cancel(action.id)
         elif isinstance(action, messages.Pause):
@@ -363,8 +340,7 @@ class Driver(Generic[W]):
             watch.cancel()
 
     def held(self, outcome: messages.Outcome | None) -> tuple[messages.Held, list[W]]:
-        """The slot ``outcome`` holds and the watches its Hold retires; raises what a wait
-        that gave up raises (NoSlot, Interrupted, SessionLost, the EtcdError)."""
+        """The slot held and the watches its Hold retires; else raises why the wait gave up."""
         sema = self.sema
         if isinstance(outcome, messages.GaveUp):
             if outcome.reason == messages.Reason.NO_SLOT:
@@ -393,10 +369,8 @@ class Driver(Generic[W]):
 
 
 class _Wait(Driver[Watch]):
-    """The threaded driver: the machine's steps on the calling thread (unary calls with the
-    client's deadlines, ``interrupt`` ending their retries), and one mailbox slept on for
-    what comes from elsewhere (watch notices from the client's stream reader, the session's
-    loss, the interrupt)."""
+    """The threaded driver: the steps on the calling thread (``interrupt`` ends a call's
+    retries), one mailbox for watch notices, the session's loss and the interrupt."""
 
     sema: Semaphore
 
@@ -412,8 +386,6 @@ class _Wait(Driver[Watch]):
         self.told: set[object] = set()  # flags already fed
 
     def run(self) -> Hold:
-        """Drive the machine to its outcome: the Hold, or the exception it gives up with
-        (NoSlot, Interrupted, SessionLost, Unavailable, another EtcdError)."""
         self.interrupt.subscribe(self.box)
         if self.session is not None:
             self.session.lost.subscribe(self.box)
@@ -436,7 +408,6 @@ class _Wait(Driver[Watch]):
             self._clean_up()
 
     def arrived(self) -> messages.Input | None:
-        """An interrupt, our session's loss (once each); notices wait for ``Next``."""
         if self.interrupt.is_set() and self.interrupt not in self.told:
             self.told.add(self.interrupt)
             return messages.Interrupt(self.interrupt.reason)
@@ -447,7 +418,6 @@ class _Wait(Driver[Watch]):
         return None
 
     def _next_input(self, timeout: float | None) -> messages.Input | None:
-        """Sleep until a notice, a flag, or ``timeout`` (the deadline or a pause's end)."""
         try:
             item = self.box.get(timeout=3600.0 if timeout is None else min(timeout, 3600.0))
         except queue.Empty:
@@ -458,7 +428,6 @@ class _Wait(Driver[Watch]):
         return None  # a flag: arrived() says it
 
     def _act(self, action: Any) -> messages.Input | None:
-        """The steps of this face's own: their answer, if there is one now."""
         sema, interrupt = self.sema, self.interrupt
         if isinstance(action, Next):
             return self._next_input(action.timeout)
@@ -484,9 +453,8 @@ class _Wait(Driver[Watch]):
                 private.close(timeout=WITHDRAW_TIMEOUT)
             return messages.Withdrawn(action.id)
         assert isinstance(action, messages.OpenWatch)
-        # From "now", not from the standing's revision + 1: etcd serves a watch that starts
-        # in the past from a catch-up loop that runs every 100 ms, which would add up to
-        # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
+        # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
+        # slow a handoff. The machine closes the gap once etcd confirms the watch.
         key, end, deletes = codec.watch_range(action)
         self.watches[action.id] = Watch(
             self.client, key, 0, self.box.put, range_end=end, only_deletes=deletes, confirm=True
@@ -494,9 +462,8 @@ class _Wait(Driver[Watch]):
         return None
 
     def _clean_up(self) -> None:
-        """Whatever ended the run: no watch of ours left open, no subscription left; and
-        if it ended without an outcome (an exception of ours, KeyboardInterrupt), no key or
-        private lease left behind."""
+        """No watch or subscription left; without an outcome (a bug, KeyboardInterrupt), no
+        key or private lease either."""
         for watch_id in list(self.watches):
             self.cancel(watch_id)
         self.interrupt.unsubscribe(self.box)
@@ -519,10 +486,8 @@ def drive(
     interrupt: Flag | None = None,
     act: Callable[[Any], Any] | None = None,
 ) -> T:
-    """Execute ``steps`` on this thread: a ``codec.Call`` sent (``send``), a ``Bounded``
-    one within its timeout, PLAN the endpoint's read plan (Maintenance.Status, asked once
-    per endpoint), any other step by ``act``; an EtcdError or Interrupted is thrown back
-    into the steps. Returns their answer."""
+    """``steps`` executed on this thread (a call's EtcdError or Interrupted thrown back
+    into them; PLAN by one Status per endpoint, other steps by ``act``): their answer."""
     run = Exchange(steps)
     while not run.done:
         step = run.step
@@ -546,8 +511,7 @@ def drive(
 def send(
     client: Client, call: codec.Call, interrupt: Flag | None = None, timeout: float | None = None
 ) -> Any:
-    """Send ``call`` (built by the codec) with the etcd layer's call for it (``kv.txn``,
-    ``kv.range_``, else ``client.call``): its response. Raises as ``Client.call``."""
+    """``call`` by the etcd layer's call for it (``kv.txn``, ``kv.range_``, ``client.call``)."""
     request = call.request
     if isinstance(request, rpc_pb2.TxnRequest):
         compare, success, failure = list(request.compare), list(request.success), request.failure

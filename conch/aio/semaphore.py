@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Generator
-from types import TracebackType
 from typing import Any, NamedTuple
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import errors, keys
+from conch import semaphore as recipe
 from conch.aio.client import Client
 from conch.aio.hold import Hold
 from conch.aio.session import Session
@@ -22,18 +22,6 @@ from conch.etcd import status
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
-from conch.semaphore import (
-    PLAN,
-    Bounded,
-    Driver,
-    Exchange,
-    Next,
-    Recipe,
-    Steps,
-    T,
-    enqueue,
-    together,
-)
 from conch.session import check_ttl
 
 
@@ -44,12 +32,10 @@ class _Lost(NamedTuple):
     reason: str
 
 
-class _Driver(Driver[etcd_aio.LoopWatch]):
-    """Runs one ``waiter.Waiter`` from a coroutine: its steps executed with awaits (unary
-    calls one after another, in the order given), and what arrives on the loop (watch
-    notices, a session's loss, an interrupt) through one asyncio queue, all of it fed in
-    before the next request: a loss or an interrupt ends a wait before its next request,
-    an event is never left behind a slow call."""
+class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
+    """Runs one ``waiter.Waiter`` from a coroutine: its steps awaited one after another,
+    and what arrives on the loop (notices, a session's loss, an interrupt) through one
+    queue, fed in before the next request (so no event waits behind a slow call)."""
 
     sema: Semaphore
 
@@ -115,13 +101,13 @@ class _Driver(Driver[etcd_aio.LoopWatch]):
     async def _act(self, action: Any) -> messages.Input | None:
         """The steps of this face's own: their answer (None: none, or later on the queue)."""
         sema, interrupted = self.sema, self.interrupted
-        if isinstance(action, Next):
+        if isinstance(action, recipe.Next):
             try:
                 return self._input(await asyncio.wait_for(self.inputs.get(), action.timeout))
             except TimeoutError:
                 return None
         if isinstance(action, messages.SendEnqueue):
-            value, response = await drive(self.client, enqueue(sema, action), interrupted)
+            value, response = await drive(self.client, recipe.enqueue(sema, action), interrupted)
             return codec.enqueue_answer(action, response, value)
         if isinstance(action, messages.ReadStanding):
             return await sema._read_standing(action, interrupted)
@@ -160,19 +146,19 @@ class _Driver(Driver[etcd_aio.LoopWatch]):
 
 async def drive(
     client: etcd_client.Client,
-    steps: Steps[T],
+    steps: recipe.Steps[recipe.T],
     interrupt: asyncio.Event | None = None,
     act: Callable[[Any], Awaitable[Any]] | None = None,
-) -> T:
+) -> recipe.T:
     """``conch.semaphore.drive``, awaited: a call by ``Client.call_async``, PLAN with one
     Status per endpoint and loop at most."""
-    run = Exchange(steps)
+    run = recipe.Exchange(steps)
     while not run.done:
         step = run.step
         try:
-            if step is PLAN:
+            if step is recipe.PLAN:
                 reply = codec.read_plan(await status.server_version_async(client, interrupt))
-            elif isinstance(step, Bounded):
+            elif isinstance(step, recipe.Bounded):
                 call = step.call
                 reply = await client.call_async(
                     call.service, call.method, call.request, step.timeout
@@ -229,14 +215,9 @@ class _Acquiring:
         self._hold = await self._acquire()
         return self._hold
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: Any) -> None:
         assert self._hold is not None
-        await self._hold.__aexit__(exc_type, exc, traceback)
+        await self._hold.__aexit__(*exc)
 
 
 async def _release_if_granted(driver: _Driver, driving: asyncio.Task[messages.Outcome]) -> None:
@@ -251,7 +232,7 @@ async def _release_if_granted(driver: _Driver, driving: asyncio.Task[messages.Ou
     await hold.release()
 
 
-class Semaphore(Recipe):
+class Semaphore(recipe.Recipe):
     """The semaphore (``name``, ``max``) on ``client``, for coroutines: arguments and
     UsageError as ``conch.Semaphore`` (checked here, no etcd call)."""
 
@@ -295,11 +276,10 @@ class Semaphore(Recipe):
     async def _read_standing(
         self, action: messages.ReadStanding, interrupt: asyncio.Event
     ) -> messages.StandingAnswer:
-        """Steps 2-3 (``codec.standing_reads``): the window, and our key with the one just
-        ahead, seen at one revision, read by the plan for the endpoint's etcd release."""
+        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
         reads = codec.standing_reads(action, self.prefix, self.max)
         return codec.standing_answer(
-            action, await drive(self.client.sync, together(reads), interrupt)
+            action, await drive(self.client.sync, recipe.together(reads), interrupt)
         )
 
 

@@ -10,12 +10,14 @@ lease of it outlives it by more than the TTL.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -32,7 +34,7 @@ from conch.core.guard import (
     GuardWatch,
 )
 from conch.core.loss import Loss, LossReason
-from conch.core.messages import KeyRev, Note, TouchOwed
+from conch.core.messages import Held, KeyRev, Note, TouchOwed
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
@@ -42,27 +44,44 @@ from conch.session import Session
 from conch.timer import Cancellable, Scheduler, timer_for, weakly
 
 if TYPE_CHECKING:
-    import asyncio
-
     from conch.semaphore import Semaphore
 
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
 
+SessionT = TypeVar("SessionT")
+
 
 def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
     """Delete ``key`` if it is still the one created at ``revision`` (one KV.Txn comparing
     its create_revision, so a key someone else made since is left alone). Returns whether
     it was ours to delete. Raises EtcdError."""
-    response = kv.txn(
-        client,
-        [kv.create_revision_is(key, revision)],
-        [kv.op_delete(key)],
-        [],
-        timeout=timeout,
-    )
-    return bool(response.succeeded)
+    compare = [kv.create_revision_is(key, revision)]
+    return bool(kv.txn(client, compare, [kv.op_delete(key)], [], timeout=timeout).succeeded)
+
+
+@dataclass(frozen=True)
+class Slot(Generic[SessionT]):
+    """What giving a slot back takes (kept apart from the Hold, for its finalizer): our key
+    at create_revision ``revision`` on ``session``, a session of its own unless ``shared``."""
+
+    session: SessionT
+    key: bytes
+    revision: int
+    shared: bool
+
+
+@contextlib.contextmanager
+def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
+    """Around the delete of our key from a shared session: an EtcdError is logged
+    (``delete-failed``) and suppressed; the session's claim on the key goes either way."""
+    try:
+        yield
+    except EtcdError as exc:
+        log.warning("delete-failed", key=slot.key.decode(errors="replace"), error=str(exc))
+    finally:
+        slot.session._unclaim(slot.key)
 
 
 class _Lease(Protocol):
@@ -74,44 +93,51 @@ class _Lease(Protocol):
     def certainly_alive(self) -> bool: ...
 
 
-class GuardedHold:
+class _Event(Protocol):
+    """A hold's ``lost``: a Flag, or an ``asyncio.Event``."""
+
+    def is_set(self) -> bool: ...
+
+
+LostT = TypeVar("LostT", bound=_Event)
+LeaseT = TypeVar("LeaseT", bound=_Lease)
+
+
+class GuardedHold(Generic[LostT, LeaseT]):
     """What the Holds of both faces share: who they are, ``check``, the deadline, the
     guarded write's answer, the ``released`` line, and the execution of their
     GuardMachine's actions. A face gives it its scheduler (the client's timer thread, or
     the loop) and does the guard's etcd calls (``_call``), feeding what came of each to
     ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
 
-    lost: Flag | asyncio.Event
-    session: _Lease
+    lost: LostT
     _finalizer: weakref.finalize[Any, Any]
-    _forget_session: Callable[[], None]
 
     def __init__(
         self,
         name: str,
         max_holders: int,
-        session: _Lease,
-        key: bytes,
-        revision: int,
-        lease_id: int,
-        value: bytes,
-        guard: GuardMachine,
+        session: LeaseT,
+        held: Held,
+        shared: bool,
         watches: list[Cancellable],
         scheduler: Scheduler,
     ) -> None:
         self.name = name
         self.max = max_holders
-        self.key = key
-        self.revision = revision
+        self.key = held.key
+        self.revision = held.revision
         self.session = session
-        self.lease_id = lease_id
+        self.lease_id = held.lease_id
         self._since = time.monotonic()  # for the released line's hold time
-        self._value = value  # what our key says, written again by the touch
-        self._guard = guard
+        self._value = held.value  # what our key says, written again by the touch
+        self._guard = GuardMachine(held.touch, held.revision, held.held_at, Backoff())
+        self._slot: Slot[Any] = Slot(session, held.key, held.revision, shared)
         # The guard's watches (the waiting watch it retires, then its own): a list the
         # finalizer can cancel without reaching the Hold.
         self._watches = watches
         self._scheduler = scheduler
+        self._forgets: list[Callable[[], object]] = []  # the session subscriptions' removers
         self._releasing = False  # set before the revoke: the deletion it causes is no loss
         self._revoked_after_loss = False
 
@@ -138,18 +164,12 @@ class GuardedHold:
     def expires_at(self) -> float:
         """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
         this hold's lease: the send time of the last keepalive etcd answered
-        (Lease.LeaseKeepAlive) plus the TTL it granted; etcd restarts its countdown when it
-        receives a keepalive, after we sent it. Later with every confirmed keepalive; 0.0, an
-        instant long past, once the hold is lost or released. Makes no etcd call.
-
-        What it promises assumes that etcd does not expire a lease early, that its clock
-        runs at ours' rate, and that this process runs: a pause of the whole process
-        (SIGSTOP, a GC pause, a VM paused) stops its timers with it, and a thread that
-        resumes after the expiry may finish a step it began before. So bound each step of
-        work by it with room to spare (``conch.supervisor.deadline_margin(ttl)``), check it
-        again right before acting as the holder (``check()``), and for state in etcd use the
-        guarded ``put``/``delete``. ``conch.supervise`` keeps a child to the same deadline
-        from a watchdog process, which a pause of this one does not stop."""
+        (Lease.LeaseKeepAlive) plus the TTL it granted (etcd restarts its countdown when it
+        receives a keepalive, after we sent it). Later with every confirmed keepalive; 0.0
+        once the hold is lost or released. Makes no etcd call. A pause of the whole process
+        stops its timers with it: bound each step of work by it with room to spare
+        (``conch.supervisor.deadline_margin(ttl)``), ``check()`` again right before acting
+        as the holder, and for state in etcd use the guarded ``put``/``delete``."""
         if self.lost.is_set() or self._releasing:
             return 0.0
         return self.session.alive_until
@@ -184,7 +204,8 @@ class GuardedHold:
     def _given_back(self) -> None:
         # The watches go only after the revoke: it is what the next holder waits for.
         _cancel_all(self._watches)
-        self._forget_session()
+        for forget in self._forgets:
+            forget()
 
     def _log_released(self, revoked: bool) -> None:
         extra = {"after": "loss"} if self._revoked_after_loss else {}
@@ -270,7 +291,7 @@ class GuardedHold:
         self._execute(actions)
 
 
-class Hold(GuardedHold):
+class Hold(GuardedHold[Flag, Session]):
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
@@ -278,9 +299,6 @@ class Hold(GuardedHold):
     own it revokes the lease (key and lease go in one revision), on a shared session it
     deletes our key only (KV.Txn comparing its create_revision). A Hold dropped without
     release is released when collected, with a ResourceWarning."""
-
-    lost: Flag
-    session: Session
 
     def __init__(
         self,
@@ -298,22 +316,11 @@ class Hold(GuardedHold):
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
         self._client = sema.client
-        guard = GuardMachine(touch, revision, held_at, Backoff())
+        held = Held(key, session.lease_id, revision, held_at, value, touch)
         watches: list[Cancellable] = list(retire)
-        super().__init__(
-            sema.name,
-            sema.max,
-            session,
-            key,
-            revision,
-            session.lease_id,
-            value,
-            guard,
-            watches,
-            timer_for(self._client),
-        )
+        scheduler = timer_for(self._client)
+        super().__init__(sema.name, sema.max, session, held, shared, watches, scheduler)
         self.lost = Flag("hold-lost")
-        self._shared = shared
         self._released = Flag("released")
         self._release_lock = threading.Lock()
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
@@ -324,17 +331,14 @@ class Hold(GuardedHold):
         self.lost.add_callback(weakly(self._warn_lost))
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        forget_lost = session.lost.add_callback(weakly(self._session_lost))
+        self._forgets.append(session.lost.add_callback(weakly(self._session_lost)))
         # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
         # on; a hold cannot promise it is still ours).
-        forget_expired = session.on_expired(weakly(self._session_expired))
-        self._forget_session = undo_all(forget_lost, forget_expired)
+        self._forgets.append(session.on_expired(weakly(self._session_expired)))
         # A lost hold has nothing left to watch, released or not (the watch would otherwise
         # stay on the client's stream for as long as the Hold is kept).
         self.lost.add_callback(lambda _: _cancel_all(watches))
-        self._finalizer = weakref.finalize(
-            self, _dropped, session, self._client, key, revision, shared, watches
-        )
+        self._finalizer = weakref.finalize(self, _dropped, self._slot, self._client, watches)
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
         self._execute(self._guard.made())
 
@@ -354,7 +358,10 @@ class Hold(GuardedHold):
         answer: object
         try:
             if isinstance(action, GuardTouch):
-                answer = touch(client, key, self.revision, self._value, self.lease_id)
+                # Wakes the waiter behind us, which watches our key.
+                put = kv.op_put(key, self._value, self.lease_id)
+                compare = [kv.create_revision_is(key, self.revision)]
+                answer = kv.txn(client, compare, [put], [])
             elif isinstance(action, GuardLook):
                 answer = kv.range_(client, rpc_pb2.RangeRequest(key=key))
             else:
@@ -367,8 +374,8 @@ class Hold(GuardedHold):
     def start_guard(self) -> None:
         """Start guarding the key (idempotent). ``Semaphore.acquire`` does it before
         returning unless asked not to (``guard=False``); the supervisor does it just after
-        starting the child. Until then, a loss is noticed
-        late, never missed: the hold subscribes to the session's loss first."""
+        starting the child. Until then, a loss is noticed late, never missed: the hold
+        subscribes to the session's loss first."""
         with self._release_lock:
             if self._releasing:
                 return
@@ -390,10 +397,10 @@ class Hold(GuardedHold):
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
-        ``.reason``) once the hold is lost (at once if it already is), from
-        the conch thread that saw the loss (the session's keepalive thread, or the client's
-        watch reader, which every watch of the client shares): it must not block. Its result
-        is ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
+        ``.reason``) once the hold is lost (at once if it already is), from the conch thread
+        that saw the loss (the session's keepalive thread, or the client's watch reader): it
+        must not block. Its result is ignored, so ``lambda reason:
+        loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
             # the Loss itself: str() of it would drop its reason
@@ -411,9 +418,8 @@ class Hold(GuardedHold):
         bound to our lease (it outlives the hold). ``timeout`` in seconds (default: the
         client's request timeout). Returns the revision of the write. Raises HoldLost when
         the compare fails (our key is gone: released, lease expired or revoked; ``lost`` is
-        set then, unless released), Unavailable
-        or another EtcdError when etcd does not answer (the write may then have happened:
-        read it back)."""
+        set then, unless released), Unavailable or another EtcdError when etcd does not
+        answer (the write may then have happened: read it back)."""
         return self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     def delete(self, key: bytes | str, timeout: float | None = None) -> int:
@@ -432,13 +438,11 @@ class Hold(GuardedHold):
         (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
         session, delete our key (KV.Txn comparing its create_revision). The waiter first in
         line holds at that revision. Best effort: on failure the lease expires after its
-        TTL. After a loss it is tried for at most WITHDRAW_TIMEOUT seconds: etcd is likely
-        unreachable, and the exit must not wait on it. Thread-safe; returns once the revoke
-        is over, whichever thread sent it. Logs ``released`` once: with ``log_it=False`` the
-        log line is left to a later ``release()`` (the supervisor releases the moment the
-        child's group is gone, and logs once it has logged the child's exit). ``until``: a
-        ``time.monotonic()`` instant past which the revoke is not waited for (the supervisor,
-        after a loss: past the lease's earliest expiry it can no longer help)."""
+        TTL; after a loss it is tried for at most WITHDRAW_TIMEOUT seconds. Thread-safe;
+        returns once the revoke is over, whichever thread sent it. Logs ``released`` once:
+        with ``log_it=False`` the line is left to a later ``release()`` (the supervisor
+        releases the moment the child's group is gone, and logs after the child's exit).
+        ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
         self._revoke(until)
         if not log_it:
             return
@@ -448,9 +452,8 @@ class Hold(GuardedHold):
             self._log_released(self._revoked)
 
     def _revoke(self, until: float | None = None) -> None:
-        """The release without its log line (the supervisor's reaper sends it the moment the
-        child's group is gone; the ``released`` line follows the ``child-exit`` one). A call
-        while another thread revokes waits for that revoke to end."""
+        """The release without its log line. A call while another thread revokes waits for
+        that revoke to end."""
         with self._release_lock:
             releasing, self._releasing = self._releasing, True
             self._guard.release()
@@ -462,9 +465,7 @@ class Hold(GuardedHold):
             if until is not None:
                 left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
                 timeout = left if timeout is None else min(timeout, left)
-            self._revoked = _give_back(
-                self.session, self._client, self.key, self.revision, self._shared, timeout
-            )
+            self._revoked = _give_back(self._slot, self._client, timeout)
         finally:
             self._given_back()
             self._released.set()
@@ -498,44 +499,22 @@ class Hold(GuardedHold):
     def remaining(self) -> float:
         """Seconds from now until ``expires_at()``, 0.0 once it has passed (or the hold is
         lost or released): the timeout for a threaded wait bounded by the lease, as in
-        ``future.result(timeout=hold.remaining() - margin)`` or
         ``done.wait(hold.remaining() - margin)``. Makes no etcd call."""
         return max(0.0, self.expires_at() - time.monotonic())
-
-
-def undo_all(*undos: Callable[[], object]) -> Callable[[], None]:
-    """One function that calls each of ``undos`` (subscriptions' removers)."""
-
-    def undo() -> None:
-        for each in undos:
-            each()
-
-    return undo
 
 
 def to_bytes(text: bytes | str) -> bytes:
     return text.encode("utf-8") if isinstance(text, str) else text
 
 
-def _give_back(
-    session: Session,
-    client: Client,
-    key: bytes,
-    revision: int,
-    shared: bool,
-    timeout: float | None,
-) -> bool:
+def _give_back(slot: Slot[Session], client: Client, timeout: float | None) -> bool:
     """Revoke a private session, or delete our key from a shared one; whether confirmed."""
-    if not shared:
-        return session.close(timeout=timeout)
-    try:
-        delete_own_key(client, key, revision, timeout)
-    except EtcdError as exc:
-        log.warning("delete-failed", key=key.decode(errors="replace"), error=str(exc))
-        return False
-    finally:
-        session._unclaim(key)
-    return True
+    if not slot.shared:
+        return slot.session.close(timeout=timeout)
+    with deleting_own_key(slot):
+        delete_own_key(client, slot.key, slot.revision, timeout)
+        return True
+    return False
 
 
 def warn_hold_dropped(face: str, key: bytes, revision: int) -> None:
@@ -550,41 +529,16 @@ def warn_hold_dropped(face: str, key: bytes, revision: int) -> None:
     log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
 
 
-def _dropped(
-    session: Session,
-    client: Client,
-    key: bytes,
-    revision: int,
-    shared: bool,
-    watches: list[Cancellable],
-) -> None:
+def _dropped(slot: Slot[Session], client: Client, watches: list[Cancellable]) -> None:
     """A Hold was garbage-collected unreleased: warn, as Python does for an unclosed file,
     and release it from the client's timer thread (not the collecting thread)."""
-    warn_hold_dropped("conch", key, revision)
+    warn_hold_dropped("conch", slot.key, slot.revision)
 
     def give_back() -> None:
         _cancel_all(watches)
-        _give_back(session, client, key, revision, shared, None)
+        _give_back(slot, client, None)
 
     timer_for(client).call_later(0, give_back)
-
-
-def touch(
-    client: Client,
-    key: bytes,
-    revision: int,
-    value: bytes,
-    lease_id: int,
-) -> rpc_pb2.TxnResponse:
-    """Re-put ``key`` (``value``, bound to ``lease_id``) if its create_revision is still
-    ``revision``: one KV.Txn whose ``succeeded`` is false when the key is gone. The change
-    wakes the waiter behind, which watches the key. Raises EtcdError as ``kv.txn``."""
-    return kv.txn(
-        client,
-        [kv.create_revision_is(key, revision)],
-        [kv.op_put(key, value, lease_id)],
-        [],
-    )
 
 
 def _cancel_all(watches: list[Cancellable]) -> None:

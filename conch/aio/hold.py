@@ -13,21 +13,26 @@ from conch import log
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core import messages
-from conch.core.guard import GuardCall, GuardLook, GuardMachine, GuardTouch
+from conch.core.guard import GuardCall, GuardLook, GuardTouch
 from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-from conch.etcd import client as etcd_client
 from conch.etcd import kv
-from conch.etcd.client import Backoff
-from conch.hold import GuardedHold, _cancel_all, to_bytes, undo_all, warn_hold_dropped
+from conch.hold import (
+    GuardedHold,
+    Slot,
+    _cancel_all,
+    deleting_own_key,
+    to_bytes,
+    warn_hold_dropped,
+)
 from conch.timer import Cancellable, LoopTimer, weakly
 
 if TYPE_CHECKING:
     from conch.aio.semaphore import Semaphore
 
 
-class Hold(GuardedHold):
+class Hold(GuardedHold[asyncio.Event, Session]):
     """A slot held, for coroutines: ``revision`` is the fencing token (our key's
     create_revision), ``lease_id`` the session's lease, ``lost`` an ``asyncio.Event`` set
     when the session is lost or our key deleted (``reason`` says why). ``release()`` (or
@@ -41,9 +46,6 @@ class Hold(GuardedHold):
     only weakly: a Hold dropped without release is released when collected, with a
     ResourceWarning."""
 
-    lost: asyncio.Event
-    session: Session
-
     def __init__(
         self,
         sema: Semaphore,
@@ -53,34 +55,19 @@ class Hold(GuardedHold):
         shared: bool,
     ) -> None:
         self._loop = asyncio.get_running_loop()
-        guard = GuardMachine(held.touch, held.revision, held.held_at, Backoff())
         watches: list[Cancellable] = list(retire)
-        super().__init__(
-            sema.name,
-            sema.max,
-            session,
-            held.key,
-            held.revision,
-            held.lease_id,
-            held.value,
-            guard,
-            watches,
-            LoopTimer(self._loop),
-        )
+        scheduler = LoopTimer(self._loop)
+        super().__init__(sema.name, sema.max, session, held, shared, watches, scheduler)
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
         self._client = sema.client
-        self._shared = shared
         self._released: asyncio.Future[bool] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
-        forget_lost = session._kept.add_listener(weakly(self._session_lost))
+        self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
         # on; a hold cannot promise it is still ours).
-        forget_expired = session._kept.add_expiry_listener(weakly(self._session_expired))
-        self._forget_session = undo_all(forget_lost, forget_expired)
-        self._finalizer = weakref.finalize(
-            self, _hold_dropped, self._loop, session, self.key, self.revision, shared, watches
-        )
+        self._forgets.append(session._kept.add_expiry_listener(weakly(self._session_expired)))
+        self._finalizer = weakref.finalize(self, _hold_dropped, self._loop, self._slot, watches)
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
         # The guard's schedule (as the threaded Hold's): the touch owed at once, the watch
         # on our key a moment in, a later touch at max 1.
@@ -195,9 +182,7 @@ class Hold(GuardedHold):
 
     async def _give_back(self, timeout: float | None) -> bool:
         try:
-            revoked = await _give_back(
-                self.session, self._client.sync, self.key, self.revision, self._shared, timeout
-            )
+            revoked = await _give_back(self._slot, timeout)
         finally:
             self._given_back()
         self._log_released(revoked)
@@ -216,40 +201,25 @@ class Hold(GuardedHold):
             raise loss
 
 
-async def _give_back(
-    session: Session,
-    client: etcd_client.Client,
-    key: bytes,
-    revision: int,
-    shared: bool,
-    timeout: float | None,
-) -> bool:
+async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     """Revoke a private session, or delete our key from a shared one; whether confirmed."""
-    if not shared:
-        return await session.close(timeout)
-    try:
-        await etcd_aio.delete_own_key(client, key, revision, timeout)
-    except EtcdError as exc:
-        log.warning("delete-failed", key=key.decode(errors="replace"), error=str(exc))
-        return False
-    finally:
-        session._unclaim(key)
-    return True
+    if not slot.shared:
+        return await slot.session.close(timeout)
+    client = slot.session.client.sync
+    with deleting_own_key(slot):
+        await etcd_aio.delete_own_key(client, slot.key, slot.revision, timeout)
+        return True
+    return False
 
 
 def _hold_dropped(
-    loop: asyncio.AbstractEventLoop,
-    session: Session,
-    key: bytes,
-    revision: int,
-    shared: bool,
-    watches: list[Cancellable],
+    loop: asyncio.AbstractEventLoop, slot: Slot[Session], watches: list[Cancellable]
 ) -> None:
     """A Hold was garbage-collected unreleased: warn, and release it on its loop."""
-    warn_hold_dropped("conch.aio", key, revision)
+    warn_hold_dropped("conch.aio", slot.key, slot.revision)
 
     def give_back() -> None:
         _cancel_all(watches)
-        spawn(loop, _give_back(session, session.client.sync, key, revision, shared, None))
+        spawn(loop, _give_back(slot, None))
 
     etcd_aio.call_soon(loop, give_back)

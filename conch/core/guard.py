@@ -13,11 +13,6 @@ from typing import Protocol, TypeAlias
 from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.core.messages import KeyRev, Note, TouchOwed
 
-# -- the hold's guard ----------------------------------------------------------------------
-# Once a slot is ours, the Hold (conch/hold.py, and the asyncio face's) guards it: it
-# watches our key for deletion and owes the waiter behind it the touch. GuardMachine makes
-# its decisions; the Hold does the calls and keeps the time.
-
 # Seconds into the guard before it opens the watch on our own key: a short job is over by
 # then and never pays for that watch, whose set-up would compete with its release. A
 # deletion in between is not missed (the watch starts from where we held), only noticed
@@ -114,14 +109,9 @@ class GuardMachine:
         self.releasing = False
         self.lost: Loss | None = None
         self._pauses = pauses
-        self._started = False
+        self.started = False  # whether start() was fed (the guard's watch is due or open)
         self._watches_own_key = False  # the guard's own watch opened (or tried)
         self._touch_failing = False  # "touch-failed" said for the failures in a row now
-
-    @property
-    def started(self) -> bool:
-        """Whether ``start()`` was fed (the guard's watch is due or open)."""
-        return self._started
 
     @property
     def done(self) -> bool:
@@ -139,9 +129,9 @@ class GuardMachine:
 
     def start(self) -> list[GuardAction]:
         """Start guarding (idempotent): the watch on our key GUARD_WATCH_DELAY in."""
-        if self._started or self.done:
+        if self.started or self.done:
             return []
-        self._started = True
+        self.started = True
         return [GuardAfter(GUARD_WATCH_DELAY, GuardStep.WATCH_OWN_KEY)]
 
     def release(self) -> None:
@@ -179,19 +169,18 @@ class GuardMachine:
         return [GuardTouch(step)]
 
     def watch_failed(self) -> list[GuardAction]:
-        """The watch on our key could not be opened: look at the key after a pause."""
+        """The watch on our key could not be opened (or, as ``look_failed``, a Range of it
+        had no answer): look at the key after a pause."""
         return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
+
+    look_failed = watch_failed
 
     def notice(self, ended: bool) -> list[GuardAction]:
         """A notice of the watch on our key (deletions only): an event is our key's deletion
         (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up), the
         watch is over and says nothing of our key: look at it after a pause. Whether the
         session is lost is the keepalive's call, not this."""
-        if self.done:
-            return []
-        if ended:
-            return [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
-        return self._lose(KEY_GONE)
+        return self.watch_failed() if ended else self._lose(KEY_GONE)
 
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
         """What a Range of our key found (None when absent), at header revision ``revision``:
@@ -202,9 +191,6 @@ class GuardMachine:
         if found is None or found.create_revision != self.revision:
             return self._lose(KEY_GONE_LOOK)
         return [] if self.done else [GuardWatch(revision + 1)]
-
-    def look_failed(self) -> list[GuardAction]:
-        return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
 
     def touched(self, step: GuardStep, revision: int, succeeded: bool) -> list[GuardAction]:
         """A touch's answer at ``revision``: ``succeeded`` (the compare on our create_revision

@@ -36,92 +36,56 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# Each public name and the module it is imported from on first use.
 _EXPORTS = {
-    "ETCD_API_VERSION": "conch.etcd",
-    "Client": "conch.etcd",
-    "Endpoint": "conch.etcd",
-    "connect": "conch.etcd.client",
-    "TLS": "conch.etcd.client",
-    "Credentials": "conch.etcd.client",
-    "Semaphore": "conch.semaphore",
-    "Hold": "conch.hold",
-    "Identity": "conch.identity",
-    "Record": "conch.listing",
-    "who": "conch.listing",
-    "Session": "conch.session",
-    "Flag": "conch.flag",
-    "supervise": "conch.supervisor",
-    "ConchError": "conch.errors",
-    "UsageError": "conch.errors",
-    "EtcdError": "conch.errors",
-    "Unavailable": "conch.errors",
-    "PermissionDenied": "conch.errors",
-    "AuthenticationFailed": "conch.errors",
-    "TokenInvalid": "conch.errors",
-    "LeaseNotFound": "conch.errors",
-    "Compacted": "conch.errors",
-    "SessionLost": "conch.errors",
-    "NoSlot": "conch.errors",
-    "HoldLost": "conch.errors",
-    "Interrupted": "conch.errors",
+    name: module
+    for module, names in {
+        "conch.etcd": "ETCD_API_VERSION Client Endpoint",
+        "conch.etcd.client": "connect TLS Credentials",
+        "conch.semaphore": "Semaphore",
+        "conch.hold": "Hold",
+        "conch.identity": "Identity",
+        "conch.listing": "Record who",
+        "conch.session": "Session",
+        "conch.flag": "Flag",
+        "conch.supervisor": "supervise",
+        "conch.errors": "ConchError UsageError EtcdError Unavailable PermissionDenied "
+        "AuthenticationFailed TokenInvalid LeaseNotFound Compacted SessionLost NoSlot "
+        "HoldLost Interrupted",
+    }.items()
+    for name in names.split()
 }
 
-__all__ = [
-    "ETCD_API_VERSION",
-    "TLS",
-    "AuthenticationFailed",
-    "Client",
-    "Compacted",
-    "ConchError",
-    "Credentials",
-    "Endpoint",
-    "EtcdError",
-    "Flag",
-    "Hold",
-    "HoldLost",
-    "Identity",
-    "Interrupted",
-    "LeaseNotFound",
-    "NoSlot",
-    "PermissionDenied",
-    "Record",
-    "Semaphore",
-    "Session",
-    "SessionLost",
-    "TokenInvalid",
-    "Unavailable",
-    "UsageError",
-    "__version__",
-    "connect",
-    "supervise",
-    "who",
-]
+__all__ = sorted([*_EXPORTS, "__version__"], key=lambda n: (not n.isupper(), n[0].islower(), n))
 
-if TYPE_CHECKING:
-    from conch.errors import (
-        AuthenticationFailed,
-        Compacted,
-        ConchError,
-        EtcdError,
-        HoldLost,
-        Interrupted,
-        LeaseNotFound,
-        NoSlot,
-        PermissionDenied,
-        SessionLost,
-        TokenInvalid,
-        Unavailable,
-        UsageError,
-    )
-    from conch.etcd import ETCD_API_VERSION, Client, Endpoint
-    from conch.etcd.client import TLS, Credentials, connect
-    from conch.flag import Flag
-    from conch.hold import Hold
-    from conch.identity import Identity
-    from conch.listing import Record, who
-    from conch.semaphore import Semaphore
-    from conch.session import Session
-    from conch.supervisor import supervise
+if TYPE_CHECKING:  # "X as X": the names are conch's own (mypy's explicit re-export)
+    from conch.errors import AuthenticationFailed as AuthenticationFailed
+    from conch.errors import Compacted as Compacted
+    from conch.errors import ConchError as ConchError
+    from conch.errors import EtcdError as EtcdError
+    from conch.errors import HoldLost as HoldLost
+    from conch.errors import Interrupted as Interrupted
+    from conch.errors import LeaseNotFound as LeaseNotFound
+    from conch.errors import NoSlot as NoSlot
+    from conch.errors import PermissionDenied as PermissionDenied
+    from conch.errors import SessionLost as SessionLost
+    from conch.errors import TokenInvalid as TokenInvalid
+    from conch.errors import Unavailable as Unavailable
+    from conch.errors import UsageError as UsageError
+    from conch.etcd import ETCD_API_VERSION as ETCD_API_VERSION
+    from conch.etcd import Client as Client
+    from conch.etcd import Endpoint as Endpoint
+    from conch.etcd.client import TLS as TLS
+    from conch.etcd.client import Credentials as Credentials
+    from conch.etcd.client import connect as connect
+    from conch.flag import Flag as Flag
+    from conch.hold import Hold as Hold
+    from conch.identity import Identity as Identity
+    from conch.listing import Record as Record
+    from conch.listing import who as who
+    from conch.semaphore import Semaphore as Semaphore
+    from conch.session import Session as Session
+    from conch.supervisor import supervise as supervise
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn
 
-from conch import __version__, hints, log, procs
+from conch import __version__, hints, log, procs, supervisor
 from conch.errors import (
     ConchError,
     Interrupted,
@@ -39,22 +39,13 @@ from conch.settings import (
     resolve,
     truthy,
 )
-from conch.supervisor import (
-    adopt_orphans,
-    check_kill_after,
-    default_kill_after,
-    start_watchdog,
-    stop_on_signals,
-    supervise,
-)
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
-    """argparse's help formatter, sized to the terminal as argparse does but without
-    importing shutil: argparse makes one for every add_argument(), and shutil's import
-    (bz2, lzma) was about 2.5 ms of every run's start-up (bench/startup.py)."""
+    """argparse's, sized to the terminal without importing shutil (argparse makes one for
+    every add_argument(); shutil's import was ~2.5 ms of every start, bench/startup.py)."""
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         kwargs.setdefault("width", _columns() - 2)
@@ -241,23 +232,21 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
     with connect_with(connection) as client:
         records = who(client, args.name, max_holders)
     capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
-    if len(capacities) > 1 or (max_holders is not None and capacities != [max_holders]):
-        for capacity in capacities:
-            if capacity != max_holders:
-                log.warning(
-                    "other-capacity",
-                    name=args.name,
-                    max="?" if capacity is None else capacity,
-                    hint="one name, several --max: these are separate semaphores",
-                )
+    for capacity in capacities:
+        if capacity != max_holders and (len(capacities) > 1 or max_holders is not None):
+            log.warning(
+                "other-capacity",
+                name=args.name,
+                max="?" if capacity is None else capacity,
+                hint="one name, several --max: these are separate semaphores",
+            )
     try:
         for record in records:
             print(record.to_json() if args.json else record.to_text())
         sys.stdout.flush()
     except BrokenPipeError:
-        # `conch sema X --who | head -1`: the reader has gone. Quietly, with the status a
-        # tool killed by SIGPIPE has (ls, seq), and stdout on /dev/null so that the exit's
-        # own flush does not raise again.
+        # `--who | head -1`: quietly, with the status of a tool killed by SIGPIPE (ls, seq),
+        # and stdout on /dev/null so that the exit's own flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     held = [r for r in records if r.state == "HELD" and max_holders in (None, r.max)]
@@ -282,9 +271,9 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
     # each keepalive its whole patience.
     if ka_found.source == "default":
-        kill_after = default_kill_after(ttl, kill_after)
+        kill_after = supervisor.default_kill_after(ttl, kill_after)
     else:
-        kill_after = check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = supervisor.check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
@@ -303,12 +292,7 @@ def _negative_values_attached(parser: argparse.ArgumentParser, words: list[str])
     """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
     is not a plain negative number for an option, and would say "expected one argument";
     attached, the value reaches its check, which says what is wrong with it."""
-    valued = {
-        option
-        for action in _actions(parser)
-        if action.nargs is None
-        for option in action.option_strings
-    }
+    valued = {f for a in _actions(parser) if a.nargs is None for f in a.option_strings}
     out: list[str] = []
     for word in words:
         if out and out[-1] in valued and _NEGATIVE.match(word):
@@ -407,10 +391,6 @@ def _options(parser: argparse.ArgumentParser, word: str) -> bool:
     return True
 
 
-def _connection_flags(args: argparse.Namespace) -> ConnectionFlags:
-    return ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
-
-
 _NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
 
 
@@ -422,16 +402,15 @@ def _run(
     connection: Connection,
     exiting: bool,
 ) -> int:
-    ttl, kill_after, wait = settings.ttl, settings.kill_after, settings.wait
     identity = Identity.current(cmd, record_args=settings.record_args)
     check_host(identity.host)
     if exiting:
-        adopt_orphans()  # the process is ours: reap whatever the child leaves behind
+        supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Its interpreter starts while we connect, instead of after (~20 ms of the run). When it
-    # cannot be started, supervise() tries again and reports it.
+    # cannot be started, supervisor.supervise() tries again and reports it.
     watchdog = None
     with contextlib.suppress(OSError):
-        watchdog = start_watchdog(kill_after)
+        watchdog = supervisor.start_watchdog(settings.kill_after)
     # Dialling writes nothing, so a signal then may simply end us (the watchdog, with no
     # child announced, exits at the end of its pipe); from the first write on, signals are
     # caught and withdraw or forward. When the process exits right after (``exiting``),
@@ -439,11 +418,13 @@ def _run(
     try:
         with (
             connect_with(connection) as client,
-            stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+            supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
-            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+            sema = Semaphore(client, args.name, max_holders, settings.ttl, args.spread, identity)
             try:
-                return supervise(sema, cmd, wait, kill_after, stop, watchdog)
+                return supervisor.supervise(
+                    sema, cmd, settings.wait, settings.kill_after, stop, watchdog
+                )
             except NoSlot as exc:
                 log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
                 return exc.exit_code
@@ -460,7 +441,14 @@ def run() -> NoReturn:
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     procs.prepare_command_process()
-    _slow_grpc_polling()
+    # gRPC's blocking stream iterators wake every 0.1 s (grpc._common.MAXIMUM_WAIT_TIMEOUT)
+    # for a KeyboardInterrupt in the main thread; conch reads them in threads of its own, where
+    # that only burns CPU (15% of a core for 100 waiters). The command owns its interpreter, so
+    # they wake every 5 s (the library leaves gRPC alone).
+    import grpc._common
+
+    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
     code = main(exiting=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
@@ -468,28 +456,13 @@ def run() -> NoReturn:
     os._exit(code)
 
 
-def _slow_grpc_polling() -> None:
-    """gRPC's blocking stream iterators wake every 0.1 s (``grpc._common``'s
-    MAXIMUM_WAIT_TIMEOUT) so that a main thread blocked in one can take a KeyboardInterrupt.
-    conch reads its streams in threads of its own, where that polling only burns CPU: 1.4 ms
-    a second per waiting process, measured, 15% of a core for 100 waiters. The command owns
-    its interpreter, so it wakes them every 5 s instead (the library leaves gRPC alone)."""
-    import grpc._common
-
-    if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
-        grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-
-
 def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
     the process exits right after, so stop signals stay caught to the end."""
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
-    cmd: list[str] = []
-    has_cmd = "--" in words
-    if has_cmd:
-        split = words.index("--")
-        words, cmd = words[:split], words[split + 1 :]
+    split = words.index("--") if "--" in words else len(words)
+    words, cmd, has_cmd = words[:split], words[split + 1 :], split < len(words)
     try:
         args = _parse(words, has_cmd)
         if args.command != "sema":
@@ -499,7 +472,8 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         max_holders = _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)
-        connection = resolve(_connection_flags(args), os.environ)
+        flags = ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
+        connection = resolve(flags, os.environ)
         if args.who:
             if cmd:
                 raise UsageError("--who takes no command")

@@ -90,9 +90,8 @@ class Flag:
         box: Mailbox = queue.SimpleQueue()
         self.subscribe(box)
         try:
-            box.get(timeout=timeout)
-        except queue.Empty:
-            pass
+            with contextlib.suppress(queue.Empty):
+                box.get(timeout=timeout)
         finally:
             self.unsubscribe(box)
         return self._set

@@ -15,16 +15,15 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
-from conch.core.guard import GUARD_WATCH_DELAY as GUARD_WATCH_DELAY  # seconds; named here too
-from conch.core.guard import TOUCH_DELAY as TOUCH_DELAY  # seconds
 from conch.core.guard import (
     GuardAction,
     GuardAfter,
+    GuardCall,
     GuardLook,
     GuardLost,
     GuardMachine,
@@ -40,9 +39,11 @@ from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
 from conch.session import Session
-from conch.timer import timer_for, weakly
+from conch.timer import Cancellable, Scheduler, timer_for, weakly
 
 if TYPE_CHECKING:
+    import asyncio
+
     from conch.semaphore import Semaphore
 
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
@@ -64,7 +65,212 @@ def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | N
     return bool(response.succeeded)
 
 
-class Hold:
+class _Lease(Protocol):
+    """A session as a Hold reads it (either face's)."""
+
+    @property
+    def alive_until(self) -> float: ...
+
+    def certainly_alive(self) -> bool: ...
+
+
+class GuardedHold:
+    """What the Holds of both faces share: who they are, ``check``, the deadline, the
+    guarded write's answer, the ``released`` line, and the execution of their
+    GuardMachine's actions. A face gives it its scheduler (the client's timer thread, or
+    the loop) and does the guard's etcd calls (``_call``), feeding what came of each to
+    ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
+
+    lost: Flag | asyncio.Event
+    session: _Lease
+    _finalizer: weakref.finalize[Any, Any]
+    _forget_session: Callable[[], None]
+
+    def __init__(
+        self,
+        name: str,
+        max_holders: int,
+        session: _Lease,
+        key: bytes,
+        revision: int,
+        lease_id: int,
+        value: bytes,
+        guard: GuardMachine,
+        watches: list[Cancellable],
+        scheduler: Scheduler,
+    ) -> None:
+        self.name = name
+        self.max = max_holders
+        self.key = key
+        self.revision = revision
+        self.session = session
+        self.lease_id = lease_id
+        self._since = time.monotonic()  # for the released line's hold time
+        self._value = value  # what our key says, written again by the touch
+        self._guard = guard
+        # The guard's watches (the waiting watch it retires, then its own): a list the
+        # finalizer can cancel without reaching the Hold.
+        self._watches = watches
+        self._scheduler = scheduler
+        self._releasing = False  # set before the revoke: the deletion it causes is no loss
+        self._revoked_after_loss = False
+
+    def _loss(self) -> object:
+        raise NotImplementedError
+
+    def _set_lost(self, loss: Loss) -> None:
+        raise NotImplementedError
+
+    def _call(self, action: GuardCall) -> None:
+        """Make the etcd call ``action`` asks for; feed what came of it to ``_answered``."""
+        raise NotImplementedError
+
+    def _check(self) -> None:
+        if self.lost.is_set():
+            raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self._loss()}")
+        if self._releasing:
+            raise HoldLost(f"hold of {self.name}[{self.max}] released")
+        if not self.session.certainly_alive():
+            raise HoldLost(
+                f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
+            )
+
+    def expires_at(self) -> float:
+        """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
+        this hold's lease: the send time of the last keepalive etcd answered
+        (Lease.LeaseKeepAlive) plus the TTL it granted; etcd restarts its countdown when it
+        receives a keepalive, after we sent it. Later with every confirmed keepalive; 0.0, an
+        instant long past, once the hold is lost or released. Makes no etcd call.
+
+        What it promises assumes that etcd does not expire a lease early, that its clock
+        runs at ours' rate, and that this process runs: a pause of the whole process
+        (SIGSTOP, a GC pause, a VM paused) stops its timers with it, and a thread that
+        resumes after the expiry may finish a step it began before. So bound each step of
+        work by it with room to spare (``conch.supervisor.deadline_margin(ttl)``), check it
+        again right before acting as the holder (``check()``), and for state in etcd use the
+        guarded ``put``/``delete``. ``conch.supervise`` keeps a child to the same deadline
+        from a watchdog process, which a pause of this one does not stop."""
+        if self.lost.is_set() or self._releasing:
+            return 0.0
+        return self.session.alive_until
+
+    def _written(self, response: rpc_pb2.TxnResponse) -> int:
+        """A guarded write's answer: its revision, or HoldLost when the compare failed."""
+        if not response.succeeded:
+            self._execute(self._guard.write_refused())
+            raise HoldLost(
+                f"hold of {self.name}[{self.max}] lost: our key (create_revision "
+                f"{self.revision}) is gone; the guarded write was not made"
+            )
+        return int(response.header.revision)
+
+    def _loss_at_exit(self) -> HoldLost | None:
+        """What leaving the block raises, judged before its release: the loss ``check()``
+        sees, unless the block released the hold itself before any loss."""
+        was_released = self._releasing
+        try:
+            self._check()
+        except HoldLost as lost:
+            return None if was_released and not self._revoked_after_loss else lost
+        return None
+
+    def _withdraw_timeout(self) -> float | None:
+        """Set the release going (no finalizer left); its timeout: WITHDRAW_TIMEOUT after a
+        loss, else the client's."""
+        self._finalizer.detach()
+        self._revoked_after_loss = self.lost.is_set()
+        return WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+
+    def _given_back(self) -> None:
+        # The watches go only after the revoke: it is what the next holder waits for.
+        _cancel_all(self._watches)
+        self._forget_session()
+
+    def _log_released(self, revoked: bool) -> None:
+        extra = {"after": "loss"} if self._revoked_after_loss else {}
+        log.info(
+            "released",
+            name=self.name,
+            rev=self.revision,
+            **extra,
+            held=f"{time.monotonic() - self._since:.3f}s",
+            revoked=revoked,
+        )
+
+    # -- the guard: its actions executed, what came of them fed back ----------------------
+
+    def _done(self) -> bool:
+        """Nothing left to guard: released (or releasing), or lost."""
+        return self._releasing or self._guard.done
+
+    def _session_lost(self, said: object) -> None:
+        """The session's loss (a Loss; the threaded face's session Flag carries it)."""
+        reason = said.reason if isinstance(said, Flag) else said
+        if not isinstance(reason, Loss):
+            reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
+        self._execute(self._guard.session_lost(reason))
+
+    def _session_expired(self, loss: Loss) -> None:
+        self._execute(self._guard.session_expired(loss))
+
+    def _execute(self, actions: list[GuardAction]) -> None:
+        for action in actions:
+            if isinstance(action, GuardAfter):
+                self._later(action.seconds, action.step)
+            elif isinstance(action, GuardLost):
+                self._set_lost(action.loss)
+            elif isinstance(action, Note):
+                emit = log.warning if action.warning else log.info
+                emit(action.event, name=self.name, **action.fields)
+            else:
+                if isinstance(action, GuardWatch):
+                    _cancel_all(self._watches)
+                self._call(action)
+
+    def _later(self, delay: float, step: GuardStep) -> None:
+        """Feed ``step`` to the guard ``delay`` seconds from now, unless the Hold is gone or
+        done by then."""
+        ref = weakref.ref(self)
+
+        def run() -> None:
+            hold = ref()
+            if hold is not None and not hold._done():
+                hold._execute(hold._guard.step(step))
+
+        self._scheduler.call_later(delay, run)
+
+    def _on_notice(self, notice: WatchNotice) -> None:
+        """From the watch on our key: our key deleted, or the watch ended."""
+        self._execute(self._guard.notice(ended=notice.error is not None))
+
+    def _answered(self, action: GuardCall, answer: Any) -> None:
+        """What came of the etcd call ``action``: its response (for a GuardWatch, the watch
+        opened), or the EtcdError it raised."""
+        guard, failed = self._guard, isinstance(answer, EtcdError)
+        if isinstance(action, GuardTouch):
+            if failed:
+                actions = guard.touch_failed(action.step, str(answer))
+            else:
+                revision, succeeded = int(answer.header.revision), bool(answer.succeeded)
+                actions = guard.touched(action.step, revision, succeeded)
+        elif isinstance(action, GuardLook):
+            if failed:
+                actions = guard.look_failed()
+            else:
+                found = answer.kvs[0] if answer.kvs else None
+                seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
+                actions = guard.looked(seen, int(answer.header.revision))
+        elif failed:
+            actions = guard.watch_failed()
+        else:
+            self._watches.append(answer)
+            if self._done():  # released or lost while it opened
+                _cancel_all(self._watches)
+            return
+        self._execute(actions)
+
+
+class Hold(GuardedHold):
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
@@ -72,6 +278,9 @@ class Hold:
     own it revokes the lease (key and lease go in one revision), on a shared session it
     deletes our key only (KV.Txn comparing its create_revision). A Hold dropped without
     release is released when collected, with a ResourceWarning."""
+
+    lost: Flag
+    session: Session
 
     def __init__(
         self,
@@ -85,32 +294,30 @@ class Hold:
         held_at: int = 0,
         shared: bool = False,
     ) -> None:
-        self.name = sema.name
-        self.max = sema.max
-        self.key = key
-        self.revision = revision
-        self.session = session
-        self.lease_id = session.lease_id
-        self._since = time.monotonic()  # for the released line's hold time
-        self.lost = Flag("hold-lost")
-        self._client = sema.client
-        self._shared = shared
-        self._released = Flag("released")
-        self._releasing = False  # set before the revoke: the deletion it causes is no loss
-        self._release_lock = threading.Lock()
-        self._revoked = False  # whether the release's revoke (or delete) was confirmed
-        self._revoked_after_loss = False
-        self._logged = False
         if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
-        self._guard = GuardMachine(touch, revision, held_at, Backoff())
-        # What our key says, written again by the touch.
-        self._touch_value = value if touch != TouchOwed.NONE else None
-        # The guard's watches (the waiting watch it retires, then its own): a list the
-        # finalizer can cancel without reaching the Hold.
-        self._watches: list[Watch] = list(retire)
-        self._timer = timer_for(self._client)
+        self._client = sema.client
+        guard = GuardMachine(touch, revision, held_at, Backoff())
+        watches: list[Cancellable] = list(retire)
+        super().__init__(
+            sema.name,
+            sema.max,
+            session,
+            key,
+            revision,
+            session.lease_id,
+            value,
+            guard,
+            watches,
+            timer_for(self._client),
+        )
+        self.lost = Flag("hold-lost")
+        self._shared = shared
+        self._released = Flag("released")
+        self._release_lock = threading.Lock()
+        self._revoked = False  # whether the release's revoke (or delete) was confirmed
+        self._logged = False
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
         self._warn_on_loss = True
@@ -124,56 +331,38 @@ class Hold:
         self._forget_session = undo_all(forget_lost, forget_expired)
         # A lost hold has nothing left to watch, released or not (the watch would otherwise
         # stay on the client's stream for as long as the Hold is kept).
-        watches = self._watches
         self.lost.add_callback(lambda _: _cancel_all(watches))
         self._finalizer = weakref.finalize(
-            self, _dropped, session, self._client, key, revision, shared, self._watches
+            self, _dropped, session, self._client, key, revision, shared, watches
         )
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
         self._execute(self._guard.made())
-
-    def _session_lost(self, session_lost: Flag) -> None:
-        self._execute(self._guard.session_lost(session_loss(session_lost.reason)))
-
-    def _session_expired(self, loss: Loss) -> None:
-        self._execute(self._guard.session_expired(loss))
 
     @property
     def _guard_started(self) -> bool:
         return self._guard.started
 
-    def _done(self) -> bool:
-        """Nothing left to guard: released (or releasing), or lost."""
-        return self._releasing or self._guard.done
+    def _loss(self) -> object:
+        return self.lost.reason
 
-    def _execute(self, actions: list[GuardAction]) -> None:
-        """Run the guard's ``actions``: timers on the client's timer thread (reaching the
-        Hold weakly), calls to etcd as blocking calls there."""
-        for action in actions:
-            if isinstance(action, GuardAfter):
-                self._later(action.seconds, action.step)
-            elif isinstance(action, GuardTouch):
-                self._touch(action.step)
-            elif isinstance(action, GuardWatch):
-                self._open_watch(action.start)
+    def _set_lost(self, loss: Loss) -> None:
+        self.lost.set(loss)
+
+    def _call(self, action: GuardCall) -> None:
+        """On the timer thread (or the watch's reader), as a blocking call."""
+        client, key = self._client, self.key
+        answer: object
+        try:
+            if isinstance(action, GuardTouch):
+                answer = touch(client, key, self.revision, self._value, self.lease_id)
             elif isinstance(action, GuardLook):
-                self._look_at_key()
-            elif isinstance(action, GuardLost):
-                self.lost.set(action.loss)
+                answer = kv.range_(client, rpc_pb2.RangeRequest(key=key))
             else:
-                log_guard_note(self.name, action)
-
-    def _later(self, delay: float, step: GuardStep) -> None:
-        """Feed ``step`` to the guard ``delay`` seconds from now on the timer thread, unless
-        the Hold is gone or done by then."""
-        ref = weakref.ref(self)
-
-        def run() -> None:
-            hold = ref()
-            if hold is not None and not hold._done():
-                hold._execute(hold._guard.step(step))
-
-        self._timer.call_later(delay, run)
+                notice = weakly(self._on_notice)
+                answer = Watch(client, key, action.start, notice, only_deletes=True)
+        except EtcdError as exc:
+            answer = exc
+        self._answered(action, answer)
 
     def start_guard(self) -> None:
         """Start guarding the key (idempotent). ``Semaphore.acquire`` does it before
@@ -197,14 +386,7 @@ class Hold:
         keepalive thread has noticed anything) and our key not seen deleted. Makes no etcd
         call: call it right before acting as the holder; for state kept in etcd, the
         guarded ``put``/``delete`` check in etcd itself."""
-        if self.lost.is_set():
-            raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self.lost.reason}")
-        if self._releasing:
-            raise HoldLost(f"hold of {self.name}[{self.max}] released")
-        if not self.session.certainly_alive():
-            raise HoldLost(
-                f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
-            )
+        self._check()
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
@@ -232,65 +414,16 @@ class Hold:
         set then, unless released), Unavailable
         or another EtcdError when etcd does not answer (the write may then have happened:
         read it back)."""
-        return self._guarded(kv.op_put(_bytes(key), _bytes(value)), timeout)
+        return self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     def delete(self, key: bytes | str, timeout: float | None = None) -> int:
         """Delete ``key`` only while this hold is ours (KV.Txn as in ``put``). Returns the
         revision of the deletion (also when the key was absent). Raises as ``put``."""
-        return self._guarded(kv.op_delete(_bytes(key)), timeout)
+        return self._guarded(kv.op_delete(to_bytes(key)), timeout)
 
     def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
-        response = kv.txn(
-            self._client, [kv.create_revision_is(self.key, self.revision)], [op], [], timeout
-        )
-        if not response.succeeded:
-            self._execute(self._guard.write_refused())
-            raise HoldLost(
-                f"hold of {self.name}[{self.max}] lost: our key (create_revision "
-                f"{self.revision}) is gone; the guarded write was not made"
-            )
-        return int(response.header.revision)
-
-    # -- the guard's calls (timer thread, and the watch's deliver) ------------------------
-
-    def _open_watch(self, start: int) -> None:
-        _cancel_all(self._watches)
-        try:
-            watch = Watch(self._client, self.key, start, weakly(self._on_notice), only_deletes=True)
-        except EtcdError:
-            self._execute(self._guard.watch_failed())
-            return
-        self._watches.append(watch)
-        if self._done():  # released or lost while it opened
-            _cancel_all(self._watches)
-
-    def _on_notice(self, notice: WatchNotice) -> None:
-        """From the watch stream's reader: our key deleted, or the watch ended."""
-        self._execute(self._guard.notice(ended=notice.error is not None))
-
-    def _look_at_key(self) -> None:
-        try:
-            response = kv.range_(self._client, rpc_pb2.RangeRequest(key=self.key))
-        except EtcdError:
-            self._execute(self._guard.look_failed())
-            return
-        found = response.kvs[0] if response.kvs else None
-        seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
-        self._execute(self._guard.looked(seen, int(response.header.revision)))
-
-    def _touch(self, step: GuardStep) -> None:
-        """Re-put our key if it is still ours (KV.Txn, compare on create_revision): wakes the
-        waiter behind us, which watches our key."""
-        assert self._touch_value is not None
-        try:
-            response = touch(
-                self._client, self.key, self.revision, self._touch_value, self.lease_id
-            )
-        except EtcdError as exc:
-            self._execute(self._guard.touch_failed(step, str(exc)))
-            return
-        answer = self._guard.touched(step, int(response.header.revision), bool(response.succeeded))
-        self._execute(answer)
+        compare = [kv.create_revision_is(self.key, self.revision)]
+        return self._written(kv.txn(self._client, compare, [op], [], timeout))
 
     # -- release ---------------------------------------------------------------------------
 
@@ -312,15 +445,7 @@ class Hold:
         with self._release_lock:
             logged, self._logged = self._logged, True
         if not logged:
-            extra = {"after": "loss"} if self._revoked_after_loss else {}
-            log.info(
-                "released",
-                name=self.name,
-                rev=self.revision,
-                **extra,
-                held=f"{time.monotonic() - self._since:.3f}s",
-                revoked=self._revoked,
-            )
+            self._log_released(self._revoked)
 
     def _revoke(self, until: float | None = None) -> None:
         """The release without its log line (the supervisor's reaper sends it the moment the
@@ -332,10 +457,8 @@ class Hold:
         if releasing:
             self._released.wait()
             return
-        self._finalizer.detach()
-        self._revoked_after_loss = self.lost.is_set()
         try:
-            timeout = WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+            timeout = self._withdraw_timeout()
             if until is not None:
                 left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
                 timeout = left if timeout is None else min(timeout, left)
@@ -343,9 +466,7 @@ class Hold:
                 self.session, self._client, self.key, self.revision, self._shared, timeout
             )
         finally:
-            # The watches go only after the revoke: it is what the next holder waits for.
-            _cancel_all(self._watches)
-            self._forget_session()
+            self._given_back()
             self._released.set()
 
     def __enter__(self) -> Hold:
@@ -354,37 +475,10 @@ class Hold:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Release; then raise HoldLost if the hold was lost before the block ended (as
         ``check()`` judges it then), unless the block is already raising."""
-        try:
-            was_released = self._releasing
-            self.check()
-        except HoldLost as lost:
-            loss = None if was_released and not self._revoked_after_loss else lost
-        else:
-            loss = None
+        loss = self._loss_at_exit()
         self.release()
         if loss is not None and exc_type is None:
             raise loss
-
-    # -- the deadline ----------------------------------------------------------------------
-
-    def expires_at(self) -> float:
-        """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
-        this hold's lease: the send time of the last keepalive etcd answered
-        (Lease.LeaseKeepAlive) plus the TTL it granted; etcd restarts its countdown when it
-        receives a keepalive, after we sent it. Later with every confirmed keepalive; 0.0, an
-        instant long past, once the hold is lost or released. Makes no etcd call.
-
-        What it promises assumes that etcd does not expire a lease early, that its clock
-        runs at ours' rate, and that this process runs: a pause of the whole process
-        (SIGSTOP, a GC pause, a VM paused) stops its timers with it, and a thread that
-        resumes after the expiry may finish a step it began before. So bound each step of
-        work by it with room to spare (``conch.supervisor.deadline_margin(ttl)``), check it
-        again right before acting as the holder (``check()``), and for state in etcd use the
-        guarded ``put``/``delete``. ``conch.supervise`` keeps a child to the same deadline
-        from a watchdog process, which a pause of this one does not stop."""
-        if self.lost.is_set() or self._releasing:
-            return 0.0
-        return self.session.alive_until
 
     @property
     def deadline(self) -> float:
@@ -409,20 +503,6 @@ class Hold:
         return max(0.0, self.expires_at() - time.monotonic())
 
 
-def session_loss(said: object) -> Loss:
-    """The hold's loss for its session's loss ``said`` (a Loss): the same reason, the
-    message "session lost: ..."."""
-    if isinstance(said, Loss):
-        return said.within("session lost: ")
-    return Loss(LossReason.NO_KEEPALIVE, f"session lost: {said}")
-
-
-def log_guard_note(name: str, note: Note) -> None:
-    """Log a guard's Note (``touch-failed``...) for the semaphore ``name``."""
-    emit = log.warning if note.warning else log.info
-    emit(note.event, name=name, **note.fields)
-
-
 def undo_all(*undos: Callable[[], object]) -> Callable[[], None]:
     """One function that calls each of ``undos`` (subscriptions' removers)."""
 
@@ -433,7 +513,7 @@ def undo_all(*undos: Callable[[], object]) -> Callable[[], None]:
     return undo
 
 
-def _bytes(text: bytes | str) -> bytes:
+def to_bytes(text: bytes | str) -> bytes:
     return text.encode("utf-8") if isinstance(text, str) else text
 
 
@@ -476,7 +556,7 @@ def _dropped(
     key: bytes,
     revision: int,
     shared: bool,
-    watches: list[Watch],
+    watches: list[Cancellable],
 ) -> None:
     """A Hold was garbage-collected unreleased: warn, as Python does for an unclosed file,
     and release it from the client's timer thread (not the collecting thread)."""
@@ -495,7 +575,6 @@ def touch(
     revision: int,
     value: bytes,
     lease_id: int,
-    interrupt: Flag | None = None,
 ) -> rpc_pb2.TxnResponse:
     """Re-put ``key`` (``value``, bound to ``lease_id``) if its create_revision is still
     ``revision``: one KV.Txn whose ``succeeded`` is false when the key is gone. The change
@@ -505,11 +584,10 @@ def touch(
         [kv.create_revision_is(key, revision)],
         [kv.op_put(key, value, lease_id)],
         [],
-        interrupt=interrupt,
     )
 
 
-def _cancel_all(watches: list[Watch]) -> None:
+def _cancel_all(watches: list[Cancellable]) -> None:
     # One pop at a time (atomic): a watch appended by another thread meanwhile is
     # cancelled too, never cleared from the list uncancelled.
     while watches:

@@ -1,19 +1,9 @@
 """The listing of a semaphore's keys (``--who``): one Record per holder or waiter.
 
-How long a key has held or waited: etcd keeps no time, only revisions, and a lease's TTL is
-refreshed by every keepalive, so neither tells an age. The one clock in etcd is the ``started``
-field of a key's value (contract section 6): the writer's UTC clock when it wrote the key, to
-the second. The ages here are the reader's clock minus that, so they are as good as the two
-machines' clocks agree (floored at 0: a writer's clock ahead of ours reads as "just now"),
-and up to a second long (``started`` is cut to the second).
-
-A key's age is its waiting time while it waits. A holder that held from its key's creation
-has held for all of it. Which holders those are is etcd's own view: a read of the semaphore
-at the holder's create_revision (KV.Range with ``revision``) shows how many keys were ahead
-of it then; fewer than ``max``, and it held from the start. A holder that waited first got
-its slot at the deletion of a key ahead of it, a revision etcd keeps no time for: its hold
-time is unknown (shown ``held=?``), bounded by its age. So is any holder whose
-create_revision was compacted away, or past the first HISTORY_READS holders of a listing.
+Ages are the reader's clock against each key's ``started`` (contract section 6; etcd keeps
+no time), floored at 0. A holder held from its key's creation when fewer than ``max`` keys
+were ahead of it then (a KV.Range at its create_revision); a holder that waited first, one
+whose revision was compacted, or one past HISTORY_READS has an unknown hold time (``held=?``).
 """
 
 from __future__ import annotations
@@ -33,9 +23,7 @@ from conch.etcd import kv
 from conch.etcd.client import Client
 from conch.keys import MAX_CAPACITY
 
-# At most this many historical reads (one per holder) in one listing: a semaphore of a
-# million slots lists its holders without a million reads; past it, hold times are unknown.
-HISTORY_READS = 100
+HISTORY_READS = 100  # at most this many reads (one per holder) for hold times in one listing
 
 
 @dataclass(frozen=True)
@@ -130,19 +118,7 @@ def _times(
         return None, None, None
     if state == "WAIT":
         return queued, queued, None
-    if not held_from_creation:
-        return queued, None, None
-    return queued, 0, queued
-
-
-def _history_request(prefix: bytes, capacity: int, item: Any) -> rpc_pb2.RangeRequest:
-    """The read that tells whether fewer than ``capacity`` keys of the semaphore were ahead
-    of ``item`` when it was created: a KV.Range of the prefix at its create_revision (keys
-    only, at most ``capacity`` of them)."""
-    revision = int(item.create_revision)
-    return kv.prefix_request(
-        prefix, revision=revision, limit=capacity, keys_only=True, max_create_revision=revision - 1
-    )
+    return (queued, 0, queued) if held_from_creation else (queued, None, None)
 
 
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
@@ -170,8 +146,8 @@ def _as_text(value: object, missing: str) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-# A listing as a dialogue (requests out, responses in; Compacted thrown in), so that the
-# threaded who() and conch.aio's await the same decisions: None was compacted away.
+# A listing as a dialogue (requests out, responses in, None: compacted), so that the threaded
+# who() and conch.aio's await the same decisions.
 Listing: TypeAlias = Generator[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse | None, list[Record]]
 
 
@@ -212,14 +188,9 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
             capacity = None  # no conch writes it: a bad key
         groups.setdefault(capacity, []).append(item)
 
-    def order(capacity: int | None) -> tuple[int, int]:
-        if capacity == max_holders and capacity is not None:
-            return (0, 0)
-        return (1, capacity if capacity is not None else 1 << 62)
-
     records = []
     reads_left = HISTORY_READS
-    for capacity in sorted(groups, key=order):
+    for capacity in sorted(groups, key=lambda c: (c is None or c != max_holders, c or 1 << 62)):
         items = groups[capacity]
         held = min(len(items), capacity) if capacity is not None else 0
         for rank, item in enumerate(items):
@@ -233,8 +204,15 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
             from_creation = None
             if state == "HELD" and capacity is not None and reads_left > 0:
                 reads_left -= 1
-                semaphore = keys.sema_prefix(name, capacity)
-                history = yield _history_request(semaphore, capacity, item)
+                # Fewer than ``capacity`` keys ahead of it when it was created: it held at once.
+                revision = int(item.create_revision)
+                history = yield kv.prefix_request(
+                    keys.sema_prefix(name, capacity),
+                    revision=revision,
+                    limit=capacity,
+                    keys_only=True,
+                    max_create_revision=revision - 1,
+                )
                 from_creation = None if history is None else len(history.kvs) < capacity
             times = _times(state, started, from_creation, now)
             records.append(

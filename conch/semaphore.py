@@ -1,36 +1,11 @@
 """The counting semaphore recipe of 04_sema.md: enqueue, rank, wait, hold, release, who.
 
 Every holder or waiter owns one key under ``/conch/v1/sema/<name>/<max>/``, bound to its
-session's lease. Keys rank by create_revision; the first ``max`` hold a slot.
-
-How a waiter waits (no polling, no herd; docs/design.md, "Waiting", has the reasoning). The
-design page says "watch the key at rank r-N"; that alone misses a release when N > 1 and
-holders leave out of order (N=2, holders A B, waiter C watching A: B leaves, C stays asleep
-with a slot free). So the queue has a *window*: its first ``window_size(N)`` keys, the N
-holders and the ``window_size(N) - N`` waiters first in line (N + 1, at most 8).
-
-* a waiter in the window watches the deletions under the semaphore's prefix (one etcd
-  watcher, so in revision order) and knows, from one read, every key ahead of it: each
-  deletion of one of them moves it up with no read, and once fewer than N are left, with no
-  deletion of its own key before, it holds a slot at that revision. So the waiter that gets
-  a slot gets it from the release's own event, whatever the job's length and the max, and
-  nothing is read or written before its child starts;
-* a waiter behind the window watches its immediate predecessor for deletion or change;
-* a waiter in the window re-puts its own key under a compare on its create_revision (a
-  *touch*), once, as soon as the waiter just behind it belongs in the window (fewer than
-  ``window_size(N) - 1`` keys ahead of it): the change that tells that waiter to read the
-  queue and join the window. The waiter that moves up makes this write, not the new holder:
-  a release wakes the holder-to-be and the ``window_size(N) - N - 1`` others in the window,
-  and only the last one writes, while the new holder starts its child. A waiter that got its
-  slot without passing through that state (a read found it holding, or one event took
-  several keys ahead of it) leaves the touch to its Hold (hold.py).
-
-A release therefore wakes the waiters of the window and one behind it: constant work per
-release, whatever the length of the queue.
-
-The decisions are ``conch.core.waiter.Waiter``'s, a pure state machine; this module is its
-threaded driver (``_Wait``): it executes the machine's actions with the etcd layer on the
-calling thread and feeds back the answers, the watch notices, the deadline and the losses.
+session's lease; keys rank by create_revision, the first ``max`` hold a slot. How a waiter
+waits (the window, the touch; constant work per release): docs/design.md, "Waiting". The
+decisions are ``conch.core.waiter.Waiter``'s; this module is its threaded driver
+(``_Wait``) and what both faces' drivers share (``Driver``: the etcd calls of each action,
+the withdraw, the log lines, what an outcome means to the caller).
 """
 
 from __future__ import annotations
@@ -38,21 +13,16 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
 from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
-from conch.errors import (
-    EtcdError,
-    Interrupted,
-    NoSlot,
-    SessionLost,
-    UsageError,
-)
+from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
@@ -65,9 +35,48 @@ __all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_siz
 
 REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost session
 
+T = TypeVar("T")
+Steps = Generator[Any, Any, T]  # an exchange: the steps a face executes, then its answer
+PLAN = object()  # a step: the read plan for the endpoint called now (``codec.read_plan``)
+
+
+class Bounded(NamedTuple):
+    """A step: ``call`` sent within ``timeout`` seconds, whatever interrupts the wait."""
+
+    call: codec.Call
+    timeout: float
+
+
+class Recipe:
+    """What both faces' Semaphores share: their keys and the acquire's bookkeeping."""
+
+    client: object
+    name: str
+    max: int
+    spread: bool
+    identity: Identity
+    prefix: bytes
+
+    def _key(self, lease_id: int) -> bytes:
+        if self.spread:
+            return keys.spread_key(self.name, self.max, self.identity.host)
+        return keys.holder_key(self.name, self.max, lease_id)
+
+    def _claim(self, session: Any, timeout: float | None) -> bytes | None:
+        """The checks before any etcd call, and our key claimed on a shared ``session``."""
+        if timeout is not None:
+            check_timeout("timeout", timeout, zero=True)
+        if session is None:
+            return None
+        if session.client is not self.client:
+            raise UsageError("session: belongs to another client than the semaphore")
+        key = self._key(session.lease_id)
+        session._claim(key)
+        return key
+
 
 @dataclass(frozen=True)
-class Semaphore:
+class Semaphore(Recipe):
     """The semaphore (``name``, ``max``) on ``client``.
 
     ``ttl`` is the session lease TTL in whole seconds; ``spread`` keys slots by host (one
@@ -124,7 +133,7 @@ class Semaphore:
         ``hold.start_guard()`` at once (the supervisor does, just after the child's spawn).
         Until then a loss of the session is noticed, a deletion of our key only later.
         """
-        hold = self._acquire(timeout, interrupt, session=session)
+        hold = self._acquire(timeout, interrupt, session)
         if guard:
             hold.start_guard()
         return hold
@@ -132,22 +141,12 @@ class Semaphore:
     def _acquire(
         self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
     ) -> Hold:
-        """``acquire`` without starting the Hold's guard (the caller must, at once)."""
-        if timeout is not None:
-            check_timeout("timeout", timeout, zero=True)
-        started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
-        interrupt = interrupt or Flag("interrupt")
-        if session is None:
-            return _Wait(self, interrupt, deadline, started).run()
-        if session.client is not self.client:
-            raise UsageError("session: belongs to another client than the semaphore")
-        key = self._key(session)
-        session._claim(key)
+        key = self._claim(session, timeout)
         try:
-            return _Wait(self, interrupt, deadline, started, session).run()
+            return _Wait(self, timeout, interrupt or Flag("interrupt"), session).run()
         except BaseException:
-            session._unclaim(key)
+            if session is not None and key is not None:
+                session._unclaim(key)
             raise
 
     def pause_before_reentry(
@@ -163,88 +162,252 @@ class Semaphore:
         left = remaining(deadline)
         interrupt.wait(pause if left is None else min(pause, left))
 
-    def _key(self, session: Session) -> bytes:
-        if self.spread:
-            return keys.spread_key(self.name, self.max, self.identity.host)
-        return keys.holder_key(self.name, self.max, session.lease_id)
-
-    def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, kv.TxnResponse]:
-        """Step 1 (``codec.enqueue_call``): put our key bound to the lease, create-if-absent,
-        and read the first ``max`` keys in the same KV.Txn (else read the key found in our
-        place). Returns the value we sent and the response."""
-        value = self.identity.entering().to_json()
-        call = codec.enqueue_call(
-            messages.SendEnqueue(0, key, lease_id), self.prefix, self.max, value
-        )
-        response: kv.TxnResponse = send(self.client, call, interrupt)
-        return value, response
+    def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, Any]:
+        return drive(self.client, enqueue(self, messages.SendEnqueue(0, key, lease_id)), interrupt)
 
     def _standing(self, key: bytes, revision: int, interrupt: Flag) -> codec.Together:
-        """Steps 2-3 (``codec.standing_reads``): the window, and our key with the one just
-        ahead, seen at one revision, read by the plan for the endpoint's etcd release."""
+        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
         reads = codec.standing_reads(messages.ReadStanding(0, key, revision), self.prefix, self.max)
-        return read_together(self.client, reads, read_plan(self.client, interrupt), interrupt)
+        return drive(self.client, together(reads), interrupt)
 
 
-class _Wait:
-    """The threaded driver of one ``waiter.Waiter``: it executes the machine's actions on
-    the calling thread (unary calls with the client's deadlines, ``interrupt`` ending their
-    retries), and sleeps on one mailbox for what comes from elsewhere (watch notices from
-    the client's stream reader, the session's loss, the interrupt) and for the deadline
-    and the pauses the machine asks for."""
+# -- what both faces' drivers share --------------------------------------------------------
+
+
+def enqueue(sema: Recipe, action: messages.SendEnqueue) -> Steps[tuple[bytes, Any]]:
+    """Step 1 (``codec.enqueue_call``): the value our key says, and the Txn's response."""
+    value = sema.identity.entering().to_json()
+    return value, (yield codec.enqueue_call(action, sema.prefix, sema.max, value))
+
+
+def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
+    """Ranges seen at one revision, read as ``codec.ReadTogether`` decides."""
+    read = codec.ReadTogether(reads, (yield PLAN))
+    while (call := read.next_call()) is not None:
+        try:
+            read.answer((yield call))
+        except EtcdError as exc:
+            read.refused(exc)
+    return read.result
+
+
+def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
+    """Our key deleted from a shared session, best effort: else it stays till the session ends."""
+    try:
+        yield Bounded(codec.withdraw_call(action), WITHDRAW_TIMEOUT)
+    except EtcdError as exc:
+        log.warning("withdraw-failed", name=sema.name, error=str(exc))
+
+
+def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
+    """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
+    create_revision filter)."""
+    fields = dict(note.fields)
+    if note.event == "queued":
+        fields = {"max": sema.max, **fields}
+        if "ahead" not in note.fields:
+            request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
+            try:
+                ahead = len((yield codec.Call("kv", "Range", request)).kvs)
+                fields.update(position=ahead + 1, ahead=ahead)
+            except (EtcdError, Interrupted):
+                pass
+    if note.event == "spread-busy":
+        fields = {"host": sema.identity.host, **fields}
+    emit = log.warning if note.warning else log.info
+    emit(note.event, name=sema.name, **fields)
+
+
+class Exchange(Generic[T]):
+    """Steps under way: execute ``step``, then ``reply`` or ``fail``, until ``done``."""
+
+    answer: T
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self.steps = steps
+        self.done = False
+        self.reply(None)
+
+    def reply(self, value: Any) -> None:
+        self._resume(self.steps.send, value)
+
+    def fail(self, error: BaseException) -> None:
+        self._resume(self.steps.throw, error)
+
+    def _resume(self, resume: Callable[[Any], Any], value: Any) -> None:
+        try:
+            self.step = resume(value)
+        except StopIteration as stop:
+            self.done, self.answer = True, stop.value
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+W = TypeVar("W", bound=_Cancellable)
+
+
+class Next(NamedTuple):
+    """A step: the next input from elsewhere (None if none came within ``timeout`` s)."""
+
+    timeout: float | None
+
+
+class Driver(Generic[W]):
+    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (on a shared
+    session's ``lease_id``, else on private sessions), its watches, deadline and pauses,
+    the ``steps`` that drive it and what its outcome means (``held``)."""
+
+    def __init__(self, sema: Recipe, lease_id: int | None, timeout: float | None) -> None:
+        self.sema = sema
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout  # None once fed
+        self.watches: dict[int, W] = {}
+        self.pauses: dict[int, float] = {}  # pause id: when it is over (monotonic)
+        key = None if lease_id is None else sema._key(lease_id)
+        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
+        self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
+
+    def arrived(self) -> messages.Input | None:
+        raise NotImplementedError  # pragma: no cover
+
+    def steps(self) -> Steps[messages.Outcome]:
+        """The machine driven to its outcome: each action's steps, and ``Next`` when there is
+        nothing to do but wait (a pause over first: a stream of notices must not starve it)."""
+        machine = self.machine
+        todo = deque(machine.start())
+        while machine.outcome is None or todo:
+            answer = self.arrived() or self._late()
+            if answer is None and todo:
+                answer = yield from self.exchange(todo.popleft())
+            elif answer is None and machine.outcome is None:
+                answer = self._pause_over() or (yield Next(self._wake()))
+            if answer is not None:
+                todo.extend(machine.feed(answer))
+        return machine.outcome
+
+    def _late(self) -> messages.DeadlineReached | None:
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return None
+        self.deadline = None
+        return messages.DeadlineReached()
+
+    def _wake(self) -> float | None:
+        wake = [*self.pauses.values(), *([] if self.deadline is None else [self.deadline])]
+        return max(0.0, min(wake) - time.monotonic()) if wake else None
+
+    def _pause_over(self) -> messages.PauseOver | None:
+        now = time.monotonic()
+        due = min(((end, p) for p, end in self.pauses.items() if end <= now), default=None)
+        if due is None:
+            return None
+        del self.pauses[due[1]]
+        return messages.PauseOver(due[1])
+
+    def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
+        """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
+        its answer: ``Failed`` for an EtcdError, none after Interrupted (it is fed next)."""
+        if isinstance(action, messages.CancelWatch):
+            self.cancel(action.id)
+        elif isinstance(action, messages.Pause):
+            left = remaining(self.deadline)
+            seconds = action.seconds if left is None else min(action.seconds, left)
+            self.pauses[action.id] = time.monotonic() + seconds
+        if isinstance(action, messages.Note):
+            yield from noting(self.sema, action)
+        if isinstance(action, messages.CancelWatch | messages.Pause | messages.Note):
+            return None
+        try:
+            if isinstance(action, messages.ReadKeys):
+                return codec.keys_answer(action, (yield from together(codec.keys_reads(action))))
+            if isinstance(action, messages.Touch):
+                call = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
+                return codec.touch_answer(action, (yield call))
+            if isinstance(action, messages.Withdraw) and not action.revoke:
+                yield from withdrawing(self.sema, action)
+                return messages.Withdrawn(action.id)
+            answer: messages.Input | None = yield action
+            return answer
+        except Interrupted:
+            return None
+        except EtcdError as exc:
+            return codec.failed(action.id, exc)
+
+    def cancel(self, watch_id: int) -> None:
+        watch = self.watches.pop(watch_id, None)
+        if watch is not None:
+            watch.cancel()
+
+    def held(self, outcome: messages.Outcome | None) -> tuple[messages.Held, list[W]]:
+        """The slot held and the watches its Hold retires; else raises why the wait gave up."""
+        sema = self.sema
+        if isinstance(outcome, messages.GaveUp):
+            if outcome.reason == messages.Reason.NO_SLOT:
+                raise NoSlot.in_time(sema.name, sema.max, outcome.detail)
+            if outcome.reason == messages.Reason.INTERRUPTED:
+                raise Interrupted(outcome.cause)
+            if outcome.reason == messages.Reason.SESSION_LOST:
+                raise SessionLost(outcome.detail)
+            failed = outcome.cause
+            if isinstance(failed, messages.Failed) and isinstance(failed.cause, BaseException):
+                raise failed.cause  # etcd unreachable at the first session (69), or refused
+            raise EtcdError(outcome.detail)
+        assert outcome is not None
+        log.info(
+            "acquired",
+            name=sema.name,
+            max=sema.max,
+            rev=outcome.revision,
+            lease=f"{outcome.lease_id:x}",
+            waited=f"{time.monotonic() - self.started:.3f}s",
+        )
+        return outcome, [self.watches.pop(w) for w in outcome.retire if w in self.watches]
+
+
+# -- the threaded driver ------------------------------------------------------------------
+
+
+class _Wait(Driver[Watch]):
+    """The threaded driver: the steps on the calling thread (``interrupt`` ends a call's
+    retries), one mailbox for watch notices, the session's loss and the interrupt."""
+
+    sema: Semaphore
 
     def __init__(
-        self,
-        sema: Semaphore,
-        interrupt: Flag,
-        deadline: float | None,
-        started: float,
-        shared: Session | None = None,
+        self, sema: Semaphore, timeout: float | None, interrupt: Flag, shared: Session | None
     ) -> None:
-        self.sema = sema
+        super().__init__(sema, None if shared is None else shared.lease_id, timeout)
         self.client = sema.client
         self.interrupt = interrupt
-        self.deadline = deadline
-        self.started = started
         self.session = shared  # the session our key is on (a private one once opened)
         self.shared = shared is not None
         self.box: Mailbox = queue.SimpleQueue()
-        self.watches: dict[int, Watch] = {}
-        self.ids: dict[Watch, int] = {}
-        self.pauses: dict[int, float] = {}  # pause id: when it is over (monotonic)
-        self.told: set[object] = set()  # flags and the deadline already fed
-        backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
-        on = (shared.lease_id, sema._key(shared)) if shared is not None else (None, None)
-        self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key=on[1], lease_id=on[0])
+        self.told: set[object] = set()  # flags already fed
 
     def run(self) -> Hold:
-        """Drive the machine to its outcome: the Hold, or the exception it gives up with
-        (NoSlot, Interrupted, SessionLost, Unavailable, another EtcdError)."""
         self.interrupt.subscribe(self.box)
         if self.session is not None:
             self.session.lost.subscribe(self.box)
-        machine = self.machine
         try:
-            todo: deque[messages.Action] = deque(machine.start())
-            while machine.outcome is None:
-                polled = self._poll()
-                if polled is not None:
-                    todo.extend(machine.feed(polled))
-                    continue
-                answer = self._execute(todo.popleft()) if todo else self._next_input()
-                if answer is not None:
-                    todo.extend(machine.feed(answer))
-            for action in todo:  # cancels of watches the hold does not retire
-                self._execute(action)
-            return self._outcome(machine.outcome)
+            held, retire = self.held(drive(self.client, self.steps(), self.interrupt, self._act))
+            session, self.session = self.session, None  # the hold's now
+            assert session is not None and session.lease_id == held.lease_id
+            return Hold(
+                self.sema,
+                session,
+                held.key,
+                held.revision,
+                held.value,
+                touch=held.touch,
+                retire=retire,
+                held_at=held.held_at,
+                shared=self.shared,
+            )
         finally:
             self._clean_up()
 
-    # -- inputs --------------------------------------------------------------------------
-
-    def _poll(self) -> messages.Input | None:
-        """What must be fed at once, before the next action: an interrupt, our session's
-        loss, the deadline (once each)."""
+    def arrived(self) -> messages.Input | None:
         if self.interrupt.is_set() and self.interrupt not in self.told:
             self.told.add(self.interrupt)
             return messages.Interrupt(self.interrupt.reason)
@@ -252,201 +415,103 @@ class _Wait:
         if session is not None and session.lost.is_set() and session.lost not in self.told:
             self.told.add(session.lost)
             return messages.SessionLost(str(session.lost.reason))
-        if "deadline" not in self.told and self._late():
-            self.told.add("deadline")
-            return messages.DeadlineReached()
         return None
 
-    def _late(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
-
-    def _next_input(self) -> messages.Input | None:
-        """Sleep until a notice, a flag, the deadline or a pause's end."""
-        over = self._pause_over()
-        if over is not None:  # first: notices coming all the time must not starve a pause
-            return over
-        wake = [] if self.deadline is None or "deadline" in self.told else [self.deadline]
-        wake += self.pauses.values()
-        timeout = None if not wake else max(0.0, min(wake) - time.monotonic())
+    def _next_input(self, timeout: float | None) -> messages.Input | None:
         try:
-            item = self.box.get(timeout=None if timeout is None else min(timeout, 3600.0))
+            item = self.box.get(timeout=3600.0 if timeout is None else min(timeout, 3600.0))
         except queue.Empty:
-            return self._pause_over()  # or the deadline: _poll feeds it
-        if isinstance(item, WatchNotice):
-            return self._notice(item)
-        return None  # a flag: _poll feeds it
-
-    def _pause_over(self) -> messages.PauseOver | None:
-        """The first pause whose time has come, if any."""
-        now = time.monotonic()
-        due = [(end, pause) for pause, end in self.pauses.items() if end <= now]
-        if not due:
             return None
-        _, pause = min(due)
-        del self.pauses[pause]
-        return messages.PauseOver(pause)
+        if isinstance(item, WatchNotice):  # a cancelled watch's is dropped
+            ids = [i for i, watch in self.watches.items() if watch is item.watch]
+            return codec.watch_input(ids[0], item) if ids else None
+        return None  # a flag: arrived() says it
 
-    def _notice(self, notice: WatchNotice) -> messages.Input | None:
-        watch_id = self.ids.get(notice.watch)
-        if watch_id is None:
-            return None  # a cancelled watch
-        return codec.watch_input(watch_id, notice)
-
-    # -- actions -------------------------------------------------------------------------
-
-    def _execute(self, action: messages.Action) -> messages.Input | None:
-        """Do ``action``; return its answer when it has one now."""
-        if isinstance(action, messages.CancelWatch):
-            watch = self.watches.pop(action.id, None)
-            if watch is not None:
-                del self.ids[watch]
-                watch.cancel()
-            return None
-        if isinstance(action, messages.Pause):
-            left = remaining(self.deadline)
-            seconds = action.seconds if left is None else min(action.seconds, left)
-            self.pauses[action.id] = time.monotonic() + seconds
-            return None
-        if isinstance(action, messages.Note):
-            self._log(action)
-            return None
-        if isinstance(action, messages.Withdraw):
-            self._withdraw(action)
-            return messages.Withdrawn(action.id)
-        try:
-            return self._call(action)
-        except Interrupted:
-            return None  # _poll feeds the interrupt next
-        except EtcdError as exc:
-            return codec.failed(action.id, exc)
-
-    def _call(self, action: messages.Action) -> messages.Input | None:
-        """The actions that call etcd. Raises EtcdError, Interrupted."""
+    def _act(self, action: Any) -> messages.Input | None:
         sema, interrupt = self.sema, self.interrupt
-        if isinstance(action, messages.OpenSession):
-            session = Session(self.client, sema.ttl, interrupt)
-            self.session = session
-            session.lost.subscribe(self.box)
-            return messages.SessionOpened(action.id, session.lease_id, sema._key(session))
+        if isinstance(action, Next):
+            return self._next_input(action.timeout)
         if isinstance(action, messages.SendEnqueue):
             value, response = sema._enqueue(action.key, action.lease_id, interrupt)
             return codec.enqueue_answer(action, response, value)
         if isinstance(action, messages.ReadStanding):
-            return codec.standing_answer(
-                action, sema._standing(action.key, action.revision, interrupt)
-            )
-        if isinstance(action, messages.ReadKeys):
-            plan = read_plan(self.client, interrupt)
-            read = read_together(self.client, codec.keys_reads(action), plan, interrupt)
-            return codec.keys_answer(action, read)
-        if isinstance(action, messages.OpenWatch):
-            self._open_watch(action)
-            return None
-        if isinstance(action, messages.Touch):
-            call = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
-            return codec.touch_answer(action, send(self.client, call, interrupt))
+            read = sema._standing(action.key, action.revision, interrupt)
+            return codec.standing_answer(action, read)
+        if isinstance(action, messages.OpenSession):
+            session = self.session = Session(self.client, sema.ttl, interrupt)
+            session.lost.subscribe(self.box)
+            return messages.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, messages.CheckLease):
             assert self.session is not None
-            if not self.session.certainly_alive():
-                return messages.LeaseAnswer(action.id, 0)
-            ttl = lease.time_to_live(self.client, action.lease_id, WITHDRAW_TIMEOUT)
+            alive = self.session.certainly_alive()
+            ttl = lease.time_to_live(self.client, action.lease_id, WITHDRAW_TIMEOUT) if alive else 0
             return messages.LeaseAnswer(action.id, ttl)
-        raise AssertionError(f"unknown action {action!r}")  # pragma: no cover
-
-    def _open_watch(self, action: messages.OpenWatch) -> None:
-        # From "now", not from the standing's revision + 1: etcd serves a watch that starts
-        # in the past from a catch-up loop that runs every 100 ms, which would add up to
-        # 100 ms to a handoff. The machine closes the gap once etcd confirms the watch.
-        key, end, only_deletes = codec.watch_range(action)
-        watch = Watch(
-            self.client,
-            key,
-            0,
-            self.box.put,
-            range_end=end,
-            only_deletes=only_deletes,
-            confirm=True,
+        if isinstance(action, messages.Withdraw):  # a private session's: revoked
+            private, self.session = self.session, None
+            if private is not None and private.lease_id == action.lease_id:
+                private.lost.unsubscribe(self.box)
+                private.close(timeout=WITHDRAW_TIMEOUT)
+            return messages.Withdrawn(action.id)
+        assert isinstance(action, messages.OpenWatch)
+        # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
+        # slow a handoff. The machine closes the gap once etcd confirms the watch.
+        key, end, deletes = codec.watch_range(action)
+        self.watches[action.id] = Watch(
+            self.client, key, 0, self.box.put, range_end=end, only_deletes=deletes, confirm=True
         )
-        self.watches[action.id] = watch
-        self.ids[watch] = action.id
-
-    def _withdraw(self, action: messages.Withdraw) -> None:
-        if action.revoke:
-            session, self.session = self.session, None
-            if session is not None and session.lease_id == action.lease_id:
-                session.lost.unsubscribe(self.box)
-                session.close(timeout=WITHDRAW_TIMEOUT)
-            return
-        _withdraw(self.client, action)
-
-    def _log(self, note: messages.Note) -> None:
-        sema = self.sema
-        ahead = None
-        revision = revision_to_count(note)
-        if revision is not None:
-            try:
-                request = codec.count_ahead_request(sema.prefix, revision)
-                ahead = len(kv.range_(self.client, request, interrupt=self.interrupt).kvs)
-            except (EtcdError, Interrupted):
-                ahead = None
-        log_note(sema.name, sema.max, sema.identity.host, note, ahead)
-
-    # -- the outcome ---------------------------------------------------------------------
-
-    def _outcome(self, outcome: messages.Outcome) -> Hold:
-        sema = self.sema
-        if isinstance(outcome, messages.GaveUp):
-            raise _gave_up(sema, outcome, self.interrupt)
-        session = self.session
-        assert session is not None and session.lease_id == outcome.lease_id
-        log_acquired(sema.name, sema.max, outcome, self.started)
-        retire = [self.watches.pop(w) for w in outcome.retire if w in self.watches]
-        for watch in retire:
-            del self.ids[watch]
-        hold = Hold(
-            sema,
-            session,
-            outcome.key,
-            outcome.revision,
-            outcome.value,
-            touch=outcome.touch,
-            retire=retire,
-            held_at=outcome.held_at,
-            shared=self.shared,
-        )
-        self.session = None  # the hold's now
-        return hold
+        return None
 
     def _clean_up(self) -> None:
-        """Whatever ended the run: no watch of ours left open, no subscription left; and
-        if it ended without an outcome (an exception of ours, KeyboardInterrupt), no key or
-        private lease left behind."""
-        for watch in self.watches.values():
-            watch.cancel()
-        self.watches.clear()
-        self.ids.clear()
+        """No watch or subscription left; without an outcome (a bug, KeyboardInterrupt), no
+        key or private lease either."""
+        for watch_id in list(self.watches):
+            self.cancel(watch_id)
         self.interrupt.unsubscribe(self.box)
-        session = self.session
+        session, machine = self.session, self.machine
         if session is None:
             return
         session.lost.unsubscribe(self.box)
-        if self.machine.outcome is not None:
+        if machine.outcome is not None:
             return  # withdrawn by the machine (or held: the hold took the session)
         if self.shared:
-            machine = self.machine
-            _withdraw(
-                self.client,
-                messages.Withdraw(0, machine.key, machine.revision, session.lease_id, False),
-            )
+            withdraw = messages.Withdraw(0, machine.key, machine.revision, session.lease_id, False)
+            drive(self.client, withdrawing(self.sema, withdraw))
         else:
             session.close(timeout=WITHDRAW_TIMEOUT)
+
+
+def drive(
+    client: Client,
+    steps: Steps[T],
+    interrupt: Flag | None = None,
+    act: Callable[[Any], Any] | None = None,
+) -> T:
+    """``steps`` executed on this thread (a call's EtcdError or Interrupted thrown back
+    into them; PLAN by one Status per endpoint, other steps by ``act``): their answer."""
+    run = Exchange(steps)
+    while not run.done:
+        step = run.step
+        try:
+            if step is PLAN:
+                reply = codec.read_plan(status.server_version(client, interrupt))
+            elif isinstance(step, Bounded):
+                reply = send(client, step.call, timeout=step.timeout)
+            elif isinstance(step, codec.Call):
+                reply = send(client, step, interrupt)
+            else:
+                assert act is not None
+                reply = act(step)
+        except (EtcdError, Interrupted) as exc:
+            run.fail(exc)
+        else:
+            run.reply(reply)
+    return run.answer
 
 
 def send(
     client: Client, call: codec.Call, interrupt: Flag | None = None, timeout: float | None = None
 ) -> Any:
-    """Send ``call`` (built by the codec) with the etcd layer's call for it (``kv.txn``,
-    ``kv.range_``, else ``client.call``): its response. Raises as ``Client.call``."""
+    """``call`` by the etcd layer's call for it (``kv.txn``, ``kv.range_``, ``client.call``)."""
     request = call.request
     if isinstance(request, rpc_pb2.TxnRequest):
         compare, success, failure = list(request.compare), list(request.success), request.failure
@@ -454,84 +519,3 @@ def send(
     if isinstance(request, rpc_pb2.RangeRequest):
         return kv.range_(client, request, timeout, interrupt)
     return client.call(call.service, call.method, request, timeout, interrupt=interrupt)
-
-
-def read_plan(client: Client, interrupt: Flag | None = None) -> codec.ReadPlan:
-    """How to read Ranges together from the endpoint ``client`` calls now: the codec's
-    plan for its etcd release (Maintenance.Status, asked once per endpoint)."""
-    return codec.read_plan(status.server_version(client, interrupt))
-
-
-def read_together(
-    client: Client, reads: list[rpc_pb2.RangeRequest], plan: codec.ReadPlan, interrupt: Flag
-) -> codec.Together:
-    """Ranges seen at one revision, read by ``plan`` (``codec.ReadTogether`` decides, also
-    to go on with pinned Ranges when etcd's space alarm refuses the read-only Txn). Raises
-    EtcdError, Interrupted."""
-    read = codec.ReadTogether(reads, plan)
-    while (call := read.next_call()) is not None:
-        try:
-            read.answer(send(client, call, interrupt))
-        except EtcdError as exc:
-            read.refused(exc)
-    return read.result
-
-
-def _gave_up(sema: Semaphore, outcome: messages.GaveUp, interrupt: Flag) -> BaseException:
-    """The exception a waiter that gave up raises."""
-    reason = outcome.reason
-    if reason == messages.Reason.NO_SLOT:
-        return NoSlot.in_time(sema.name, sema.max, outcome.detail)
-    if reason == messages.Reason.INTERRUPTED:
-        return Interrupted(interrupt.reason)
-    if reason == messages.Reason.SESSION_LOST:
-        return SessionLost(outcome.detail)
-    failed = outcome.cause
-    if isinstance(failed, messages.Failed) and isinstance(failed.cause, BaseException):
-        return failed.cause  # etcd unreachable at the first session (69), or refused
-    return EtcdError(outcome.detail)
-
-
-def _withdraw(client: Client, action: messages.Withdraw) -> None:
-    """Delete our key from a shared session (its lease lives on), best effort within
-    WITHDRAW_TIMEOUT (``codec.withdraw_call``): if etcd cannot be reached it stays until
-    the session ends."""
-    try:
-        send(client, codec.withdraw_call(action), timeout=WITHDRAW_TIMEOUT)
-    except EtcdError as exc:
-        log.warning("withdraw-failed", name=action.key.decode(errors="replace"), error=str(exc))
-
-
-def log_acquired(name: str, max: int, outcome: messages.Held, started: float) -> None:
-    """The ``acquired`` line both faces log when a wait ends in a hold begun at ``started``
-    (a time.monotonic() reading)."""
-    log.info(
-        "acquired",
-        name=name,
-        max=max,
-        rev=outcome.revision,
-        lease=f"{outcome.lease_id:x}",
-        waited=f"{time.monotonic() - started:.3f}s",
-    )
-
-
-def revision_to_count(note: messages.Note) -> int | None:
-    """Our key's revision when ``note`` is a ``queued`` line that does not say how many are
-    ahead (the face counts the keys ahead of it), else None."""
-    if note.event == "queued" and "ahead" not in note.fields:
-        return int(str(note.fields["rev"]))
-    return None
-
-
-def log_note(name: str, max: int, host: str, note: messages.Note, ahead: int | None) -> None:
-    """``note`` as the log line both faces write for it: ``queued`` with ``max`` (and the
-    count ``ahead``, when one was made), ``spread-busy`` with our ``host``."""
-    fields = dict(note.fields)
-    if note.event == "queued":
-        fields = {"max": max, **fields}
-        if ahead is not None:
-            fields.update(position=ahead + 1, ahead=ahead)
-    if note.event == "spread-busy":
-        fields = {"host": host, **fields}
-    emit = log.warning if note.warning else log.info
-    emit(note.event, name=name, **fields)

@@ -14,6 +14,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 from conch import log
@@ -83,11 +84,8 @@ def conch_setting(
     flag: str, given: str | None, name: str, default: str, environ: Mapping[str, str]
 ) -> Setting:
     """As ``setting``, for what etcdctl has no equivalent of (``CONCH_TTL``)."""
-    if given is not None:
-        return Setting(given, flag)
-    if "CONCH_" + name in environ:
-        return Setting(environ["CONCH_" + name], "CONCH_" + name)
-    return Setting(default, "default")
+    own = {variable: value for variable, value in environ.items() if variable == "CONCH_" + name}
+    return setting(flag, given, name, default, own)
 
 
 def named(flag: str, found: Setting) -> str:
@@ -179,8 +177,7 @@ def connect_with(connection: Connection) -> Client:
 
 def _read_file(what: str, path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return Path(path).read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
@@ -192,15 +189,11 @@ def truthy(text: str) -> bool:
 
 def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
     files: dict[str, bytes] = {}
-    for flag, given, name in (
-        ("--cacert", flags.cacert, "CACERT"),
-        ("--cert", flags.cert, "CERT"),
-        ("--key", flags.key, "KEY"),
-    ):
-        found = setting(flag, given, name, "", environ)
+    for name in ("cacert", "cert", "key"):
+        found = setting("--" + name, getattr(flags, name), name.upper(), "", environ)
         if found.value:
-            log.debug("setting", setting=flag[2:], value=found.value, source=found.source)
-            files[flag[2:]] = _read_file(named(flag, found), found.value)
+            log.debug("setting", setting=name, value=found.value, source=found.source)
+            files[name] = _read_file(named("--" + name, found), found.value)
     if ("cert" in files) != ("key" in files):
         raise UsageError("--cert and --key go together")
     if files:

@@ -192,3 +192,95 @@ def test_the_library_leaves_the_environment_alone(etcd: EtcdCluster, name: str) 
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+# A service forks from a coroutine while conch.aio holds a slot of NAME and another task
+# waits for one: the child uses conch.aio afresh (asyncio.run of its own: a slot of NAME-child),
+# then returns through the parent's coroutine, so the parent's hold, client and tasks unwind
+# and asyncio.run tears down in the child. The child prints "child rev=R" and, once its
+# asyncio.run is over, "child over"; the parent "parent kept rev=R child=<exit status>".
+_IN_LOOP = f"HANG_AFTER = {HANG_AFTER}\n" + textwrap.dedent(
+    """
+    import asyncio, faulthandler, os, sys, time
+    import conch, conch.aio
+
+    endpoints, name, errdir, waits = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+    forked = False
+
+    async def child():
+        async with conch.aio.connect(endpoints) as client:
+            sema = conch.aio.Semaphore(client, name + "-child", max=1, ttl=5)
+            async with sema.acquire(timeout=10) as hold:
+                print(f"child rev={hold.revision}", flush=True)
+
+    async def main():
+        global forked
+        async with conch.aio.connect(endpoints) as client:
+            sema = conch.aio.Semaphore(client, name, max=1, ttl=5)
+            async with sema.acquire(timeout=10) as hold:
+                if waits == "waits":
+                    waiting = asyncio.ensure_future(sema.acquire(timeout=60))
+                    while len(await conch.aio.who(client, name)) < 2:
+                        await asyncio.sleep(0.05)
+                pid = os.fork()
+                if pid == 0:
+                    forked = True
+                    err = os.open(os.path.join(errdir, "child.err"), os.O_WRONLY | os.O_CREAT)
+                    faulthandler.dump_traceback_later(HANG_AFTER, exit=True, file=err)
+                    asyncio.run(child())
+                    return  # through the parent's hold, waiter and client
+                deadline = time.monotonic() + 2 * HANG_AFTER
+                while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                    if time.monotonic() > deadline:
+                        os.kill(pid, 9)
+                    await asyncio.sleep(0.1)
+                await hold.check()  # raises HoldLost unless the slot is certainly ours
+                print(f"parent kept rev={hold.revision} child={done[1]}", flush=True)
+                if waits == "waits":
+                    waiting.cancel()
+                    await asyncio.gather(waiting, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        if forked:
+            print("child over", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("waits", ["holds", "waits"])
+def test_a_fork_from_a_coroutine_frees_the_child_and_the_parent_keeps_its_hold(
+    etcd: EtcdCluster, client: Client, tmp_path: Path, name: str, waits: str
+) -> None:
+    """Forked from a running loop while grpc.aio channels are open (a hold's keepalive
+    stream and watch, a waiter's watch), the child connects and acquires afresh, and then
+    ends: its unwinding of the parent's hold and client and its asyncio.run's teardown do not
+    hang. Before, dropping the parent's grpc.aio channel in the child ran gRPC's destructor
+    there, which hung the child (and, writing into the connection it shares with the
+    parent, could cost the parent its keepalives and so its hold)."""
+    environ = dict(os.environ, PYTHONPATH=str(ROOT), **FORK_SETTINGS)
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _IN_LOOP, etcd.endpoints, name, str(tmp_path), waits],
+            env=environ,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
+    try:
+        code: int | None = proc.wait(timeout=3 * HANG_AFTER)
+    except subprocess.TimeoutExpired:
+        code = None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    lines = out.read_text().splitlines()
+    hung = tmp_path / "child.err"
+    assert code == 0, (lines, err.read_text(), hung.exists() and hung.read_text())
+    assert "child over" in lines, (lines, hung.exists() and hung.read_text())
+    assert [line for line in lines if line.startswith("child rev=")], lines
+    assert [line for line in lines if line.startswith("parent kept rev=")], lines
+    assert sema_keys(client, name) == []
+    assert sema_keys(client, name + "-child") == []

@@ -30,6 +30,7 @@ from conchpb.etcdserverpb import rpc_pb2
 
 import conch
 import conch.aio
+from conch import keys
 from conch.etcd import Client, kv, lease
 from tests.conftest import DEADLINE, etcd_watchers, sema_keys
 from tests.delayproxy import DelayProxy
@@ -913,6 +914,60 @@ def test_under_the_space_alarm_six_waiters_behind_a_holder_all_hold_in_order(
     run_at(here, scenario)
     events = set(re.findall(r"event=([\w-]+)", caplog.text))
     assert events == {"acquired", "released", "touch-failed"}, events
+
+
+def refused_for_space(cluster: EtcdCluster) -> int:
+    """The Txns etcd's first member has refused so far with ResourceExhausted (its space
+    alarm), from its Prometheus metrics (``grpc_server_handled_total``)."""
+    import urllib.request
+
+    url = f"http://{cluster.members[0].endpoint}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    wanted = ('grpc_code="ResourceExhausted"', 'grpc_method="Txn"')
+    counts = [
+        int(float(line.rsplit(" ", 1)[1]))
+        for line in lines
+        if line.startswith("grpc_server_handled_total{") and all(w in line for w in wanted)
+    ]
+    return sum(counts)
+
+
+def test_touch_failed_is_logged_once_per_run_of_refused_touches_not_per_retry(
+    face: Face, small_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter with two keys ahead (max 1: in the window, too far back to touch) that takes
+    the slot when both go in one revision, under etcd's space alarm, owes the waiter behind
+    it the touch TOUCH_DELAY in: etcd refuses that Txn, and the guard retries it after a
+    pause, again and again, without losing the hold. ``touch-failed`` is logged once for
+    that run of failures, not on every retry (the alarm may last hours)."""
+    caplog.set_level(logging.INFO, logger="conch")
+    here = face.at(small_etcd)
+
+    async def scenario(fclient: Any) -> None:
+        with small_etcd.client() as client:
+            # Two keys ahead of ours, both on one lease: its revoke deletes them at once.
+            ahead = lease.grant(client, 30).id
+            for lease_id in (ahead, lease.grant(client, 30).id):
+                kv.put(client, keys.holder_key(name, 1, lease_id), b"", ahead)
+            sema = here.semaphore(fclient, name, max=1, ttl=30)
+            waiting = asyncio.ensure_future(here.acquire(sema, timeout=40))
+            await _poll(functools.partial(_count_is, client, name, 3), "queued")
+            await asyncio.to_thread(fill_until_refused, client)
+            lease.revoke(client, ahead)
+            hold = await asyncio.wait_for(waiting, DEADLINE)
+            before = await asyncio.to_thread(refused_for_space, small_etcd)
+            deadline = time.monotonic() + DEADLINE
+            while await asyncio.to_thread(refused_for_space, small_etcd) < before + 4:
+                assert time.monotonic() < deadline, "the refused touch was not retried"
+                await asyncio.sleep(0.1)
+            await here.check(hold)
+            await here.release(hold)
+
+    run_at(here, scenario)
+    said = re.findall(r"event=touch-failed .*", caplog.text)
+    assert len(said) == 1, said
+    assert "database space exceeded" in said[0], said
 
 
 def _count_is(client: Client, name: str, count: int) -> bool:

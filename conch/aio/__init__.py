@@ -16,15 +16,11 @@
         async with conch.aio.Session(client, ttl=10) as session:  # one lease, several holds
             hold = await sema.acquire(timeout=30, session=session)
 
-A native asyncio driver of the one recipe (``conch.core.waiter.Waiter``, the state machine the
-threaded ``conch.Semaphore`` drives too): a coroutine feeds it etcd's answers and executes
-its actions with awaits. Unary calls are grpc.aio calls on the loop
-(``Client.call_async``); watches ride one Watch stream and keepalives one LeaseKeepAlive
-stream per client and loop, grpc.aio streams read by the loop (``conch.etcd.aio``); delays and
-a hold's guard are the loop's timers, deciding as the threaded Hold does
-(``conch.core.guard.GuardMachine``). So a waiting acquire costs no thread, and the threads
-of a process stay a constant few whatever the number of waiters, holds and sessions;
-nothing here uses the loop's default executor.
+The one recipe (``conch.core.waiter.Waiter``), driven with awaits: unary calls are grpc.aio
+calls on the loop (``Client.call_async``); watches and keepalives ride one Watch and one
+LeaseKeepAlive stream per client and loop, read by the loop (``conch.etcd.aio``); delays and
+a hold's guard (``conch.core.guard.GuardMachine``) are the loop's timers. So a waiting
+acquire costs no thread, and nothing here uses the loop's default executor.
 
 Cancelling a waiting acquire (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``)
 feeds the machine an interrupt: it withdraws our key (a private session's lease revoked, a

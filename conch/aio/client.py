@@ -8,12 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from conch.aio.session import _Keeper
-from conch.aio.tasks import T, outlast_cancel, spawn  # noqa: F401
 from conch.etcd import client as etcd_client
-
-# The threaded driver's readings of etcd's answers, shared so that the faces cannot differ.
-
-# -- the client ---------------------------------------------------------------------------
 
 
 class Client:

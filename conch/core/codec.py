@@ -36,13 +36,13 @@ from conch.core.waiter import window_size
 from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import kv  # its request builders only: pure functions of protobuf
 
-Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest | rpc_pb2.StatusRequest
+Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
 
 
 @dataclass(frozen=True)
 class Call:
-    """One unary etcd RPC to send: ``service`` ("kv", "maintenance"), ``method`` ("Txn",
-    "Range", "Status") and its protobuf ``request``."""
+    """One unary etcd RPC to send: ``service`` ("kv"), ``method`` ("Txn", "Range") and its
+    protobuf ``request``."""
 
     service: str
     method: str
@@ -149,29 +149,16 @@ TXN_PANIC_FIXED = (3, 5, 7)
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 
-def txn_panics(server_version: str) -> bool:
-    """Whether etcd ``server_version`` (Maintenance.Status's ``version``, "3.5.1") is a
-    release on which a read-only Txn can crash the server; an unreadable version counts as
-    one."""
-    match = _VERSION.match(server_version)
-    if match is None:
-        return True
-    version = tuple(int(part) for part in match.groups())
-    return TXN_PANIC_FROM <= version < TXN_PANIC_FIXED
-
-
 def read_plan(server_version: str | None) -> ReadPlan:
-    """How to read Ranges together from the server of ``server_version`` (None: not known,
-    Maintenance.Status did not answer): pinned Ranges on a release whose read-only Txn can
-    crash it or when the release is not known, else one read-only Txn."""
-    if server_version is None or txn_panics(server_version):
+    """How to read Ranges together from the server of ``server_version`` (Maintenance.Status's
+    ``version``, "3.5.1"; None: not known, Status did not answer): pinned Ranges on a release
+    whose read-only Txn can crash it or when the release is not known or unreadable, else
+    one read-only Txn."""
+    match = _VERSION.match(server_version or "")
+    version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
+    if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
         return ReadPlan.PINNED_RANGES
     return ReadPlan.TXN
-
-
-def status_call() -> Call:
-    """Maintenance.Status, whose answer's ``version`` is the server's release."""
-    return Call("maintenance", "Status", rpc_pb2.StatusRequest())
 
 
 @dataclass(frozen=True)
@@ -204,11 +191,10 @@ class ReadTogether:
         self.fell_back = False  # the Txn was refused under the space alarm
         self._answers: list[rpc_pb2.RangeResponse] = []
         self._revision = 0
-        self._done = False
 
     def next_call(self) -> Call | None:
         """The next request to send, or None when ``result`` is ready."""
-        if self._done:
+        if len(self._answers) == len(self.reads):
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
@@ -225,12 +211,10 @@ class ReadTogether:
         if isinstance(response, rpc_pb2.TxnResponse):
             self._revision = int(response.header.revision)
             self._answers = [r.response_range for r in response.responses]
-            self._done = True
             return
         if not self._answers:
             self._revision = int(response.header.revision)
         self._answers.append(response)
-        self._done = len(self._answers) == len(self.reads)
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
@@ -242,7 +226,7 @@ class ReadTogether:
 
     @property
     def result(self) -> Together:
-        assert self._done
+        assert len(self._answers) == len(self.reads)
         return Together(self._revision, self._answers)
 
 
@@ -299,12 +283,6 @@ class Notice(Protocol):
     def events(self) -> Sequence[kv_pb2.Event]: ...
 
 
-_EVENT_TYPES = {
-    kv_pb2.Event.DELETE: messages.EventType.DELETE,
-    kv_pb2.Event.PUT: messages.EventType.PUT,
-}
-
-
 def watch_input(watch_id: int, notice: Notice) -> messages.Input:
     """A notice of watch ``watch_id`` as the machine's input: WatchBroken (compacted or
     given up), WatchCreated, or WatchEvents."""
@@ -313,7 +291,11 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Input:
         return messages.WatchBroken(watch_id, compacted, str(notice.error))
     if notice.created:
         return messages.WatchCreated(watch_id, notice.revision)
-    events = [messages.Event(_EVENT_TYPES[e.type], key_rev(e.kv)) for e in notice.events]
+    delete, put = messages.EventType.DELETE, messages.EventType.PUT
+    events = [
+        messages.Event(delete if e.type == kv_pb2.Event.DELETE else put, key_rev(e.kv))
+        for e in notice.events
+    ]
     return messages.WatchEvents(watch_id, events, notice.revision)
 
 

@@ -87,7 +87,9 @@ class GuardLost:
     loss: Loss
 
 
-GuardAction: TypeAlias = GuardAfter | GuardTouch | GuardWatch | GuardLook | GuardLost | Note
+# The actions that are calls to etcd, and all of them.
+GuardCall: TypeAlias = GuardTouch | GuardWatch | GuardLook
+GuardAction: TypeAlias = GuardAfter | GuardCall | GuardLost | Note
 
 # The message of a look that found our key gone (or another's in its place).
 KEY_GONE_LOOK = Loss(LossReason.KEY_DELETED, "our key was deleted")

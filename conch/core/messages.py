@@ -321,7 +321,7 @@ class TouchOwed(enum.Enum):
 
     NONE = "none"  # we touched while waiting, or held from our key's creation
     AT_ONCE = "at-once"  # N > 1: another holder may leave any moment; touch now
-    LATER = "later"  # N = 1: touch a little into the hold (hold.TOUCH_DELAY)
+    LATER = "later"  # N = 1: touch a little into the hold (guard.TOUCH_DELAY)
 
 
 @dataclass(frozen=True)
@@ -359,11 +359,6 @@ class GaveUp:
     reason: Reason
     detail: str = ""
     cause: object = None
-
-    @property
-    def interrupt(self) -> object:
-        """``cause`` under its first name."""
-        return self.cause
 
 
 Outcome: TypeAlias = Held | GaveUp

@@ -225,12 +225,17 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
 # blocking stack for its coroutines too (``loop_native``).
 _loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
 _loop_native_lost_in: int | None = None
+# A child keeps the grpc.aio channels open at the fork referenced for good: gRPC's destructor,
+# run there (the parent's Client closed or collected in the child), hung the child or wrote
+# into the connection it shares with the parent, which then lost its keepalives.
+_parents_channels: list[Any] = []
 
 
 def _after_fork_in_child() -> None:
     global _loop_native_lost_in
     if _loop_channels:
         _loop_native_lost_in = os.getpid()
+        _parents_channels.extend(_loop_channels)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -102,12 +102,11 @@ class KeepAlives:
         # All on the timer thread: no lock. The stream in use first.
         self._streams: dict[Stream, dict[int, _Counts]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
-        # A stream's reader starts with it, and its end (a member that forgot our token
-        # refuses at once) can reach the timer thread before the stream itself.
+        # A stream refused at once (our token forgotten) may end before it reaches us.
         self._early_ends: dict[Stream, EtcdError] = {}
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
-        # Answers from the streams' readers, not yet handled on the timer thread.
+        # Answers from the readers, not yet handled on the timer thread.
         self._inbox: collections.deque[StreamItem] = collections.deque()
         self._inbox_lock = threading.Lock()
         self._draining = False
@@ -137,8 +136,7 @@ class KeepAlives:
         self._ask(ask)
 
     def _ask(self, ask: _Ask) -> None:
-        # On the stream in use, else to the member after the last one asked; once every
-        # member has it, an answer or the deadline settles it.
+        # On the stream in use, else to the member after the last one asked.
         if self._asks.get(ask.lease_id) is not ask or ask.left() <= 0:
             return
         target = self._next_to_ask(ask)
@@ -158,8 +156,7 @@ class KeepAlives:
         asked = {stream.endpoint for stream in ask.asked}
         last = list(ask.asked)[-1].endpoint if ask.asked else None
         start = endpoints.index(client.endpoint) if last is None else endpoints.index(last) + 1
-        for step in range(len(endpoints)):
-            endpoint = endpoints[(start + step) % len(endpoints)]
+        for endpoint in endpoints[start:] + endpoints[:start]:
             if endpoint not in asked:
                 return next((s for s in self._streams if s.endpoint == endpoint), endpoint)
         return None
@@ -197,8 +194,8 @@ class KeepAlives:
     def _opened(self, endpoint: Endpoint, opened: Stream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])
         if isinstance(opened, Stream):
-            # Ended before it was ours: a failed open, retried after a backoff. Kept, its
-            # keepalives would go unanswered until the deadline declared the session lost.
+            # Ended before it was ours: a failed open (kept, its keepalives would go
+            # unanswered until the deadline declared the session lost).
             opened = self._early_ends.pop(opened, opened)
         if isinstance(opened, Stream):
             if not self._leases:
@@ -252,8 +249,8 @@ class KeepAlives:
             client.failover(stream.endpoint)
 
     def _settle_on(self, answered: Stream, ask: _Ask) -> None:
-        # The stream that answered is the one in use now; a member that stayed silent is at
-        # best slower: calls and streams move away from it.
+        # The stream that answered is the one in use now; calls and streams move away from
+        # a member that stayed silent (at best slower).
         if next(iter(self._streams)) is not answered:
             self._streams = {answered: self._streams[answered], **self._streams}
         silent = next(iter(ask.asked))

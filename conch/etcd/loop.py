@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from conch.etcd.endpoints import closed_loop_channel
+from conch.timer import PerOwner
 
 T = TypeVar("T")
 
@@ -60,16 +60,7 @@ class _Admission:
             self._next_soon()
 
 
-_admissions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Admission] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def admission(loop: asyncio.AbstractEventLoop) -> _Admission:
-    admission = _admissions.get(loop)
-    if admission is None:
-        admission = _admissions[loop] = _Admission(loop)
-    return admission
+admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(_Admission)
 
 
 def close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:

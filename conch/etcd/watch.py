@@ -27,14 +27,12 @@ from conch.timer import LoopTimer, PerOwner, Scheduler, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
-# A hung member leaves a watch silent, and gRPC's pings take long to give up on it: a stream
-# silent for PROBE_AFTER seconds asks for a progress report (etcd 3.4+); none within
-# PROBE_TIMEOUT seconds and it moves to the next endpoint.
+# A hung member leaves a watch silent, and gRPC's pings are slow to give up: silent PROBE_AFTER
+# seconds, a stream asks for a progress report (etcd 3.4+); none in PROBE_TIMEOUT, it moves.
 PROBE_AFTER = 10.0
 PROBE_TIMEOUT = 5.0
-# Seconds the stream stays open with no watch on it: a waiter replacing its watch, or a new
-# hold its waiting watch with its guard, has none for a moment, and a new stream would
-# cost the handoff a stream set-up.
+# Seconds the stream stays open with no watch: a waiter or a new hold replacing a watch has
+# none for a moment, and a new stream would cost the handoff a stream set-up.
 IDLE_CLOSE = 2.0
 
 
@@ -397,8 +395,7 @@ class LoopHub(_Hub):
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 
     def _resume(self) -> None:
-        # Once the auth token is at hand: fetching it (a stale one broke the stream) is no
-        # failed open.
+        # Once the auth token is at hand: fetching it (a stale one broke the stream) is no failure.
         client = self._client_ref()
         if client is None or client.token_at_hand():
             super()._resume()

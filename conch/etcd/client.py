@@ -275,9 +275,8 @@ class Client:
         """Auth.Authenticate with our credentials and keep the token for later calls, within
         ``timeout`` seconds (default ``request_timeout``). Raises AuthenticationFailed for a
         wrong user or password, Unavailable when no member answers in time."""
-        if self._credentials is None:
-            return
-        self._authenticate(self._credentials, timeout)
+        if self._credentials is not None:
+            self._authenticate(self._credentials, timeout)
 
     def _authenticate(self, credentials: Credentials, timeout: float | None) -> str:
         request = rpc_pb2.AuthenticateRequest(name=credentials.user, password=credentials.password)

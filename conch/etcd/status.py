@@ -34,7 +34,8 @@ class _Versions:
 
     def learn(self, endpoint: Endpoint, response: rpc_pb2.StatusResponse | None) -> str | None:
         version = None if response is None else str(response.version)
-        self.known[endpoint] = (version, time.monotonic())
+        if self.known.get(endpoint, (None, 0.0))[0] is None:  # a release once known stays
+            self.known[endpoint] = (version, time.monotonic())
         return version
 
 

@@ -14,7 +14,8 @@ waits until the cluster has one leader in one term again:
 On top of the base harness's checks (at most N children except within TTL + kill-after of a
 fault, every child ends, fencing tokens rise, every wrapper exits as it should, no key left),
 with N = 1 no slot stays free beyond HANDOFF_BOUND while others wait, or, around a fault, beyond
-the fault plus the TTL (a holder cut off keeps its slot until its lease expires). Each fault's
+the fault plus the TTL plus LEADER_CHANGE (a holder cut off keeps its slot until its lease
+expires, and a new leader renews every lease when it takes office). Each fault's
 detection time (fault to the holder's child's end) and handoff time (that end to the next
 child's start) are measured.
 """
@@ -34,6 +35,10 @@ from tests.netns import Net, NetCluster, Node
 
 KINDS = ("cut", "cut-in", "cut-out", "leader", "minority", "slow", "flap")
 HANDOFF_BOUND = 3.0  # seconds a free slot may wait for a queued waiter with no fault around
+# A fault that moves the leader adds its election (up to two election timeouts of 1 s) and
+# the new leader's promotion, which extends every lease by one election timeout: a dead
+# holder's key outlives the heal by the TTL plus up to 3 s (CI saw 11.35 s against 11.0).
+LEADER_CHANGE = 3.0
 # A wrapper cut off from every member cannot reach etcd: it exits 69 as documented.
 NET_OK_EXITS = {0, 69, 70, 75, 128 + signal.SIGTERM, -signal.SIGTERM}
 
@@ -186,7 +191,9 @@ class NetHarness(Harness):
             near = any(
                 f.start - ttl <= after[2] and before[3] <= f.end + ttl for f in self.timeline
             )
-            bound = HANDOFF_BOUND + (ttl + self.netconfig.fault_time if near else 0.0)
+            bound = HANDOFF_BOUND + (
+                ttl + self.netconfig.fault_time + LEADER_CHANGE if near else 0.0
+            )
             if gap > bound:
                 self.report.problems.append(
                     f"the slot stayed free {gap:.2f}s (bound {bound:.1f}s) from "

@@ -8,6 +8,7 @@ whose revision was compacted, or one past HISTORY_READS has an unknown hold time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Generator
@@ -18,10 +19,12 @@ from typing import Any, TypeAlias
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys
+from conch.core import codec
 from conch.errors import Compacted
 from conch.etcd import kv
 from conch.etcd.client import Client
 from conch.keys import MAX_CAPACITY
+from conch.semaphore import drive
 
 HISTORY_READS = 100  # at most this many reads (one per holder) for hold times in one listing
 
@@ -146,9 +149,9 @@ def _as_text(value: object, missing: str) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-# A listing as a dialogue (requests out, responses in, None: compacted), so that the threaded
-# who() and conch.aio's await the same decisions.
-Listing: TypeAlias = Generator[rpc_pb2.RangeRequest, rpc_pb2.RangeResponse | None, list[Record]]
+# A listing as steps (``conch.semaphore.Steps``: its KV.Range calls out, their responses in),
+# so that the threaded who() and conch.aio's execute the same decisions.
+Listing: TypeAlias = Generator[codec.Call, rpc_pb2.RangeResponse, list[Record]]
 
 
 def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
@@ -157,29 +160,18 @@ def who(client: Client, name: str, max_holders: int | None = None) -> list[Recor
     HISTORY_READS) for its hold time; reads only (no lease). The Records' ages are this
     host's clock against each key's ``started`` (see the module). Raises UsageError for a
     bad ``max_holders``, EtcdError when etcd does not answer."""
-    steps = listing(name, max_holders)
-    response = None
-    try:
-        while True:
-            request = steps.send(response)
-            try:
-                response = kv.range_(client, request)
-            except Compacted:
-                response = None
-    except StopIteration as done:
-        records: list[Record] = done.value
-        return records
+    return drive(client, listing(name, max_holders))
 
 
 def listing(name: str, max_holders: int | None = None) -> Listing:
-    """``who`` without its I/O: yields each KV.Range to make, is sent its response (None
-    when etcd answered Compacted), returns the Records."""
+    """``who`` without its I/O: yields each KV.Range to make, is sent its response (or
+    thrown its error: Compacted for a hold time is an unknown one), returns the Records."""
     if max_holders is not None:
         keys.check_max(max_holders, "max_holders")
     now = time.time()
     prefix = keys.name_prefix(name)
-    response = yield kv.prefix_request(prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
-    assert response is not None  # a Range of the present is never compacted
+    request = kv.prefix_request(prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
+    response = yield codec.Call("kv", "Range", request)
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
         parsed = keys.parse_under_name(name, item.key)
@@ -206,14 +198,16 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
                 reads_left -= 1
                 # Fewer than ``capacity`` keys ahead of it when it was created: it held at once.
                 revision = int(item.create_revision)
-                history = yield kv.prefix_request(
+                request = kv.prefix_request(
                     keys.sema_prefix(name, capacity),
                     revision=revision,
                     limit=capacity,
                     keys_only=True,
                     max_create_revision=revision - 1,
                 )
-                from_creation = None if history is None else len(history.kvs) < capacity
+                with contextlib.suppress(Compacted):  # unknown, then
+                    history = yield codec.Call("kv", "Range", request)
+                    from_creation = len(history.kvs) < capacity
             times = _times(state, started, from_creation, now)
             records.append(
                 Record(

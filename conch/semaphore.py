@@ -26,7 +26,7 @@ from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
-from conch.flag import Flag, Mailbox, remaining
+from conch.flag import Flag, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold
 from conch.identity import Identity
 from conch.session import Session, check_client, check_ttl
@@ -47,32 +47,53 @@ class Bounded(NamedTuple):
     timeout: float
 
 
+class Next(NamedTuple):
+    """A step: the next input from elsewhere (None if none came within ``timeout`` s)."""
+
+    timeout: float | None
+
+
+@dataclass(frozen=True)
 class Recipe:
-    """What both faces' Semaphores share: their keys and the acquire's bookkeeping."""
+    """What both faces' Semaphores share: their fields and checks, their keys, the claim."""
 
     client: object
     name: str
     max: int
-    spread: bool
-    identity: Identity
-    prefix: bytes
+    ttl: int = 10
+    spread: bool = False
+    identity: Identity = field(default_factory=Identity.current)
+    prefix: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """Raises UsageError naming the bad parameter (client, name, host, max, ttl)."""
+        self._check_client()
+        keys.check_name(self.name)
+        keys.check_host(self.identity.host)
+        keys.check_max(self.max)
+        check_ttl(self.ttl)
+        object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
+
+    def _check_client(self) -> None:
+        check_client(self.client)
 
     def _key(self, lease_id: int) -> bytes:
         if self.spread:
             return keys.spread_key(self.name, self.max, self.identity.host)
         return keys.holder_key(self.name, self.max, lease_id)
 
-    def _claim(self, session: Any, timeout: float | None) -> bytes | None:
-        """The checks before any etcd call, and our key claimed on a shared ``session``."""
+    def _claim(self, session: Any, timeout: float | None) -> Callable[[], None]:
+        """The checks before any etcd call, and our key claimed on a shared ``session``: the
+        function that lets go of it (a wait that ends without a hold calls it)."""
         if timeout is not None:
             check_timeout("timeout", timeout, zero=True)
         if session is None:
-            return None
+            return lambda: None
         if session.client is not self.client:
             raise UsageError("session: belongs to another client than the semaphore")
         key = self._key(session.lease_id)
         session._claim(key)
-        return key
+        return lambda: session._unclaim(key)
 
 
 @dataclass(frozen=True)
@@ -82,25 +103,11 @@ class Semaphore(Recipe):
     ``ttl`` is the session lease TTL in whole seconds; ``spread`` keys slots by host (one
     per node); ``identity`` is what our key says about us. Immutable (``max`` is part of
     the semaphore's identity: its keys live under ``<name>/<max>/``); for another capacity
-    make another Semaphore. Raises UsageError naming the bad parameter (name, max, ttl,
-    the identity's host).
+    make another Semaphore. Raises UsageError naming the bad parameter (client, name, max,
+    ttl, the identity's host).
     """
 
     client: Client
-    name: str
-    max: int
-    ttl: int = 10
-    spread: bool = False
-    identity: Identity = field(default_factory=Identity.current)
-    prefix: bytes = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        keys.check_name(self.name)
-        keys.check_host(self.identity.host)
-        keys.check_max(self.max)
-        check_client(self.client)
-        check_ttl(self.ttl)
-        object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
 
     def acquire(
         self,
@@ -133,21 +140,15 @@ class Semaphore(Recipe):
         ``hold.start_guard()`` at once (the supervisor does, just after the child's spawn).
         Until then a loss of the session is noticed, a deletion of our key only later.
         """
-        hold = self._acquire(timeout, interrupt, session)
+        unclaim = self._claim(session, timeout)
+        try:
+            hold = _Wait(self, timeout, interrupt or Flag("interrupt"), session).run()
+        except BaseException:
+            unclaim()
+            raise
         if guard:
             hold.start_guard()
         return hold
-
-    def _acquire(
-        self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
-    ) -> Hold:
-        key = self._claim(session, timeout)
-        try:
-            return _Wait(self, timeout, interrupt or Flag("interrupt"), session).run()
-        except BaseException:
-            if session is not None and key is not None:
-                session._unclaim(key)
-            raise
 
     def pause_before_reentry(
         self, cause: Exception, deadline: float | None, interrupt: Flag, backoff: Backoff
@@ -162,9 +163,6 @@ class Semaphore(Recipe):
         left = remaining(deadline)
         interrupt.wait(pause if left is None else min(pause, left))
 
-    def _enqueue(self, key: bytes, lease_id: int, interrupt: Flag) -> tuple[bytes, Any]:
-        return drive(self.client, enqueue(self, messages.SendEnqueue(0, key, lease_id)), interrupt)
-
     def _standing(self, key: bytes, revision: int, interrupt: Flag) -> codec.Together:
         """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
         reads = codec.standing_reads(messages.ReadStanding(0, key, revision), self.prefix, self.max)
@@ -172,12 +170,6 @@ class Semaphore(Recipe):
 
 
 # -- what both faces' drivers share --------------------------------------------------------
-
-
-def enqueue(sema: Recipe, action: messages.SendEnqueue) -> Steps[tuple[bytes, Any]]:
-    """Step 1 (``codec.enqueue_call``): the value our key says, and the Txn's response."""
-    value = sema.identity.entering().to_json()
-    return value, (yield codec.enqueue_call(action, sema.prefix, sema.max, value))
 
 
 def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
@@ -199,48 +191,6 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
         log.warning("withdraw-failed", name=sema.name, error=str(exc))
 
 
-def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
-    """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
-    create_revision filter)."""
-    fields = dict(note.fields)
-    if note.event == "queued":
-        fields = {"max": sema.max, **fields}
-        if "ahead" not in note.fields:
-            request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
-            try:
-                ahead = len((yield codec.Call("kv", "Range", request)).kvs)
-                fields.update(position=ahead + 1, ahead=ahead)
-            except (EtcdError, Interrupted):
-                pass
-    if note.event == "spread-busy":
-        fields = {"host": sema.identity.host, **fields}
-    emit = log.warning if note.warning else log.info
-    emit(note.event, name=sema.name, **fields)
-
-
-class Exchange(Generic[T]):
-    """Steps under way: execute ``step``, then ``reply`` or ``fail``, until ``done``."""
-
-    answer: T
-
-    def __init__(self, steps: Steps[T]) -> None:
-        self.steps = steps
-        self.done = False
-        self.reply(None)
-
-    def reply(self, value: Any) -> None:
-        self._resume(self.steps.send, value)
-
-    def fail(self, error: BaseException) -> None:
-        self._resume(self.steps.throw, error)
-
-    def _resume(self, resume: Callable[[Any], Any], value: Any) -> None:
-        try:
-            self.step = resume(value)
-        except StopIteration as stop:
-            self.done, self.answer = True, stop.value
-
-
 class _Cancellable(Protocol):
     def cancel(self) -> None: ...
 
@@ -248,29 +198,33 @@ class _Cancellable(Protocol):
 W = TypeVar("W", bound=_Cancellable)
 
 
-class Next(NamedTuple):
-    """A step: the next input from elsewhere (None if none came within ``timeout`` s)."""
+class _Lost(NamedTuple):
+    """A session's loss, as queued: fed to the machine only if it is the current session."""
 
-    timeout: float | None
+    lease_id: int
+    reason: str
 
 
 class Driver(Generic[W]):
-    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (on a shared
-    session's ``lease_id``, else on private sessions), its watches, deadline and pauses,
-    the ``steps`` that drive it and what its outcome means (``held``)."""
+    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (on a
+    ``shared`` session's lease, else on private sessions), its watches, deadline and pauses,
+    the queue ``box`` of what arrives from elsewhere (drained before each step: no event
+    waits behind a slow call), the ``steps`` that drive it and what its outcome means."""
 
-    def __init__(self, sema: Recipe, lease_id: int | None, timeout: float | None) -> None:
+    def __init__(self, sema: Recipe, shared: Any, timeout: float | None, box: Any) -> None:
         self.sema = sema
+        self.shared = shared
+        self.box = box
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout  # None once fed
         self.watches: dict[int, W] = {}
         self.pauses: dict[int, float] = {}  # pause id: when it is over (monotonic)
+        self.forget: list[Callable[[], None]] = []  # subscriptions to remove at the end
+        lease_id = None if shared is None else shared.lease_id
+        self.current_lease = lease_id or 0
         key = None if lease_id is None else sema._key(lease_id)
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
-
-    def arrived(self) -> messages.Input | None:
-        raise NotImplementedError  # pragma: no cover
 
     def steps(self) -> Steps[messages.Outcome]:
         """The machine driven to its outcome: each action's steps, and ``Next`` when there is
@@ -286,6 +240,29 @@ class Driver(Generic[W]):
             if answer is not None:
                 todo.extend(machine.feed(answer))
         return machine.outcome
+
+    def arrived(self) -> messages.Input | None:
+        while not self.box.empty():
+            answer = self.input(self.box.get_nowait())
+            if answer is not None:
+                return answer
+        return None
+
+    def input(self, item: Any) -> messages.Input | None:
+        """What arrived, as the machine's input (None: nothing for it)."""
+        if isinstance(item, WatchNotice):  # the threaded face's; a cancelled watch's is dropped
+            ids = [i for i, watch in self.watches.items() if watch is item.watch]
+            return codec.watch_input(ids[0], item) if ids else None
+        if isinstance(item, _Lost):
+            current = item.lease_id == self.current_lease  # else a session we left
+            return messages.SessionLost(item.reason) if current else None
+        answer: messages.Input = item  # an input already
+        return answer
+
+    def on_session(self, lease_id: int) -> Callable[[object], None]:
+        """Now on the session of ``lease_id``: the listener that queues its loss."""
+        self.current_lease = lease_id
+        return lambda reason: self.box.put_nowait(_Lost(lease_id, str(reason)))
 
     def _late(self) -> messages.DeadlineReached | None:
         if self.deadline is None or time.monotonic() < self.deadline:
@@ -308,24 +285,29 @@ class Driver(Generic[W]):
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
         """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
         its answer: ``Failed`` for an EtcdError, none after Interrupted (it is fed next)."""
+        sema = self.sema
         if isinstance(action, messages.CancelWatch):
             self.cancel(action.id)
         elif isinstance(action, messages.Pause):
             left = remaining(self.deadline)
             seconds = action.seconds if left is None else min(action.seconds, left)
             self.pauses[action.id] = time.monotonic() + seconds
-        if isinstance(action, messages.Note):
-            yield from noting(self.sema, action)
+        elif isinstance(action, messages.Note):
+            yield from self.noting(action)
         if isinstance(action, messages.CancelWatch | messages.Pause | messages.Note):
             return None
         try:
+            if isinstance(action, messages.SendEnqueue):  # step 1
+                value = sema.identity.entering().to_json()
+                txn = codec.enqueue_call(action, sema.prefix, sema.max, value)
+                return codec.enqueue_answer(action, (yield txn), value)
             if isinstance(action, messages.ReadKeys):
                 return codec.keys_answer(action, (yield from together(codec.keys_reads(action))))
             if isinstance(action, messages.Touch):
                 call = codec.touch_call(action.key, action.revision, action.value, action.lease_id)
                 return codec.touch_answer(action, (yield call))
             if isinstance(action, messages.Withdraw) and not action.revoke:
-                yield from withdrawing(self.sema, action)
+                yield from withdrawing(sema, action)
                 return messages.Withdrawn(action.id)
             answer: messages.Input | None = yield action
             return answer
@@ -334,10 +316,39 @@ class Driver(Generic[W]):
         except EtcdError as exc:
             return codec.failed(action.id, exc)
 
+    def noting(self, note: messages.Note) -> Steps[None]:
+        """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
+        create_revision filter)."""
+        sema, fields = self.sema, dict(note.fields)
+        if note.event == "queued":
+            fields = {"max": sema.max, **fields}
+            if "ahead" not in note.fields:
+                request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
+                try:
+                    ahead = len((yield codec.Call("kv", "Range", request)).kvs)
+                    fields.update(position=ahead + 1, ahead=ahead)
+                except (EtcdError, Interrupted):
+                    pass
+        if note.event == "spread-busy":
+            fields = {"host": sema.identity.host, **fields}
+        emit = log.warning if note.warning else log.info
+        emit(note.event, name=sema.name, **fields)
+
     def cancel(self, watch_id: int) -> None:
         watch = self.watches.pop(watch_id, None)
         if watch is not None:
             watch.cancel()
+
+    def let_go(self) -> messages.Held | None:
+        """Every subscription removed, every watch cancelled but those the slot held retires
+        (if it is held: then returned)."""
+        for forget in self.forget:
+            forget()
+        outcome = self.machine.outcome
+        held = outcome if isinstance(outcome, messages.Held) else None
+        for watch_id in [w for w in self.watches if held is None or w not in held.retire]:
+            self.cancel(watch_id)
+        return held
 
     def held(self, outcome: messages.Outcome | None) -> tuple[messages.Held, list[W]]:
         """The slot held and the watches its Hold retires; else raises why the wait gave up."""
@@ -370,25 +381,24 @@ class Driver(Generic[W]):
 
 class _Wait(Driver[Watch]):
     """The threaded driver: the steps on the calling thread (``interrupt`` ends a call's
-    retries), one mailbox for watch notices, the session's loss and the interrupt."""
+    retries), one mailbox for watch notices, the sessions' losses and the interrupt."""
 
     sema: Semaphore
+    box: queue.SimpleQueue[Any]
 
     def __init__(
         self, sema: Semaphore, timeout: float | None, interrupt: Flag, shared: Session | None
     ) -> None:
-        super().__init__(sema, None if shared is None else shared.lease_id, timeout)
+        super().__init__(sema, shared, timeout, queue.SimpleQueue())
         self.client = sema.client
         self.interrupt = interrupt
         self.session = shared  # the session our key is on (a private one once opened)
-        self.shared = shared is not None
-        self.box: Mailbox = queue.SimpleQueue()
-        self.told: set[object] = set()  # flags already fed
 
     def run(self) -> Hold:
-        self.interrupt.subscribe(self.box)
+        put = self.box.put
+        self.forget.append(self.interrupt.add_callback(lambda f: put(messages.Interrupt(f.reason))))
         if self.session is not None:
-            self.session.lost.subscribe(self.box)
+            self._subscribe(self.session)
         try:
             held, retire = self.held(drive(self.client, self.steps(), self.interrupt, self._act))
             session, self.session = self.session, None  # the hold's now
@@ -402,44 +412,32 @@ class _Wait(Driver[Watch]):
                 touch=held.touch,
                 retire=retire,
                 held_at=held.held_at,
-                shared=self.shared,
+                shared=self.shared is not None,
             )
         finally:
             self._clean_up()
 
-    def arrived(self) -> messages.Input | None:
-        if self.interrupt.is_set() and self.interrupt not in self.told:
-            self.told.add(self.interrupt)
-            return messages.Interrupt(self.interrupt.reason)
-        session = self.session
-        if session is not None and session.lost.is_set() and session.lost not in self.told:
-            self.told.add(session.lost)
-            return messages.SessionLost(str(session.lost.reason))
-        return None
+    def _subscribe(self, session: Session) -> None:
+        lost = self.on_session(session.lease_id)
+        self.forget.append(session.lost.add_callback(lambda flag: lost(flag.reason)))
 
     def _next_input(self, timeout: float | None) -> messages.Input | None:
         try:
             item = self.box.get(timeout=3600.0 if timeout is None else min(timeout, 3600.0))
         except queue.Empty:
             return None
-        if isinstance(item, WatchNotice):  # a cancelled watch's is dropped
-            ids = [i for i, watch in self.watches.items() if watch is item.watch]
-            return codec.watch_input(ids[0], item) if ids else None
-        return None  # a flag: arrived() says it
+        return self.input(item)
 
     def _act(self, action: Any) -> messages.Input | None:
         sema, interrupt = self.sema, self.interrupt
         if isinstance(action, Next):
             return self._next_input(action.timeout)
-        if isinstance(action, messages.SendEnqueue):
-            value, response = sema._enqueue(action.key, action.lease_id, interrupt)
-            return codec.enqueue_answer(action, response, value)
         if isinstance(action, messages.ReadStanding):
             read = sema._standing(action.key, action.revision, interrupt)
             return codec.standing_answer(action, read)
         if isinstance(action, messages.OpenSession):
             session = self.session = Session(self.client, sema.ttl, interrupt)
-            session.lost.subscribe(self.box)
+            self._subscribe(session)
             return messages.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, messages.CheckLease):
             assert self.session is not None
@@ -449,7 +447,6 @@ class _Wait(Driver[Watch]):
         if isinstance(action, messages.Withdraw):  # a private session's: revoked
             private, self.session = self.session, None
             if private is not None and private.lease_id == action.lease_id:
-                private.lost.unsubscribe(self.box)
                 private.close(timeout=WITHDRAW_TIMEOUT)
             return messages.Withdrawn(action.id)
         assert isinstance(action, messages.OpenWatch)
@@ -464,16 +461,11 @@ class _Wait(Driver[Watch]):
     def _clean_up(self) -> None:
         """No watch or subscription left; without an outcome (a bug, KeyboardInterrupt), no
         key or private lease either."""
-        for watch_id in list(self.watches):
-            self.cancel(watch_id)
-        self.interrupt.unsubscribe(self.box)
+        self.let_go()
         session, machine = self.session, self.machine
-        if session is None:
-            return
-        session.lost.unsubscribe(self.box)
-        if machine.outcome is not None:
+        if session is None or machine.outcome is not None:
             return  # withdrawn by the machine (or held: the hold took the session)
-        if self.shared:
+        if self.shared is not None:
             withdraw = messages.Withdraw(0, machine.key, machine.revision, session.lease_id, False)
             drive(self.client, withdrawing(self.sema, withdraw))
         else:
@@ -488,9 +480,15 @@ def drive(
 ) -> T:
     """``steps`` executed on this thread (a call's EtcdError or Interrupted thrown back
     into them; PLAN by one Status per endpoint, other steps by ``act``): their answer."""
-    run = Exchange(steps)
-    while not run.done:
-        step = run.step
+    reply: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            answer: T = stop.value
+            return answer
+        error = None
         try:
             if step is PLAN:
                 reply = codec.read_plan(status.server_version(client, interrupt))
@@ -502,10 +500,7 @@ def drive(
                 assert act is not None
                 reply = act(step)
         except (EtcdError, Interrupted) as exc:
-            run.fail(exc)
-        else:
-            run.reply(reply)
-    return run.answer
+            error = exc
 
 
 def send(

@@ -882,19 +882,22 @@ def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, na
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_lease_gone_before_the_first_write_re_enters(client: Client, name: str) -> None:
+def test_a_lease_gone_before_the_first_write_re_enters(
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A process stopped between its LeaseGrant and its first write finds its lease expired:
     etcd refuses the put (lease not found). That is a lost session: re-enter, not give up."""
 
-    class ExpiredFirst(conch.Semaphore):
+    class ExpiredFirst(conch.Session):
         tries = 0
 
-        def _enqueue(self, key: bytes, lease_id: int, interrupt: Any) -> Any:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             ExpiredFirst.tries += 1
             if ExpiredFirst.tries == 1:
-                lease.revoke(client, lease_id)
-            return super()._enqueue(key, lease_id, interrupt)
+                lease.revoke(client, self.lease_id)
 
-    hold = ExpiredFirst(client, name, max=1, ttl=5).acquire(timeout=20)
+    monkeypatch.setattr(semaphore, "Session", ExpiredFirst)
+    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=20)
     assert ExpiredFirst.tries == 2
     hold.release()

@@ -110,10 +110,15 @@ class LostOnce(Semaphore):
 
     rounds = 0
 
-    def _acquire(
-        self, timeout: float | None, interrupt: Flag | None, session: Session | None = None
+    def acquire(
+        self,
+        timeout: float | None = None,
+        interrupt: Flag | None = None,
+        session: Session | None = None,
+        *,
+        guard: bool = True,
     ) -> Hold:
-        hold = super()._acquire(timeout, interrupt, session)
+        hold = super().acquire(timeout, interrupt, session, guard=guard)
         LostOnce.rounds += 1
         if LostOnce.rounds == 1:
             lease.revoke(self.client, hold.lease_id)

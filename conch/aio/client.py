@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from conch.aio.session import _Keeper
+from conch.aio.tasks import Entering
 from conch.etcd import client as etcd_client
 
 
@@ -36,7 +37,7 @@ class Client:
         await self.close()
 
 
-class connect:  # a function to its callers: ``async with connect(...)``
+class connect(Entering[Client]):  # a function to its callers: ``async with connect(...)``
     """``async with connect(endpoints, ...) as client`` (or ``client = await connect(...)``):
     a Client dialled within ``dial_timeout`` seconds, closed when the block ends. Arguments
     and errors as ``conch.connect`` (UsageError, Unavailable, AuthenticationFailed); the
@@ -51,24 +52,12 @@ class connect:  # a function to its callers: ``async with connect(...)``
         tls: etcd_client.TLS | None = None,
         credentials: etcd_client.Credentials | None = None,
     ) -> None:
-        self._args = (endpoints, dial_timeout, request_timeout, tls, credentials)
-        self._client: Client | None = None
 
-    async def _connect(self) -> Client:
-        endpoints, dial_timeout, request_timeout, tls, credentials = self._args
-        parsed = etcd_client.parse_endpoints(endpoints)
-        sync = await etcd_client.Client.connect_async(
-            parsed, dial_timeout, request_timeout, tls, credentials
-        )
-        return Client(sync)
+        async def dial() -> Client:
+            parsed = etcd_client.parse_endpoints(endpoints)
+            sync = await etcd_client.Client.connect_async(
+                parsed, dial_timeout, request_timeout, tls, credentials
+            )
+            return Client(sync)
 
-    def __await__(self) -> Generator[Any, None, Client]:
-        return self._connect().__await__()
-
-    async def __aenter__(self) -> Client:
-        self._client = await self._connect()
-        return self._client
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._client is not None:
-            await self._client.close()
+        super().__init__(dial)

@@ -292,7 +292,8 @@ class KeepAlives:
             opened: Stream | EtcdError
             try:
                 client = live(self._client_ref)
-                opened = BidiStream(client, *_LEASE, self._deliver, timeout, endpoint=endpoint)
+                token = client.token(timeout)
+                opened = BidiStream(client, *_LEASE, self._deliver, token, endpoint)
             except Exception as exc:
                 opened = _open_failed(endpoint, exc)
             self._steps.call_later(0, lambda: self._opened(endpoint, opened))

@@ -182,7 +182,8 @@ class _Hub:
 
     def _open(self) -> Stream:
         # Not under the lock: an Auth.Authenticate or a TLS handshake may take seconds.
-        return BidiStream(live(self._client_ref), "watch", "Watch", self._on_item)
+        client = live(self._client_ref)
+        return BidiStream(client, "watch", "Watch", self._on_item, client.token())
 
     def _connect(self, withdraw: Watch | None) -> None:
         """Open the stream (by the thread that set ``_opening``) and create every watch on

@@ -302,7 +302,10 @@ class _Run:
         job = procs._Job(pid)
         if isinstance(notice, ChildExit):
             if not job.alive():
-                # The next holder waits for this revoke: it goes before anything else.
+                # Nothing is left for the watchdog to kill: a revoke that outlasts the
+                # deadline (etcd slow or frozen) must not fire it and turn the child's
+                # status into a loss. The next holder waits for this revoke: it goes next.
+                watchdog.dismiss()
                 hold.release(log_it=False)
             code = _log_child_exit(pid, notice.returncode, started)
             if job.alive():  # a warning for each process that escaped the group

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
-# conch.events' dispatcher, set while it has callbacks: every transition passes here.
+# conch.events' dispatcher, once it is imported: every transition passes here.
 _hooks: Callable[[str, dict[str, object]], None] | None = None
 
 
@@ -59,28 +59,18 @@ def to_stderr() -> None:
     LOGGER.propagate = False
 
 
-def _format_value(value: object) -> str:
-    text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    return text
-
-
 def _line(level: str, event: str, fields: dict[str, object]) -> str:
-    head = [] if level == "info" else [f"level={level}"]
-    pairs = [f"{key}={_format_value(value)}" for key, value in fields.items()]
-    return "conch: " + " ".join([*head, f"event={event}", *pairs])
+    words = [f"event={event}"] if level == "info" else [f"level={level}", f"event={event}"]
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        words.append(f"{key}={text}")
+    return "conch: " + " ".join(words)
 
 
 # What a LogRecord already has (and makeRecord refuses to overwrite), or a formatter adds.
 _RESERVED = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-
-def _extra(event: str, fields: dict[str, object]) -> dict[str, object]:
-    extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
-    for key, value in fields.items():
-        extra[f"conch_{key}" if key in _RESERVED else key] = value
-    return extra
 
 
 def _emit(level: int, /, event: str, **fields: object) -> None:
@@ -90,8 +80,11 @@ def _emit(level: int, /, event: str, **fields: object) -> None:
             _hooks(event, fields)
     if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
+            extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
+            for key, value in fields.items():
+                extra[f"conch_{key}" if key in _RESERVED else key] = value
             line = _line(logging.getLevelName(level).lower(), event, fields)
-            LOGGER.log(level, line, extra=_extra(event, fields))
+            LOGGER.log(level, line, extra=extra)
 
 
 # ``info(event, **fields)``: one line for ``event``, its fields in order.

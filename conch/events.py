@@ -104,25 +104,22 @@ def subscribe(callback: Callback) -> Callable[[], None]:
 
 def _seconds(value: object) -> float | None:
     """A duration as the log line has it (``"1.204s"``), in seconds; None if it is none."""
-    try:
+    with contextlib.suppress(ValueError):
         return float(str(value).removesuffix("s"))
-    except ValueError:
-        return None
+    return None
 
 
 def _int(value: object, base: int = 10) -> int | None:
-    try:
+    with contextlib.suppress(ValueError):
         return int(str(value), base)
-    except ValueError:
-        return None
+    return None
 
 
 def _event(event: str, fields: dict[str, object]) -> Event | None:
-    name = str(fields.get("name", ""))
-    revision = _int(fields.get("rev", ""))
-    size = _int(fields.get("max", 0)) or 0
-    if revision is None:
+    if (revision := _int(fields.get("rev"))) is None:
         return None
+    name = str(fields.get("name", ""))
+    size = _int(fields.get("max", 0)) or 0
     if event == "queued":
         return Queued(name, size, revision, _int(fields.get("position")), _int(fields.get("ahead")))
     if event == "acquired":

@@ -1,19 +1,16 @@
-"""State-transition logging: one line per transition, ``key=value`` pairs.
+"""State-transition logging: one line per transition, ``key=value`` pairs (values with
+spaces, quotes or ``=`` double-quoted), to the ``logging`` logger ``conch``: INFO for
+transitions, WARNING and ERROR for trouble (with no logging set up, Python shows those on
+stderr and drops the rest).
 
     conch: event=acquired name=heavy-jobs max=2 rev=8812 waited=1.204s
 
-Values with spaces, quotes or ``=`` are double-quoted. Lines go to the ``logging`` logger
-``conch`` (INFO for transitions, WARNING and ERROR for trouble); with no logging set up,
-Python shows the warnings and errors on stderr and drops the rest. The command sends every
-line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
-``set_debug(True)`` adds the DEBUG lines. Logging never raises: a closed stderr must not
-kill a supervisor.
-
-Each record also carries its fields (``logging``'s ``extra``) for structured handlers:
-``conch_event`` (``acquired``), each field under its own name (``rev``, ``waited``: values
-as in the line), or as ``conch_<field>`` where ``logging.LogRecord`` has that attribute
-(``conch_name``), and ``conch_fields``, all of them in one dict. Every transition is also
-handed, as a typed event, to the callbacks of ``conch.events``, whatever the level.
+The command sends every line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only
+warnings and errors, ``set_debug(True)`` adds the DEBUG lines. Logging never raises: a
+closed stderr must not kill a supervisor. Each record also carries its fields as ``extra``
+(``conch_event``, each field by its name or as ``conch_<field>`` where a LogRecord has that
+attribute, ``conch_fields``: docs/operations.md "Logs"); every transition also goes, as a
+typed event, to the callbacks of ``conch.events``, whatever the level.
 """
 
 from __future__ import annotations

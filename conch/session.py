@@ -137,9 +137,7 @@ class _Keeper(Keeper):
 
     def send(self, deadline: float) -> None:
         sent = time.monotonic()
-        self.keepalives.refresh(
-            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
-        )
+        self.keepalives.refresh(self.lease_id, deadline, lambda got: self.answered(sent, got))
 
     def answered(self, sent: float, outcome: lease.Outcome) -> None:
         if self.machine.closed:

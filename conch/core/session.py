@@ -20,7 +20,8 @@ from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
 
 # Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
-# step: a client's sessions send in bursts the keepalive thread serves in one wake-up.
+# step: a client's sessions send in bursts the keepalive thread serves in one wake-up (safe:
+# each deadline counts from its send time).
 SEND_GRID = 0.5  # seconds
 
 # The pause before an unanswered keepalive is sent again, doubling up to the cap.

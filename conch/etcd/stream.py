@@ -13,7 +13,7 @@ import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.retry import map_rpc_error
+from conch.etcd.client import map_rpc_error
 
 if TYPE_CHECKING:
     import asyncio

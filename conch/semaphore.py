@@ -22,7 +22,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import keys, log
 from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
-from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import Compacted, EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
@@ -66,7 +66,6 @@ class Recipe:
     prefix: bytes = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        """Raises UsageError naming the bad parameter (client, name, host, max, ttl)."""
         self._check_client()
         keys.check_name(self.name)
         keys.check_host(self.identity.host)
@@ -169,9 +168,6 @@ class Semaphore(Recipe):
         return drive(self.client, together(reads), interrupt)
 
 
-# -- what both faces' drivers share --------------------------------------------------------
-
-
 def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
     """Ranges seen at one revision, read as ``codec.ReadTogether`` decides."""
     read = codec.ReadTogether(reads, (yield PLAN))
@@ -249,7 +245,6 @@ class Driver(Generic[W]):
         return None
 
     def input(self, item: Any) -> messages.Input | None:
-        """What arrived, as the machine's input (None: nothing for it)."""
         if isinstance(item, WatchNotice):  # the threaded face's; a cancelled watch's is dropped
             ids = [i for i, watch in self.watches.items() if watch is item.watch]
             return codec.watch_input(ids[0], item) if ids else None
@@ -317,15 +312,20 @@ class Driver(Generic[W]):
             return codec.failed(action.id, exc)
 
     def noting(self, note: messages.Note) -> Steps[None]:
-        """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
-        create_revision filter)."""
+        """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead_request``)."""
         sema, fields = self.sema, dict(note.fields)
         if note.event == "queued":
             fields = {"max": sema.max, **fields}
             if "ahead" not in note.fields:
-                request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
+                revision = int(str(note.fields["rev"]))
                 try:
-                    ahead = len((yield codec.Call("kv", "Range", request)).kvs)
+                    try:
+                        request = codec.count_ahead_request(sema.prefix, revision)
+                        ahead = codec.count_ahead((yield codec.Call("kv", "Range", request)))
+                    except Compacted:
+                        request = codec.count_ahead_request(sema.prefix, revision, compacted=True)
+                        answer = yield codec.Call("kv", "Range", request)
+                        ahead = codec.count_ahead(answer, compacted=True)
                     fields.update(position=ahead + 1, ahead=ahead)
                 except (EtcdError, Interrupted):
                     pass
@@ -374,9 +374,6 @@ class Driver(Generic[W]):
             waited=f"{time.monotonic() - self.started:.3f}s",
         )
         return outcome, [self.watches.pop(w) for w in outcome.retire if w in self.watches]
-
-
-# -- the threaded driver ------------------------------------------------------------------
 
 
 class _Wait(Driver[Watch]):

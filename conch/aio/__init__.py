@@ -16,26 +16,17 @@
         async with conch.aio.Session(client, ttl=10) as session:  # one lease, several holds
             hold = await sema.acquire(timeout=30, session=session)
 
-The one recipe (``conch.core.waiter.Waiter``), driven with awaits: unary calls are grpc.aio
-calls on the loop (``Client.call_async``); watches and keepalives ride one Watch and one
-LeaseKeepAlive stream per client and loop, read by the loop (``conch.etcd.aio``); delays and
-a hold's guard (``conch.core.guard.GuardMachine``) are the loop's timers. So a waiting
-acquire costs no thread, and nothing here uses the loop's default executor.
-
-Cancelling a waiting acquire (``task.cancel()``, ``asyncio.timeout``, ``asyncio.wait_for``)
-feeds the machine an interrupt: it withdraws our key (a private session's lease revoked, a
-shared session's key deleted), and the cancel propagates once that is over. If the slot was
-granted just as the cancel came, the hold is released before it propagates. Either way no
-key is left behind. A request already sent when the cancel comes is answered first (each
-has the client's request timeout), so that no write lands after the withdrawal.
+Each wait is the one recipe (``conch.core.waiter.Waiter``) driven with awaits on the loop:
+no thread per call, waiter or hold, nothing on the loop's default executor. Cancelling a
+waiting acquire (``task.cancel()``, ``asyncio.timeout``) withdraws our key, or releases a
+slot granted just then, before the CancelledError propagates: no key is left behind.
 
 What differs from the threaded face is how a call waits, never what it decides: no
-``interrupt=`` (cancel the task instead); ``hold.lost`` an ``asyncio.Event`` (a
-``conch.Flag`` in threads) with the reason in ``hold.reason``; ``check``, ``put``,
-``delete``, ``release`` and ``who`` awaited; ``on_lost`` callbacks on the loop; no
-``remaining()`` (bound a step with ``asyncio.timeout_at(hold.deadline)`` on asyncio's own
-loop, whose clock is ``time.monotonic()``). A hold from ``await sema.acquire()`` is an
-async context manager too (``async with hold:`` releases it).
+``interrupt=`` (cancel the task); ``hold.lost`` an ``asyncio.Event`` (reason in
+``hold.reason``); ``check``, ``put``, ``delete``, ``release`` and ``who`` awaited;
+``on_lost`` callbacks on the loop; no ``remaining()`` (``asyncio.timeout_at(hold.deadline)``
+on asyncio's own loop); ``async with hold:`` releases a hold from ``await sema.acquire()``.
+How, and why: docs/embedding.md, "asyncio".
 """
 
 from __future__ import annotations

@@ -141,9 +141,6 @@ async def drive(
             error = exc
 
 
-# -- the semaphore ------------------------------------------------------------------------
-
-
 async def _release_if_granted(
     driver: _Driver, driving: asyncio.Task[messages.Outcome], unclaim: Callable[[], None]
 ) -> None:

@@ -3,7 +3,8 @@ see it, the inputs a driver feeds, the actions a machine asks for, and the outco
 
 Plain frozen records, no behaviour: ``conch.core.waiter`` decides with them, the codec
 (``conch.core.codec``) turns actions into etcd requests and responses into inputs, and each
-face executes them.
+face executes them. docs/design.md ("The machine") tables what each input means and which
+etcd call each action is.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
-
-# -- what the machine knows of etcd's data -------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -33,8 +32,7 @@ class EventType(enum.Enum):
 
 @dataclass(frozen=True)
 class Event:
-    """One watch event: a put or a deletion of ``kv.key`` at ``kv.mod_revision`` (for a
-    deletion, etcd reports the deletion's revision as mod_revision)."""
+    """A put or a deletion of ``kv.key`` at ``kv.mod_revision`` (a deletion's own revision)."""
 
     type: EventType
     kv: KeyRev
@@ -51,13 +49,12 @@ class Failure(enum.Enum):
 
 @dataclass(frozen=True)
 class Tagged:
-    """An action that asks, or an input that answers: the driver feeds back an action's
-    answer under the action's ``id``."""
+    """An action that asks, or an input that answers it under the action's ``id``."""
 
     id: int
 
 
-# -- inputs --------------------------------------------------------------------------------
+# -- inputs: ``revision`` is the response header's -----------------------------------------
 
 
 @dataclass(frozen=True)
@@ -70,11 +67,11 @@ class SessionOpened(Tagged):
 
 @dataclass(frozen=True)
 class EnqueueAnswer(Tagged):
-    """Answer to ``SendEnqueue``. ``revision``: the response header's. ``created``: the put
-    happened; ``heads`` are then the first N keys (our key among them: we hold at
-    ``revision``). Else ``existing`` is the key found in our place (None: deleted between
-    compare and read) and ``existing_ours`` whether it is on our lease (an earlier attempt
-    of ours went through). ``value``: what our key holds (written, or found ours)."""
+    """Answer to ``SendEnqueue``. ``created``: the put happened; ``heads`` are then the first
+    N keys (our key among them: we hold at ``revision``). Else ``existing`` is the key found
+    in our place (None: deleted between compare and read) and ``existing_ours`` whether it
+    is on our lease (an earlier attempt of ours went through). ``value``: what our key holds
+    (written, or found ours)."""
 
     revision: int
     created: bool
@@ -118,8 +115,9 @@ class LeaseAnswer(Tagged):
 
 
 @dataclass(frozen=True)
-class Withdrawn(Tagged):
-    """``Withdraw`` is over (confirmed or not: it is best effort, the lease expires anyway)."""
+class Over(Tagged):
+    """The ``Pause`` with this id has run its length, or the ``Withdraw`` is over (confirmed
+    or not: it is best effort, the lease expires anyway)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +139,7 @@ class WatchCreated(Tagged):
 
 @dataclass(frozen=True)
 class WatchEvents(Tagged):
-    """The watch delivered ``events`` (in revision order); ``revision``: the header's."""
+    """The watch delivered ``events`` (in revision order)."""
 
     events: Sequence[Event]
     revision: int
@@ -153,11 +151,6 @@ class WatchBroken(Tagged):
 
     compacted: bool = False
     detail: str = ""
-
-
-@dataclass(frozen=True)
-class PauseOver(Tagged):
-    """The ``Pause`` with this id has run its length."""
 
 
 @dataclass(frozen=True)
@@ -179,23 +172,11 @@ class Interrupt:
     reason: object = None
 
 
-Input: TypeAlias = (
-    SessionOpened
-    | EnqueueAnswer
-    | StandingAnswer
-    | KeysAnswer
-    | TouchAnswer
-    | LeaseAnswer
-    | Withdrawn
-    | Failed
-    | WatchCreated
-    | WatchEvents
-    | WatchBroken
-    | PauseOver
-    | DeadlineReached
-    | SessionLost
-    | Interrupt
-)
+# What answers a request of the main line, a watch's notices, what the driver tells unasked.
+Answer: TypeAlias = SessionOpened | EnqueueAnswer | StandingAnswer | KeysAnswer | LeaseAnswer
+Watched: TypeAlias = WatchCreated | WatchEvents | WatchBroken
+Told: TypeAlias = DeadlineReached | SessionLost | Interrupt
+Input: TypeAlias = Answer | TouchAnswer | Over | Failed | Watched | Told
 
 
 # -- actions: each names its etcd call; conch.core.codec builds it -------------------------
@@ -272,7 +253,7 @@ class Withdraw(Tagged):
     """Take our key out of the queue, best effort (WITHDRAW_TIMEOUT): with ``revoke``,
     revoke ``lease_id`` (a private session: its close); else delete ``key`` by a KV.Txn
     comparing its create_revision with ``revision``, or when ``revision`` is 0 (our enqueue's
-    outcome unknown) comparing its lease with ``lease_id``. Answer: Withdrawn."""
+    outcome unknown) comparing its lease with ``lease_id``. Answer: Over."""
 
     key: bytes
     revision: int
@@ -283,7 +264,7 @@ class Withdraw(Tagged):
 @dataclass(frozen=True)
 class Pause(Tagged):
     """Wait ``seconds`` (cut short by the deadline or an interrupt, which the driver feeds
-    then), then feed PauseOver(id)."""
+    then), then feed Over(id)."""
 
     seconds: float
 
@@ -298,19 +279,9 @@ class Note:
     warning: bool = False
 
 
-Action: TypeAlias = (
-    OpenSession
-    | SendEnqueue
-    | ReadStanding
-    | ReadKeys
-    | OpenWatch
-    | CancelWatch
-    | Touch
-    | CheckLease
-    | Withdraw
-    | Pause
-    | Note
-)
+# The requests of the waiter's main line (one at a time), and every action.
+Request: TypeAlias = OpenSession | SendEnqueue | ReadStanding | ReadKeys | CheckLease | Withdraw
+Action: TypeAlias = Request | OpenWatch | CancelWatch | Touch | Pause | Note
 
 
 # -- outcomes ------------------------------------------------------------------------------

@@ -17,12 +17,11 @@ from typing import TypeAlias
 
 @dataclass(frozen=True)
 class KeyRev:
-    """One key as a Range (keys only) or a watch event shows it: its create_revision ranks
-    it in the queue, its mod_revision changes with every put (a touch)."""
+    """One key as a Range (keys only) or a watch event shows it."""
 
     key: bytes
-    create_revision: int
-    mod_revision: int
+    create_revision: int  # ranks it in the queue
+    mod_revision: int  # changes with every put (a touch)
 
 
 class EventType(enum.Enum):
@@ -54,64 +53,47 @@ class Tagged:
     id: int
 
 
-# -- inputs: ``revision`` is the response header's -----------------------------------------
+# -- inputs: the action an answer answers names it; its ``revision`` is the header's -------
 
 
 @dataclass(frozen=True)
 class SessionOpened(Tagged):
-    """Answer to ``OpenSession``: the new lease and our key on it."""
-
-    lease_id: int
-    key: bytes
+    lease_id: int  # the new lease
+    key: bytes  # our key on it
 
 
 @dataclass(frozen=True)
 class EnqueueAnswer(Tagged):
-    """Answer to ``SendEnqueue``. ``created``: the put happened; ``heads`` are then the first
-    N keys (our key among them: we hold at ``revision``). Else ``existing`` is the key found
-    in our place (None: deleted between compare and read) and ``existing_ours`` whether it
-    is on our lease (an earlier attempt of ours went through). ``value``: what our key holds
-    (written, or found ours)."""
-
     revision: int
-    created: bool
-    value: bytes = b""
+    created: bool  # the put happened: ``heads`` are the first N keys (ours among them: held)
+    value: bytes = b""  # what our key holds (written, or found ours)
     heads: Sequence[bytes] = ()
-    existing: KeyRev | None = None
-    existing_ours: bool = False
+    existing: KeyRev | None = None  # not created: the key in our place (None: deleted since)
+    existing_ours: bool = False  # it is on our lease: an earlier attempt of ours went through
 
 
 @dataclass(frozen=True)
 class StandingAnswer(Tagged):
-    """Answer to ``ReadStanding``: ``window`` the first ``window_size(N)`` keys ascending,
-    ``mine_and_prev`` the last two descending (ours first, if still there)."""
-
     revision: int
-    window: Sequence[KeyRev]
-    mine_and_prev: Sequence[KeyRev]
+    window: Sequence[KeyRev]  # the first window_size(N) keys, ascending
+    mine_and_prev: Sequence[KeyRev]  # the last two, descending (ours first, if still there)
 
 
 @dataclass(frozen=True)
 class KeysAnswer(Tagged):
-    """Answer to ``ReadKeys``: each key in the order asked, None when absent."""
-
     revision: int
-    kvs: Sequence[KeyRev | None]
+    kvs: Sequence[KeyRev | None]  # each key in the order asked, None when absent
 
 
 @dataclass(frozen=True)
 class TouchAnswer(Tagged):
-    """Answer to ``Touch``: ``succeeded`` false when our key is gone (compare failed)."""
-
     revision: int
-    succeeded: bool
+    succeeded: bool  # false when our key is gone (the compare failed)
 
 
 @dataclass(frozen=True)
 class LeaseAnswer(Tagged):
-    """Answer to ``CheckLease``: ``ttl`` seconds left, <= 0 gone."""
-
-    ttl: int
+    ttl: int  # seconds left, <= 0: gone
 
 
 @dataclass(frozen=True)
@@ -122,26 +104,19 @@ class Over(Tagged):
 
 @dataclass(frozen=True)
 class Failed(Tagged):
-    """A request failed; ``detail`` says how, for the log; ``cause`` is the driver's own
-    (an exception), handed back in GaveUp.cause."""
-
-    failure: Failure
-    detail: str = ""
-    cause: object = None
+    failure: Failure  # the request failed so
+    detail: str = ""  # how, for the log
+    cause: object = None  # the driver's own (an exception), handed back in GaveUp.cause
 
 
 @dataclass(frozen=True)
 class WatchCreated(Tagged):
-    """etcd confirmed the watch: it covers the revisions after ``revision``."""
-
-    revision: int
+    revision: int  # etcd confirmed the watch: it covers the revisions after this one
 
 
 @dataclass(frozen=True)
 class WatchEvents(Tagged):
-    """The watch delivered ``events`` (in revision order)."""
-
-    events: Sequence[Event]
+    events: Sequence[Event]  # in revision order
     revision: int
 
 
@@ -297,18 +272,16 @@ class TouchOwed(enum.Enum):
 
 @dataclass(frozen=True)
 class Held:
-    """We hold a slot: ``revision`` is our key's create_revision (the fencing token),
-    ``held_at`` a revision at which it was seen holding. ``retire``: ids of watches left
-    open (the one that woke us: cancel it off the handoff's path). ``lease_id`` and ``key``
-    as held (a private session may have been re-opened on the way)."""
+    """We hold a slot; ``key`` and ``lease_id`` as held (a private session may have been
+    re-opened on the way)."""
 
     key: bytes
     lease_id: int
-    revision: int
-    held_at: int
+    revision: int  # our key's create_revision: the fencing token
+    held_at: int  # a revision at which it was seen holding
     value: bytes
     touch: TouchOwed
-    retire: Sequence[int] = ()
+    retire: Sequence[int] = ()  # watches left open (that woke us): cancel off the handoff's path
 
 
 class Reason(enum.Enum):

@@ -1,14 +1,12 @@
-"""The waiting recipe as a pure state machine, as h11 is HTTP's: inputs in, actions out; no
+"""The waiting recipe as a pure state machine (as h11 is HTTP's): inputs in, actions out; no
 sockets, no threads, no clock, no gRPC. A ``Waiter`` is one acquire of one semaphore:
 docs/design.md ("Waiting", "The machine") draws its states, tables its inputs and actions
-and shows the driver's loop (``conch.semaphore.Driver`` serves both faces). It says which
-etcd request to send (``SendEnqueue``, ``ReadStanding``, ``OpenWatch``, ``Touch``, ...) and
-is told what came back (``EnqueueAnswer``, ``StandingAnswer``, ``WatchEvents``, ``Failed``,
-...) under the request's ``id``: an answer to a request it has moved past is ignored. Time
-reaches it only as inputs (``DeadlineReached``, ``Over``); ``Pause`` says how long, from the
-``Backoff`` the driver gave it. Actions are executed in the order given: the one on the
-handoff's path comes first (a read before the cancel of the watch that woke it). ``Note``
-actions are log lines. Once a slot is held, the Hold's guard decides (``conch.core.guard``).
+and shows its driver's loop. Every request carries an ``id``: an answer to one the machine
+has moved past is ignored. Time reaches it only as inputs (``DeadlineReached``, ``Over``);
+``Pause`` says how long, from the ``Backoff`` the driver gave it. Actions are executed in the
+order given: the one on the handoff's path comes first (a read before the cancel of the watch
+that woke it); ``Note`` actions are log lines. Once a slot is held, the Hold's guard decides
+(``conch.core.guard``).
 """
 
 from __future__ import annotations
@@ -192,7 +190,6 @@ class Waiter:
         return self._ids
 
     def _send(self, action: m.Request) -> list[m.Action]:
-        """``action`` as the one request on the main line (its id is ``_request``)."""
         self._request, self._asked = action.id, type(action)
         return [action]
 

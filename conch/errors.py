@@ -24,7 +24,8 @@ class Outcome(enum.Enum):
 
     def __new__(cls, event: str, code: int | None) -> Outcome:
         outcome = object.__new__(cls)
-        outcome._value_, outcome.code = event, code
+        outcome._value_ = event
+        outcome.code = code
         return outcome
 
     CHILD_EXITED = "child-exited", None  # the child ran to its end while the hold was kept
@@ -47,9 +48,8 @@ EXIT_CODES: dict[Outcome, int | None] = {outcome: outcome.code for outcome in Ou
 
 def exit_code(outcome: Outcome, status: int | None = None) -> int:
     """The exit code of ``outcome`` (EXIT_CODES); ``status``: the one where it says None."""
-    code = EXIT_CODES[outcome]
-    if code is not None:
-        return code
+    if outcome.code is not None:
+        return outcome.code
     assert status is not None, outcome
     return status
 

@@ -31,7 +31,7 @@ def window_size(max_holders: int) -> int:
 
 
 class PauseSource(Protocol):
-    """Where a ``Pause``'s length comes from: ``conch.etcd.retry.Backoff`` (capped,
+    """Where a ``Pause``'s length comes from: ``conch.etcd.client.Backoff`` (capped,
     jittered; seconds)."""
 
     def next(self) -> float: ...

@@ -31,12 +31,10 @@ from conch.semaphore import Semaphore
 from conch.settings import (
     Connection,
     ConnectionFlags,
-    conch_setting,
-    connect_with,
-    named,
     parse_duration,
     parse_ttl,
     resolve,
+    setting,
     truthy,
 )
 
@@ -44,24 +42,21 @@ __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
-    """argparse's, sized to the terminal without importing shutil (argparse makes one for
-    every add_argument(); shutil's import was ~2.5 ms of every start, bench/startup.py)."""
+    """argparse's, as wide as shutil.get_terminal_size() says ($COLUMNS, else stdout's
+    terminal, else 80) without importing shutil: argparse makes one for every add_argument(),
+    and shutil's import was ~2.5 ms of every start (bench/startup.py)."""
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
-        kwargs.setdefault("width", _columns() - 2)
+        columns = 0
+        with contextlib.suppress(ValueError):
+            columns = int(os.environ.get("COLUMNS", "0"))
+        if columns <= 0:
+            try:
+                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
+            except (AttributeError, ValueError, OSError):
+                columns = 80
+        kwargs.setdefault("width", columns - 2)
         super().__init__(prog, **kwargs)
-
-
-def _columns() -> int:
-    """shutil.get_terminal_size().columns: $COLUMNS, else stdout's terminal, else 80."""
-    with contextlib.suppress(ValueError):
-        columns = int(os.environ.get("COLUMNS", "0"))
-        if columns > 0:
-            return columns
-    try:
-        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
-    except (AttributeError, ValueError, OSError):
-        return 80
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,6 +143,17 @@ def _option(usage: str) -> tuple[list[str], str, str]:
     return names, names[0][2:].replace("-", "_"), metavar
 
 
+# Every option string, and whether it takes a value; those of the top level (before the
+# subcommand).
+_OPTIONS = {
+    flag: bool(_option(usage)[2])
+    for table in (_CONNECTION, _SEMA, _WAITING, _SEMA_AFTER)
+    for usage in table
+    for flag in _option(usage)[0]
+} | dict.fromkeys(("-h", "--help", "--version"), False)
+_TOP = {"-h", "--help", "--version", *(_option(usage)[0][0] for usage in _CONNECTION)}
+
+
 def _add_options(
     group: argparse._ActionsContainer, options: Mapping[str, str], prefix: str = ""
 ) -> None:
@@ -229,7 +235,7 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
     # Imported here: only --who lists (~1 ms of every other start, measured with -X importtime).
     from conch.listing import who
 
-    with connect_with(connection) as client:
+    with connection.dial() as client:
         records = who(client, args.name, max_holders)
     capacities = sorted({r.max for r in records}, key=lambda c: -1 if c is None else c)
     for capacity in capacities:
@@ -263,53 +269,42 @@ class _RunSettings(NamedTuple):
 def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunSettings:
     """--ttl, --kill-after, --wait and --record-args (or their env vars), checked whatever
     the mode: a bad value is a usage error even where it would not be used (--who)."""
-    ttl_found = conch_setting("--ttl", args.ttl, "TTL", "10s", environ)
-    ttl = parse_ttl(named("--ttl", ttl_found), ttl_found.value)
-    ka_found = conch_setting("--kill-after", args.kill_after, "KILL_AFTER", "5s", environ)
-    kill_after = parse_duration(named("--kill-after", ka_found), ka_found.value)
+    ttl_found = setting("--ttl", args.ttl, "TTL", "10s", environ, ("CONCH_",))
+    ttl = parse_ttl(ttl_found.named, ttl_found.value)
+    ka_found = setting("--kill-after", args.kill_after, "KILL_AFTER", "5s", environ, ("CONCH_",))
+    kill_after = parse_duration(ka_found.named, ka_found.value)
     # The child must be dead before its lease can expire: a grace asked for that cannot fit
     # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
     # each keepalive its whole patience.
     if ka_found.source == "default":
         kill_after = supervisor.default_kill_after(ttl, kill_after)
     else:
-        kill_after = supervisor.check_kill_after(kill_after, ttl, named("--kill-after", ka_found))
+        kill_after = supervisor.check_kill_after(kill_after, ttl, ka_found.named)
     wait = 0.0 if args.nonblock else None
     if args.wait is not None:
         wait = parse_duration("--wait", args.wait)
-    record = conch_setting(
-        "--record-args", "1" if args.record_args else None, "RECORD_ARGS", "", environ
-    )
+    given = "1" if args.record_args else None
+    record = setting("--record-args", given, "RECORD_ARGS", "", environ, ("CONCH_",))
     record_args = truthy(record.value)
     log.debug("setting", setting="record-args", value=int(record_args), source=record.source)
     return _RunSettings(ttl, kill_after, wait, record_args)
 
 
+_RUN = "conch sema NAME --max N -- CMD..."
 _NEGATIVE = re.compile(r"-\.?\d")  # -1s, -.5: a negative value, not an option
 
 
-def _negative_values_attached(parser: argparse.ArgumentParser, words: list[str]) -> list[str]:
+def _negative_values_attached(words: list[str]) -> list[str]:
     """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
     is not a plain negative number for an option, and would say "expected one argument";
     attached, the value reaches its check, which says what is wrong with it."""
-    valued = {f for a in _actions(parser) if a.nargs is None for f in a.option_strings}
     out: list[str] = []
     for word in words:
-        if out and out[-1] in valued and _NEGATIVE.match(word):
+        if out and _OPTIONS.get(out[-1]) and _NEGATIVE.match(word):
             out[-1] = f"{out[-1]}={word}"
         else:
             out.append(word)
     return out
-
-
-def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The actions of ``parser`` and of its subcommands."""
-    found = list(parser._actions)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                found.extend(sub._actions)
-    return found
 
 
 def _parse_words(
@@ -323,44 +318,35 @@ def _parse_words(
         # conch -w 10 sema ...: the unknown -w left its value to be taken for the subcommand
         # ("invalid choice: '10'"); the option is what to talk about.
         for word in words[: words.index("sema")] if "sema" in words else words:
-            if word.startswith("-") and word.split("=", 1)[0] not in _options_of(parser, True):
-                raise UsageError(_unknown_option(parser, word, before_subcommand=True)) from None
+            if word.startswith("-") and word.split("=", 1)[0] not in _TOP:
+                raise UsageError(_unknown_option(word, before_subcommand=True)) from None
         raise
     for word in extras:
         if word.startswith("-") and word != "-":
             before = "sema" in words and words.index(word) < words.index("sema")
-            raise UsageError(_unknown_option(parser, word, before))
+            raise UsageError(_unknown_option(word, before))
     if extras:
-        if has_cmd:
-            raise UsageError(f"unexpected argument {hints.shown(extras[0])}: one NAME only")
-        raise UsageError(
-            f"unexpected argument {hints.shown(extras[0])}: "
-            "the command goes after --: conch sema NAME --max N -- CMD..."
-        )
+        where = "one NAME only" if has_cmd else f"the command goes after --: {_RUN}"
+        raise UsageError(f"unexpected argument {hints.shown(extras[0])}: {where}")
     return args
 
 
-def _options_of(parser: argparse.ArgumentParser, top_only: bool = False) -> list[str]:
-    actions = parser._actions if top_only else _actions(parser)
-    return [option for action in actions for option in action.option_strings]
-
-
-def _unknown_option(parser: argparse.ArgumentParser, word: str, before_subcommand: bool) -> str:
+def _unknown_option(word: str, before_subcommand: bool) -> str:
     """What to say about ``word``, an option the parser did not take where it was given."""
     given = word.split("=", 1)[0]
-    if before_subcommand and given in _options_of(parser):
+    if before_subcommand and given in _OPTIONS:
         return f"{given} goes after the subcommand: conch sema NAME {given} ..."
-    return hints.unknown_option(word, _options_of(parser))
+    return hints.unknown_option(word, _OPTIONS)
 
 
 def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
     """The arguments before ``--`` (``has_cmd``: a ``--`` followed). A NAME that starts with
     a single ``-`` (``-x``) is taken as the NAME when it comes right after ``sema``, is not
-    one of our options (``-n``, ``-q``: there a forgotten NAME stays an error), and the
+    one of our options (``-n``, ``-qn``: there a forgotten NAME stays an error), and the
     words do not parse otherwise. Connection options given before the subcommand are merged
     into those given after it (both: a usage error)."""
     parser = build_parser()
-    words = _negative_values_attached(parser, words)
+    words = _negative_values_attached(words)
     try:
         args = _parse_words(parser, words, has_cmd)
     except UsageError as error:
@@ -406,18 +392,15 @@ def _run(
     check_host(identity.host)
     if exiting:
         supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
-    # Its interpreter starts while we connect, instead of after (~20 ms of the run). When it
-    # cannot be started, supervisor.supervise() tries again and reports it.
+    # Started while we connect (~20 ms sooner); if it cannot be, supervise() retries and reports.
     watchdog = None
     with contextlib.suppress(OSError):
         watchdog = supervisor.start_watchdog(settings.kill_after)
-    # Dialling writes nothing, so a signal then may simply end us (the watchdog, with no
-    # child announced, exits at the end of its pipe); from the first write on, signals are
-    # caught and withdraw or forward. When the process exits right after (``exiting``),
-    # they stay caught: a late one must not replace the child's status.
+    # Caught from the first write on (dialling writes nothing: a signal may simply end us);
+    # with ``exiting`` they stay caught, as a late one must not replace the child's status.
     try:
         with (
-            connect_with(connection) as client,
+            connection.dial() as client,
             supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
             sema = Semaphore(client, args.name, max_holders, settings.ttl, args.spread, identity)
@@ -441,10 +424,8 @@ def run() -> NoReturn:
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     procs.prepare_command_process()
-    # gRPC's blocking stream iterators wake every 0.1 s (grpc._common.MAXIMUM_WAIT_TIMEOUT)
-    # for a KeyboardInterrupt in the main thread; conch reads them in threads of its own, where
-    # that only burns CPU (15% of a core for 100 waiters). The command owns its interpreter, so
-    # they wake every 5 s (the library leaves gRPC alone).
+    # gRPC's stream iterators wake every 0.1 s to see a KeyboardInterrupt, which in conch's
+    # own threads only burns CPU (15% of a core for 100 waiters): 5 s in the command only.
     import grpc._common
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
@@ -466,7 +447,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
     try:
         args = _parse(words, has_cmd)
         if args.command != "sema":
-            raise UsageError("missing command: try 'conch sema NAME --max N -- CMD...'")
+            raise UsageError(f"missing command: try '{_RUN}'")
         log.set_quiet(args.quiet)
         log.set_debug(args.debug)
         max_holders = _parse_max(args.max)
@@ -486,7 +467,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         if max_holders is None:
             raise UsageError("missing --max N")
         if not cmd:
-            raise UsageError("missing command: conch sema NAME --max N -- CMD...")
+            raise UsageError(f"missing command: {_RUN}")
         return _run(args, max_holders, cmd, settings, connection, exiting)
     except Exception as exc:
         return _ending(exc, debug="--debug" in words)
@@ -495,11 +476,9 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
 
 
 def _ending(exc: Exception, debug: bool) -> int:
-    """How conch ends on ``exc``, raised out of ``main``: its one line on stderr, and its
-    exit code (``exc.outcome`` for ours, through EXIT_CODES). Any other exception is a bug
-    of conch's: exit 70 (EX_SOFTWARE) with one line naming it, never a traceback unless
-    ``debug`` (``--debug``) asked for one; the child, if one ran, was SIGKILLed before the
-    exception left its supervision."""
+    """One line on stderr for ``exc``, raised out of ``main``, and its exit code (ours: through
+    EXIT_CODES). Any other is a bug of conch's: exit 70 (EX_SOFTWARE), a traceback only with
+    ``debug`` (``--debug``); a child that ran was SIGKILLed before it left its supervision."""
     if isinstance(exc, UsageError):
         print(f"conch: {exc}", file=sys.stderr)
     elif isinstance(exc, Unavailable):

@@ -15,40 +15,34 @@ _SIGNALLED = 128  # + S: a process ended by signal S, as a shell reports it
 
 
 class Outcome(enum.Enum):
-    """How conch ends (the value: the event its log line is named for, where it has one)."""
+    """How conch ends: ``value``, the event its log line is named for (where it has one), and
+    ``code``, its exit code (EXIT_CODES; None: the status given with the outcome, the
+    child's as a shell reports it, or 128 + S for a signal S to a queued conch:
+    ``signalled(S)``)."""
 
-    CHILD_EXITED = "child-exited"  # the child ran to its end while the hold was kept
-    SIGNAL = "signal"  # a stop signal to conch while the child ran: the child terminated
-    LOST_WHILE_RUNNING = "lost"  # the hold was lost (or its deadline came): child killed
-    NOT_FOUND = "child-not-found"  # the command was not found: nothing ran
-    CANNOT_EXECUTE = "child-cannot-execute"  # found, but could not be executed
-    WATCHDOG_FAILED = "watchdog-failed"  # no watchdog, or it died or went silent
-    INTERNAL_ERROR = "internal-error"  # a bug of conch's (raised): the child SIGKILLed first
-    USAGE = "usage"  # bad flag, name, duration, credentials: nothing written to etcd
-    UNAVAILABLE = "unavailable"  # etcd unreachable, or no session
-    NO_SLOT = "timeout"  # --nonblock, or --wait ran out: our waiter key is gone
-    INTERRUPTED = "interrupted"  # a stop signal while queued: our waiter key is gone
-    LISTED = "listed"  # --who: someone holds a slot
-    NONE_HELD = "none-held"  # --who: nobody does
+    code: int | None
+
+    def __new__(cls, event: str, code: int | None) -> Outcome:
+        outcome = object.__new__(cls)
+        outcome._value_, outcome.code = event, code
+        return outcome
+
+    CHILD_EXITED = "child-exited", None  # the child ran to its end while the hold was kept
+    SIGNAL = "signal", None  # a stop signal to conch while the child ran: the child terminated
+    LOST_WHILE_RUNNING = "lost", EX_SOFTWARE  # the hold was lost (or its deadline came): killed
+    NOT_FOUND = "child-not-found", EX_NOT_FOUND  # the command was not found: nothing ran
+    CANNOT_EXECUTE = "child-cannot-execute", EX_CANNOT_EXECUTE  # found, but not executable
+    WATCHDOG_FAILED = "watchdog-failed", EX_SOFTWARE  # no watchdog, or it died or went silent
+    INTERNAL_ERROR = "internal-error", EX_SOFTWARE  # a bug of conch's: the child SIGKILLed first
+    USAGE = "usage", EX_USAGE  # bad flag, name, duration, credentials: nothing written to etcd
+    UNAVAILABLE = "unavailable", EX_UNAVAILABLE  # etcd unreachable, or no session
+    NO_SLOT = "timeout", EX_TEMPFAIL  # --nonblock, or --wait ran out: our waiter key is gone
+    INTERRUPTED = "interrupted", None  # a stop signal while queued: our waiter key is gone
+    LISTED = "listed", 0  # --who: someone holds a slot
+    NONE_HELD = "none-held", 1  # --who: nobody does
 
 
-# None: the status given with the outcome (the child's, as a shell reports it; 128 + S for a
-# signal S to a queued conch: ``signalled(S)``).
-EXIT_CODES: dict[Outcome, int | None] = {
-    Outcome.CHILD_EXITED: None,
-    Outcome.SIGNAL: None,
-    Outcome.LOST_WHILE_RUNNING: EX_SOFTWARE,
-    Outcome.NOT_FOUND: EX_NOT_FOUND,
-    Outcome.CANNOT_EXECUTE: EX_CANNOT_EXECUTE,
-    Outcome.WATCHDOG_FAILED: EX_SOFTWARE,
-    Outcome.INTERNAL_ERROR: EX_SOFTWARE,
-    Outcome.USAGE: EX_USAGE,
-    Outcome.UNAVAILABLE: EX_UNAVAILABLE,
-    Outcome.NO_SLOT: EX_TEMPFAIL,
-    Outcome.INTERRUPTED: None,
-    Outcome.LISTED: 0,
-    Outcome.NONE_HELD: 1,
-}
+EXIT_CODES: dict[Outcome, int | None] = {outcome: outcome.code for outcome in Outcome}
 
 
 def exit_code(outcome: Outcome, status: int | None = None) -> int:
@@ -74,24 +68,25 @@ class ConchError(Exception):
     """Base of every error conch raises on purpose: the command ends on it as ``outcome``,
     exiting with ``exit_code``."""
 
-    outcome = Outcome.INTERNAL_ERROR
+    outcome = Outcome.INTERNAL_ERROR  # a subclass's: ``class NoSlot(ConchError, outcome=...)``
     status: int | None = None
+
+    def __init_subclass__(cls, outcome: Outcome | None = None) -> None:
+        super().__init_subclass__()
+        if outcome is not None:
+            cls.outcome = outcome
 
     @property
     def exit_code(self) -> int:
         return exit_code(self.outcome, self.status)
 
 
-class UsageError(ConchError):
+class UsageError(ConchError, outcome=Outcome.USAGE):
     """Bad input from the caller: flag, name, duration, capacity, missing command."""
 
-    outcome = Outcome.USAGE
 
-
-class EtcdError(ConchError):
+class EtcdError(ConchError, outcome=Outcome.UNAVAILABLE):
     """etcd answered with an error conch does not handle itself; ``code``: gRPC status name."""
-
-    outcome = Outcome.UNAVAILABLE
 
     def __init__(self, message: str, code: str = "UNKNOWN") -> None:
         super().__init__(message)
@@ -111,10 +106,8 @@ class PermissionDenied(EtcdError):
     """etcd refused the call for the authenticated user."""
 
 
-class AuthenticationFailed(EtcdError):
+class AuthenticationFailed(EtcdError, outcome=Outcome.USAGE):
     """etcd refused the user name or password: the caller's credentials are wrong."""
-
-    outcome = Outcome.USAGE
 
 
 class TokenInvalid(EtcdError):
@@ -133,23 +126,17 @@ class Compacted(EtcdError):
         self.compact_revision = compact_revision
 
 
-class SessionLost(ConchError):
+class SessionLost(ConchError, outcome=Outcome.LOST_WHILE_RUNNING):
     """The session's lease is no longer certainly alive (docs/failure-semantics.md)."""
 
-    outcome = Outcome.LOST_WHILE_RUNNING
 
-
-class HoldLost(ConchError):
+class HoldLost(ConchError, outcome=Outcome.LOST_WHILE_RUNNING):
     """The hold is no longer certainly ours: the session's lease was lost or not confirmed
     within the TTL, or our key was seen deleted."""
 
-    outcome = Outcome.LOST_WHILE_RUNNING
 
-
-class NoSlot(ConchError):
+class NoSlot(ConchError, outcome=Outcome.NO_SLOT):
     """No slot was free in time (``--nonblock`` or ``--wait`` ran out); our waiter key is gone."""
-
-    outcome = Outcome.NO_SLOT
 
     @classmethod
     def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
@@ -163,10 +150,8 @@ class NoSlot(ConchError):
         return cls(f"{said}: {cause}" if cause else said)
 
 
-class Interrupted(ConchError):
+class Interrupted(ConchError, outcome=Outcome.INTERRUPTED):
     """A signal asked us to stop while we were still queued; our waiter key is gone."""
-
-    outcome = Outcome.INTERRUPTED
 
     def __init__(self, signum: object) -> None:
         self.signum = signum if isinstance(signum, int) else 0

@@ -10,28 +10,24 @@ from collections.abc import Iterable
 SHOWN_MAX = 64  # characters of a value echoed in a message
 
 # Options other tools take for what conch spells differently: what to use instead, and why.
-_HABITS: dict[str, tuple[str, str]] = {
-    "-w": ("--wait", "flock's -w: conch takes --wait DUR, e.g. --wait 10s"),
-    "--timeout": ("--wait", "flock's --timeout: conch takes --wait DUR, e.g. --wait 10s"),
-    "-timeout": ("--wait", "consul lock's -timeout: conch takes --wait DUR, e.g. --wait 10s"),
-    "--nowait": ("--nonblock", "exit 75 at once if no slot is free"),
-    "--no-wait": ("--nonblock", "exit 75 at once if no slot is free"),
-    "--nb": ("--nonblock", "exit 75 at once if no slot is free"),
-    "-x": ("--max 1", "one holder at a time is --max 1"),
-    "-e": ("--max 1", "one holder at a time is --max 1"),
-    "--exclusive": ("--max 1", "one holder at a time is --max 1"),
-    "-s": ("--max N", "N holders at a time is --max N"),
-    "--shared": ("--max N", "N holders at a time is --max N"),
-    "-E": ("", "conch exits 75 when no slot is free (--nonblock, --wait); not settable"),
-    "--conflict-exit-code": ("", "conch exits 75 when no slot is free; not settable"),
-    "-v": ("", "conch logs every state change unless -q; --debug logs more"),
-    "--verbose": ("", "conch logs every state change unless -q; --debug logs more"),
-    "-verbose": ("", "conch logs every state change unless -q; --debug logs more"),
-    "-V": ("conch --version", "the version is an option of conch itself"),
-    "--version": ("conch --version", "the version is an option of conch itself"),
-    "-c": ("", "flock's -c: conch runs a shell line as -- sh -c '...'"),
-    "--command": ("", "flock's --command: conch runs a shell line as -- sh -c '...'"),
-    "-command": ("", "conch runs a shell line as -- sh -c '...'"),
+_HABITS = {
+    option: (meant, why)
+    for options, meant, why in (
+        ("-w", "--wait", "flock's -w: conch takes --wait DUR, e.g. --wait 10s"),
+        ("--timeout", "--wait", "flock's --timeout: conch takes --wait DUR, e.g. --wait 10s"),
+        ("-timeout", "--wait", "consul lock's -timeout: conch takes --wait DUR, e.g. --wait 10s"),
+        ("--nowait --no-wait --nb", "--nonblock", "exit 75 at once if no slot is free"),
+        ("-x -e --exclusive", "--max 1", "one holder at a time is --max 1"),
+        ("-s --shared", "--max N", "N holders at a time is --max N"),
+        ("-E", "", "conch exits 75 when no slot is free (--nonblock, --wait); not settable"),
+        ("--conflict-exit-code", "", "conch exits 75 when no slot is free; not settable"),
+        ("-v --verbose -verbose", "", "conch logs every state change unless -q; --debug logs more"),
+        ("-V --version", "conch --version", "the version is an option of conch itself"),
+        ("-c", "", "flock's -c: conch runs a shell line as -- sh -c '...'"),
+        ("--command", "", "flock's --command: conch runs a shell line as -- sh -c '...'"),
+        ("-command", "", "conch runs a shell line as -- sh -c '...'"),
+    )
+    for option in options.split()
 }
 
 # Characters that make a word a shell line rather than a program's name.
@@ -87,14 +83,9 @@ def unknown_option(word: str, options: Iterable[str]) -> str:
     return f"unknown option {shown(given)} (conch sema --help lists them)"
 
 
-def shell_line(argv0: str) -> bool:
-    """Whether a command name looks like a shell line (``echo hi; true``) given as one word."""
-    return any(c in _SHELL_CHARACTERS for c in argv0)
-
-
 def not_found(argv0: str) -> dict[str, str]:
     """Fields to add to the ``child-not-found`` line: a hint at ``sh -c`` when the missing
     command's name looks like a shell line; none otherwise."""
-    if shell_line(argv0):
+    if any(c in _SHELL_CHARACTERS for c in argv0):
         return {"hint": "a shell line is not a command name: run it as -- sh -c '...'"}
     return {}

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 
 CMD_MAX_BYTES = 256
@@ -57,5 +57,4 @@ class Identity:
         return replace(self, started=_utc_now())
 
     def to_json(self) -> bytes:
-        record = {"host": self.host, "pid": self.pid, "started": self.started, "cmd": self.cmd}
-        return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -6,8 +6,6 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from conch.errors import UsageError
 from conch.hints import SHOWN_MAX, shown
 
@@ -73,23 +71,14 @@ def spread_key(name: str, max_holders: int, host: str) -> bytes:
     return sema_prefix(name, max_holders) + encode_segment(host)
 
 
-class ParsedKey(NamedTuple):
-    """A key under a name's prefix, split: ``max`` is None when the segment is not a number."""
-
-    max: int | None
-    tail: str
-
-
-def parse_under_name(name: str, key: bytes) -> ParsedKey | None:
-    """Split a key found under ``name_prefix(name)`` into capacity and tail; None if it is not
-    of the form ``<max>/<tail>``."""
-    rest = key[len(name_prefix(name)) :]
-    max_raw, sep, tail = rest.partition(b"/")
-    if not sep or not tail:
+def capacity_of(name: str, key: bytes) -> int | None:
+    """The capacity of a key found under ``name_prefix(name)``: None unless the key is
+    ``<max>/<tail>`` with ``<max>`` as conch writes it (1 to MAX_CAPACITY, no leading 0)."""
+    max_raw, sep, tail = key[len(name_prefix(name)) :].partition(b"/")
+    text = max_raw.decode("ascii", "replace")
+    if not sep or not tail or not text.isdigit() or str(int(text)) != text:
         return None
-    max_text = max_raw.decode("ascii", "replace")
-    capacity = int(max_text) if max_text.isdigit() and str(int(max_text)) == max_text else None
-    return ParsedKey(capacity, decode_segment(tail))
+    return int(text) if 1 <= int(text) <= MAX_CAPACITY else None
 
 
 def check_max(max_holders: int, parameter: str = "max") -> None:

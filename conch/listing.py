@@ -21,7 +21,6 @@ from conch import keys
 from conch.errors import Compacted
 from conch.etcd import kv
 from conch.etcd.client import Client
-from conch.keys import MAX_CAPACITY
 
 HISTORY_READS = 100  # at most this many reads (one per holder) for hold times in one listing
 
@@ -108,34 +107,21 @@ def _age(started: str, now: float) -> int | None:
     return max(0, int(now - written.timestamp()))
 
 
-def _times(
-    state: str, started: str, held_from_creation: bool | None, now: float
-) -> tuple[int | None, int | None, int | None]:
-    """(queued_s, waited_s, held_s) of a key; ``held_from_creation`` of a holder (None:
-    unknown)."""
-    queued = _age(started, now)
-    if queued is None:
-        return None, None, None
-    if state == "WAIT":
-        return queued, queued, None
-    return (queued, 0, queued) if held_from_creation else (queued, None, None)
-
-
-def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, str]:
-    """host, pid, started, cmd, note from a key's value; tolerant of anything."""
+def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, list[str]]:
+    """host, pid, started, cmd, notes from a key's value; tolerant of anything."""
     try:
         data = json.loads(value)
         if not isinstance(data, dict):
             raise ValueError
     except (ValueError, RecursionError):
-        return "?", None, "", "", "malformed-value"
+        return "?", None, "", "", ["malformed-value"]
     pid = data.get("pid")
     return (
         _as_text(data.get("host"), "?"),
         pid if type(pid) is int else None,
         _as_text(data.get("started"), ""),
         _as_text(data.get("cmd"), ""),
-        "",
+        [],
     )
 
 
@@ -182,11 +168,7 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
     assert response is not None  # a Range of the present is never compacted
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
-        parsed = keys.parse_under_name(name, item.key)
-        capacity = parsed.max if parsed else None
-        if capacity is not None and not 1 <= capacity <= MAX_CAPACITY:
-            capacity = None  # no conch writes it: a bad key
-        groups.setdefault(capacity, []).append(item)
+        groups.setdefault(keys.capacity_of(name, item.key), []).append(item)  # None: a bad key
 
     records = []
     reads_left = HISTORY_READS
@@ -194,41 +176,29 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
         items = groups[capacity]
         held = min(len(items), capacity) if capacity is not None else 0
         for rank, item in enumerate(items):
-            host, pid, started, cmd, note = _identity_fields(item.value)
-            notes = [note] if note else []
+            host, pid, started, cmd, notes = _identity_fields(item.value)
             if capacity is None:
                 notes.append("bad-key")
             if not item.lease:
                 notes.append("no-lease")
             state = "HELD" if capacity is not None and rank < capacity else "WAIT"
+            rev = int(item.create_revision)
             from_creation = None
             if state == "HELD" and capacity is not None and reads_left > 0:
                 reads_left -= 1
                 # Fewer than ``capacity`` keys ahead of it when it was created: it held at once.
-                revision = int(item.create_revision)
                 history = yield kv.prefix_request(
                     keys.sema_prefix(name, capacity),
-                    revision=revision,
+                    revision=rev,
                     limit=capacity,
                     keys_only=True,
-                    max_create_revision=revision - 1,
+                    max_create_revision=rev - 1,
                 )
                 from_creation = None if history is None else len(history.kvs) < capacity
-            times = _times(state, started, from_creation, now)
-            records.append(
-                Record(
-                    name,
-                    capacity,
-                    held,
-                    state,
-                    host,
-                    pid,
-                    started,
-                    int(item.create_revision),
-                    f"{item.lease:x}",
-                    cmd,
-                    ",".join(notes),
-                    *times,
-                )
-            )
+            queued = _age(started, now)
+            times: tuple[int | None, int | None, int | None] = (queued, queued, None)
+            if queued is not None and state == "HELD":  # waited 0 and held all, or unknown
+                times = (queued, 0, queued) if from_creation else (queued, None, None)
+            fields = (host, pid, started, rev, f"{item.lease:x}", cmd, ",".join(notes))
+            records.append(Record(name, capacity, held, state, *fields, *times))
     return records

@@ -19,6 +19,7 @@ handed, as a typed event, to the callbacks of ``conch.events``, whatever the lev
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -26,6 +27,8 @@ from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
+# conch.events' dispatcher, set while it has callbacks: every transition passes here.
+_hooks: Callable[[str, dict[str, object]], None] | None = None
 
 
 def set_quiet(quiet: bool) -> None:
@@ -80,40 +83,28 @@ def _extra(event: str, fields: dict[str, object]) -> dict[str, object]:
     return extra
 
 
-def _emit(level: int, name: str, event: str, fields: dict[str, object]) -> None:
+def _emit(level: int, /, event: str, **fields: object) -> None:
     # An embedder's handler or hook that raises must not kill the conch thread that logs.
     if _hooks is not None:
         with contextlib.suppress(Exception):
             _hooks(event, fields)
     if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
-            LOGGER.log(level, _line(name, event, fields), extra=_extra(event, fields))
+            line = _line(logging.getLevelName(level).lower(), event, fields)
+            LOGGER.log(level, line, extra=_extra(event, fields))
 
 
-# conch.events' dispatcher, set while it has callbacks: every transition passes here.
-_hooks: Callable[[str, dict[str, object]], None] | None = None
+# ``info(event, **fields)``: one line for ``event``, its fields in order.
+debug = functools.partial(_emit, logging.DEBUG)
+info = functools.partial(_emit, logging.INFO)
+warning = functools.partial(_emit, logging.WARNING)
+error = functools.partial(_emit, logging.ERROR)
 
 
 def set_hooks(dispatch: Callable[[str, dict[str, object]], None] | None) -> None:
     """For ``conch.events`` only: ``dispatch(event, fields)`` for every line, logged or not."""
     global _hooks
     _hooks = dispatch
-
-
-def debug(event: str, **fields: object) -> None:
-    _emit(logging.DEBUG, "debug", event, fields)
-
-
-def info(event: str, **fields: object) -> None:
-    _emit(logging.INFO, "info", event, fields)
-
-
-def warning(event: str, **fields: object) -> None:
-    _emit(logging.WARNING, "warning", event, fields)
-
-
-def error(event: str, **fields: object) -> None:
-    _emit(logging.ERROR, "error", event, fields)
 
 
 def warning_from_signal_handler(event: str, **fields: object) -> None:

@@ -1,7 +1,7 @@
 """A session: one lease, kept alive, and the moment it is lost (contract section 3).
 
-The keepalive thread holds only the session's ``_Keeper`` (the lease and its loss), never
-the Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked.
+The keepalive thread holds only the session's keeper (the lease and its loss), never the
+Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from conch import log
 from conch.core.loss import Loss
@@ -36,10 +36,10 @@ def check_ttl(ttl: int) -> None:
         raise UsageError(f"bad ttl {ttl!r}: want whole seconds, 1 to {MAX_LEASE_TTL}")
 
 
-def check_client(client: object) -> None:
-    """Raise UsageError unless ``client`` is a conch Client."""
-    if not isinstance(client, Client):
-        raise UsageError(f"bad client {client!r}: want a conch.Client (conch.connect(...))")
+def check_client(client: object, kind: type = Client, face: str = "conch") -> None:
+    """Raise UsageError unless ``client`` is a ``kind``, the Client of ``face``."""
+    if not isinstance(client, kind):
+        raise UsageError(f"bad client {client!r}: want a {face}.Client ({face}.connect(...))")
 
 
 def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[[], None]:
@@ -55,8 +55,12 @@ def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[
 
 class Keeper:
     """A lease and its SessionMachine (``conch.core.session``: the keepalive schedule, E,
-    the loss decision), executed on ``timer`` for either face, which sends each keepalive
-    (``send``, its outcome to ``settle``), declares the loss and calls a listener (``tell``)."""
+    the loss decision), executed on ``timer`` for either face, which gives the rest."""
+
+    send: Callable[[float], None]  # one keepalive, its deadline; its outcome to ``settle``
+    declare_lost: Callable[[Loss], None]
+    tell: Callable[[Callable[[Loss], None], Loss], None]  # a listener: a failure is logged
+    dropped: Callable[[], None]  # its Session was collected unclosed: revoke the lease
 
     def __init__(self, lease_id: int, ttl: int, granted_at: float, timer: Scheduler) -> None:
         self.lease_id = lease_id
@@ -64,13 +68,6 @@ class Keeper:
         self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
         self.timer = timer
         self.next_wake: Cancellable | None = None
-
-    @property
-    def alive_until(self) -> float:
-        return self.machine.alive_until
-
-    def certainly_alive(self) -> bool:
-        return self.machine.certainly_alive(time.monotonic())
 
     def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(loss)`` each time E passes unconfirmed (the machine's Expired);
@@ -107,32 +104,17 @@ class Keeper:
         if self.next_wake is not None:
             self.next_wake.cancel()
 
-    def send(self, deadline: float) -> None:
-        raise NotImplementedError
 
-    def declare_lost(self, reason: Loss) -> None:
-        raise NotImplementedError
-
-    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
-        raise NotImplementedError
-
-
-def log_granted(lease_id: int, asked: int, granted: int) -> None:
-    """Log a new session's lease, and a TTL etcd raised above the one asked for."""
-    log.info("session", lease=f"{lease_id:x}", ttl=f"{granted}s")
-    if granted != asked:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
-        log.warning("ttl-raised", asked=f"{asked}s", granted=f"{granted}s", by="etcd")
-
-
-def warn_session_dropped(face: str, lease_id: int) -> None:
-    """Warn (ResourceWarning, pointing at the caller's caller: the collector) and log that
-    a Session of ``face`` ("conch" or "conch.aio") was dropped without close()."""
+def _dropped(face: str, keeper: Keeper) -> None:
+    """A Session of ``face`` was garbage-collected unclosed: warn, as Python does for an
+    unclosed file (pointing at the collector), log, and revoke its lease (``dropped``)."""
     warnings.warn(
-        f"{face} session (lease {lease_id:x}) dropped without close(); revoking it",
+        f"{face} session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
         ResourceWarning,
-        stacklevel=3,
+        stacklevel=2,
     )
-    log.warning("session-dropped", lease=f"{lease_id:x}")
+    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
+    keeper.dropped()
 
 
 def _call(listener: Callable[..., None], *args: object) -> None:
@@ -182,8 +164,12 @@ class _Keeper(Keeper):
             self.keepalives.forget(self.lease_id)
             self.lost.set(reason)
 
-    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
-        _call(listener, loss)
+    tell = staticmethod(_call)
+
+    def dropped(self) -> None:
+        """From the client's timer thread, not the collecting one (which may be anyone's)."""
+        self.stop()
+        timer_for(self.client).call_later(0, lambda: self.close(None))
 
     def close(self, timeout: float | None) -> bool:
         self.stop()
@@ -200,23 +186,31 @@ class _Keeper(Keeper):
         return True
 
 
-def _dropped(keeper: _Keeper) -> None:
-    """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
-    and revoke its lease from the client's timer thread (not the collecting thread, which
-    may be anyone's)."""
-    warn_session_dropped("conch", keeper.lease_id)
-    keeper.stop()
-    timer_for(keeper.client).call_later(0, lambda: keeper.close(None))
-
-
 class SessionBase(Generic[KeeperT]):
     """What the Sessions of both faces share: the lease's figures, read from its keeper,
     and the claims (one key per semaphore on a session)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl: int) -> None:
+        self.ttl = ttl
         self._keeper: KeeperT | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
+
+    def _keep(self, keeper: KeeperT, face: str) -> None:
+        """Keep ``keeper``'s started lease (``ttl``: asked; now granted), revoked if dropped."""
+        self._keeper = keeper
+        self._finalizer = weakref.finalize(self, _dropped, face, keeper)
+        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
+        asked, self.ttl = self.ttl, keeper.machine.ttl
+        log.info("session", lease=f"{keeper.lease_id:x}", ttl=f"{self.ttl}s")
+        if self.ttl != asked:  # etcd's minimum TTL is 1.5 election timeouts, 2 s by default
+            log.warning("ttl-raised", asked=f"{asked}s", granted=f"{self.ttl}s", by="etcd")
+
+    def _closing(self) -> KeeperT:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        return self._kept
 
     @property
     def _kept(self) -> KeeperT:
@@ -237,13 +231,13 @@ class SessionBase(Generic[KeeperT]):
     def alive_until(self) -> float:
         """``time.monotonic()`` until which the lease is alive for sure (the last confirmed
         keepalive's send time + TTL)."""
-        return self._kept.alive_until
+        return self._kept.machine.alive_until
 
     def certainly_alive(self) -> bool:
         """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
         shared session closed under it is no longer ours), and etcd's countdown from our
         last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
-        return self._kept.certainly_alive()
+        return self._kept.machine.certainly_alive(time.monotonic())
 
     def _claim(self, key: bytes) -> None:
         """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
@@ -290,24 +284,20 @@ class Session(SessionBase[_Keeper]):
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
         check_client(client)
         check_ttl(ttl)
-        super().__init__()
+        super().__init__(ttl)
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives a grant or keepalive, which is after
         # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
-        self._keeper = keeper = _Keeper(client, granted.id, granted.ttl, asked)
-        self.ttl = granted.ttl
+        keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.lost = keeper.lost
-        self._finalizer = weakref.finalize(self, _dropped, keeper)
-        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         try:
             keeper.start()
         except BaseException:  # no keepalive thread to be had: leave no lease behind
-            self._finalizer.detach()
             keeper.close(None)
             raise
-        log_granted(self.lease_id, ttl, self.ttl)
+        self._keep(keeper, "conch")
 
     @property
     def client(self) -> Client:
@@ -331,8 +321,7 @@ class Session(SessionBase[_Keeper]):
         """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
-        self._finalizer.detach()
-        return self._kept.close(timeout)
+        return self._closing().close(timeout)
 
     def __enter__(self) -> Session:
         return self

@@ -60,37 +60,32 @@ def parse_ttl(flag: str, text: str) -> int:
 
 
 class Setting(NamedTuple):
-    """A setting's text and where it came from: a flag (``--endpoints``), an environment
-    variable (``CONCH_ENDPOINTS``, ``ETCDCTL_ENDPOINTS``) or ``default``."""
+    """A setting's text, where it came from (a flag such as ``--endpoints``, a variable such
+    as ``CONCH_ENDPOINTS`` or ``ETCDCTL_ENDPOINTS``, or ``default``), and what a message
+    about it names: the variable it came from, else the flag."""
 
     value: str
     source: str
+    named: str
 
 
 def setting(
-    flag: str, given: str | None, name: str, default: str, environ: Mapping[str, str]
+    flag: str,
+    given: str | None,
+    name: str,
+    default: str,
+    environ: Mapping[str, str],
+    prefixes: tuple[str, ...] = ("CONCH_", "ETCDCTL_"),
 ) -> Setting:
     """The setting ``name`` (``ENDPOINTS``): ``given`` (the flag's value) if not None, else
-    ``CONCH_<name>``, else ``ETCDCTL_<name>``, else ``default``."""
+    the first of ``CONCH_<name>``, ``ETCDCTL_<name>`` in ``environ`` (``prefixes``:
+    ``("CONCH_",)`` for what etcdctl has no equivalent of, ``CONCH_TTL``), else ``default``."""
     if given is not None:
-        return Setting(given, flag)
-    for prefix in ("CONCH_", "ETCDCTL_"):
-        if prefix + name in environ:
-            return Setting(environ[prefix + name], prefix + name)
-    return Setting(default, "default")
-
-
-def conch_setting(
-    flag: str, given: str | None, name: str, default: str, environ: Mapping[str, str]
-) -> Setting:
-    """As ``setting``, for what etcdctl has no equivalent of (``CONCH_TTL``)."""
-    own = {variable: value for variable, value in environ.items() if variable == "CONCH_" + name}
-    return setting(flag, given, name, default, own)
-
-
-def named(flag: str, found: Setting) -> str:
-    """What a message about ``found`` names: the variable it came from, else the flag."""
-    return flag if found.source == "default" else found.source
+        return Setting(given, flag, flag)
+    for variable in (prefix + name for prefix in prefixes):
+        if variable in environ:
+            return Setting(environ[variable], variable, variable)
+    return Setting(default, "default", flag)
 
 
 class ConnectionFlags(NamedTuple):
@@ -115,6 +110,13 @@ class Connection(NamedTuple):
     tls: TLS | None
     credentials: Credentials | None
 
+    def dial(self) -> Client:
+        """A Client (conch.etcd.connect: Maintenance.Status, or Auth.Authenticate with
+        credentials, within the dial timeout). Raises Unavailable, AuthenticationFailed."""
+        return connect(
+            self.endpoints, self.dial_timeout, tls=self.tls, credentials=self.credentials
+        )
+
 
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
@@ -135,11 +137,9 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     endpoints = setting("--endpoints", flags.endpoints, "ENDPOINTS", DEFAULT_ENDPOINTS, environ)
     _check_endpoints(endpoints)
     dial = setting("--dial-timeout", flags.dial_timeout, "DIAL_TIMEOUT", "5s", environ)
-    dial_timeout = parse_duration(named("--dial-timeout", dial), dial.value)
+    dial_timeout = parse_duration(dial.named, dial.value)
     if dial_timeout <= 0:
-        raise UsageError(
-            f"bad {named('--dial-timeout', dial)} {shown(dial.value)}: want a duration above 0"
-        )
+        raise UsageError(f"bad {dial.named} {shown(dial.value)}: want a duration above 0")
     log.debug("setting", setting="endpoints", value=endpoints.value, source=endpoints.source)
     log.debug("setting", setting="dial-timeout", value=dial.value, source=dial.source)
     return Connection(
@@ -152,27 +152,15 @@ def _check_endpoints(found: Setting) -> None:
     an ETCDCTL_ENDPOINTS meant for etcdctl is not where an operator looks first."""
     texts = [text for text in found.value.split(",") if text.strip()]
     if not texts:
-        raise UsageError(f"bad {named('--endpoints', found)} {shown(found.value)}: no endpoint")
+        raise UsageError(f"bad {found.named} {shown(found.value)}: no endpoint")
     for text in texts:
         try:
             Endpoint.parse(text)
         except UsageError:
             raise UsageError(
-                f"bad endpoint {shown(text)} in {named('--endpoints', found)}: "
+                f"bad endpoint {shown(text)} in {found.named}: "
                 "want host:port or http(s)://host:port"
             ) from None
-
-
-def connect_with(connection: Connection) -> Client:
-    """A Client for ``connection`` (conch.etcd.connect: Maintenance.Status, or
-    Auth.Authenticate with credentials, within its dial timeout). Raises Unavailable,
-    AuthenticationFailed."""
-    return connect(
-        connection.endpoints,
-        connection.dial_timeout,
-        tls=connection.tls,
-        credentials=connection.credentials,
-    )
 
 
 def _read_file(what: str, path: str) -> bytes:
@@ -193,7 +181,7 @@ def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
         found = setting("--" + name, getattr(flags, name), name.upper(), "", environ)
         if found.value:
             log.debug("setting", setting=name, value=found.value, source=found.source)
-            files[name] = _read_file(named("--" + name, found), found.value)
+            files[name] = _read_file(found.named, found.value)
     if ("cert" in files) != ("key" in files):
         raise UsageError("--cert and --key go together")
     if files:

@@ -25,10 +25,12 @@ if [ "$serial" = 1 ]; then
 fi
 # exit 5: no test selected in that phase (-k or a path chose none of its tests)
 shared=0
-"${pytest[@]}" -n "${CONCH_TEST_WORKERS:-4}" --dist loadgroup --phase shared "${args[@]}" || shared=$?
+# --durations: the slowest tests, so that the suite's time shows where it goes
+"${pytest[@]}" -n "${CONCH_TEST_WORKERS:-4}" --dist loadgroup --phase shared --durations=10 \
+    "${args[@]}" || shared=$?
 echo "== the tests that measure time, one at a time with nothing beside them"
 alone=0
-"${pytest[@]}" --phase alone "${args[@]}" || alone=$?
+"${pytest[@]}" --phase alone --durations=5 "${args[@]}" || alone=$?
 if [ "$shared" = 5 ] && [ "$alone" = 5 ]; then
     exit 5
 fi

@@ -159,6 +159,11 @@ def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) ->
         time.sleep(3)  # the outage the waiters must ride out
         restarted.start(cluster.initial_cluster)
         time.sleep(4)  # observation window: the waiters meet the forgotten tokens
+        # The member must be back: a restart that failed would leave the waiters nothing to
+        # reach (seen once on a loaded machine: refused connections to the end).
+        assert restarted.process is not None and restarted.process.poll() is None, (
+            restarted.log_path.read_text(errors="replace")[-3000:]
+        )
         assert [w.process.poll() for w in waiters] == [None] * 10, [w.log() for w in waiters]
         for ident in ["h"] + [f"w{i}" for i in range(10)]:
             gate.release(ident)

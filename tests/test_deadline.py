@@ -580,3 +580,39 @@ def test_a_watchdog_killed_or_stopped_then_conch_frozen_or_killed_leaves_no_over
         holder.log()
     )
     assert waiter.wait() == 0
+
+
+def test_a_revoke_that_outlasts_the_deadline_after_the_child_exited_keeps_its_status(
+    tmp_path: Path, name: str
+) -> None:
+    """The child freezes etcd (SIGSTOP) and exits 0: conch's revoke then waits out its 5 s
+    request timeout, past the lease's deadline at --ttl 3s. The child's group is gone, so the
+    watchdog has nothing to do: conch exits with the child's status, having said the revoke
+    failed. Before, the watchdog fired at the deadline and conch exited 70 ("wrapper
+    stalled"), as the auth-churn test saw when etcd was slow to answer a revoke."""
+    solo = EtcdCluster(tmp_path / "solo", size=1)
+    solo.start()
+    runner = Runner(solo, tmp_path)
+    member = solo.members[0]
+    assert member.process is not None
+    try:
+        holder = runner.start(
+            "sema",
+            name,
+            "--max",
+            "1",
+            "--",
+            "sh",
+            "-c",
+            f"kill -STOP {member.process.pid}",
+            CONCH_TTL="3s",
+        )
+        code = holder.wait()
+        log = holder.log()
+        assert code == 0, log
+        assert "event=revoke-failed" in log and "revoked=False" in log, log
+        assert "wrapper stalled" not in log, log
+    finally:
+        member.resume()
+        runner.cleanup()
+        solo.stop()

@@ -30,9 +30,10 @@ FORK_SETTINGS = {"GRPC_ENABLE_FORK_SUPPORT": "true", "GRPC_POLL_STRATEGY": "poll
 # The parent connects, holds a slot and releases it, and closes its Client (what gRPC needs
 # for fork without exec: no call or stream in flight at fork time, see docs/embedding.md),
 # then forks WORKERS children: the gunicorn --preload case. Each child first tries the
-# parent's Client (it must raise UsageError at once), then connects its own and acquires a
-# slot. Prints one line per child: "child I parent-client=<seconds to raise> rev=<revision>",
-# then "parent <children's exit codes> <keys left>".
+# parent's Client (it must raise UsageError at once, a coroutine's call with no loop running
+# too), then connects its own and acquires a slot. Prints one line per child: "child I
+# parent-client=<seconds to raise> rev=<revision>", then "parent <children's exit codes>
+# <keys left>".
 HANG_AFTER = 15  # seconds: a child past it has hung
 _PREFORK = f"HANG_AFTER = {HANG_AFTER}\n" + textwrap.dedent(
     """
@@ -56,6 +57,11 @@ _PREFORK = f"HANG_AFTER = {HANG_AFTER}\n" + textwrap.dedent(
             raise SystemExit(f"child {i}: the parent's client answered")
         except conch.UsageError:
             raised = time.monotonic() - started
+        try:  # the coroutines' call, with no loop running: still the fork's UsageError
+            parent_client.call_async("maintenance", "Status", None).send(None)
+            raise SystemExit(f"child {i}: the parent's client answered a coroutine")
+        except conch.UsageError:
+            pass
         with conch.connect(endpoints) as client:
             sema = conch.Semaphore(client, name, max=16, ttl=5)
             with sema.acquire(timeout=10) as hold:

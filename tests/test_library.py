@@ -426,9 +426,15 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
     the watch that woke it is closed before it tries again (it stayed open, one more per
     wake, for as long as the client lived: a long-running service leaked streams)."""
     opened: list[Watch] = []
+    closed: list[Watch] = []
+
+    class Closing(Watch):
+        def cancel(self) -> None:
+            closed.append(self)
+            super().cancel()
 
     def watch(*args: Any, **kwargs: Any) -> Watch:
-        opened.append(Watch(*args, **kwargs))
+        opened.append(Closing(*args, **kwargs))
         return opened[-1]
 
     monkeypatch.setattr(semaphore, "Watch", watch)
@@ -440,7 +446,7 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
     thread, result = _acquire_in_thread(waiter, 30, "waiter")
     poll(lambda: len(opened) == 2, what="the holder's and the busy waiter's watches")
     _handed_over(hold, thread, result).release()
-    poll(lambda: all(w._ended.is_set() for w in opened), timeout=5, what="every watch closed")
+    poll(lambda: all(w in closed for w in opened), timeout=5, what="every watch closed")
 
 
 def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(

@@ -116,7 +116,9 @@ def test_threads_do_not_grow_with_the_number_of_waiters_and_holds(
     """One hold and one waiter on private sessions, then 200 holds of 200 semaphores and
     200 waiters behind them, each waiter on a thread of the application's and a private
     session: conch's threads stay as they were."""
-    semas = [conch.Semaphore(client, f"{name}-{i}", max=1, ttl=3) for i in range(200)]
+    # A TTL of 10 s: 400 sessions keeping alive beside three other test workers on 2 cores
+    # lost holds at 3 s (CI), and a lost hold's waiter is never seen queued behind it.
+    semas = [conch.Semaphore(client, f"{name}-{i}", max=1, ttl=10) for i in range(200)]
 
     def queue_behind(count: int) -> tuple[list[conch.Hold], list[threading.Thread]]:
         holds = [sema.acquire(timeout=DEADLINE) for sema in semas[:count]]

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-import weakref
 from collections.abc import Callable, Generator
 from typing import Any
 
-from conch import errors, log
+from conch import log
 from conch.aio.client import Client
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
-from conch.session import Keeper, SessionBase, check_ttl, listen, log_granted, warn_session_dropped
+from conch.session import Keeper, SessionBase, check_client, check_ttl, listen
 from conch.timer import LoopTimer
+
+
+def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
+    try:
+        callback(reason)
+    except Exception as exc:  # one embedder's bug must not silence the others
+        log.error("callback-failed", error=repr(exc))
 
 
 class _Keeper(Keeper):
@@ -65,8 +71,11 @@ class _Keeper(Keeper):
             if listener is not None:
                 run_callback(listener, reason)
 
-    def tell(self, listener: Callable[[Loss], None], loss: Loss) -> None:
-        run_callback(listener, loss)
+    tell = staticmethod(run_callback)
+
+    def dropped(self) -> None:
+        """On its loop, if the loop still runs (else the lease expires by its TTL)."""
+        etcd_aio.call_soon(self.loop, lambda: spawn(self.loop, self.close(None)))
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
@@ -96,20 +105,6 @@ class _Keeper(Keeper):
         return True
 
 
-def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
-    try:
-        callback(reason)
-    except Exception as exc:  # one embedder's bug must not silence the others
-        log.error("callback-failed", error=repr(exc))
-
-
-def _session_dropped(keeper: _Keeper) -> None:
-    """A Session was garbage-collected unclosed: warn, as Python does for an unclosed file,
-    and revoke its lease on its loop (if the loop still runs; else it expires by its TTL)."""
-    warn_session_dropped("conch.aio", keeper.lease_id)
-    etcd_aio.call_soon(keeper.loop, lambda: spawn(keeper.loop, keeper.close(None)))
-
-
 class Session(SessionBase[_Keeper]):
     """The coroutine face of ``conch.Session``: one etcd lease of ``ttl`` seconds
     (Lease.LeaseGrant), refreshed every TTL/3 on the loop, on the client's one
@@ -126,15 +121,10 @@ class Session(SessionBase[_Keeper]):
     """
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
-        if not isinstance(client, Client):
-            raise errors.UsageError(
-                f"bad client {client!r}: want a conch.aio.Client (conch.aio.connect(...))"
-            )
+        check_client(client, Client, "conch.aio")
         check_ttl(ttl)
-        super().__init__()
+        super().__init__(ttl)
         self.client = client
-        self.ttl = ttl
-        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
         if self._keeper is not None:
@@ -143,12 +133,7 @@ class Session(SessionBase[_Keeper]):
         granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
         # etcd restarts the countdown when it receives the grant, which is after we sent it:
         # so the lease is certainly alive until send time + TTL (monotonic).
-        keeper = _Keeper(self.client, granted.id, granted.ttl, asked)
-        self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _session_dropped, keeper)
-        self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
-        log_granted(granted.id, self.ttl, granted.ttl)
-        self.ttl = granted.ttl
+        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked), "conch.aio")
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -175,8 +160,4 @@ class Session(SessionBase[_Keeper]):
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL). A cancel
         while it runs waits for the revoke to end, then propagates."""
-        if self._keeper is None:
-            return True
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        return await self._keeper.close(timeout)
+        return True if self._keeper is None else await self._closing().close(timeout)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -95,13 +95,20 @@ def enqueue_answer(
     )
 
 
-def standing_reads(
-    action: messages.ReadStanding, prefix: bytes, max: int
-) -> list[rpc_pb2.RangeRequest]:
+class Reads(list[rpc_pb2.RangeRequest]):
+    """RangeRequests to read at one revision (``ReadTogether``). ``enough(answers)``, where
+    set, says after each pinned Range whether the ones still to read are told by those read."""
+
+    enough: Callable[[Sequence[rpc_pb2.RangeResponse]], bool] | None = None
+
+
+def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Reads:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
-    one just ahead (2 keys descending). Read them with ``ReadTogether``."""
-    return [
+    one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
+    a window that holds our key is enough (ours is its last key, none being created after
+    it), so a waiter at the head reads one Range."""
+    reads = Reads(
         kv.prefix_request(
             prefix,
             limit=limit,
@@ -111,12 +118,16 @@ def standing_reads(
             sort_target=kv.CREATE,
         )
         for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
-    ]
+    )
+    reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
+    return reads
 
 
 def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
     """What ``standing_reads`` read together, as StandingAnswer."""
-    window, mine_and_prev = (r.kvs for r in read.responses)
+    window = list(read.responses[0].kvs)
+    # The window alone (``Reads.enough``): its last two keys are ours and the one ahead.
+    mine_and_prev = read.responses[1].kvs if len(read.responses) > 1 else window[-2:][::-1]
     return messages.StandingAnswer(
         action.id, read.revision, [key_rev(k) for k in window], [key_rev(k) for k in mine_and_prev]
     )
@@ -187,6 +198,7 @@ class ReadTogether:
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads
         self.reads = list(reads)
+        self.enough = reads.enough if isinstance(reads, Reads) else None
         self.plan = plan
         self.fell_back = False  # the Txn was refused under the space alarm
         self._answers: list[rpc_pb2.RangeResponse] = []
@@ -194,7 +206,7 @@ class ReadTogether:
 
     def next_call(self) -> Call | None:
         """The next request to send, or None when ``result`` is ready."""
-        if len(self._answers) == len(self.reads):
+        if self._done():
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
@@ -224,9 +236,15 @@ class ReadTogether:
             return
         raise error
 
+    def _done(self) -> bool:
+        if len(self._answers) == len(self.reads):
+            return True
+        return bool(self._answers) and self.enough is not None and self.enough(self._answers)
+
     @property
     def result(self) -> Together:
-        assert len(self._answers) == len(self.reads)
+        """The responses read: all of ``reads``, or the first ones, where they were enough."""
+        assert self._done()
         return Together(self._revision, self._answers)
 
 

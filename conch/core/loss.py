@@ -1,9 +1,9 @@
 """Why a session or a hold was lost, as a type the supervisor and the library switch on.
 
-A loss is a ``Loss``: a ``str`` (the message, as ``hold.reason``, ``session.reason`` and
-``on_lost(callback)`` give it) that also carries ``reason``, a ``LossReason``: code that
-decides by it (the supervisor's "SIGKILL at once, or a grace?") compares ``loss.reason``
-with a member, never the message's words.
+A ``Loss`` is a ``str`` (the message, as ``hold.reason``, ``session.reason`` and
+``on_lost(callback)`` give it) carrying ``reason``, a ``LossReason``: code that decides by
+it (the supervisor's "SIGKILL at once, or a grace?") compares ``loss.reason`` with a
+member, never the message's words.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ class LossReason(enum.Enum):
     # E passed with no later keepalive confirmed: the lease may be gone, or may have lived
     # through an outage of etcd. A hold is lost then; a waiter's session is not.
     NO_KEEPALIVE = "no-keepalive-confirmed"
-    # etcd answered that our lease is gone (a keepalive's TTL <= 0): expired or revoked.
-    LEASE_NOT_FOUND = "lease-not-found"
+    LEASE_NOT_FOUND = "lease-not-found"  # a keepalive's TTL <= 0: expired or revoked
     # Our key is gone while the lease lives (a watch event, a look at the key, a failed
     # compare on our create_revision): deleted by hand, or the lease's expiry seen first.
     KEY_DELETED = "key-deleted"
-    # The session was closed (close(), the client's close(), dropped) under a hold.
-    SESSION_CLOSED = "session-closed"
-    # The wrapper itself stalled past its deadline: its watchdog terminated the child.
-    STALLED = "stalled"
+    SESSION_CLOSED = "session-closed"  # by close(), the client's close(), a drop: under a hold
+    STALLED = "stalled"  # the wrapper stalled past its deadline: its watchdog killed the child
 
     @property
     def slot_taken(self) -> bool:
@@ -33,11 +30,7 @@ class LossReason(enum.Enum):
         someone else's (a grace for the child would be spent beside its new holder): our
         lease or key is gone, or the session was closed under the hold. Not NO_KEEPALIVE:
         the lease then lives at least until E, which the child's deadline is planned from."""
-        return self in (
-            LossReason.LEASE_NOT_FOUND,
-            LossReason.KEY_DELETED,
-            LossReason.SESSION_CLOSED,
-        )
+        return self not in (LossReason.NO_KEEPALIVE, LossReason.STALLED)
 
 
 class Loss(str):

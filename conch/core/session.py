@@ -1,26 +1,13 @@
 """The session as a machine: one lease's keepalive schedule, its earliest expiry E, and
-the loss decision. No I/O, no threads, no clock: the driver passes ``now``
-(``time.monotonic()`` seconds) into every step and executes the actions it gets back.
-
-The loss rule (docs/failure-semantics.md has the why). E (``alive_until``) is the send
-time of the last keepalive etcd answered plus the TTL it answered with. E passing with no
-later keepalive confirmed is ``Expired``: a hold on the session is lost then
-(``LossReason.NO_KEEPALIVE``), a waiter's session is not. The session is ``Lost`` only
-when etcd says its lease is gone (TTL <= 0: ``LossReason.LEASE_NOT_FOUND``). A keepalive
-unanswered by its deadline is sent again after a pause (KEEPALIVE_RETRY, doubling up to
-KEEPALIVE_RETRY_CAP) for as long as the session is open.
-
-Driven by ``conch.session.Keeper`` (both faces) and by the simulator::
-
-    machine = SessionMachine(ttl=10, granted_at=asked)
-    execute(machine.start())              # [WakeAt(...)]
-    execute(machine.wake(now))            # at WakeAt.at: [SendKeepalive(deadline), WakeAt]
-    execute(machine.answered(sent, ttl))  # etcd's answer to the keepalive sent at ``sent``
-    execute(machine.unanswered(now))      # no answer by its deadline (etcd away)
-    execute(machine.lease_gone())         # answered TTL <= 0: [Lost(loss)]
-
-where ``execute`` sends each SendKeepalive at once (its send time is ``now``), keeps one
+the loss decision (docs/failure-semantics.md, "The loss rule"). No I/O, no threads, no
+clock: the driver (``conch.session.Keeper``, the simulator) passes ``now``
+(``time.monotonic()`` seconds) into every step, sends each SendKeepalive at once, keeps one
 timer for the latest WakeAt, and reports Expired to the holds and Lost to everyone.
+
+E (``alive_until``) is the send time of the last keepalive etcd answered plus the TTL it
+answered with. E passing with no later keepalive confirmed is ``Expired``
+(``LossReason.NO_KEEPALIVE``: a hold is lost, a waiter's session is not); the session is
+``Lost`` only when etcd says its lease is gone (TTL <= 0: ``LossReason.LEASE_NOT_FOUND``).
 """
 
 from __future__ import annotations
@@ -33,8 +20,7 @@ from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
 
 # Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
-# step, so that a client's sessions send in bursts the keepalive thread serves in one
-# wake-up (docs/design.md). Early is safe: each deadline counts from its send time.
+# step: a client's sessions send in bursts the keepalive thread serves in one wake-up.
 SEND_GRID = 0.5  # seconds
 
 # The pause before an unanswered keepalive is sent again, doubling up to the cap.
@@ -91,7 +77,6 @@ class SessionMachine:
     def __init__(self, ttl: int, granted_at: float) -> None:
         self.ttl = ttl
         self.interval = ttl / 3
-        self.margin = keepalive_margin(ttl)
         self.alive_until = granted_at + ttl
         self.lost: Loss | None = None
         self.closed = False
@@ -123,7 +108,7 @@ class SessionMachine:
             actions.append(Expired(NOT_CONFIRMED))
         if not self._in_flight and now >= self._send:
             self._in_flight = True
-            actions.append(SendKeepalive(now + self.interval + self.margin))
+            actions.append(SendKeepalive(now + self.interval + keepalive_margin(self.ttl)))
         return [*actions, *self._wake_after()]
 
     def answered(self, sent: float, ttl: float) -> list[SessionAction]:

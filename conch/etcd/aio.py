@@ -1,21 +1,21 @@
-"""The etcd layer for coroutines: the threaded layer's calls and streams, awaited, with their
-I/O on the running loop: ``Client.call_async``, and one Watch.Watch stream (``LoopWatch``)
-and one LeaseKeepAlive stream (``keepalive``) per client and loop, read by the loop, with
-the threaded layer's decisions; no thread of ours hands a message over, and nothing uses the
-loop's default executor. In a process forked while grpc.aio channels were open
-(``endpoints.loop_native``) they are the threaded client's streams, whose threads hand each
-notice and answer to the loop with ``call_soon_threadsafe``."""
+"""The etcd layer for coroutines: the threaded layer's calls awaited (``Client.call_async``),
+and one Watch.Watch stream (``LoopWatch``) and one LeaseKeepAlive stream (``keepalive``) per
+client and loop, read by the loop with the threaded layer's decisions: no thread of ours
+hands a message over, nothing uses the loop's default executor. In a process forked while
+grpc.aio channels were open (``endpoints.loop_native``) they are the threaded client's
+streams, whose threads hand each notice and answer to the loop (``call_soon_threadsafe``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
-from typing import TypeVar, cast
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import LeaseNotFound, Unavailable
+from conch.errors import LeaseNotFound
 from conch.etcd import kv, lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
@@ -27,6 +27,7 @@ from conch.etcd.watch import LoopHub, Watch, WatchNotice
 from conch.timer import PerOwner
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 async def range_(
@@ -154,20 +155,13 @@ class LoopWatch:
 
     @classmethod
     async def open(
-        cls,
-        client: Client,
-        on_notice: Callable[[WatchNotice], None],
-        key: bytes,
-        start_revision: int = 0,
-        range_end: bytes = b"",
-        only_deletes: bool = False,
-        confirm: bool = False,
-    ) -> LoopWatch:
-        """A LoopWatch, once the stream's auth token is at hand: opening the stream (if it
-        is not open) then makes no call that waits, since gRPC starts a stream without
-        waiting for its answer."""
+        cls: Callable[Concatenate[Client, P], T], client: Client, *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """A LoopWatch (arguments as ``LoopWatch``), once the stream's auth token is at hand:
+        opening the stream (if it is not open) then makes no call that waits, since gRPC
+        starts a stream without waiting for its answer."""
         await client.token_async()
-        return cls(client, on_notice, key, start_revision, range_end, only_deletes, confirm)
+        return cls(client, *args, **kwargs)
 
     def _deliver(self, notice: WatchNotice) -> None:  # on the loop
         if not self._cancelled:
@@ -182,26 +176,24 @@ class LoopWatch:
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     """One LeaseKeepAlive of ``lease_id`` on the client's keepalive stream of the running
     loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``),
-    awaited: the lease's TTL in seconds. Raises LeaseNotFound when etcd answers TTL <= 0
-    (expired or revoked), Unavailable when no answer comes by ``deadline``
-    (``time.monotonic()``). A cancel of the awaiting task leaves the keepalive to run out
-    on its own (its answer is dropped)."""
+    awaited: as ``lease.KeepAlive.refresh`` (the TTL; LeaseNotFound, Unavailable by
+    ``deadline``). A cancel of the awaiting task leaves the keepalive to run out on its
+    own (its answer is dropped)."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[lease.Outcome] = loop.create_future()
     keepalives = _keepalives(client)
     if isinstance(keepalives, LoopKeepAlives):
         # Its deadline is a timer of this loop: no thread that could be late to watch for.
-        keepalives.refresh(lease_id, deadline, lambda outcome: resolve(answer, outcome))
+        keepalives.refresh(lease_id, deadline, functools.partial(resolve, answer))
         return lease.ttl_of(await answer)
 
     def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
         call_soon(loop, resolve, answer, outcome)
 
     keepalives.refresh(lease_id, deadline, done)
-    try:
+    with contextlib.suppress(TimeoutError):
         return lease.ttl_of(await asyncio.wait_for(answer, lease.wait_for(deadline)))
-    except TimeoutError:
-        raise Unavailable(lease.NO_ANSWER) from None
+    return lease.ttl_of(None)
 
 
 def forget_lease(client: Client, lease_id: int) -> None:

@@ -82,7 +82,7 @@ class Client:
         self._credentials = credentials
         self._token: str | None = None
         self._auth_lock = threading.Lock()
-        self._auth_flight: asyncio.Task[str] | None = None  # call_async's Authenticate
+        self._auth_flight: asyncio.Task[str | None] | None = None  # call_async's Authenticate
         self._stubs: dict[Endpoint, Stubs] = {}
         # The grpc.aio channels of call_async and the loop's streams, by the event loop
         # they are bound to (a grpc.aio channel serves the loop it was dialled on only).
@@ -105,9 +105,9 @@ class Client:
         tls: TLS | None,
         credentials: Credentials | None,
     ) -> Iterator[Client]:
-        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client they
-        dial with, closed when the dial fails; an EtcdError but AuthenticationFailed raised
-        as Unavailable naming the endpoints."""
+        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client to
+        dial (``_dial``) with, closed when the dial fails; an EtcdError but
+        AuthenticationFailed raised as Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
         check_timeout("request_timeout", request_timeout)
         check_fork_support()
@@ -140,10 +140,7 @@ class Client:
         not above 0 or is over 10 years, and in a process forked from one that used gRPC with
         its fork support off (its calls would hang)."""
         with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
-            if credentials is not None:
-                client.authenticate(timeout=dial_timeout)
-            else:
-                client.call("maintenance", "Status", rpc_pb2.StatusRequest(), dial_timeout)
+            client._dial(dial_timeout)
         return client
 
     @classmethod
@@ -159,11 +156,7 @@ class Client:
         else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
         the client before it propagates."""
         with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
-            if credentials is not None:
-                await client._authenticate_async(credentials, dial_timeout)
-            else:
-                request = rpc_pb2.StatusRequest()
-                await client.call_async("maintenance", "Status", request, dial_timeout)
+            await client._dial_async(dial_timeout)
         return client
 
     def __enter__(self) -> Client:
@@ -205,11 +198,7 @@ class Client:
     ) -> Stubs:
         """The blocking stubs of ``endpoint``, or grpc.aio ones bound to ``loop`` (running).
         Raises UsageError in a forked process, the closed client's EtcdError once closed."""
-        if os.getpid() != self.pid:
-            raise UsageError(
-                f"this Client was connected in process {self.pid}, not in this one "
-                f"({os.getpid()}): a forked process must connect a Client of its own"
-            )
+        self._check_process()
         with self._lock:
             if self._closed:
                 raise _closed_error()
@@ -225,6 +214,13 @@ class Client:
             if stubs is None:
                 raise _closed_error()
         return stubs
+
+    def _check_process(self) -> None:
+        if os.getpid() != self.pid:
+            raise UsageError(
+                f"this Client was connected in process {self.pid}, not in this one "
+                f"({os.getpid()}): a forked process must connect a Client of its own"
+            )
 
     def _table(self, loop: asyncio.AbstractEventLoop | None) -> dict[Endpoint, Stubs]:
         """The stubs dialled for ``loop`` (None: the blocking ones), with our lock held. The
@@ -276,13 +272,27 @@ class Client:
         ``timeout`` seconds (default ``request_timeout``). Raises AuthenticationFailed for a
         wrong user or password, Unavailable when no member answers in time."""
         if self._credentials is not None:
-            self._authenticate(self._credentials, timeout)
+            self._dial(timeout)
 
-    def _authenticate(self, credentials: Credentials, timeout: float | None) -> str:
-        request = rpc_pb2.AuthenticateRequest(name=credentials.user, password=credentials.password)
-        response = self.call("auth", "Authenticate", request, timeout, _authenticating=True)
-        token: str = response.token
-        self._token = token
+    def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
+        """``call``'s arguments for Auth.Authenticate with our credentials, else for
+        Maintenance.Status: what dials (and, with credentials, fetches a token)."""
+        if self._credentials is None:
+            return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
+        user, password = self._credentials.user, self._credentials.password
+        request = rpc_pb2.AuthenticateRequest(name=user, password=password)
+        return "auth", "Authenticate", request, timeout, True
+
+    def _dial(self, timeout: float | None) -> str | None:
+        return self._keep(self.call(*self._dial_call(timeout)))
+
+    async def _dial_async(self, timeout: float | None) -> str | None:
+        return self._keep(await self.call_async(*self._dial_call(timeout)))
+
+    def _keep(self, response: Any) -> str | None:
+        token: str | None = getattr(response, "token", None)  # a StatusResponse has none
+        if token is not None:
+            self._token = token
         return token
 
     def invalidate_token(self, stale: str | None = None) -> None:
@@ -310,9 +320,7 @@ class Client:
             raise Unavailable("timed out waiting for another thread's Auth.Authenticate")
         try:
             token = self._token
-            if token is None:
-                token = self._authenticate(credentials, max(0.001, deadline - time.monotonic()))
-            return token
+            return self._dial(max(0.001, deadline - time.monotonic())) if token is None else token
         finally:
             self._auth_lock.release()
 
@@ -381,6 +389,7 @@ class Client:
 
         import grpc.aio
 
+        self._check_process()  # before the loop: in a forked child there may be none
         loop = asyncio.get_running_loop()
         native = loop_native()
         attempts = Attempts(self, timeout)
@@ -422,18 +431,9 @@ class Client:
         loop = asyncio.get_running_loop()
         flight = self._auth_flight
         if flight is None or flight.done() or flight.get_loop() is not loop:
-            flight = self._auth_flight = loop.create_task(
-                self._authenticate_async(credentials, timeout)
-            )
+            flight = self._auth_flight = loop.create_task(self._dial_async(timeout))
         # Shielded: one caller's cancel must not end the Authenticate the others await.
         return await asyncio.shield(flight)
-
-    async def _authenticate_async(self, credentials: Credentials, timeout: float | None) -> str:
-        request = rpc_pb2.AuthenticateRequest(name=credentials.user, password=credentials.password)
-        response = await self.call_async("auth", "Authenticate", request, timeout, True)
-        token: str = response.token
-        self._token = token
-        return token
 
     def open_stream(
         self,

@@ -71,10 +71,13 @@ NO_ANSWER = "keepalive: no answer in time"
 Outcome = int | EtcdError
 
 
-def ttl_of(outcome: Outcome) -> int:
-    """The TTL a keepalive came to; raises the EtcdError it ended with."""
+def ttl_of(outcome: Outcome | None) -> int:
+    """The TTL a keepalive came to; raises the EtcdError it ended with, Unavailable for None
+    (no answer while its waiter waited: ``wait_for``)."""
     if isinstance(outcome, EtcdError):
         raise outcome
+    if outcome is None:
+        raise Unavailable(NO_ANSWER)
     return outcome
 
 
@@ -99,8 +102,9 @@ class KeepAlives:
         self.timer = Timer("conch-keepalive")  # the threaded sessions' timers run here too
         self._steps: Scheduler = self.timer
         self._opener = Timer("conch-keepalive-open")
-        # All on the timer thread: no lock. The stream in use first.
-        self._streams: dict[Stream, dict[int, _Counts]] = {}
+        # All on the timer thread: no lock. The stream in use first; per lease on each, the
+        # keepalives sent and the answers received (etcd answers in order).
+        self._streams: dict[Stream, dict[int, list[int]]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
         # A stream refused at once (our token forgotten) may end before it reaches us.
         self._early_ends: dict[Stream, EtcdError] = {}
@@ -111,17 +115,15 @@ class KeepAlives:
         self._inbox_lock = threading.Lock()
         self._draining = False
 
-    # -- from any thread ------------------------------------------------------------------
-
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         """One LeaseKeepAliveRequest for ``lease_id``; ``done(outcome)`` once, by ``deadline``
         (``time.monotonic()``). One still under way for the lease is given up (Unavailable).
-        Raises RuntimeError when the timer thread cannot be started."""
+        Raises RuntimeError when the timer thread cannot be started. From any thread."""
         self._steps.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
 
     def forget(self, lease_id: int) -> None:
         """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (no ``done``);
-        the last lease closes the streams."""
+        the last lease closes the streams. From any thread."""
         self._steps.call_later(0, lambda: self._forget(lease_id))
 
     # -- on the timer thread --------------------------------------------------------------
@@ -152,32 +154,31 @@ class KeepAlives:
         client = self._client_ref()
         if client is None:
             return None
+        asked = [stream.endpoint for stream in ask.asked]
         endpoints = client.endpoints
-        asked = {stream.endpoint for stream in ask.asked}
-        last = list(ask.asked)[-1].endpoint if ask.asked else None
-        start = endpoints.index(client.endpoint) if last is None else endpoints.index(last) + 1
+        start = endpoints.index(asked[-1]) + 1 if asked else endpoints.index(client.endpoint)
         for endpoint in endpoints[start:] + endpoints[:start]:
             if endpoint not in asked:
                 return next((s for s in self._streams if s.endpoint == endpoint), endpoint)
         return None
 
     def _send(self, ask: _Ask, stream: Stream) -> None:
-        counts = self._streams[stream].setdefault(ask.lease_id, _Counts())
-        ask.asked[stream] = counts.sent  # the index its answer will have
-        counts.sent += 1
+        counts = self._streams[stream].setdefault(ask.lease_id, [0, 0])
+        ask.asked[stream] = counts[0]  # the index its answer will have
+        counts[0] += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
         client = self._client_ref()
         if client is not None and len(client.endpoints) > 1:  # another member to ask
             self._ask_again(ask, min(ASK_ANOTHER_AFTER, ask.left() / 2))
 
-    def _ask_again(self, ask: _Ask, delay: float) -> None:
+    def _ask_again(self, ask: _Ask, delay: float, error: EtcdError | None = None) -> None:
+        # ``error``: a stream broke or would not open, retried after a backoff.
+        if error is not None:
+            ask.last_error = error
+            delay = ask.backoff.next()
         if ask.next is not None:
             ask.next.cancel()
         ask.next = self._steps.call_later(delay, lambda: self._ask(ask))
-
-    def _retry(self, ask: _Ask, error: EtcdError) -> None:
-        ask.last_error = error
-        self._ask_again(ask, ask.backoff.next())
 
     def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
         waiting = self._opening.get(endpoint)
@@ -202,13 +203,11 @@ class KeepAlives:
                 opened.close()
                 return
             self._streams[opened] = {}
-        for ask in waiting:
-            if self._asks.get(ask.lease_id) is not ask:
-                continue
+        for ask in [ask for ask in waiting if self._asks.get(ask.lease_id) is ask]:
             if isinstance(opened, Stream):
                 self._send(ask, opened)
             else:
-                self._retry(ask, opened)
+                self._ask_again(ask, 0, opened)
 
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
@@ -217,77 +216,68 @@ class KeepAlives:
                 self._early_ends[item.stream] = item.error  # for _opened to find
             return  # a stream we already left, or one not registered yet
         if item.error is not None:
-            self._broken(item.stream, item.error)
+            self._drop(item.stream)
+            self._failover(item.stream)
+            for waiting in list(self._asks.values()):
+                if waiting.asked.pop(item.stream, None) is not None:
+                    if waiting.asked:
+                        waiting.last_error = item.error
+                    else:
+                        self._ask_again(waiting, 0, item.error)
             return
         lease_id = int(item.response.ID)
         lease_counts = counts.get(lease_id)
         if lease_counts is None:
             return  # a lease forgotten meanwhile
-        index = lease_counts.received
-        lease_counts.received += 1
+        index = lease_counts[1]
+        lease_counts[1] += 1
         ask = self._asks.get(lease_id)
-        if ask is None or index < ask.asked.get(item.stream, lease_counts.sent):
+        if ask is None or index < ask.asked.get(item.stream, lease_counts[0]):
             return  # the late answer to an earlier keepalive
-        self._settle_on(item.stream, ask)
+        # The stream that answered is the one in use now; calls and streams move away from
+        # a member that stayed silent (at best slower).
+        if next(iter(self._streams)) is not item.stream:
+            self._streams = {item.stream: counts, **self._streams}
+        if next(iter(ask.asked)) is not item.stream:
+            self._failover(next(iter(ask.asked)))
         if item.response.TTL <= 0:
             self._finish(ask, LeaseNotFound(f"lease {lease_id:x} expired or was revoked"))
         else:
             self._finish(ask, int(item.response.TTL))
-
-    def _broken(self, stream: Stream, error: EtcdError) -> None:
-        self._drop(stream)
-        self._failover(stream)
-        for ask in list(self._asks.values()):
-            if ask.asked.pop(stream, None) is not None:
-                ask.last_error = error
-                if not ask.asked:
-                    self._ask_again(ask, ask.backoff.next())
 
     def _failover(self, stream: Stream) -> None:
         client = self._client_ref()
         if client is not None:
             client.failover(stream.endpoint)
 
-    def _settle_on(self, answered: Stream, ask: _Ask) -> None:
-        # The stream that answered is the one in use now; calls and streams move away from
-        # a member that stayed silent (at best slower).
-        if next(iter(self._streams)) is not answered:
-            self._streams = {answered: self._streams[answered], **self._streams}
-        silent = next(iter(ask.asked))
-        if silent is not answered:
-            self._failover(silent)
-
     def _expire(self, ask: _Ask) -> None:
         if self._asks.get(ask.lease_id) is ask:
             self._finish(ask, Unavailable(f"{NO_ANSWER} ({ask.last_error})"))
 
-    def _finish(self, ask: _Ask, outcome: Outcome) -> None:
-        self._drop_ask(ask)
-        ask.done(outcome)
-
-    def _drop_ask(self, ask: _Ask | None) -> None:
+    def _finish(self, ask: _Ask | None, outcome: Outcome | None = None) -> None:
+        # Done with ``ask`` (``done(outcome)`` unless None); then close the streams unused.
         if ask is not None:
             if self._asks.get(ask.lease_id) is ask:
                 del self._asks[ask.lease_id]
             for handle in (ask.next, ask.expiry):
                 if handle is not None:
                     handle.cancel()
-        self._close_unused()
+        # Every stream but the one in use that no keepalive waits on; all with no lease.
+        if len(self._streams) > 1 or not self._leases:  # else (at every answer) none
+            waited_on = {stream for other in self._asks.values() for stream in other.asked}
+            for index, stream in enumerate(list(self._streams)):
+                if stream not in waited_on and (index > 0 or not self._leases):
+                    self._drop(stream)
+        if ask is not None and outcome is not None:
+            ask.done(outcome)
 
-    def _forget(self, lease_id: int) -> None:
+    def _forget(self, lease_id: int) -> _Ask | None:
         self._leases.discard(lease_id)
         for counts in self._streams.values():
             counts.pop(lease_id, None)
-        self._drop_ask(self._asks.get(lease_id))
-
-    def _close_unused(self) -> None:
-        # Every stream but the one in use that no keepalive waits on; all with no lease.
-        if len(self._streams) <= 1 and self._leases:
-            return  # the usual case, at every answer: nothing to look through
-        waited_on = {stream for ask in self._asks.values() for stream in ask.asked}
-        for index, stream in enumerate(list(self._streams)):
-            if stream not in waited_on and (index > 0 or not self._leases):
-                self._drop(stream)
+        ask = self._asks.get(lease_id)
+        self._finish(ask)
+        return ask
 
     def _drop(self, stream: Stream) -> None:
         self._streams.pop(stream, None)
@@ -296,21 +286,19 @@ class KeepAlives:
     # -- on other threads -----------------------------------------------------------------
 
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
-        """``_dial`` on the opener thread; RuntimeError when it cannot be started."""
-        self._opener.call_later(0, lambda: self._dial(endpoint, timeout))
+        # On the opener thread (RuntimeError when it cannot be started): Auth.Authenticate
+        # within ``timeout`` seconds if the token is missing; the stream to the timer thread.
+        def dial() -> None:
+            opened: Stream | EtcdError
+            try:
+                client = live(self._client_ref)
+                token = client.token(timeout)
+                opened = BidiStream(client, *_LEASE, self._deliver, token, endpoint)
+            except Exception as exc:
+                opened = _open_failed(endpoint, exc)
+            self._steps.call_later(0, lambda: self._opened(endpoint, opened))
 
-    def _dial(self, endpoint: Endpoint, timeout: float) -> None:
-        """Open a stream to ``endpoint`` (Auth.Authenticate within ``timeout`` seconds if the
-        token is missing) and hand it to the timer thread."""
-        opened: Stream | EtcdError
-        try:
-            client = live(self._client_ref)
-            opened = BidiStream(
-                client, "lease", "LeaseKeepAlive", self._deliver, timeout, endpoint=endpoint
-            )
-        except Exception as exc:
-            opened = _open_failed(endpoint, exc)
-        self._steps.call_later(0, lambda: self._opened(endpoint, opened))
+        self._opener.call_later(0, dial)
 
     def _deliver(self, item: StreamItem) -> None:
         # From a stream's reader: to the timer thread, a burst of answers in one step.
@@ -339,6 +327,9 @@ class KeepAlives:
                 log.error("keepalive-answer-failed", error=repr(exc))
 
 
+_LEASE = ("lease", "LeaseKeepAlive")
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class _Ask:
     """One keepalive under way: the streams it went out on (in order, each with the index
@@ -355,14 +346,6 @@ class _Ask:
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
-
-
-@dataclasses.dataclass(slots=True)
-class _Counts:
-    """Keepalives of one lease sent on one stream, and answers received to them."""
-
-    sent: int = 0
-    received: int = 0
 
 
 def live(client_ref: weakref.ref[Client]) -> Client:
@@ -393,19 +376,19 @@ class LoopKeepAlives(KeepAlives):
         self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
 
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
-        task = self._loop.create_task(self._dial_on_loop(endpoint, timeout))
+        async def dial() -> None:
+            opened: Stream | EtcdError
+            try:
+                client = live(self._client_ref)
+                token = await client.token_async(timeout)
+                opened = LoopStream(client, *_LEASE, self._deliver, token, endpoint)
+            except Exception as exc:
+                opened = _open_failed(endpoint, exc)
+            self._opened(endpoint, opened)
+
+        task = self._loop.create_task(dial())
         self._dialling.add(task)
         task.add_done_callback(self._dialling.discard)
-
-    async def _dial_on_loop(self, endpoint: Endpoint, timeout: float) -> None:
-        opened: Stream | EtcdError
-        try:
-            client = live(self._client_ref)
-            token = await client.token_async(timeout)
-            opened = LoopStream(client, "lease", "LeaseKeepAlive", self._deliver, token, endpoint)
-        except Exception as exc:
-            opened = _open_failed(endpoint, exc)
-        self._opened(endpoint, opened)
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         self._start(_Ask(lease_id, deadline, done))  # on the loop already
@@ -413,8 +396,7 @@ class LoopKeepAlives(KeepAlives):
     def forget(self, lease_id: int) -> None:
         """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
         coroutine awaits no timer of its own)."""
-        ask = self._asks.get(lease_id)
-        self._forget(lease_id)
+        ask = self._forget(lease_id)
         if ask is not None:
             ask.done(Unavailable("keepalive: the lease is no longer kept alive here"))
 
@@ -440,10 +422,9 @@ class KeepAlive:
         answer comes by ``deadline`` (``time.monotonic()``)."""
         answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
         self._keepalives.refresh(self._lease_id, deadline, answers.put)
-        try:
+        with contextlib.suppress(queue.Empty):
             return ttl_of(answers.get(timeout=wait_for(deadline)))
-        except queue.Empty:
-            raise Unavailable(NO_ANSWER) from None
+        return ttl_of(None)
 
     def close(self) -> None:
         self._keepalives.forget(self._lease_id)

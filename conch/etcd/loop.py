@@ -24,8 +24,8 @@ STARTS_PER_ITERATION = 16
 
 
 class _Admission:
-    """The calls started in the current iteration of one loop, and those waiting for a
-    later one (their futures, in order)."""
+    """The calls one loop started in its current iteration, and the futures of those
+    waiting for a later one, in order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -35,7 +35,9 @@ class _Admission:
 
     def admit(self) -> asyncio.Future[None] | None:
         """None: start now; else a future to await, done when this call's turn comes."""
-        self._next_soon()
+        if not self._next_pending:
+            self._next_pending = True
+            self._loop.call_soon(self._next_iteration)
         if self._started < STARTS_PER_ITERATION and not self._waiting:
             self._started += 1
             return None
@@ -43,21 +45,16 @@ class _Admission:
         self._waiting.append(turn)
         return turn
 
-    def _next_soon(self) -> None:
-        if not self._next_pending:
-            self._next_pending = True
-            self._loop.call_soon(self._next_iteration)
-
     def _next_iteration(self) -> None:
-        self._next_pending = False
         self._started = 0
         while self._waiting and self._started < STARTS_PER_ITERATION:
             turn = self._waiting.popleft()
             if not turn.done():  # not cancelled meanwhile
                 turn.set_result(None)
                 self._started += 1
-        if self._waiting or self._started:
-            self._next_soon()
+        self._next_pending = bool(self._waiting or self._started)
+        if self._next_pending:
+            self._loop.call_soon(self._next_iteration)
 
 
 admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(_Admission)

@@ -16,6 +16,8 @@ from conch.errors import EtcdError, TokenInvalid, Unavailable
 from conch.etcd.retry import map_rpc_error
 
 if TYPE_CHECKING:
+    import asyncio
+
     from conch.etcd.client import Client
     from conch.etcd.endpoints import Endpoint
 
@@ -23,15 +25,43 @@ if TYPE_CHECKING:
 Deliver = Callable[["StreamItem"], None]
 
 
-class _Stream:
-    """What both kinds share: the call, its request queue, and the end of its reading."""
+class BidiStream:
+    """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one) that
+    carries ``token`` (``Client.token`` or ``token_async`` first; None without credentials).
+    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
+    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
+    also invalidates ``token``, so the owner's next stream carries a fresh one). ``close()``
+    cancels the call; nothing is delivered after it."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
-    def _open(self, client: Client, deliver: Deliver, token: str | None, call: Any) -> None:
+    def __init__(
+        self,
+        client: Client,
+        service: str,
+        method: str,
+        deliver: Deliver,
+        token: str | None,
+        endpoint: Endpoint | None = None,
+    ) -> None:
         self._client, self._deliver, self.token = client, deliver, token
         self._closed = False
-        self.endpoint, self._call = call
+        requests, loop = self._queue()
+        opened = client.open_stream(service, method, requests, None, token, endpoint, loop)
+        self.endpoint, self._call = opened
+        self._reader = self._start(method)  # a task must be referenced while it runs
+
+    def _queue(self) -> tuple[Any, asyncio.AbstractEventLoop | None]:
+        """The requests' iterator for the call, and the loop it runs on (None: blocking)."""
+        import queue
+
+        self._requests = queue.SimpleQueue()
+        return iter(self._requests.get, None), None
+
+    def _start(self, method: str) -> Any:
+        reader = threading.Thread(target=self._read, name=f"conch-{method}", daemon=True)
+        reader.start()
+        return reader
 
     def send(self, request: Any) -> None:
         self._requests.put_nowait(request)
@@ -40,6 +70,17 @@ class _Stream:
         self._closed = True
         self._requests.put_nowait(None)
         self._call.cancel()
+
+    def _read(self) -> Any:
+        try:
+            for response in self._call:
+                if self._closed:
+                    return
+                self._hand_over(StreamItem(self, response, None))
+        except grpc.RpcError as rpc_error:
+            self._ended(rpc_error)
+        else:
+            self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
         self._deliver(item)
@@ -52,72 +93,25 @@ class _Stream:
         if isinstance(error, TokenInvalid):
             self._client.invalidate_token(self.token)
         if not self._closed:
-            self._hand_over(StreamItem(self, None, error))  # type: ignore[arg-type]
+            self._hand_over(StreamItem(self, None, error))
 
 
-class BidiStream(_Stream):
-    """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one).
-    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
-    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
-    also invalidates the token it was opened with, so the owner's next stream carries a fresh
-    one). ``timeout`` (seconds) bounds the Auth.Authenticate that opening may need.
-    ``close()`` cancels the call; nothing is delivered after it."""
-
-    def __init__(
-        self,
-        client: Client,
-        service: str,
-        method: str,
-        deliver: Deliver,
-        timeout: float | None = None,
-        endpoint: Endpoint | None = None,
-    ) -> None:
-        import queue
-
-        self._requests = queue.SimpleQueue()
-        token = client.token(timeout)
-        requests = iter(self._requests.get, None)
-        call = client.open_stream(service, method, requests, token=token, endpoint=endpoint)
-        self._open(client, deliver, token, call)
-        self._reader = threading.Thread(target=self._read, name=f"conch-{method}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for response in self._call:
-                if self._closed:
-                    return
-                self._deliver(StreamItem(self, response, None))
-        except grpc.RpcError as rpc_error:
-            self._ended(rpc_error)
-        else:
-            self._ended(None)
-
-
-class LoopStream(_Stream):
+class LoopStream(BidiStream):
     """A BidiStream on the running event loop (grpc.aio), read by a task of that loop, so
-    no thread of ours hands its answers over. The same ``deliver`` (called on the loop; an
-    exception it raises is logged, the stream reads on), ``send()`` and ``close()``, all on
-    the loop's thread. Opening waits for nothing: ``token`` is the auth token to carry
-    (``Client.token_async`` first), None without credentials."""
+    no thread of ours hands its answers over: ``deliver`` is called on the loop (an exception
+    it raises is logged, the stream reads on); ``send()`` and ``close()`` too. Opening waits
+    for nothing."""
 
-    def __init__(
-        self,
-        client: Client,
-        service: str,
-        method: str,
-        deliver: Deliver,
-        token: str | None,
-        endpoint: Endpoint | None = None,
-    ) -> None:
+    def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
         import asyncio
 
-        loop = asyncio.get_running_loop()
         self._requests = asyncio.Queue()
-        requests = self._outgoing()
-        call = client.open_stream(service, method, requests, None, token, endpoint, loop)
-        self._open(client, deliver, token, call)
-        self._reader = loop.create_task(self._read())
+        return self._outgoing(), asyncio.get_running_loop()
+
+    def _start(self, method: str) -> asyncio.Task[None]:
+        import asyncio
+
+        return asyncio.get_running_loop().create_task(self._read())
 
     async def _outgoing(self) -> AsyncIterator[Any]:
         while (request := await self._requests.get()) is not None:
@@ -145,8 +139,7 @@ class LoopStream(_Stream):
             log.error("stream-answer-failed", error=repr(exc))
 
 
-# Either kind of stream: what the keepalives and the watch hub hold.
-Stream = BidiStream | LoopStream
+Stream = BidiStream  # either kind (a LoopStream is one): what the keepalives and the hub hold
 
 
 class StreamItem(NamedTuple):

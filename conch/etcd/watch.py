@@ -34,6 +34,8 @@ PROBE_TIMEOUT = 5.0
 # Seconds the stream stays open with no watch: a waiter or a new hold replacing a watch has
 # none for a moment, and a new stream would cost the handoff a stream set-up.
 IDLE_CLOSE = 2.0
+# What etcd's reason says when it cancelled a watch for its token or permissions.
+_REFUSALS = ("permission denied", "auth token", "revision of auth store is old")
 
 
 class WatchNotice(NamedTuple):
@@ -86,7 +88,6 @@ class Watch:
         # Held while a notice is handed over, and by cancel(), so that none is on its way
         # once cancel() returns; reentrant, for a ``deliver`` that cancels its own watch.
         self._delivering = threading.RLock()
-        self._ended = threading.Event()  # cancelled, or the error delivered
         self._hub = _hub_for(client) if hub is None else hub
         self._hub.add(self)
 
@@ -95,12 +96,7 @@ class Watch:
         (a notice being delivered by another thread is waited for)."""
         with self._delivering:
             self._cancelled = True
-        self._ended.set()
         self._hub.remove(self)
-
-    def _end(self, error: EtcdError) -> WatchNotice:
-        self._ended.set()
-        return WatchNotice(self, (), 0, error)
 
 
 def _hand_over_all(notices: list[WatchNotice]) -> None:
@@ -118,15 +114,6 @@ def _cancel_error(response: rpc_pb2.WatchResponse) -> EtcdError:
     if oldest := response.compact_revision:
         return Compacted(f"watch start revision compacted (oldest left {oldest})", oldest)
     return EtcdError(f"watch cancelled by etcd: {response.cancel_reason}")
-
-
-# What etcd's reason says when it cancelled a watch for its token or permissions.
-_REFUSALS = ("permission denied", "auth token", "revision of auth store is old")
-
-
-def _resumable(error: EtcdError) -> bool:
-    """A member gone away, or a stale token (a new stream authenticates again)."""
-    return isinstance(error, (Unavailable, TokenInvalid))
 
 
 class _Hub:
@@ -195,7 +182,8 @@ class _Hub:
 
     def _open(self) -> Stream:
         # Not under the lock: an Auth.Authenticate or a TLS handshake may take seconds.
-        return BidiStream(live(self._client_ref), "watch", "Watch", self._on_item)
+        client = live(self._client_ref)
+        return BidiStream(client, "watch", "Watch", self._on_item, client.token())
 
     def _connect(self, withdraw: Watch | None) -> None:
         """Open the stream (by the thread that set ``_opening``) and create every watch on
@@ -245,26 +233,22 @@ class _Hub:
                     self._early_end = (item.stream, item.error)  # for _connect to see
                 return  # a stream we already left, or one not installed yet
             self._heard = time.monotonic()
+            response = item.response
             if item.error is not None:
                 self._broken(item.stream, item.error)
-                return
-            response = item.response
-            if response.created:
+            elif response.created:
                 if self._unanswered:
                     self._on_created(item, self._unanswered.popleft(), notices)
-            else:
-                watch = self._by_id.get(response.watch_id)
-                if watch is None or watch._cancelled:
-                    return  # a progress report, or a watch cancelled meanwhile
-                if response.canceled:
-                    self._by_id.pop(response.watch_id, None)
-                    self._watches.discard(watch)
-                    notices.append(watch._end(_cancel_error(response)))
-                elif response.events:
-                    self._failures = 0
-                    events = list(response.events)
-                    watch._next = events[-1].kv.mod_revision + 1
-                    notices.append(WatchNotice(watch, events, response.header.revision))
+            elif (watch := self._by_id.get(response.watch_id)) is None or watch._cancelled:
+                return  # a progress report, or a watch cancelled meanwhile
+            elif response.canceled:
+                self._by_id.pop(response.watch_id, None)
+                self._end(watch, _cancel_error(response), notices)
+            elif response.events:
+                self._failures = 0
+                events = list(response.events)
+                watch._next = events[-1].kv.mod_revision + 1
+                notices.append(WatchNotice(watch, events, response.header.revision))
         _hand_over_all(notices)
 
     def _on_created(self, item: StreamItem, watch: Watch, notices: list[WatchNotice]) -> None:
@@ -279,9 +263,7 @@ class _Hub:
                 client.invalidate_token(item.stream.token)
             self._broken(item.stream, TokenInvalid(response.cancel_reason))
         elif response.canceled:  # refused (permission denied, bad range)
-            self._watches.discard(watch)
-            if not watch._cancelled:
-                notices.append(watch._end(_cancel_error(response)))
+            self._end(watch, _cancel_error(response), notices)
         elif watch._cancelled or watch not in self._watches:
             item.stream.send(_cancel_request(response.watch_id))
         else:
@@ -295,6 +277,11 @@ class _Hub:
             if watch._confirm:
                 notices.append(WatchNotice(watch, (), revision, created=True))
 
+    def _end(self, watch: Watch, error: EtcdError, notices: list[WatchNotice]) -> None:
+        self._watches.discard(watch)
+        if not watch._cancelled:
+            notices.append(WatchNotice(watch, (), 0, error))
+
     def _broken(self, stream: Stream, error: EtcdError) -> None:
         self._detach()
         stream.close()
@@ -303,19 +290,21 @@ class _Hub:
 
     def _failed(self, error: EtcdError, left: Endpoint | None) -> None:
         """A stream broke or would not open (lock held): resume after a pause (away from
-        ``left``), or end every watch with ``error``."""
+        ``left``) from a member gone away or a stale token (a new stream authenticates
+        again), or end every watch with ``error``."""
         self._failures += 1
-        if not _resumable(error) or self._failures > Watch.MAX_RESUMES:
-            watches, self._watches = [w for w in self._watches if not w._cancelled], set()
-            self._failures = 0
-            self._backoff.reset()
-            notices = [w._end(error) for w in watches]
-            # Not under the lock, nor from inside a caller that holds it.
-            self._timer.call_later(0, lambda: _hand_over_all(notices))
+        if isinstance(error, (Unavailable, TokenInvalid)) and self._failures <= Watch.MAX_RESUMES:
+            self._left = left
+            self._resuming = True
+            self._timer.call_later(self._backoff.next(), self._resume)
             return
-        self._left = left
-        self._resuming = True
-        self._timer.call_later(self._backoff.next(), self._resume)
+        notices: list[WatchNotice] = []
+        for watch in list(self._watches):
+            self._end(watch, error, notices)
+        self._failures = 0
+        self._backoff.reset()
+        # Not under the lock, nor from inside a caller that holds it.
+        self._timer.call_later(0, lambda: _hand_over_all(notices))
 
     def _resume(self) -> None:
         client, left, self._left = self._client_ref(), self._left, None
@@ -363,14 +352,10 @@ class _Hub:
     def _probe_answered(self, stream: Stream, asked: float) -> None:
         with self._lock:
             self._probing = False
-            if stream is not self._stream:
-                return
-            if self._heard < asked:
-                error = Unavailable(
-                    f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
-                )
-                self._broken(stream, error)
-            else:
+            if stream is self._stream and self._heard < asked:
+                silent = f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
+                self._broken(stream, Unavailable(silent))
+            elif stream is self._stream:
                 self._schedule_probe()
 
 
@@ -394,19 +379,15 @@ class LoopHub(_Hub):
             raise Unavailable("watch: no auth token at hand yet")
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 
-    def _resume(self) -> None:
-        # Once the auth token is at hand: fetching it (a stale one broke the stream) is no failure.
+    def _resume(self, fetched: asyncio.Task[str | None] | None = None) -> None:
+        # Once the auth token is at hand: fetching it (a stale one broke the stream) is no
+        # failure. Fetched or not: without a token the open fails, counted, and backs off.
         client = self._client_ref()
-        if client is None or client.token_at_hand():
-            super()._resume()
+        if fetched is None and client is not None and not client.token_at_hand():
+            self._loop.create_task(client.token_async()).add_done_callback(self._resume)
             return
-        fetching = self._loop.create_task(client.token_async())
-        fetching.add_done_callback(self._token_fetched)
-
-    def _token_fetched(self, fetching: asyncio.Task[str | None]) -> None:
-        # Fetched or not: without a token the open fails, counted, and backs off.
-        if not fetching.cancelled():
-            fetching.exception()  # retrieved: the open reports what it means
+        if fetched is not None and not fetched.cancelled():
+            fetched.exception()  # retrieved: the open reports what it means
         super()._resume()
 
     def _endpoint_failed(self, failed: Endpoint) -> None:

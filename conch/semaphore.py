@@ -22,7 +22,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import keys, log
 from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
-from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import Compacted, EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
@@ -200,15 +200,20 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
-    """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
-    create_revision filter)."""
+    """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead_request``)."""
     fields = dict(note.fields)
     if note.event == "queued":
         fields = {"max": sema.max, **fields}
         if "ahead" not in note.fields:
-            request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
+            revision = int(str(note.fields["rev"]))
             try:
-                ahead = len((yield codec.Call("kv", "Range", request)).kvs)
+                try:
+                    request = codec.count_ahead_request(sema.prefix, revision)
+                    ahead = codec.count_ahead((yield codec.Call("kv", "Range", request)))
+                except Compacted:
+                    request = codec.count_ahead_request(sema.prefix, revision, compacted=True)
+                    answer = yield codec.Call("kv", "Range", request)
+                    ahead = codec.count_ahead(answer, compacted=True)
                 fields.update(position=ahead + 1, ahead=ahead)
             except (EtcdError, Interrupted):
                 pass

@@ -127,6 +127,16 @@ def test_a_pinned_standing_read_whose_window_holds_our_key_reads_one_range() -> 
     assert second.request.revision == 9
 
 
+def test_the_keys_ahead_are_counted_by_etcd_and_read_only_when_that_revision_is_compacted() -> None:
+    counted = codec.count_ahead_request(PREFIX, 9)
+    assert counted.count_only and counted.revision == 8 and not counted.max_create_revision
+    assert codec.count_ahead(rpc_pb2.RangeResponse(count=4)) == 4
+    read = codec.count_ahead_request(PREFIX, 9, compacted=True)
+    assert read.keys_only and read.max_create_revision == 8 and not read.revision
+    found = rpc_pb2.RangeResponse(count=7, kvs=[kv_pb2.KeyValue(key=KEY)] * 2)
+    assert codec.count_ahead(found, compacted=True) == 2
+
+
 def test_the_standing_reads_are_the_window_and_our_key_with_the_one_ahead() -> None:
     window, mine_and_prev = two_reads()
     for read in (window, mine_and_prev):

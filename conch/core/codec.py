@@ -274,10 +274,22 @@ def withdraw_call(action: messages.Withdraw) -> Call:
     return _txn([compare], [kv.op_delete(action.key)])
 
 
-def count_ahead_request(prefix: bytes, revision: int) -> rpc_pb2.RangeRequest:
-    """A Range of the keys under ``prefix`` created before ``revision`` (keys only), for the
-    ``queued`` log line: etcd's count ignores max_create_revision, so they are read."""
-    return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+def count_ahead_request(
+    prefix: bytes, revision: int, compacted: bool = False
+) -> rpc_pb2.RangeRequest:
+    """A Range for the ``queued`` log line's count of the keys ahead of ours (created at
+    ``revision``): the count under ``prefix`` just before it (count_only at ``revision - 1``),
+    one number however long the queue. ``compacted``, that revision being compacted: the keys
+    created before ours that are still there, keys only (etcd's count ignores the
+    max_create_revision filter). Decode it with ``count_ahead``."""
+    if compacted:
+        return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+    return kv.prefix_request(prefix, count_only=True, revision=revision - 1)
+
+
+def count_ahead(response: rpc_pb2.RangeResponse, compacted: bool = False) -> int:
+    """The keys ahead, from the answer to ``count_ahead_request``."""
+    return len(response.kvs) if compacted else int(response.count)
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:

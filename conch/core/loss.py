@@ -49,8 +49,7 @@ class Loss(str):
         return (Loss, (self.reason, str(self)))
 
     def within(self, prefix: str) -> Loss:
-        """The same loss, its message prefixed (``"session lost: "`` for a hold whose
-        session was lost)."""
+        """The same loss, its message prefixed (``"session lost: "``: the hold's session's)."""
         return Loss(self.reason, f"{prefix}{self}")
 
     @staticmethod

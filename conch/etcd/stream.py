@@ -13,7 +13,7 @@ import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.retry import map_rpc_error
+from conch.etcd.client import map_rpc_error
 
 if TYPE_CHECKING:
     import asyncio
@@ -46,6 +46,7 @@ class BidiStream:
     ) -> None:
         self._client, self._deliver, self.token = client, deliver, token
         self._closed = False
+        self.error: EtcdError | None = None  # what ended it, once it has ended
         requests, loop = self._queue()
         opened = client.open_stream(service, method, requests, None, token, endpoint, loop)
         self.endpoint, self._call = opened
@@ -92,6 +93,7 @@ class BidiStream:
             error = map_rpc_error(rpc_error, self.endpoint)
         if isinstance(error, TokenInvalid):
             self._client.invalidate_token(self.token)
+        self.error = error
         if not self._closed:
             self._hand_over(StreamItem(self, None, error))
 

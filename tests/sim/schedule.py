@@ -49,7 +49,7 @@ from conch.core import messages as m
 from conch.core import session as sm
 from conch.core import waiter as r
 from conch.errors import Compacted, EtcdError, Unavailable
-from conch.etcd.retry import map_rpc_error
+from conch.etcd.client import map_rpc_error
 from tests.sim.model import ModelError, SimEtcd
 
 TTL = 5  # seconds: every session's lease

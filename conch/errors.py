@@ -16,9 +16,8 @@ _SIGNALLED = 128  # + S: a process ended by signal S, as a shell reports it
 
 class Outcome(enum.Enum):
     """How conch ends: ``value``, the event its log line is named for (where it has one), and
-    ``code``, its exit code (EXIT_CODES; None: the status given with the outcome, the
-    child's as a shell reports it, or 128 + S for a signal S to a queued conch:
-    ``signalled(S)``)."""
+    ``code``, its exit code (None: the status given with it, the child's as a shell reports
+    it, or ``signalled(S)`` = 128 + S for a signal S to a queued conch)."""
 
     code: int | None
 

@@ -269,13 +269,13 @@ class Driver(Generic[W]):
         wake = [*self.pauses.values(), *([] if self.deadline is None else [self.deadline])]
         return max(0.0, min(wake) - time.monotonic()) if wake else None
 
-    def _pause_over(self) -> messages.PauseOver | None:
+    def _pause_over(self) -> messages.Over | None:
         now = time.monotonic()
         due = min(((end, p) for p, end in self.pauses.items() if end <= now), default=None)
         if due is None:
             return None
         del self.pauses[due[1]]
-        return messages.PauseOver(due[1])
+        return messages.Over(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
         """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
@@ -303,7 +303,7 @@ class Driver(Generic[W]):
                 return codec.touch_answer(action, (yield call))
             if isinstance(action, messages.Withdraw) and not action.revoke:
                 yield from withdrawing(sema, action)
-                return messages.Withdrawn(action.id)
+                return messages.Over(action.id)
             answer: messages.Input | None = yield action
             return answer
         except Interrupted:
@@ -445,7 +445,7 @@ class _Wait(Driver[Watch]):
             private, self.session = self.session, None
             if private is not None and private.lease_id == action.lease_id:
                 private.close(timeout=WITHDRAW_TIMEOUT)
-            return messages.Withdrawn(action.id)
+            return messages.Over(action.id)
         assert isinstance(action, messages.OpenWatch)
         # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
         # slow a handoff. The machine closes the gap once etcd confirms the watch.

@@ -179,18 +179,21 @@ class SessionBase(Generic[KeeperT]):
     """What the Sessions of both faces share: the lease's figures, read from its keeper,
     and the claims (one key per semaphore on a session)."""
 
-    def __init__(self, ttl: int) -> None:
+    def __init__(self, client: object, ttl: int, kind: type = Client, face: str = "conch") -> None:
+        check_client(client, kind, face)
+        check_ttl(ttl)
         self.ttl = ttl
+        self._face = face
         self._keeper: KeeperT | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
 
-    def _keep(self, keeper: KeeperT, face: str) -> None:
+    def _keep(self, keeper: KeeperT) -> None:
         # etcd restarts the countdown when it receives a grant or keepalive, after we sent
         # it: the keeper's lease is certainly alive until the grant's send time + TTL.
         self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _dropped, face, keeper)
+        self._finalizer = weakref.finalize(self, _dropped, self._face, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         asked, self.ttl = self.ttl, keeper.machine.ttl
         log.info("session", lease=f"{keeper.lease_id:x}", ttl=f"{self.ttl}s")
@@ -269,9 +272,7 @@ class Session(SessionBase[_Keeper]):
     """
 
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
-        check_client(client)
-        check_ttl(ttl)
-        super().__init__(ttl)
+        super().__init__(client, ttl)
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
@@ -282,7 +283,7 @@ class Session(SessionBase[_Keeper]):
         except BaseException:  # no keepalive thread to be had: leave no lease behind
             keeper.close(None)
             raise
-        self._keep(keeper, "conch")
+        self._keep(keeper)
 
     @property
     def client(self) -> Client:

@@ -14,7 +14,7 @@ from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
-from conch.session import Keeper, SessionBase, check_client, check_ttl, listen
+from conch.session import Keeper, SessionBase, listen
 from conch.timer import LoopTimer
 
 
@@ -113,9 +113,7 @@ class Session(SessionBase[_Keeper]):
     revoke are as ``conch.Session``'s."""
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
-        check_client(client, Client, "conch.aio")
-        check_ttl(ttl)
-        super().__init__(ttl)
+        super().__init__(client, ttl, Client, "conch.aio")
         self.client = client
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
@@ -123,7 +121,7 @@ class Session(SessionBase[_Keeper]):
             return self
         asked = time.monotonic()
         granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
-        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked), "conch.aio")
+        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:

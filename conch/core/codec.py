@@ -5,19 +5,13 @@ faces and the simulator execute what it builds and feed back what it decodes, so
 read etcd differently. A request is a ``Call``, which a face sends with its own client:
 ``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
 
-**Reading several Ranges at one revision** (the standing read, the gap-closing read of a
-watch) is a plan of the core too (``ReadTogether``): one read-only KV.Txn, or the first
-Range and the others pinned to its revision. The plan is ``read_plan(server_version)``:
-
-* etcd 3.5.0 to 3.5.6 can take the server down on a read-only Txn (whose deadline passes
-  while it is applied: etcd issue 14110, fixed in 3.5.5; or once it has failed, in the
-  "apply request took too long" warning: issue 14891, fixed in 3.5.7). On those releases,
-  and on a server whose version is unknown, the Ranges are read pinned to one revision (a
-  Range's deadline only fails that Range).
-* Under etcd's space alarm (NOSPACE), etcd before 3.4.20 (in 3.4) and before 3.5.7 (in
-  3.5) refuses a read-only Txn too once its database is over its quota (etcd PRs 14254 and
-  14884 let it through), while KV.Range is still served: a Txn refused so is read again as
-  pinned Ranges, at once (``ReadTogether.refused``), whatever the release.
+Several Ranges are read at one revision (the standing read, the gap-closing read of a watch)
+by the plan ``read_plan(server_version)`` (``ReadTogether``): one read-only KV.Txn, or the
+first Range and the others pinned to its revision: on etcd 3.5.0 to 3.5.6, whose read-only
+Txn can take the server down (etcd issues 14110 and 14891), and on a server whose release is
+not known. A Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7, PRs
+14254 and 14884) is read again as pinned Ranges at once, whatever the release. docs/design.md
+("The codec") has the releases and why.
 """
 
 from __future__ import annotations

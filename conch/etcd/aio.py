@@ -69,9 +69,8 @@ async def grant(
 ) -> Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    return lease.granted(
-        await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
-    )
+    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    return lease.granted(response)
 
 
 async def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:

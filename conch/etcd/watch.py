@@ -1,8 +1,5 @@
 """Watches: a key or range watched from a start revision, events delivered to a callback.
-
-All the watches of one Client share one Watch.Watch stream (one reader, not one per watch).
-etcd answers create requests in order: the n-th ``created`` answer is the n-th create still
-unanswered's; later answers carry the watch_id it gave."""
+All the watches of one Client share one Watch.Watch stream (one reader, not one per watch)."""
 
 from __future__ import annotations
 
@@ -127,7 +124,8 @@ class _Hub:
         self._lock = threading.RLock()
         self._stream: Stream | None = None
         self._watches: set[Watch] = set()
-        self._unanswered: collections.deque[Watch] = collections.deque()  # creates, in order
+        # Creates not answered yet: etcd answers them in order, later answers by watch_id.
+        self._unanswered: collections.deque[Watch] = collections.deque()
         self._by_id: dict[int, Watch] = {}
         self._heard = time.monotonic()  # when the current stream last answered
         self._failures = 0

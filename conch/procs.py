@@ -343,14 +343,11 @@ def _await_gone(job: _Job, deadline: float) -> None:  # polled: grandchildren ar
 
 
 def _await_exit(
-    box: Mailbox,
-    deadline: float,
-    returncode: int | None,
-    hurry: Callable[[object], bool] | None = None,
+    box: Mailbox, deadline: float, code: int | None, hurry: Callable[[object], bool] | None = None
 ) -> tuple[int | None, float]:
-    # The child's return code (None: not reaped by ``deadline``) and the deadline (now, once
-    # a notice for which ``hurry`` is true comes); other notices are dropped.
-    while returncode is None:
+    # The child's return code (``code`` if known; None: not reaped by ``deadline``) and the
+    # deadline (now, once a notice for which ``hurry`` is true comes); others are dropped.
+    while code is None:
         try:
             item = box.get(timeout=remaining(deadline))
         except queue.Empty:
@@ -359,7 +356,7 @@ def _await_exit(
             return item.returncode, deadline
         if hurry is not None and hurry(item):
             return None, time.monotonic()
-    return returncode, deadline
+    return code, deadline
 
 
 def prepare_command_process() -> None:

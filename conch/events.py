@@ -142,4 +142,4 @@ def _dispatch(event: str, fields: dict[str, object]) -> None:
                 callback(typed)
 
 
-log.set_hooks(_dispatch)
+log.hook = _dispatch

@@ -24,8 +24,9 @@ from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
-# conch.events' dispatcher, once it is imported: every transition passes here.
-_hooks: Callable[[str, dict[str, object]], None] | None = None
+# Set by conch.events when imported, and only by it: ``hook(event, fields)`` for every
+# transition, logged or not.
+hook: Callable[[str, dict[str, object]], None] | None = None
 
 
 def set_quiet(quiet: bool) -> None:
@@ -72,9 +73,9 @@ _RESERVED = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 def _emit(level: int, /, event: str, **fields: object) -> None:
     # An embedder's handler or hook that raises must not kill the conch thread that logs.
-    if _hooks is not None:
+    if hook is not None:
         with contextlib.suppress(Exception):
-            _hooks(event, fields)
+            hook(event, fields)
     if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
             extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
@@ -89,12 +90,6 @@ debug = functools.partial(_emit, logging.DEBUG)
 info = functools.partial(_emit, logging.INFO)
 warning = functools.partial(_emit, logging.WARNING)
 error = functools.partial(_emit, logging.ERROR)
-
-
-def set_hooks(dispatch: Callable[[str, dict[str, object]], None] | None) -> None:
-    """For ``conch.events`` only: ``dispatch(event, fields)`` for every line, logged or not."""
-    global _hooks
-    _hooks = dispatch
 
 
 def warning_from_signal_handler(event: str, **fields: object) -> None:

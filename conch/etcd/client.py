@@ -98,9 +98,9 @@ class Client:
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._auth_flight: asyncio.Task[str | None] | None = None  # call_async's Authenticate
-        self._stubs: dict[Endpoint, Stubs] = {}
-        # grpc.aio channels by the event loop they serve (only the one they were dialled on).
-        self._loop_stubs: dict[asyncio.AbstractEventLoop, dict[Endpoint, Stubs]] = {}
+        # By the event loop their grpc.aio channel serves (only the one it was dialled on), or
+        # None: the blocking ones.
+        self._stubs: dict[asyncio.AbstractEventLoop | None, dict[Endpoint, Stubs]] = {None: {}}
         self._current = 0
         self._lock = threading.Lock()
         self._close_hooks: list[Callable[[float], None]] = []
@@ -179,15 +179,11 @@ class Client:
                 hook(max(0.05, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
-            stubs, self._stubs = list(self._stubs.values()), {}
-            by_loop, self._loop_stubs = self._loop_stubs, {}
-        if os.getpid() != self.pid:
-            return
-        for s in stubs:
-            s.channel.close()
-        for loop, table in by_loop.items():
-            for s in table.values():
-                close_loop_channel(loop, s.channel)
+            by_loop, self._stubs = self._stubs, {None: {}}
+        if os.getpid() == self.pid:
+            for loop, table in by_loop.items():
+                for s in table.values():
+                    _close(loop, s.channel)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -210,7 +206,7 @@ class Client:
             with self._lock:
                 stubs = None if self._closed else self._table(loop).setdefault(endpoint, dialled)
             if stubs is not dialled:
-                close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
+                _close(loop, dialled.channel)
             if stubs is None:
                 raise _closed_error()
         return stubs
@@ -225,14 +221,12 @@ class Client:
     def _table(self, loop: asyncio.AbstractEventLoop | None) -> dict[Endpoint, Stubs]:
         """The stubs dialled for ``loop`` (None: the blocking ones), under our lock; closes
         the channels of loops that have ended (nothing else would)."""
-        if loop is None:
-            return self._stubs
-        table = self._loop_stubs.get(loop)
+        table = self._stubs.get(loop)
         if table is None:
-            for ended in [other for other in self._loop_stubs if other.is_closed()]:
-                for s in self._loop_stubs.pop(ended).values():
+            for ended in [other for other in self._stubs if other and other.is_closed()]:
+                for s in self._stubs.pop(ended).values():
                     close_loop_channel(ended, s.channel)
-            table = self._loop_stubs[loop] = {}
+            table = self._stubs[loop] = {}
         return table
 
     def failover(self, failed: Endpoint) -> None:
@@ -457,6 +451,10 @@ class Client:
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("token", token),)
+
+
+def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
+    close_loop_channel(loop, channel) if loop else channel.close()
 
 
 def _closed_error() -> EtcdError:

@@ -27,11 +27,10 @@ Deliver = Callable[["StreamItem"], None]
 
 class BidiStream:
     """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one) that
-    carries ``token`` (``Client.token`` or ``token_async`` first; None without credentials).
-    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
-    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
-    also invalidates ``token``, so the owner's next stream carries a fresh one). ``close()``
-    cancels the call; nothing is delivered after it."""
+    carries ``token`` (from ``Client.token``; None without credentials). ``send()`` queues a
+    request; a reader thread hands ``deliver`` one ``StreamItem`` per response, then one with
+    ``error`` set when the stream ends (TokenInvalid also invalidates ``token``, so the
+    owner's next stream carries a fresh one). ``close()`` cancels it; nothing comes after."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
@@ -99,10 +98,9 @@ class BidiStream:
 
 
 class LoopStream(BidiStream):
-    """A BidiStream on the running event loop (grpc.aio), read by a task of that loop, so
-    no thread of ours hands its answers over: ``deliver`` is called on the loop (an exception
-    it raises is logged, the stream reads on); ``send()`` and ``close()`` too. Opening waits
-    for nothing."""
+    """A BidiStream on the running event loop (grpc.aio; ``token`` from ``token_async``),
+    read by a task of it: ``deliver`` is called on the loop (an exception it raises is
+    logged, the stream reads on), ``send()`` and ``close()`` too. Opening waits for nothing."""
 
     def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
         import asyncio

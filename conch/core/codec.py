@@ -126,10 +126,8 @@ def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
 
 def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
     """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
-    found = [r.kvs for r in read.responses]
-    return messages.KeysAnswer(
-        action.id, read.revision, [key_rev(kvs[0]) if kvs else None for kvs in found]
-    )
+    kvs = [key_rev(r.kvs[0]) if r.kvs else None for r in read.responses]
+    return messages.KeysAnswer(action.id, read.revision, kvs)
 
 
 class ReadPlan(enum.Enum):

@@ -255,10 +255,7 @@ class Waiter:
         else:
             self._watched = ahead[0]
             state, key = State.BEHIND, ahead[0].key
-        if "queued" not in self._said:
-            self._said.add("queued")
-            actions.append(m.Note("queued", fields))
-        return actions + self._wait(state, key)
+        return actions + self._once(m.Note("queued", fields)) + self._wait(state, key)
 
     def _wait(self, state: State, key: bytes) -> list[m.Action]:
         """Sleep on a watch of ``key`` from now (its confirmation then closes the gap since
@@ -376,12 +373,8 @@ class Waiter:
     # -- the touch -----------------------------------------------------------------------
 
     def _maybe_touch(self) -> list[m.Action]:
-        if (
-            self.state != State.IN_WINDOW
-            or self._touched
-            or self._touch is not None
-            or len(self._ahead) >= self.touch_below
-        ):
+        owed = self.state == State.IN_WINDOW and not self._touched and self._touch is None
+        if not owed or len(self._ahead) >= self.touch_below:
             return []
         self._touch = self._new_id()
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]
@@ -443,6 +436,7 @@ class Waiter:
         return [*self._once(m.Note("etcd-away", {"reason": cause}, warning=True)), pause]
 
     def _once(self, note: m.Note) -> list[m.Action]:
+        """``note``, unless said already (in this run of failures, or for this key)."""
         said = note.event in self._said
         self._said.add(note.event)
         return [] if said else [note]

@@ -29,7 +29,7 @@ class Flag:
         self._set = False
         self._boxes: list[Mailbox] = []
         # Callbacks not yet run: whichever thread pops one runs it, so each runs once even when
-        # add_callback() races set() (dict.pop is atomic: a signal handler could not take a lock).
+        # add_callback() races set() (dict.pop is atomic; no lock: set() runs in signal handlers).
         self._callbacks: dict[object, Callable[[Flag], None]] = {}
         self._first = threading.Lock()  # taken, never released, by the one set() that wins
 

@@ -1,9 +1,7 @@
-"""The watchdog process itself (see ``conch.watchdog``; its protocol is the table in
-docs/design.md, "The watchdog"): run as ``python -I -S _watchdog_main.py KILL_AFTER``,
-standard library only, nothing imported from conch, not even contextlib (10 ms of imports
-for every conch start). It reads conch's commands on stdin, one a line; every instant is
-``time.monotonic()``, one clock for the whole host on Linux, so the lease expiry conch
-computes is an instant here too.
+"""The watchdog process itself (``conch.watchdog``; its protocol is the table in
+docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py KILL_AFTER``, standard
+library only, nothing imported from conch, not even contextlib (10 ms of imports for every
+conch start). Every instant is ``time.monotonic()``, one clock for the whole host on Linux.
 """
 
 import os
@@ -17,8 +15,8 @@ import time
 TERM_LAG = 0.2
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # Seconds the watchdog waits, after goodbye, for conch to close the pipe before it exits:
-# conch says goodbye as it releases the slot, and this process's exit would compete with
-# the next holder's start for the CPU; conch closes the pipe once its release is out.
+# its exit would compete with the next holder's start for the CPU; conch closes the pipe
+# once its release is out.
 LINGER = 0.2
 
 
@@ -30,14 +28,13 @@ class Pipe:
         self.closed = False
 
     def line(self, until: "float | None") -> "list[bytes] | None":
-        """The next command's words; None at ``until`` (monotonic) with no line complete;
-        [] once the pipe is closed (conch died, or closed it after goodbye)."""
+        """The next command's words; None at ``until`` with no line complete; [] once the
+        pipe is closed (conch died, or closed it after goodbye)."""
         while b"\n" not in self.data:
             if self.closed:
                 return []
             wait = None if until is None else max(0.0, until - time.monotonic())
-            ready, _, _ = select.select([0], [], [], wait)
-            if not ready:
+            if not select.select([0], [], [], wait)[0]:
                 return None
             more = os.read(0, 4096)
             self.closed = not more
@@ -46,8 +43,7 @@ class Pipe:
         return line.split() or [b"?"]
 
 
-def leave(pipe: Pipe) -> None:
-    """conch is done with the child: exit once it closes the pipe, at most LINGER later."""
+def leave(pipe: Pipe) -> None:  # exit once conch closes the pipe, at most LINGER later
     until = time.monotonic() + LINGER
     while pipe.line(until) not in (None, []):
         pass
@@ -58,9 +54,7 @@ def marked(marks: "set[bytes]") -> "set[int]":
     """The process groups of every process whose environment holds all of ``marks``: the
     child and whatever it started (the ones that left its group too), found without its pid."""
     groups = set()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open("/proc/" + name + "/environ", "rb") as environ:
                 if marks <= set(environ.read().split(b"\0")):
@@ -70,8 +64,7 @@ def marked(marks: "set[bytes]") -> "set[int]":
     return groups
 
 
-def signal_groups(pgids: "set[int]", sig: int) -> "set[int]":
-    """Send ``sig`` to each group; return those that still exist."""
+def signal_groups(pgids: "set[int]", sig: int) -> "set[int]":  # those that still exist
     left = set()
     for pgid in pgids:
         try:
@@ -82,8 +75,7 @@ def signal_groups(pgids: "set[int]", sig: int) -> "set[int]":
     return left
 
 
-def say(what: bytes) -> None:
-    """Tell conch (``A``: a probe read; ``F``: fired), which may be gone."""
+def say(what: bytes) -> None:  # to conch, which may be gone
     try:
         os.write(1, what)
     except OSError:
@@ -103,24 +95,19 @@ def terminate(pgids: "set[int]", kill_at: float, term: bool = True) -> None:
     os._exit(0)
 
 
-def wake_when_conch_dies() -> None:
-    """Have the kernel send us SIGCONT when conch dies (PR_SET_PDEATHSIG): a watchdog
-    stopped by someone's SIGSTOP, its conch SIGKILLed before it noticed, resumes, finds the
-    end of its pipe and terminates the child. SIGCONT to a running process does nothing (as
-    when the thread that started us ends, conch living on). Best effort off Linux."""
+def main() -> None:
+    kill_after = float(sys.argv[1])
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    # SIGCONT from the kernel when conch dies: a watchdog stopped by someone's SIGSTOP, its
+    # conch SIGKILLed before it noticed, resumes and finds the end of its pipe. Before the R:
+    # no child starts without it. Best effort off Linux.
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGCONT, 0, 0, 0)
     except (ImportError, OSError, AttributeError):
         pass
-
-
-def main() -> None:
-    kill_after = float(sys.argv[1])
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_IGN)
-    wake_when_conch_dies()  # before the R: no child starts without it
     os.write(1, b"R")  # running: conch starts no child before it reads this
     pipe = Pipe()
     words = pipe.line(None)
@@ -130,8 +117,6 @@ def main() -> None:
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None
-    # "e MARGIN EXPIRY NAME=VALUE...": a child with these environment entries is about to
-    # start; the lease can expire at EXPIRY, so the child must be dead MARGIN seconds before.
     margin, expiry, marks = float(words[1]), float(words[2]), set(words[3:])
     pgid = None
     standby = None  # conch terminates the group itself; SIGKILL is ours at this instant
@@ -143,15 +128,13 @@ def main() -> None:
             break  # the deadline (conch frozen), or conch died
         if words[0] == b"x":
             leave(pipe)
-        elif words[0] == b"p":  # conch's probe: answered at once
+        elif words[0] == b"p":
             say(b"A")
-        elif words[0] == b"h":  # "h EXPIRY": a keepalive confirmed, the lease lives longer
+        elif words[0] == b"h":
             expiry = max(expiry, float(words[1]))
-        elif words[0] == b"a":  # "a PGID": the child runs in that group
+        elif words[0] == b"a":
             pgid = int(words[1])
-        elif words[0] == b"s":  # "s KILL_AT": conch's own SIGKILL is due then
-            # Unless goodbye comes a second after that (conch frozen or dead meanwhile),
-            # SIGKILL is ours; at the lease's deadline at the latest.
+        elif words[0] == b"s":  # SIGKILL ours a second after conch's own, unless goodbye
             standby = float(words[1]) + 1.0
     # Between the child's start and the arm line (conch killed right there) only the marks
     # tell which processes are the child's.

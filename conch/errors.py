@@ -16,15 +16,15 @@ _SIGNALLED = 128  # + S: a process ended by signal S, as a shell reports it
 
 class Outcome(enum.Enum):
     """How conch ends: ``value``, the event its log line is named for (where it has one), and
-    ``code``, its exit code (EXIT_CODES; None: the status given with the outcome, the
-    child's as a shell reports it, or 128 + S for a signal S to a queued conch:
-    ``signalled(S)``)."""
+    ``code``, its exit code (None: the status given with it, the child's as a shell reports
+    it, or ``signalled(S)`` = 128 + S for a signal S to a queued conch)."""
 
     code: int | None
 
     def __new__(cls, event: str, code: int | None) -> Outcome:
         outcome = object.__new__(cls)
-        outcome._value_, outcome.code = event, code
+        outcome._value_ = event
+        outcome.code = code
         return outcome
 
     CHILD_EXITED = "child-exited", None  # the child ran to its end while the hold was kept
@@ -47,9 +47,8 @@ EXIT_CODES: dict[Outcome, int | None] = {outcome: outcome.code for outcome in Ou
 
 def exit_code(outcome: Outcome, status: int | None = None) -> int:
     """The exit code of ``outcome`` (EXIT_CODES); ``status``: the one where it says None."""
-    code = EXIT_CODES[outcome]
-    if code is not None:
-        return code
+    if outcome.code is not None:
+        return outcome.code
     assert status is not None, outcome
     return status
 

@@ -8,13 +8,13 @@
 
     unsubscribe = conch.events.subscribe(on_event)
 
-Every transition conch logs (``conch.log``, both faces and the command) is also handed to
-each subscribed callback as a typed event, whether or not the ``conch`` logger is enabled:
-``Queued``, ``Acquired``, ``Released``, ``Lost``. Figures are in seconds (floats),
-revisions as etcd numbers them. A callback runs synchronously on the thread (or event
-loop) that made the transition, often a conch thread (the keepalive thread declares a
-loss): never block in it. An exception it raises is swallowed; the other callbacks still
-run. ``subscribe`` is thread-safe; the subscribers are the process's, for every client.
+Every transition conch logs (``conch.log``: both faces and the command) is also handed to
+each subscribed callback as a typed event (``Queued``, ``Acquired``, ``Released``,
+``Lost``), whether or not the ``conch`` logger is enabled; figures in seconds (floats),
+revisions as etcd numbers them. A callback runs synchronously on the thread (or event loop)
+that made the transition, often a conch thread (the keepalive thread declares a loss):
+never block in it. An exception it raises is swallowed; the other callbacks still run.
+``subscribe`` is thread-safe; the subscribers are the process's, for every client.
 """
 
 from __future__ import annotations
@@ -90,7 +90,6 @@ def subscribe(callback: Callback) -> Callable[[], None]:
     global _callbacks
     with _lock:
         _callbacks = (*_callbacks, callback)
-        log.set_hooks(_dispatch)
 
     def unsubscribe() -> None:
         global _callbacks
@@ -99,34 +98,28 @@ def subscribe(callback: Callback) -> Callable[[], None]:
             if callback in rest:
                 rest.remove(callback)
             _callbacks = tuple(rest)
-            if not _callbacks:
-                log.set_hooks(None)
 
     return unsubscribe
 
 
 def _seconds(value: object) -> float | None:
     """A duration as the log line has it (``"1.204s"``), in seconds; None if it is none."""
-    text = str(value)
-    try:
-        return float(text[:-1] if text.endswith("s") else text)
-    except ValueError:
-        return None
+    with contextlib.suppress(ValueError):
+        return float(str(value).removesuffix("s"))
+    return None
 
 
 def _int(value: object, base: int = 10) -> int | None:
-    try:
+    with contextlib.suppress(ValueError):
         return int(str(value), base)
-    except ValueError:
-        return None
+    return None
 
 
 def _event(event: str, fields: dict[str, object]) -> Event | None:
-    name = str(fields.get("name", ""))
-    revision = _int(fields.get("rev", ""))
-    size = _int(fields.get("max", 0)) or 0
-    if revision is None:
+    if (revision := _int(fields.get("rev"))) is None:
         return None
+    name = str(fields.get("name", ""))
+    size = _int(fields.get("max", 0)) or 0
     if event == "queued":
         return Queued(name, size, revision, _int(fields.get("position")), _int(fields.get("ahead")))
     if event == "acquired":
@@ -142,8 +135,11 @@ def _event(event: str, fields: dict[str, object]) -> Event | None:
 
 
 def _dispatch(event: str, fields: dict[str, object]) -> None:
-    typed = _event(event, fields)
+    typed = _event(event, fields) if _callbacks else None
     if typed is not None:
         for callback in _callbacks:
             with contextlib.suppress(Exception):  # a hook's failure is not conch's
                 callback(typed)
+
+
+log.hook = _dispatch

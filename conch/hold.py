@@ -1,38 +1,27 @@
 """A slot held: its guard (the watch on our key, the touch that moves the next waiter up)
-and its release.
-
-The guard is a few short steps, not a thread: they run on the client's timer thread
-(``conch.timer``) and from the client's shared Watch stream, and reach the Hold through
-weak references only. So a hold costs no thread of its own, and a Hold nobody references
-any more is collected: its finalizer releases it (with a ResourceWarning), and no key or
-lease of it outlives it by more than the TTL.
+and its release. The guard is a few short steps, not a thread: they run on the client's
+timer thread (``conch.timer``) and from the client's shared Watch stream, and reach the
+Hold through weak references only. So a hold costs no thread of its own, and a Hold nobody
+references any more is collected: its finalizer releases it (with a ResourceWarning), and
+no key or lease of it outlives it by more than the TTL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
-from conch.core.guard import (
-    GuardAction,
-    GuardAfter,
-    GuardCall,
-    GuardLook,
-    GuardLost,
-    GuardMachine,
-    GuardStep,
-    GuardTouch,
-    GuardWatch,
-)
+from conch.core import guard as g
 from conch.core.loss import Loss, LossReason
 from conch.core.messages import Held, KeyRev, Note, TouchOwed
 from conch.errors import EtcdError, HoldLost
@@ -40,23 +29,23 @@ from conch.etcd import kv
 from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from conch.session import Session
+from conch.session import Session, SessionBase
 from conch.timer import Cancellable, Scheduler, timer_for, weakly
 
 if TYPE_CHECKING:
-    from conch.semaphore import Semaphore
+    from conch.semaphore import Recipe, Semaphore
 
 # Seconds a waiter that gives up, or a holder that lost its slot, spends revoking its lease:
 # etcd is likely slow or gone then, and the lease expires after its TTL anyway.
 WITHDRAW_TIMEOUT = 1.0
 
-SessionT = TypeVar("SessionT")
+SessionT = TypeVar("SessionT", bound=SessionBase[Any])
+Soon = Callable[[Callable[[], None]], object]  # runs a function soon, on the face's thread
 
 
 def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
-    """Delete ``key`` if it is still the one created at ``revision`` (one KV.Txn comparing
-    its create_revision, so a key someone else made since is left alone). Returns whether
-    it was ours to delete. Raises EtcdError."""
+    """Delete ``key`` if its create_revision is still ``revision`` (one KV.Txn: a key made
+    since by someone else is left alone); whether it was ours. Raises EtcdError."""
     compare = [kv.create_revision_is(key, revision)]
     return bool(kv.txn(client, compare, [kv.op_delete(key)], [], timeout=timeout).succeeded)
 
@@ -64,18 +53,20 @@ def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | N
 @dataclass(frozen=True)
 class Slot(Generic[SessionT]):
     """What giving a slot back takes (kept apart from the Hold, for its finalizer): our key
-    at create_revision ``revision`` on ``session``, a session of its own unless ``shared``."""
+    at create_revision ``revision`` on ``session``, a session of its own unless ``shared``,
+    and the guard's ``watches`` (the waiting watch it retires, then its own)."""
 
     session: SessionT
     key: bytes
     revision: int
     shared: bool
+    watches: list[Cancellable]
 
 
 @contextlib.contextmanager
 def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
-    """Around the delete of our key from a shared session: an EtcdError is logged
-    (``delete-failed``) and suppressed; the session's claim on the key goes either way."""
+    # Around the delete of our key from a shared session: an EtcdError is logged and
+    # suppressed; the session's claim on the key goes either way.
     try:
         yield
     except EtcdError as exc:
@@ -84,109 +75,107 @@ def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
         slot.session._unclaim(slot.key)
 
 
-class _Lease(Protocol):
-    """A session as a Hold reads it (either face's)."""
-
-    @property
-    def alive_until(self) -> float: ...
-
-    def certainly_alive(self) -> bool: ...
-
-
-class _Event(Protocol):
-    """A hold's ``lost``: a Flag, or an ``asyncio.Event``."""
-
-    def is_set(self) -> bool: ...
-
-
-LostT = TypeVar("LostT", bound=_Event)
-LeaseT = TypeVar("LeaseT", bound=_Lease)
-
-
-class GuardedHold(Generic[LostT, LeaseT]):
-    """What the Holds of both faces share: who they are, ``check``, the deadline, the
-    guarded write's answer, the ``released`` line, and the execution of their
-    GuardMachine's actions. A face gives it its scheduler (the client's timer thread, or
-    the loop) and does the guard's etcd calls (``_call``), feeding what came of each to
-    ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
-
-    lost: LostT
-    _finalizer: weakref.finalize[Any, Any]
+class GuardedHold(Generic[SessionT]):
+    """What the Holds of both faces share: who they are, ``check``, the deadline, the loss,
+    the ``released`` line, and the execution of their guard machine's actions. A face gives
+    it its scheduler (the client's timer thread, or the loop), sets its ``lost``
+    (``_set_lost``) and makes the guard's etcd calls (``_call``), feeding what came of each
+    to ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
 
     def __init__(
         self,
-        name: str,
-        max_holders: int,
-        session: LeaseT,
+        sema: Recipe,
+        session: SessionT,
         held: Held,
         shared: bool,
-        watches: list[Cancellable],
+        retire: Sequence[Cancellable],
         scheduler: Scheduler,
     ) -> None:
-        self.name = name
-        self.max = max_holders
+        self.name = sema.name
+        self.max = sema.max
+        self._who = f"hold of {sema.name}[{sema.max}]"
         self.key = held.key
         self.revision = held.revision
         self.session = session
         self.lease_id = held.lease_id
         self._since = time.monotonic()  # for the released line's hold time
-        self._value = held.value  # what our key says, written again by the touch
-        self._guard = GuardMachine(held.touch, held.revision, held.held_at, Backoff())
-        self._slot: Slot[Any] = Slot(session, held.key, held.revision, shared)
-        # The guard's watches (the waiting watch it retires, then its own): a list the
-        # finalizer can cancel without reaching the Hold.
-        self._watches = watches
+        # Every write of ours compares our key's create_revision; the touch puts our key
+        # again (its value, on our lease), which wakes the waiter behind us, watching it.
+        self._ours = [kv.create_revision_is(held.key, held.revision)]
+        self._touch = [kv.op_put(held.key, held.value, held.lease_id)]
+        self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff())
+        self._slot = Slot(session, held.key, held.revision, shared, list(retire))
+        self._watches = self._slot.watches
         self._scheduler = scheduler
-        self._forgets: list[Callable[[], object]] = []  # the session subscriptions' removers
+        # The session subscriptions' removers. E passed with no keepalive confirmed: the
+        # lease may be gone (a waiter would carry on; a hold cannot promise it is ours).
+        expired = session._kept.add_expiry_listener(weakly(self._session_expired))
+        self._forgets: list[Callable[[], object]] = [expired]
         self._releasing = False  # set before the revoke: the deletion it causes is no loss
         self._revoked_after_loss = False
+        self._why: Loss | None = None  # the loss, once lost
+        # A loss is a WARNING in library mode too; the supervisor, which reports it as an
+        # error with what it did to the child, turns this off.
+        self._warn_on_loss = True
 
-    def _loss(self) -> object:
-        raise NotImplementedError
+    def _drop_with(self, face: str, soon: Soon, give_back: Callable[..., object]) -> None:
+        # Its finalizer holds the Slot, never the Hold: see _dropped.
+        self._finalizer = weakref.finalize(self, _dropped, face, self._slot, soon, give_back)
+        self._finalizer.atexit = False  # at exit the lease expires after its TTL
 
     def _set_lost(self, loss: Loss) -> None:
         raise NotImplementedError
 
-    def _call(self, action: GuardCall) -> None:
-        """Make the etcd call ``action`` asks for; feed what came of it to ``_answered``."""
+    def _call(self, action: g.GuardCall) -> None:
         raise NotImplementedError
 
     def _check(self) -> None:
-        if self.lost.is_set():
-            raise HoldLost(f"hold of {self.name}[{self.max}] lost: {self._loss()}")
+        if self._why is not None:
+            raise HoldLost(f"{self._who} lost: {self._why}")
         if self._releasing:
-            raise HoldLost(f"hold of {self.name}[{self.max}] released")
+            raise HoldLost(f"{self._who} released")
         if not self.session.certainly_alive():
-            raise HoldLost(
-                f"hold of {self.name}[{self.max}] lost: no keepalive confirmed within the TTL"
-            )
+            raise HoldLost(f"{self._who} lost: no keepalive confirmed within the TTL")
 
     def expires_at(self) -> float:
-        """The earliest instant, in ``time.monotonic()`` seconds, at which etcd can expire
-        this hold's lease: the send time of the last keepalive etcd answered
-        (Lease.LeaseKeepAlive) plus the TTL it granted (etcd restarts its countdown when it
-        receives a keepalive, after we sent it). Later with every confirmed keepalive; 0.0
-        once the hold is lost or released. Makes no etcd call. A pause of the whole process
-        stops its timers with it: bound each step of work by it with room to spare
-        (``conch.supervisor.deadline_margin(ttl)``), ``check()`` again right before acting
-        as the holder, and for state in etcd use the guarded ``put``/``delete``."""
-        if self.lost.is_set() or self._releasing:
+        """The earliest instant (``time.monotonic()`` seconds) etcd can expire this hold's
+        lease: the send time of the last keepalive etcd answered (Lease.LeaseKeepAlive) plus
+        the TTL (etcd restarts its countdown on receipt, after we sent it). Later with every
+        confirmed keepalive; 0.0 once lost or released. Makes no etcd call. A pause of the
+        whole process stops its timers with it: bound each step of work by it with room to
+        spare (``conch.supervisor.deadline_margin(ttl)``), ``check()`` again right before
+        acting as the holder, and for state in etcd use the guarded ``put``/``delete``."""
+        if self._why is not None or self._releasing:
             return 0.0
         return self.session.alive_until
 
+    @property
+    def deadline(self) -> float:
+        """``expires_at()``, as an instant for ``asyncio.timeout_at`` on a loop whose clock is
+        ``time.monotonic()`` (the default loop's; else ``hold.deadline - time.monotonic() +
+        loop.time()``). Read once, it is the expiry as known then: bound one step by it, and
+        move the timeout on as keepalives move the expiry::
+
+            async with asyncio.timeout_at(hold.deadline - margin) as timeout:
+                for chunk in chunks:
+                    await write(chunk)
+                    timeout.reschedule(hold.deadline - margin)
+
+        ``asyncio.TimeoutError`` (TimeoutError) then means: the lease may expire before
+        the step would end. Threads: ``conch.Hold.remaining()``."""
+        return self.expires_at()
+
     def _written(self, response: rpc_pb2.TxnResponse) -> int:
-        """A guarded write's answer: its revision, or HoldLost when the compare failed."""
         if not response.succeeded:
             self._execute(self._guard.write_refused())
             raise HoldLost(
-                f"hold of {self.name}[{self.max}] lost: our key (create_revision "
-                f"{self.revision}) is gone; the guarded write was not made"
+                f"{self._who} lost: our key (create_revision {self.revision}) is gone; "
+                "the guarded write was not made"
             )
         return int(response.header.revision)
 
     def _loss_at_exit(self) -> HoldLost | None:
-        """What leaving the block raises, judged before its release: the loss ``check()``
-        sees, unless the block released the hold itself before any loss."""
+        # Judged before the release: none if the block released the hold before any loss.
         was_released = self._releasing
         try:
             self._check()
@@ -195,10 +184,9 @@ class GuardedHold(Generic[LostT, LeaseT]):
         return None
 
     def _withdraw_timeout(self) -> float | None:
-        """Set the release going (no finalizer left); its timeout: WITHDRAW_TIMEOUT after a
-        loss, else the client's."""
+        # The release is under way: no finalizer left; WITHDRAW_TIMEOUT after a loss.
         self._finalizer.detach()
-        self._revoked_after_loss = self.lost.is_set()
+        self._revoked_after_loss = self._why is not None
         return WITHDRAW_TIMEOUT if self._revoked_after_loss else None
 
     def _given_back(self) -> None:
@@ -209,23 +197,13 @@ class GuardedHold(Generic[LostT, LeaseT]):
 
     def _log_released(self, revoked: bool) -> None:
         extra = {"after": "loss"} if self._revoked_after_loss else {}
-        log.info(
-            "released",
-            name=self.name,
-            rev=self.revision,
-            **extra,
-            held=f"{time.monotonic() - self._since:.3f}s",
-            revoked=revoked,
-        )
-
-    # -- the guard: its actions executed, what came of them fed back ----------------------
+        held = f"{time.monotonic() - self._since:.3f}s"
+        log.info("released", name=self.name, rev=self.revision, **extra, held=held, revoked=revoked)
 
     def _done(self) -> bool:
-        """Nothing left to guard: released (or releasing), or lost."""
         return self._releasing or self._guard.done
 
     def _session_lost(self, said: object) -> None:
-        """The session's loss (a Loss; the threaded face's session Flag carries it)."""
         reason = said.reason if isinstance(said, Flag) else said
         if not isinstance(reason, Loss):
             reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
@@ -234,23 +212,28 @@ class GuardedHold(Generic[LostT, LeaseT]):
     def _session_expired(self, loss: Loss) -> None:
         self._execute(self._guard.session_expired(loss))
 
-    def _execute(self, actions: list[GuardAction]) -> None:
+    def _execute(self, actions: list[g.GuardAction]) -> None:
         for action in actions:
-            if isinstance(action, GuardAfter):
+            if isinstance(action, g.GuardAfter):
                 self._later(action.seconds, action.step)
-            elif isinstance(action, GuardLost):
-                self._set_lost(action.loss)
+            elif isinstance(action, g.GuardLost):
+                self._why = loss = action.loss
+                if self._warn_on_loss:
+                    log.warning("lost", name=self.name, rev=self.revision, reason=str(loss))
+                # A lost hold has nothing left to watch, released or not (the watch would
+                # otherwise stay on the client's stream for as long as the Hold is kept).
+                _cancel_all(self._watches)
+                self._set_lost(loss)
             elif isinstance(action, Note):
                 emit = log.warning if action.warning else log.info
                 emit(action.event, name=self.name, **action.fields)
             else:
-                if isinstance(action, GuardWatch):
+                if isinstance(action, g.GuardWatch):
                     _cancel_all(self._watches)
                 self._call(action)
 
-    def _later(self, delay: float, step: GuardStep) -> None:
-        """Feed ``step`` to the guard ``delay`` seconds from now, unless the Hold is gone or
-        done by then."""
+    def _later(self, delay: float, step: g.GuardStep) -> None:
+        # Unless the Hold is gone or done by then.
         ref = weakref.ref(self)
 
         def run() -> None:
@@ -261,20 +244,18 @@ class GuardedHold(Generic[LostT, LeaseT]):
         self._scheduler.call_later(delay, run)
 
     def _on_notice(self, notice: WatchNotice) -> None:
-        """From the watch on our key: our key deleted, or the watch ended."""
         self._execute(self._guard.notice(ended=notice.error is not None))
 
-    def _answered(self, action: GuardCall, answer: Any) -> None:
-        """What came of the etcd call ``action``: its response (for a GuardWatch, the watch
-        opened), or the EtcdError it raised."""
+    def _answered(self, action: g.GuardCall, answer: Any) -> None:
+        # Its response (for a GuardWatch, the watch opened), or the EtcdError it raised.
         guard, failed = self._guard, isinstance(answer, EtcdError)
-        if isinstance(action, GuardTouch):
+        if isinstance(action, g.GuardTouch):
             if failed:
                 actions = guard.touch_failed(action.step, str(answer))
             else:
                 revision, succeeded = int(answer.header.revision), bool(answer.succeeded)
                 actions = guard.touched(action.step, revision, succeeded)
-        elif isinstance(action, GuardLook):
+        elif isinstance(action, g.GuardLook):
             if failed:
                 actions = guard.look_failed()
             else:
@@ -291,7 +272,7 @@ class GuardedHold(Generic[LostT, LeaseT]):
         self._execute(actions)
 
 
-class Hold(GuardedHold[Flag, Session]):
+class Hold(GuardedHold[Session]):
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
@@ -315,54 +296,35 @@ class Hold(GuardedHold[Flag, Session]):
         if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
-        self._client = sema.client
+        self._client = client = sema.client
         held = Held(key, session.lease_id, revision, held_at, value, touch)
-        watches: list[Cancellable] = list(retire)
-        scheduler = timer_for(self._client)
-        super().__init__(sema.name, sema.max, session, held, shared, watches, scheduler)
+        super().__init__(sema, session, held, shared, retire, timer_for(client))
         self.lost = Flag("hold-lost")
         self._released = Flag("released")
         self._release_lock = threading.Lock()
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._logged = False
-        # A loss is a WARNING in library mode too; the supervisor, which reports it as an
-        # error with what it did to the child, turns this off.
-        self._warn_on_loss = True
-        self.lost.add_callback(weakly(self._warn_lost))
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
         self._forgets.append(session.lost.add_callback(weakly(self._session_lost)))
-        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
-        # on; a hold cannot promise it is still ours).
-        self._forgets.append(session.on_expired(weakly(self._session_expired)))
-        # A lost hold has nothing left to watch, released or not (the watch would otherwise
-        # stay on the client's stream for as long as the Hold is kept).
-        self.lost.add_callback(lambda _: _cancel_all(watches))
-        self._finalizer = weakref.finalize(self, _dropped, self._slot, self._client, watches)
-        self._finalizer.atexit = False  # at exit the lease expires after its TTL
+        self._drop_with("conch", functools.partial(timer_for(client).call_later, 0), _give_back)
         self._execute(self._guard.made())
 
     @property
     def _guard_started(self) -> bool:
         return self._guard.started
 
-    def _loss(self) -> object:
-        return self.lost.reason
-
     def _set_lost(self, loss: Loss) -> None:
         self.lost.set(loss)
 
-    def _call(self, action: GuardCall) -> None:
-        """On the timer thread (or the watch's reader), as a blocking call."""
+    def _call(self, action: g.GuardCall) -> None:
+        # On the timer thread (or the watch's reader), as a blocking call.
         client, key = self._client, self.key
         answer: object
         try:
-            if isinstance(action, GuardTouch):
-                # Wakes the waiter behind us, which watches our key.
-                put = kv.op_put(key, self._value, self.lease_id)
-                compare = [kv.create_revision_is(key, self.revision)]
-                answer = kv.txn(client, compare, [put], [])
-            elif isinstance(action, GuardLook):
+            if isinstance(action, g.GuardTouch):
+                answer = kv.txn(client, self._ours, self._touch, [])
+            elif isinstance(action, g.GuardLook):
                 answer = kv.range_(client, rpc_pb2.RangeRequest(key=key))
             else:
                 notice = weakly(self._on_notice)
@@ -372,35 +334,28 @@ class Hold(GuardedHold[Flag, Session]):
         self._answered(action, answer)
 
     def start_guard(self) -> None:
-        """Start guarding the key (idempotent). ``Semaphore.acquire`` does it before
-        returning unless asked not to (``guard=False``); the supervisor does it just after
-        starting the child. Until then, a loss is noticed late, never missed: the hold
-        subscribes to the session's loss first."""
+        """Start guarding the key (idempotent): ``Semaphore.acquire`` does unless
+        ``guard=False``; the supervisor does just after starting the child. Until then, a
+        loss is noticed late, never missed: the hold subscribes to the session's loss first."""
         with self._release_lock:
             if self._releasing:
                 return
             actions = self._guard.start()
         self._execute(actions)
 
-    def _warn_lost(self, lost: Flag) -> None:
-        if self._warn_on_loss:
-            log.warning("lost", name=self.name, rev=self.revision, reason=str(lost.reason))
-
     def check(self) -> None:
-        """Raise HoldLost unless the hold is certainly ours at this moment: not released,
-        the lease certainly alive (a keepalive confirmed within the TTL, on the monotonic
-        clock, so a process frozen past its TTL fails the moment it resumes, before the
-        keepalive thread has noticed anything) and our key not seen deleted. Makes no etcd
-        call: call it right before acting as the holder; for state kept in etcd, the
-        guarded ``put``/``delete`` check in etcd itself."""
+        """Raise HoldLost unless the hold is certainly ours now: not released, the lease
+        certainly alive (a keepalive confirmed within the TTL on the monotonic clock, so a
+        process frozen past its TTL fails the moment it resumes) and our key not seen
+        deleted. Makes no etcd call: call it right before acting as the holder; for state
+        in etcd, the guarded ``put``/``delete`` check in etcd itself."""
         self._check()
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
-        ``.reason``) once the hold is lost (at once if it already is), from the conch thread
-        that saw the loss (the session's keepalive thread, or the client's watch reader): it
-        must not block. Its result is ignored, so ``lambda reason:
-        loop.call_soon_threadsafe(...)`` fits."""
+        ``.reason``) once the hold is lost (at once if it is), from the conch thread that saw
+        it (the keepalive thread, or the watch reader): it must not block. Its result is
+        ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
             # the Loss itself: str() of it would drop its reason
@@ -412,14 +367,13 @@ class Hold(GuardedHold[Flag, Session]):
         self.lost.add_callback(call)
 
     def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
-        """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that compares
-        our key's create_revision with ``revision`` and puts if it still matches, so the
-        write lands at a revision where we held the slot, or not at all. The key is not
-        bound to our lease (it outlives the hold). ``timeout`` in seconds (default: the
-        client's request timeout). Returns the revision of the write. Raises HoldLost when
-        the compare fails (our key is gone: released, lease expired or revoked; ``lost`` is
-        set then, unless released), Unavailable or another EtcdError when etcd does not
-        answer (the write may then have happened: read it back)."""
+        """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that puts if our
+        key's create_revision is still ``revision``, so the write lands at a revision where we
+        held the slot, or not at all. The key is not bound to our lease. ``timeout`` in
+        seconds (default: the client's). Returns the revision of the write. Raises HoldLost
+        when the compare fails (our key is gone; ``lost`` is set then, unless released),
+        Unavailable or another EtcdError when etcd does not answer (the write may then have
+        happened: read it back)."""
         return self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     def delete(self, key: bytes | str, timeout: float | None = None) -> int:
@@ -428,22 +382,32 @@ class Hold(GuardedHold[Flag, Session]):
         return self._guarded(kv.op_delete(to_bytes(key)), timeout)
 
     def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
-        compare = [kv.create_revision_is(self.key, self.revision)]
-        return self._written(kv.txn(self._client, compare, [op], [], timeout))
-
-    # -- release ---------------------------------------------------------------------------
+        return self._written(kv.txn(self._client, self._ours, [op], [], timeout))
 
     def release(self, log_it: bool = True, until: float | None = None) -> None:
-        """Give the slot back: on a session of its own, revoke the lease
-        (Lease.LeaseRevoke), which deletes our key with it in one revision; on a shared
-        session, delete our key (KV.Txn comparing its create_revision). The waiter first in
-        line holds at that revision. Best effort: on failure the lease expires after its
-        TTL; after a loss it is tried for at most WITHDRAW_TIMEOUT seconds. Thread-safe;
-        returns once the revoke is over, whichever thread sent it. Logs ``released`` once:
-        with ``log_it=False`` the line is left to a later ``release()`` (the supervisor
-        releases the moment the child's group is gone, and logs after the child's exit).
-        ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
-        self._revoke(until)
+        """Give the slot back: on a session of its own, revoke the lease (Lease.LeaseRevoke),
+        which deletes our key with it in one revision; on a shared session, delete our key
+        (KV.Txn comparing its create_revision). The waiter first in line holds at that
+        revision. Best effort: on failure the lease expires after its TTL; after a loss it is
+        tried for at most WITHDRAW_TIMEOUT seconds. Thread-safe; returns once the revoke is
+        over, whichever thread sent it. Logs ``released`` once: ``log_it=False`` leaves it to
+        a later ``release()`` (the supervisor's, after the child's exit). ``until``: a
+        ``time.monotonic()`` instant past which the revoke is not waited for."""
+        with self._release_lock:
+            releasing, self._releasing = self._releasing, True
+            self._guard.release()
+        if releasing:
+            self._released.wait()  # the revoke another call sent
+        else:
+            try:
+                timeout = self._withdraw_timeout()
+                if until is not None:
+                    left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
+                    timeout = left if timeout is None else min(timeout, left)
+                self._revoked = _give_back(self._slot, timeout)
+            finally:
+                self._given_back()
+                self._released.set()
         if not log_it:
             return
         with self._release_lock:
@@ -451,50 +415,17 @@ class Hold(GuardedHold[Flag, Session]):
         if not logged:
             self._log_released(self._revoked)
 
-    def _revoke(self, until: float | None = None) -> None:
-        """The release without its log line. A call while another thread revokes waits for
-        that revoke to end."""
-        with self._release_lock:
-            releasing, self._releasing = self._releasing, True
-            self._guard.release()
-        if releasing:
-            self._released.wait()
-            return
-        try:
-            timeout = self._withdraw_timeout()
-            if until is not None:
-                left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
-                timeout = left if timeout is None else min(timeout, left)
-            self._revoked = _give_back(self._slot, self._client, timeout)
-        finally:
-            self._given_back()
-            self._released.set()
-
     def __enter__(self) -> Hold:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Release; then raise HoldLost if the hold was lost before the block ended (as
-        ``check()`` judges it then), unless the block is already raising."""
+        ``check()`` judges it then), unless the block is already raising or released the
+        hold itself before any loss."""
         loss = self._loss_at_exit()
         self.release()
         if loss is not None and exc_type is None:
             raise loss
-
-    @property
-    def deadline(self) -> float:
-        """``expires_at()``, as an instant for ``asyncio.timeout_at`` (asyncio's default loop
-        clock is ``time.monotonic()``). Read once, it is the expiry as known then: bound one
-        step by it, and move the timeout on as keepalives move the expiry::
-
-            async with asyncio.timeout_at(hold.deadline - margin) as timeout:
-                for chunk in chunks:
-                    await write(chunk)
-                    timeout.reschedule(hold.deadline - margin)
-
-        ``asyncio.TimeoutError`` (TimeoutError) then means: the lease may expire before
-        the step would end. Threads: ``remaining()``."""
-        return self.expires_at()
 
     def remaining(self) -> float:
         """Seconds from now until ``expires_at()``, 0.0 once it has passed (or the hold is
@@ -507,38 +438,33 @@ def to_bytes(text: bytes | str) -> bytes:
     return text.encode("utf-8") if isinstance(text, str) else text
 
 
-def _give_back(slot: Slot[Session], client: Client, timeout: float | None) -> bool:
-    """Revoke a private session, or delete our key from a shared one; whether confirmed."""
+def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     if not slot.shared:
         return slot.session.close(timeout=timeout)
     with deleting_own_key(slot):
-        delete_own_key(client, slot.key, slot.revision, timeout)
+        delete_own_key(slot.session.client, slot.key, slot.revision, timeout)
         return True
     return False
 
 
-def warn_hold_dropped(face: str, key: bytes, revision: int) -> None:
-    """Warn (ResourceWarning, pointing at the caller's caller: the collector) and log that
-    a Hold of ``face`` ("conch" or "conch.aio") was dropped without release()."""
+def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., object]) -> None:
+    """A Hold of ``face`` ("conch" or "conch.aio") was garbage-collected unreleased: warn
+    (ResourceWarning, pointing at the collector), as Python does for an unclosed file, and
+    log; then cancel its watches and ``give_back(slot, None)`` through ``soon`` (the
+    client's timer thread, or the hold's loop; not the collecting thread)."""
+    key = slot.key.decode(errors="replace")
     warnings.warn(
-        f"{face} hold of {key.decode(errors='replace')} (rev {revision}) dropped without "
-        "release(); releasing it",
+        f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it",
         ResourceWarning,
-        stacklevel=3,
+        stacklevel=2,
     )
-    log.warning("hold-dropped", key=key.decode(errors="replace"), rev=revision)
+    log.warning("hold-dropped", key=key, rev=slot.revision)
 
+    def release() -> None:
+        _cancel_all(slot.watches)
+        give_back(slot, None)
 
-def _dropped(slot: Slot[Session], client: Client, watches: list[Cancellable]) -> None:
-    """A Hold was garbage-collected unreleased: warn, as Python does for an unclosed file,
-    and release it from the client's timer thread (not the collecting thread)."""
-    warn_hold_dropped("conch", slot.key, slot.revision)
-
-    def give_back() -> None:
-        _cancel_all(watches)
-        _give_back(slot, client, None)
-
-    timer_for(client).call_later(0, give_back)
+    soon(release)
 
 
 def _cancel_all(watches: list[Cancellable]) -> None:

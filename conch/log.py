@@ -1,19 +1,16 @@
-"""State-transition logging: one line per transition, ``key=value`` pairs.
+"""State-transition logging: one line per transition, ``key=value`` pairs (values with
+spaces, quotes or ``=`` double-quoted), to the ``logging`` logger ``conch``: INFO for
+transitions, WARNING and ERROR for trouble (with no logging set up, Python shows those on
+stderr and drops the rest).
 
     conch: event=acquired name=heavy-jobs max=2 rev=8812 waited=1.204s
 
-Values with spaces, quotes or ``=`` are double-quoted. Lines go to the ``logging`` logger
-``conch`` (INFO for transitions, WARNING and ERROR for trouble); with no logging set up,
-Python shows the warnings and errors on stderr and drops the rest. The command sends every
-line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only warnings and errors,
-``set_debug(True)`` adds the DEBUG lines. Logging never raises: a closed stderr must not
-kill a supervisor.
-
-Each record also carries its fields (``logging``'s ``extra``) for structured handlers:
-``conch_event`` (``acquired``), each field under its own name (``rev``, ``waited``: values
-as in the line), or as ``conch_<field>`` where ``logging.LogRecord`` has that attribute
-(``conch_name``), and ``conch_fields``, all of them in one dict. Every transition is also
-handed, as a typed event, to the callbacks of ``conch.events``, whatever the level.
+The command sends every line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only
+warnings and errors, ``set_debug(True)`` adds the DEBUG lines. Logging never raises: a
+closed stderr must not kill a supervisor. Each record also carries its fields as ``extra``
+(``conch_event``, each field by its name or as ``conch_<field>`` where a LogRecord has that
+attribute, ``conch_fields``: docs/operations.md "Logs"); every transition also goes, as a
+typed event, to the callbacks of ``conch.events``, whatever the level.
 """
 
 from __future__ import annotations
@@ -27,8 +24,9 @@ from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
-# conch.events' dispatcher, set while it has callbacks: every transition passes here.
-_hooks: Callable[[str, dict[str, object]], None] | None = None
+# Set by conch.events when imported, and only by it: ``hook(event, fields)`` for every
+# transition, logged or not.
+hook: Callable[[str, dict[str, object]], None] | None = None
 
 
 def set_quiet(quiet: bool) -> None:
@@ -59,39 +57,32 @@ def to_stderr() -> None:
     LOGGER.propagate = False
 
 
-def _format_value(value: object) -> str:
-    text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    return text
-
-
 def _line(level: str, event: str, fields: dict[str, object]) -> str:
-    head = [] if level == "info" else [f"level={level}"]
-    pairs = [f"{key}={_format_value(value)}" for key, value in fields.items()]
-    return "conch: " + " ".join([*head, f"event={event}", *pairs])
+    words = [f"event={event}"] if level == "info" else [f"level={level}", f"event={event}"]
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+            text = '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        words.append(f"{key}={text}")
+    return "conch: " + " ".join(words)
 
 
 # What a LogRecord already has (and makeRecord refuses to overwrite), or a formatter adds.
 _RESERVED = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
-def _extra(event: str, fields: dict[str, object]) -> dict[str, object]:
-    extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
-    for key, value in fields.items():
-        extra[f"conch_{key}" if key in _RESERVED else key] = value
-    return extra
-
-
 def _emit(level: int, /, event: str, **fields: object) -> None:
     # An embedder's handler or hook that raises must not kill the conch thread that logs.
-    if _hooks is not None:
+    if hook is not None:
         with contextlib.suppress(Exception):
-            _hooks(event, fields)
+            hook(event, fields)
     if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
+            extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
+            for key, value in fields.items():
+                extra[f"conch_{key}" if key in _RESERVED else key] = value
             line = _line(logging.getLevelName(level).lower(), event, fields)
-            LOGGER.log(level, line, extra=_extra(event, fields))
+            LOGGER.log(level, line, extra=extra)
 
 
 # ``info(event, **fields)``: one line for ``event``, its fields in order.
@@ -99,12 +90,6 @@ debug = functools.partial(_emit, logging.DEBUG)
 info = functools.partial(_emit, logging.INFO)
 warning = functools.partial(_emit, logging.WARNING)
 error = functools.partial(_emit, logging.ERROR)
-
-
-def set_hooks(dispatch: Callable[[str, dict[str, object]], None] | None) -> None:
-    """For ``conch.events`` only: ``dispatch(event, fields)`` for every line, logged or not."""
-    global _hooks
-    _hooks = dispatch
 
 
 def warning_from_signal_handler(event: str, **fields: object) -> None:

@@ -1,8 +1,8 @@
-"""The POSIX plumbing under the supervision loop (``conch.supervisor``): the spawn (one
-``posix_spawn`` in a new session), the reaper (which only reaps and tells: it makes no call to
-etcd), the /proc scans (our children, what escaped a job), and the job's termination (its
-process group and what left it, SIGTERM then SIGKILL); and the command's own process set up
-before it runs (std fds, locale, SIGCHLD). Linux; no etcd, no hold, no lease here.
+"""The POSIX plumbing under the supervision loop (``conch.supervisor``): the spawn, the reaper
+(it only reaps and tells: a slow etcd never holds up the reaping), the /proc scans (our
+children, what escaped a job), the job's termination (its process group and what left it,
+SIGTERM then SIGKILL), and the command's own process set up before it runs. Linux; no etcd,
+no hold, no lease here. Rationale: docs/design.md, "Signals and the POSIX plumbing".
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from conch import log
 from conch.flag import Mailbox, remaining
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
-# Taken by the adopting reaper while it reaps; reentrant: an error path that kills a child
-# it has just spawned (holding it) also looks for what escaped.
+# Held by the adopting reaper while it reaps; reentrant: an error path that kills a child it
+# has just spawned (holding it) also looks for what escaped.
 _reap_lock = threading.RLock()
-# Set when we start a process: the adopting reaper, idle for want of children, looks again at
-# once instead of after GROUP_POLL.
-_spawned = threading.Event()
+_spawned = threading.Event()  # a process started: the idle reaper looks again at once
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
 # Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
 # reaped by Popen stays: its start time tells it from a later process with its pid).
@@ -42,101 +39,67 @@ GONE_AFTER_KILL = 2.0  # seconds to wait for SIGKILLed stragglers to be gone (zo
 REAP_AFTER_KILL = 10.0  # seconds to wait for a SIGKILLed child (stuck in D state: give up)
 
 
-@dataclass(frozen=True)
-class ChildExit:
+class ChildExit(NamedTuple):
     """Put into the supervisor's mailbox by the reaper: the child exited (a Popen return code)."""
 
     returncode: int
 
 
-# -- the spawn -------------------------------------------------------------------------------
-
-# Signals to reset to their default in the child: an ignored signal stays ignored across exec,
-# and Python starts with these ignored (a shell's pipelines expect to die by SIGPIPE). glibc's
-# two reserved signals (32, 33) stay ignored in the child; nothing can reset those.
-_RESET_SIGNALS = tuple(
+# Reset to their default in the child: Python starts with them ignored, and an ignored signal
+# stays ignored across exec.
+_RESET = tuple(
     getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
 )
-
-
-def _inherited_fds() -> list[int]:
-    """Our inheritable descriptors above stderr, for the spawn to close in the child. One at
-    or above the soft RLIMIT_NOFILE cannot be named in a spawn's close action (glibc: EBADF,
-    reported as not executable), so it is made close-on-exec here instead."""
-    fds = []
-    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                fd = int(name)
-                if fd > 2 and os.get_inheritable(fd):
-                    if limit == resource.RLIM_INFINITY or fd < limit:
-                        fds.append(fd)
-                    else:
-                        os.set_inheritable(fd, False)
-    return fds
+# Errors on one PATH entry after which execvp(3) tries the next one.
+_NEXT_ON = {errno.EACCES, errno.ENOENT, errno.ESTALE, errno.ENOTDIR, errno.ENODEV, errno.ETIMEDOUT}
 
 
 def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     """Start ``argv`` (searched on PATH) in a new session and process group, with stdin,
     stdout and stderr only (as ``subprocess``'s ``close_fds``); return its pid. One
-    ``posix_spawn``: the cheapest way to start a process from a large one, and it reports a
-    failed exec (FileNotFoundError, PermissionError, other OSError). A file the kernel
-    cannot execute (ENOEXEC: a script without a ``#!`` line) is run by /bin/sh, as
-    ``execvp(3)``, and so ``flock(1)``, do."""
-    closes = [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inherited_fds()]
+    ``posix_spawn``, which reports a failed exec (FileNotFoundError, PermissionError, other
+    OSError). A file the kernel cannot execute (ENOEXEC: a script without a ``#!`` line) is
+    run by /bin/sh, as ``execvp(3)``, and so ``flock(1)``, do."""
+    # Our inheritable fds above stderr, closed in the child; one at or above the soft
+    # RLIMIT_NOFILE cannot be named in a close action (EBADF): made close-on-exec instead.
+    closes = []
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if (fd := int(name)) > 2 and os.get_inheritable(fd):
+                    if limit == resource.RLIM_INFINITY or fd < limit:
+                        closes.append((os.POSIX_SPAWN_CLOSE, fd))
+                    else:
+                        os.set_inheritable(fd, False)
 
-    def start(path: str, args: list[str], search: bool = False) -> int:
-        launch = os.posix_spawnp if search else os.posix_spawn
+    def start(path: str, args: list[str], launch: Callable[..., int] = os.posix_spawn) -> int:
+        # Nothing blocked, the signals reset as by subprocess's restore_signals.
         return launch(
-            path,
-            args,
-            env,
-            file_actions=closes,
-            setsid=True,
-            setsigmask=(),  # nothing blocked
-            setsigdef=_RESET_SIGNALS,  # as subprocess's restore_signals
+            path, args, env, file_actions=closes, setsid=True, setsigmask=(), setsigdef=_RESET
         )
 
     try:
-        return start(argv[0], list(argv), search=True)
+        return start(argv[0], list(argv), os.posix_spawnp)
     except OSError as exc:
         if exc.errno != errno.ENOEXEC:
             raise
     # Search again, the way execvp(3) does, and give the file that says ENOEXEC to the shell
     # (an earlier one on PATH may have been skipped: ENOENT from a missing #! interpreter).
-    denied = False
-    for path in _candidates(argv[0]):
+    name, denied = argv[0], False
+    path_list = os.environ.get("PATH", os.defpath).split(":")  # "": the current directory
+    for path in [name] if "/" in name else [os.path.join(entry, name) for entry in path_list]:
         try:
             return start(path, list(argv))
         except OSError as exc:
             if exc.errno == errno.ENOEXEC:
                 return start(SHELL, [SHELL, path, *argv[1:]])
-            if exc.errno not in _SEARCH_ON:
+            if exc.errno not in _NEXT_ON:
                 raise
             denied = denied or exc.errno == errno.EACCES
     if denied:
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
-    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
-
-
-# Errors on one PATH entry after which execvp(3) tries the next one.
-_SEARCH_ON = {
-    errno.EACCES,
-    errno.ENOENT,
-    errno.ESTALE,
-    errno.ENOTDIR,
-    errno.ENODEV,
-    errno.ETIMEDOUT,
-}
-
-
-def _candidates(name: str) -> list[str]:
-    """The paths execvp(3) tries for ``name``, in order (an empty PATH entry is the current
-    directory)."""
-    if "/" in name:
-        return [name]
-    return [os.path.join(entry, name) for entry in os.environ.get("PATH", os.defpath).split(":")]
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
 
 
 def adopting() -> bool:
@@ -152,18 +115,14 @@ def beside_jobs(pid: int) -> None:
     _spawned.set()
 
 
-# -- the reaper ------------------------------------------------------------------------------
-
-
 def adopt_orphans() -> bool:
-    """Make this process a child subreaper (Linux ``prctl(PR_SET_CHILD_SUBREAPER)``) and start
-    one thread that reaps every child it has: what a supervised child leaves behind is
-    re-parented to us instead of PID 1, and reaped the moment it dies (a zombie left to a
-    slow PID 1 still counts as a member of the group, and holds the slot until
-    ``kill_after`` runs out). Process-wide: only for a process that waits for no children of
-    its own (the ``conch`` command); the statuses of children ``run_child`` did not start
-    are dropped, and SIGCHLD is set back to its default if ignored. Idempotent. Returns
-    whether it worked."""
+    """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) and start one
+    thread that reaps every child it has: what a supervised child leaves behind is re-parented
+    to us instead of PID 1 and reaped the moment it dies (a zombie still counts as a member
+    of the group, and holds the slot until ``kill_after`` runs out). Process-wide: only for a
+    process that waits for no children of its own (the ``conch`` command): the statuses of
+    children ``run_child`` did not start are dropped, and an ignored SIGCHLD is set back to
+    its default. Idempotent. Returns whether it worked."""
     global _adopting
     with _reap_lock:
         if _adopting:
@@ -187,8 +146,7 @@ def adopt_orphans() -> bool:
 
 def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
     """Call ``callback(wait_status)`` from a reaping thread once our child ``pid`` exits: the
-    process-wide one after ``adopt_orphans()`` (call with ``_reap_lock`` held since before
-    the child existed), else a thread of its own blocked in waitpid on that pid alone."""
+    adopting reaper (``_reap_lock`` held since before the child existed), else its own."""
     if _adopting:
         _claimed[pid] = callback
         _spawned.set()
@@ -208,15 +166,14 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
 
 
 def _reap_all() -> None:
-    """The adopting reaper: reap each child as it exits, and every other one that has exited
-    by then too (what died with a supervised child is no member of its group any more when
-    its callback looks), then call the claimed ones' callbacks. With no child at all, look
-    again when we start a process, or after GROUP_POLL seconds: an orphan may yet come."""
+    # Reap each child as it exits, and every other one that has exited by then too (what died
+    # with a supervised child is no member of its group any more when its callback looks).
     while True:
         try:
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # wait, reap nothing yet
         except ChildProcessError:
-            # A start after the waitid above sets it; one before is seen by the next waitid.
+            # No child: an orphan may yet come. A start after the waitid sets _spawned; one
+            # before is seen by the next waitid.
             _spawned.wait(GROUP_POLL)
             _spawned.clear()
             continue
@@ -224,8 +181,7 @@ def _reap_all() -> None:
         with _reap_lock, contextlib.suppress(ChildProcessError):
             while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
                 _beside_jobs.pop(reaped[0], None)
-                callback = _claimed.pop(reaped[0], None)
-                if callback is not None:
+                if (callback := _claimed.pop(reaped[0], None)) is not None:
                     done.append((callback, reaped[1]))
         for callback, status in done:
             _call_back(callback, status)
@@ -238,15 +194,6 @@ def _call_back(callback: Callable[[int], None], status: int) -> None:
         log.error("callback-failed", flag="child-exit", error=repr(exc))
 
 
-def _child_exited(status: int, box: Mailbox) -> None:
-    """From the reaping thread: tell the supervisor, which releases the hold (the reaper
-    makes no call to etcd: a slow etcd never holds up the reaping of other children)."""
-    box.put(ChildExit(os.waitstatus_to_exitcode(status)))
-
-
-# -- /proc -----------------------------------------------------------------------------------
-
-
 def _group_alive(pgid: int) -> bool:
     try:
         with contextlib.suppress(PermissionError):  # a member not ours to signal lives
@@ -257,20 +204,14 @@ def _group_alive(pgid: int) -> bool:
 
 
 def _orphans() -> dict[int, _Stat]:
-    """What jobs left outside their process groups: our children that conch did not start
-    (re-parented to us, their subreaper, as their parents died). Zombies count: they are
-    reaped a moment later. Empty unless ``adopt_orphans()`` worked (without it they go to
-    another reaper, out of our sight)."""
+    """Our children that conch did not start, zombies included (unless adopting: none)."""
     if not _adopting:
         return {}
     # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
     # that parent (or an ancestor of it) is then a child of ours, in view until reaped.
     with _reap_lock:
-        return {
-            pid: stat
-            for pid, stat in _children().items()
-            if pid not in _claimed and _beside_jobs.get(pid) != stat.started
-        }
+        children = _children().items()
+        return {p: s for p, s in children if p not in _claimed and _beside_jobs.get(p) != s.started}
 
 
 _PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_CHILDREN
@@ -278,9 +219,7 @@ _children_files: bool | None = None  # whether this kernel has them; None: not l
 
 
 def _children() -> dict[int, _Stat]:
-    """Our children, zombies included: from each of our threads' ``children`` file where the
-    kernel has them, else from every /proc/PID/stat on the machine (3 ms for 150 processes
-    on a 2-core VM)."""
+    """Our children, zombies included: from our threads' ``children`` files, else /proc."""
     global _children_files
     if _children_files is None:
         _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))
@@ -294,8 +233,7 @@ def _children() -> dict[int, _Stat]:
     return {pid: stat for pid, stat in stats.items() if stat and stat.ppid == os.getpid()}
 
 
-def _read(path: str) -> bytes:
-    """A /proc file's content (os calls: a third of the cost of ``open()`` here)."""
+def _read(path: str) -> bytes:  # os calls: a third of the cost of open() here
     fd = os.open(path, os.O_RDONLY)
     try:
         return b"".join(iter(lambda: os.read(fd, 65536), b""))
@@ -303,17 +241,14 @@ def _read(path: str) -> bytes:
         os.close(fd)
 
 
-class _Stat(NamedTuple):
-    """What /proc/PID/stat says of a process."""
-
+class _Stat(NamedTuple):  # /proc/PID/stat
     ppid: int
     pgid: int
     zombie: bool
     started: int  # clock ticks after boot
 
 
-def _stat(pid: int) -> _Stat | None:
-    """/proc/``pid``/stat; None once the process is gone."""
+def _stat(pid: int) -> _Stat | None:  # None once the process is gone
     try:
         fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
         return _Stat(int(fields[1]), int(fields[2]), fields[0] == b"Z", int(fields[19]))
@@ -321,8 +256,7 @@ def _stat(pid: int) -> _Stat | None:
         return None
 
 
-def _command_line(pid: int) -> str:
-    """What ``ps`` shows for ``pid``: its arguments, else (a zombie) its name in brackets."""
+def _command_line(pid: int) -> str:  # as ps shows it: the arguments, else [name] (a zombie)
     with contextlib.suppress(OSError):
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
             text = cmdline.read(256).replace(b"\0", b" ").strip()
@@ -331,9 +265,6 @@ def _command_line(pid: int) -> str:
         with open(f"/proc/{pid}/comm", "rb") as comm:
             return f"[{comm.read().strip().decode(errors='replace')}]"
     return "?"
-
-
-# -- the job and its termination --------------------------------------------------------------
 
 
 class _Job:
@@ -347,48 +278,34 @@ class _Job:
         self._known: set[int] = set()
         self._sent: int | None = None
 
-    def alive(self) -> bool:
-        """Whether anything of the job is left: a member of the group, or an escaped process
-        (new ones are logged, and sent the last signal)."""
+    def alive(self) -> bool:  # a member of the group or an escaped process is left
         escaped = bool(self._escaped())
         return _group_alive(self.pgid) or escaped
 
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the group and to every process that escaped it (the whole group of
-        one that leads a group of its own: what it started in turn)."""
         self._sent = sig
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, sig)
-        for pid, stat in self._escaped().items():
-            _signal_escaped(pid, stat.pgid, sig)
+        self._escaped(resend=True)
 
-    def _escaped(self) -> dict[int, _Stat]:
+    def _escaped(self, resend: bool = False) -> dict[int, _Stat]:
         orphans = _orphans()
         for pid, stat in orphans.items():
             # In the group: signalled with it. A zombie: gone, but for its reaping.
-            if stat.pgid == self.pgid or stat.zombie or pid in self._known:
-                continue
-            self._known.add(pid)
-            log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
-            if self._sent is not None:
-                _signal_escaped(pid, stat.pgid, self._sent)
+            if new := not (stat.pgid == self.pgid or stat.zombie or pid in self._known):
+                self._known.add(pid)
+                log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
+            if self._sent is not None and (new or resend):
+                # One that leads a group gets it for the whole group (only the job's
+                # processes can be in it: what it started in turn).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    (os.killpg if stat.pgid == pid else os.kill)(pid, self._sent)
         return orphans
 
 
-def _signal_escaped(pid: int, pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        if pgid == pid:
-            # It leads a group, in a session of its own or the child's: only processes
-            # of the job can be in it, what it started in turn.
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-
-
 def _kill_group(pgid: int) -> None:
-    """SIGKILL the group and what escaped it, and give them a moment (GONE_AFTER_KILL) to
-    be gone; never raises (it runs on the way out of an error, which must stay the one
-    reported)."""
+    # SIGKILL the group and what escaped it, GONE_AFTER_KILL to be gone; never raises: on the
+    # way out of an error, which must stay the one reported.
     with contextlib.suppress(Exception):
         job = _Job(pgid)
         job.signal(signal.SIGKILL)
@@ -398,10 +315,9 @@ def _kill_group(pgid: int) -> None:
 def _stop_group(
     job: _Job, box: Mailbox, child_running: bool, kill_at: float, hurry: Callable[[object], bool]
 ) -> int | None:
-    """SIGTERM the job (its group and what escaped it); SIGKILL whatever is left of it at
-    ``kill_at`` (``time.monotonic()``): at once, without SIGTERM, if that has passed, and
-    as soon as a notice comes for which ``hurry(notice)`` is true. Waits for the child (if
-    ``child_running``) to be reaped; returns its return code."""
+    """SIGTERM the job; SIGKILL what is left of it at ``kill_at`` (``time.monotonic()``): at
+    once, without SIGTERM, if that has passed, and as soon as a notice comes for which
+    ``hurry(notice)`` is true. Returns the child's return code (if ``child_running``)."""
     returncode = None if child_running else 0
     if time.monotonic() < kill_at:
         job.signal(signal.SIGTERM)
@@ -412,29 +328,23 @@ def _stop_group(
         job.signal(signal.SIGKILL)
         log.warning("kill-sent", pgid=job.pgid)
         returncode, _ = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
-        # A SIGKILLed process is still running its exit (closing files, dropping locks,
-        # freeing memory): the slot stays ours until it is gone, within a bound.
+        # A SIGKILLed process is still running its exit (closing files, dropping locks): the
+        # slot stays ours until it is gone, within a bound.
         _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
     return returncode if child_running else None
 
 
-def _await_gone(job: _Job, deadline: float) -> None:
-    """Poll until nothing of ``job`` is left or ``deadline`` passes (grandchildren are not
-    ours to wait() on)."""
+def _await_gone(job: _Job, deadline: float) -> None:  # polled: grandchildren are not ours
     while job.alive() and time.monotonic() < deadline:
         time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
 
 
 def _await_exit(
-    box: Mailbox,
-    deadline: float,
-    returncode: int | None,
-    hurry: Callable[[object], bool] | None = None,
+    box: Mailbox, deadline: float, code: int | None, hurry: Callable[[object], bool] | None = None
 ) -> tuple[int | None, float]:
-    """Wait for the child's exit notice until ``deadline``; other notices are dropped, but
-    one for which ``hurry(notice)`` is true ends the wait at once. Returns the return code
-    (None: not reaped in time) and the deadline (now, if hurried)."""
-    while returncode is None:
+    # The child's return code (``code`` if known; None: not reaped by ``deadline``) and the
+    # deadline (now, once a notice for which ``hurry`` is true comes); others are dropped.
+    while code is None:
         try:
             item = box.get(timeout=remaining(deadline))
         except queue.Empty:
@@ -443,32 +353,24 @@ def _await_exit(
             return item.returncode, deadline
         if hurry is not None and hurry(item):
             return None, time.monotonic()
-    return returncode, deadline
-
-
-# -- the command's own process ---------------------------------------------------------------
+    return code, deadline
 
 
 def prepare_command_process() -> None:
     """What the ``conch`` command (never the library) sets up in its own process before
-    anything else: closed std fds reopened on /dev/null, Python's locale coercion undone for
-    the child's sake, and SIGCHLD at its default (inherited ignored, the kernel would reap
-    the child itself and its status would be lost)."""
+    anything else: ``reopen_closed_std_fds()``, ``undo_locale_coercion()``, and SIGCHLD at its
+    default (inherited ignored, the kernel would reap the child, its status lost)."""
     reopen_closed_std_fds()
     undo_locale_coercion()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
-# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
-# (PEP 538 locale coercion), which a child would inherit: a cron job (LANG unset) would run
-# in another locale under conch than without it.
-_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")  # what PEP 538 sets LC_CTYPE to
 
 
 def started_with(name: str) -> str | None:
-    """``name``'s value in the environment this process was started with (Linux's
-    /proc/self/environ keeps it as exec() gave it), None if it had none; ``os.environ``'s
-    value when that cannot be read."""
+    """``name``'s value in the environment this process was started with (/proc/self/environ),
+    None if it had none; ``os.environ``'s value when that cannot be read."""
     prefix = name.encode() + b"="
     try:
         with open("/proc/self/environ", "rb") as environ:
@@ -480,9 +382,9 @@ def started_with(name: str) -> str | None:
 
 
 def undo_locale_coercion() -> None:
-    """The command's children get the environment it was started with: Python's own
-    LC_CTYPE goes (the caller's, if it had one, comes back). Only the command: a service
-    that embeds conch may have set LC_CTYPE itself."""
+    """Python's own LC_CTYPE (PEP 538's coercion of the C locale) goes, the caller's, if it
+    had one, comes back: the command's children (a cron job) run in the locale they would
+    without conch. Only the command: a service that embeds conch may have set it itself."""
     if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
         given = started_with("LC_CTYPE")
         if given is None:

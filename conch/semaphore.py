@@ -22,7 +22,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import keys, log
 from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
-from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import Compacted, EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
@@ -200,15 +200,20 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 def noting(sema: Recipe, note: messages.Note) -> Steps[None]:
-    """``note``'s log line; ``queued`` counts the keys ahead (etcd's count would ignore the
-    create_revision filter)."""
+    """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead_request``)."""
     fields = dict(note.fields)
     if note.event == "queued":
         fields = {"max": sema.max, **fields}
         if "ahead" not in note.fields:
-            request = codec.count_ahead_request(sema.prefix, int(str(note.fields["rev"])))
+            revision = int(str(note.fields["rev"]))
             try:
-                ahead = len((yield codec.Call("kv", "Range", request)).kvs)
+                try:
+                    request = codec.count_ahead_request(sema.prefix, revision)
+                    ahead = codec.count_ahead((yield codec.Call("kv", "Range", request)))
+                except Compacted:
+                    request = codec.count_ahead_request(sema.prefix, revision, compacted=True)
+                    answer = yield codec.Call("kv", "Range", request)
+                    ahead = codec.count_ahead(answer, compacted=True)
                 fields.update(position=ahead + 1, ahead=ahead)
             except (EtcdError, Interrupted):
                 pass
@@ -297,13 +302,13 @@ class Driver(Generic[W]):
         wake = [*self.pauses.values(), *([] if self.deadline is None else [self.deadline])]
         return max(0.0, min(wake) - time.monotonic()) if wake else None
 
-    def _pause_over(self) -> messages.PauseOver | None:
+    def _pause_over(self) -> messages.Over | None:
         now = time.monotonic()
         due = min(((end, p) for p, end in self.pauses.items() if end <= now), default=None)
         if due is None:
             return None
         del self.pauses[due[1]]
-        return messages.PauseOver(due[1])
+        return messages.Over(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
         """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
@@ -326,7 +331,7 @@ class Driver(Generic[W]):
                 return codec.touch_answer(action, (yield call))
             if isinstance(action, messages.Withdraw) and not action.revoke:
                 yield from withdrawing(self.sema, action)
-                return messages.Withdrawn(action.id)
+                return messages.Over(action.id)
             answer: messages.Input | None = yield action
             return answer
         except Interrupted:
@@ -451,7 +456,7 @@ class _Wait(Driver[Watch]):
             if private is not None and private.lease_id == action.lease_id:
                 private.lost.unsubscribe(self.box)
                 private.close(timeout=WITHDRAW_TIMEOUT)
-            return messages.Withdrawn(action.id)
+            return messages.Over(action.id)
         assert isinstance(action, messages.OpenWatch)
         # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
         # slow a handoff. The machine closes the gap once etcd confirms the watch.

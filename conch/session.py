@@ -43,7 +43,6 @@ def check_client(client: object, kind: type = Client, face: str = "conch") -> No
 
 
 def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[[], None]:
-    """Add ``listener`` to ``listeners``; returns the function that removes it."""
     key = object()
     listeners[key] = listener
 
@@ -70,8 +69,6 @@ class Keeper:
         self.next_wake: Cancellable | None = None
 
     def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` each time E passes unconfirmed (the machine's Expired);
-        returns a function that removes it."""
         return listen(self.expiry_listeners, listener)
 
     def start(self) -> None:
@@ -106,13 +103,9 @@ class Keeper:
 
 
 def _dropped(face: str, keeper: Keeper) -> None:
-    """A Session of ``face`` was garbage-collected unclosed: warn, as Python does for an
-    unclosed file (pointing at the collector), log, and revoke its lease (``dropped``)."""
-    warnings.warn(
-        f"{face} session (lease {keeper.lease_id:x}) dropped without close(); revoking it",
-        ResourceWarning,
-        stacklevel=2,
-    )
+    # A Session collected unclosed: warn, as Python does for an unclosed file.
+    said = f"{face} session (lease {keeper.lease_id:x}) dropped without close(); revoking it"
+    warnings.warn(said, ResourceWarning, stacklevel=2)
     log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
     keeper.dropped()
 
@@ -125,9 +118,8 @@ def _call(listener: Callable[..., None], *args: object) -> None:
 
 
 class _Keeper(Keeper):
-    """The threaded face's, on the client's keepalive thread (``lease.KeepAlives.timer``),
-    which makes no call that waits on etcd: one session's slow step never holds back
-    another's loss."""
+    """On the client's keepalive thread (``lease.KeepAlives.timer``), which makes no call
+    that waits on etcd: one session's slow step never holds back another's loss."""
 
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.keepalives = lease.keepalives_for(client)
@@ -145,9 +137,7 @@ class _Keeper(Keeper):
 
     def send(self, deadline: float) -> None:
         sent = time.monotonic()
-        self.keepalives.refresh(
-            self.lease_id, deadline, lambda outcome: self.answered(sent, outcome)
-        )
+        self.keepalives.refresh(self.lease_id, deadline, lambda got: self.answered(sent, got))
 
     def answered(self, sent: float, outcome: lease.Outcome) -> None:
         if self.machine.closed:
@@ -167,8 +157,7 @@ class _Keeper(Keeper):
     tell = staticmethod(_call)
 
     def dropped(self) -> None:
-        """From the client's timer thread, not the collecting one (which may be anyone's)."""
-        self.stop()
+        self.stop()  # and revoke from the client's timer thread, not the collector's
         timer_for(self.client).call_later(0, lambda: self.close(None))
 
     def close(self, timeout: float | None) -> bool:
@@ -190,17 +179,21 @@ class SessionBase(Generic[KeeperT]):
     """What the Sessions of both faces share: the lease's figures, read from its keeper,
     and the claims (one key per semaphore on a session)."""
 
-    def __init__(self, ttl: int) -> None:
+    def __init__(self, client: object, ttl: int, kind: type = Client, face: str = "conch") -> None:
+        check_client(client, kind, face)
+        check_ttl(ttl)
         self.ttl = ttl
+        self._face = face
         self._keeper: KeeperT | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
 
-    def _keep(self, keeper: KeeperT, face: str) -> None:
-        """Keep ``keeper``'s started lease (``ttl``: asked; now granted), revoked if dropped."""
+    def _keep(self, keeper: KeeperT) -> None:
+        # etcd restarts the countdown when it receives a grant or keepalive, after we sent
+        # it: the keeper's lease is certainly alive until the grant's send time + TTL.
         self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _dropped, face, keeper)
+        self._finalizer = weakref.finalize(self, _dropped, self._face, keeper)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         asked, self.ttl = self.ttl, keeper.machine.ttl
         log.info("session", lease=f"{keeper.lease_id:x}", ttl=f"{self.ttl}s")
@@ -257,39 +250,32 @@ class SessionBase(Generic[KeeperT]):
 
 class Session(SessionBase[_Keeper]):
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early) on the client's one LeaseKeepAlive stream, from its keepalive thread
-    (as etcd's ``concurrency.Session``; no thread per session).
+    SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (as
+    etcd's ``concurrency.Session``; no thread per session). Raises Unavailable (or another
+    EtcdError) when LeaseGrant fails, Interrupted when ``interrupt`` is set while it retries.
 
     ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
     TTL <= 0); its ``reason`` is a ``conch.core.loss.Loss`` (LossReason.LEASE_NOT_FOUND).
     An unanswered keepalive is sent again, with backoff, and loses nothing by itself: past
-    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``), while
-    the session, and a waiter's place on it, lives on until etcd says otherwise
-    (``conch.core.session``). ``close()`` (or leaving ``with``) revokes the lease: every key
-    on it goes at once. Raises Unavailable (or another EtcdError) when LeaseGrant fails,
-    Interrupted when ``interrupt`` is set while it retries.
+    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``); the
+    session, and a waiter's place on it, lives on until etcd says otherwise. ``close()`` (or
+    leaving ``with``) revokes the lease: every key on it goes at once. A session dropped
+    without ``close()`` is revoked when collected, with a ResourceWarning.
 
-    To share one lease between holds (``Semaphore.acquire(session=...)``)::
+    Shared between holds (``Semaphore.acquire(session=...)``), a hold releases by deleting
+    its own key, and the session's loss loses every hold on it; it holds at most one key per
+    semaphore (a second acquire of it raises UsageError while the first holds or waits)::
 
         with conch.Session(client, ttl=10) as session:
             with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
                 ...
-
-    A hold on a shared session releases by deleting its own key; the session's loss loses
-    every hold on it. A session holds at most one key per semaphore (a second acquire of it
-    raises UsageError while the first holds or waits). A session dropped without
-    ``close()`` is revoked when collected, with a ResourceWarning.
     """
 
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
-        check_client(client)
-        check_ttl(ttl)
-        super().__init__(ttl)
+        super().__init__(client, ttl)
         self._client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
-        # etcd restarts the countdown when it receives a grant or keepalive, which is after
-        # we sent it: so the lease is certainly alive until send time + TTL (monotonic).
         keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.lost = keeper.lost
         try:
@@ -297,24 +283,23 @@ class Session(SessionBase[_Keeper]):
         except BaseException:  # no keepalive thread to be had: leave no lease behind
             keeper.close(None)
             raise
-        self._keep(keeper, "conch")
+        self._keep(keeper)
 
     @property
     def client(self) -> Client:
         return self._client
 
     def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` each time ``alive_until`` passes with no keepalive
-        confirmed since (``loss``: LossReason.NO_KEEPALIVE; a hold on the session is lost
-        then), on the client's keepalive thread: it must not block. Returns a function that
-        removes it."""
+        """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost)
+        each time ``alive_until`` passes with no keepalive confirmed since, on the client's
+        keepalive thread: it must not block. Returns the function that removes it."""
         return self._kept.add_expiry_listener(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
-        moved, on the client's keepalive thread (shared by its sessions): it must not block
-        (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one that raises is logged.
-        Returns a function that removes it. ``lost`` callbacks run on that thread too."""
+        moved, on the client's keepalive thread (shared by its sessions, and ``lost``'s
+        callbacks): it must not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``);
+        one that raises is logged. Returns the function that removes it."""
         return listen(self._kept.listeners, listener)
 
     def close(self, timeout: float | None = None) -> bool:

@@ -1,14 +1,13 @@
-"""The supervision loop (contract section 7): acquire, run the child, child exit or loss,
-terminate, release. Written once; the CLI and embedders call ``supervise``. Every way a round
-can end is an ``Outcome``, mapped to its exit code by ``conch.errors.EXIT_CODES``, the one
-table. The POSIX plumbing under it (spawn, reaper, /proc scans, the job's termination) is
-``conch.procs``.
+"""The supervision loop (contract section 7; docs/design.md, "The supervision loop"):
+acquire, run the child, child exit or loss, terminate, release; written once, for the CLI and
+embedders (``supervise``). Every way a round ends is an ``Outcome``, its exit code in
+``conch.errors.EXIT_CODES``. The POSIX plumbing under it is ``conch.procs``.
 
-The deadline: while the child runs, the lease's earliest expiry E (``Session.alive_until``)
-is an instant on our monotonic clock. The child is SIGKILLed by E - ``deadline_margin(ttl)``
-at the latest and SIGTERMed ``kill_after`` before that, whether or not a loss has been
-declared yet, so that no waiter can take the slot while the child still runs, whatever it
-does with SIGTERM. The watchdog holds the same deadline for a wrapper frozen or dead.
+The deadline: the child is SIGKILLed by E - ``deadline_margin(ttl)`` at the latest (E: the
+lease's earliest expiry, ``Session.alive_until``, on our monotonic clock) and SIGTERMed
+``kill_after`` before that, whether or not a loss has been declared, so that no waiter can
+take the slot while it still runs. The watchdog process holds the same deadline for a wrapper
+frozen (SIGSTOP, a VM paused) or dead.
 """
 
 from __future__ import annotations
@@ -27,82 +26,39 @@ from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, 
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
-from conch.procs import (
-    REAP_AFTER_KILL,
-    ChildExit,
-    _child_exited,
-    _group_alive,
-    _Job,
-    _kill_group,
-    _on_exit,
-    _reap_lock,
-    _stop_group,
-    adopt_orphans,
-    spawn,
-)
+from conch.procs import ChildExit, _on_exit, _stop_group, adopt_orphans, spawn
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
-from conch.watchdog import (
-    ANSWER_TIMEOUT,
-    Watchdog,
-    WatchdogExited,
-    WatchdogSilent,
-    without_credentials,
-)
+from conch.watchdog import Watchdog, failure, without_credentials
 
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
 # Every signal whose default action ends the process, that can be caught, and that is sent to
-# ask a process to stop: each stops conch as SIGTERM does. Left out: SIGKILL and SIGSTOP (the
-# watchdog's job); the ones that report a fault in conch itself (SIGSEGV, SIGBUS, SIGILL,
-# SIGFPE, SIGTRAP, SIGSYS, SIGABRT: a Python handler would return to the faulting
-# instruction, or hide a crash); SIGPIPE and SIGXFSZ, which Python ignores (a log line to a
-# closed stderr must not stop the supervision).
+# ask a process to stop: each stops conch as SIGTERM does. Not those that report a fault in
+# conch itself (SIGSEGV, SIGABRT, ...), nor SIGPIPE and SIGXFSZ (docs/design.md).
+_STOPPING = "HUP INT QUIT USR1 USR2 ALRM TERM STKFLT XCPU VTALRM PROF IO PWR"
 STOP_SIGNALS: tuple[int, ...] = (
-    *(
-        getattr(signal, name)
-        for name in (
-            "SIGHUP",
-            "SIGINT",
-            "SIGQUIT",
-            "SIGUSR1",
-            "SIGUSR2",
-            "SIGALRM",
-            "SIGTERM",
-            "SIGSTKFLT",
-            "SIGXCPU",
-            "SIGVTALRM",
-            "SIGPROF",
-            "SIGIO",
-            "SIGPWR",
-        )
-        if hasattr(signal, name)
-    ),
+    *(getattr(signal, f"SIG{name}") for name in _STOPPING.split() if hasattr(signal, f"SIG{name}")),
     *(range(signal.SIGRTMIN, signal.SIGRTMAX + 1) if hasattr(signal, "SIGRTMIN") else ()),
 )
 # Signals that stay ignored if they are when we start (nohup's SIGHUP; a background job's
 # SIGINT and SIGQUIT). Not SIGTERM: it is how conch, and its watchdog, stop the child.
 KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
-# What only this child, and what it starts, carries in its environment: how the watchdog finds
+# Carried in the environment by this child alone and what it starts: how the watchdog finds
 # them while it does not know the child's process group yet.
 _MARKS = ("CONCH_LEASE", "CONCH_REV")
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
-# Seconds the release after a loss is given at most, and never past E: an etcd that answers
-# at all answers a LeaseRevoke within a round trip, and one that does not (the usual cause of
-# the loss) must not hold up conch's exit 70. The slot then frees as the lease expires.
-RELEASE_AFTER_LOSS = 0.25
-
-# -- the deadline ---------------------------------------------------------------------------
+RELEASE_AFTER_LOSS = 0.25  # seconds the release after a loss is given at most, never past E
+STALLED = "wrapper stalled; the watchdog terminated the child"
+_DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
 
 DEADLINE_MARGIN = 0.25
 """Seconds before the lease's earliest expiry by which the child is SIGKILLed, plus
-CLOCK_RATE_TOLERANCE of the TTL (``deadline_margin``): a late wake-up on a loaded host, the
-SIGKILL's delivery; etcd only ever expires later than E (docs/failure-semantics.md)."""
+CLOCK_RATE_TOLERANCE of the TTL: a late wake-up, the SIGKILL's delivery."""
 
 CLOCK_RATE_TOLERANCE = 0.001
-"""How much faster etcd's leader's clock may run than ours, as a fraction of the TTL: twice
-the 500 ppm NTP and chrony slew a clock by at most, for both hosts."""
+"""How much faster etcd's leader's clock may run than ours, as a fraction of the TTL."""
 
 
 def deadline_margin(ttl: float) -> float:
@@ -114,31 +70,24 @@ def deadline_margin(ttl: float) -> float:
 def max_kill_after(ttl: float) -> float:
     """The longest grace (seconds between SIGTERM and SIGKILL) that fits a lease of ``ttl``
     seconds: ``ttl`` less one keepalive interval (TTL/3), the keepalive margin and the
-    deadline margin. The SIGTERM, planned back from E (which each confirmed keepalive moves
-    on), then comes the keepalive margin after the next keepalive is sent: a longer grace
-    would SIGTERM a healthy holder's child before that keepalive could be answered. 1.25 s
-    for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s; ``default_kill_after`` leaves that
-    keepalive a whole interval more."""
+    deadline margin, so that the SIGTERM planned back from E never comes before the next
+    keepalive could be answered. 1.25 s for a TTL of 3 s, 5.4 s for 10 s, 12 s for 20 s."""
     return max(0.0, ttl - ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl))
 
 
 def default_kill_after(ttl: float, asked: float = 5.0) -> float:
     """The grace (seconds) conch gives when none is asked for: ``asked`` (the documented 5 s),
-    or less where the TTL cannot give that and still leave the keepalive sent after the last
+    or less where the TTL cannot give that and still leave the keepalive after the last
     confirmed one its whole patience (an interval plus the keepalive margin) before the
-    SIGTERM planned back from E: a slow but answered keepalive never costs the child a
-    SIGTERM. 0.25 s at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up; ``max_kill_after``
-    is the longest one may ask for. The hold itself is lost only when E passes unconfirmed
-    or etcd says the lease or key is gone, never at a late keepalive."""
+    SIGTERM planned back from E. 0.25 s at a TTL of 3 s, 2.07 s at 10 s, 5 s from 19 s up."""
     return max(0.0, min(asked, ttl / 3 - keepalive_margin(ttl) - deadline_margin(ttl)))
 
 
 def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") -> float:
     """The grace to give (seconds): ``kill_after``, cut to ``max_kill_after(ttl)``. Raises
-    UsageError (exit 64) unless ``kill_after`` fits a lease of ``ttl`` seconds as the limit
-    is shown, to the hundredth of a second (1.2467 s at 3 s is shown and accepted as 1.25 s;
-    the cut comes off the SIGTERM's side, never the SIGKILL's); ``flag`` names it in the
-    message."""
+    UsageError (exit 64), naming ``flag``, unless ``kill_after`` fits a lease of ``ttl``
+    seconds as the limit is shown, to the hundredth of a second (1.2467 s is accepted as
+    1.25 s; the cut comes off the SIGTERM's side)."""
     fits = max_kill_after(ttl)
     shown = f"{fits:.2f}"
     if kill_after > float(shown) + 1e-9:  # 1e-9: 5410ms parses as 5.410000000000001
@@ -150,12 +99,6 @@ def check_kill_after(kill_after: float, ttl: float, flag: str = "kill_after") ->
     return min(kill_after, fits)
 
 
-_DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
-
-
-# -- the supervision --------------------------------------------------------------------------
-
-
 def supervise(
     sema: Semaphore,
     argv: Sequence[str],
@@ -165,31 +108,22 @@ def supervise(
     watchdog: Watchdog | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    """Hold a slot of ``sema`` while ``argv`` runs; return the exit code (README.md, "Exit codes";
-    ``EXIT_CODES``).
+    """Hold a slot of ``sema`` while ``argv`` runs (``run_child``); return the exit code
+    (README.md, "Exit codes"; ``EXIT_CODES``).
 
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
-    SIGTERM and SIGKILL, planned back from the lease's earliest expiry: the child is dead
-    ``deadline_margin(ttl)`` seconds before its lease can expire on the server, whether or
-    not a loss has been declared (raises UsageError when ``kill_after`` does not fit
-    ``sema.ttl``: ``max_kill_after``); ``stop`` set (by a signal) withdraws or terminates;
-    ``environ`` is the environment the child starts from (default ``os.environ``), less
-    conch's credentials. Raises NoSlot, Interrupted, Unavailable from the acquisition
-    (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch); returns 70 when the
-    hold was lost while the child ran, or its watchdog died. A hold lost before the child
-    started is given back and queued for again, at the back, while ``wait`` allows (a
-    ``requeue`` warning; NoSlot once it does not). What the child leaves in its group is
-    reaped as it dies only after ``adopt_orphans()``; else a zombie among them holds the
-    slot until PID 1 reaps it or ``kill_after`` runs out. ``watchdog`` (from
-    ``start_watchdog(kill_after)``, started before connecting) serves the first round. The
-    deadline is kept by this process's threads and by the watchdog process: a pause of the
-    whole process (SIGSTOP, a VM paused) stops the former, never the latter."""
+    SIGTERM and SIGKILL, planned back from the lease's earliest expiry (UsageError when it
+    does not fit ``sema.ttl``: ``max_kill_after``); ``stop`` set (by a signal) withdraws or
+    terminates; ``environ`` as for ``run_child``; ``watchdog`` (``start_watchdog()``, started
+    before connecting) serves the first round. Raises NoSlot, Interrupted, Unavailable from
+    the acquisition (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch). A hold
+    lost before the child started is given back and queued for again, at the back, while
+    ``wait`` allows (a ``requeue`` warning; NoSlot once it does not)."""
     kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:  # a round: a watchdog, a hold, the child
-        try:
-            # before queueing: its start-up is over by the slot
+        try:  # the watchdog before queueing: its start-up is over by the slot
             watchdog = watchdog or start_watchdog(kill_after, environ)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
@@ -219,12 +153,8 @@ def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str,
     env = without_credentials(os.environ if environ is None else environ)
     if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    env.update(
-        CONCH_NAME=hold.name,
-        CONCH_REV=str(hold.revision),
-        CONCH_LEASE=f"{hold.lease_id:x}",
-        CONCH_MAX=str(hold.max),
-    )
+    env.update(CONCH_NAME=hold.name, CONCH_REV=str(hold.revision))
+    env.update(CONCH_LEASE=f"{hold.lease_id:x}", CONCH_MAX=str(hold.max))
     return env
 
 
@@ -232,15 +162,13 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     """A Watchdog, known to the adopting reaper as no part of any job (its process is our
     child too), started with ``environ`` (default ``os.environ``) less conch's credentials.
     Raises OSError as Watchdog does."""
-    with _reap_lock:  # not reaped before it is known: its pid may come back as a job's
+    with procs._reap_lock:  # not reaped before it is known: its pid may come back as a job's
         watchdog = Watchdog(kill_after, environ)
         procs.beside_jobs(watchdog.pid)
     return watchdog
 
 
-def _report(outcome: Outcome, **fields: object) -> int:
-    """Log an outcome that is an error (one ``event=`` line named for it, with ``fields``);
-    return its exit code."""
+def _report(outcome: Outcome, **fields: object) -> int:  # an error's line; its exit code
     log.error(outcome.value, **fields)
     return exit_code(outcome)
 
@@ -253,39 +181,26 @@ def run_child(
     watchdog: Watchdog | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> int:
-    """Start ``argv`` in its own process group and wait for whichever comes first: its exit
-    (return its status), the loss of ``hold``, the deadline (no keepalive confirmed in time)
-    or its watchdog's death or silence (terminate it so that it is dead before the lease
-    can expire, return 70), or ``stop`` (terminate it, return its status). Returns 127 or
+    """Start ``argv`` in its own process group (environment: ``child_env(hold, environ)``)
+    and wait for the first of: its exit (return its status), the loss of ``hold``, the
+    deadline, its watchdog's death or silence (terminate it so that it is dead before the
+    lease can expire, return 70), ``stop`` (terminate it, return its status). Returns 127 or
     126 when ``argv`` cannot be found or executed, 70 when the watchdog does not run or
     answer (nothing started). Raises HoldLost if the hold is lost (or its lease not
-    certainly alive long enough) before the child starts, Interrupted if ``stop`` is set
-    before it starts. ``hold`` is released as soon as the child has exited with nothing
-    left in its group and, after ``adopt_orphans()``, nothing left outside it either: what
-    it left in the background counts as the child until gone (a ``stragglers`` or
-    ``escaped`` warning, then SIGTERM, SIGKILL ``kill_after`` later), and is terminated
-    with the child's group on a loss or ``stop``. ``watchdog`` (started in advance) is
-    armed with the child's group; without one, one is started here."""
+    certainly alive long enough), Interrupted if ``stop`` is set, before the child starts.
+    ``hold`` is released once nothing of the child is left in its group or, after
+    ``adopt_orphans()``, outside it: what it left behind (a ``stragglers`` or ``escaped``
+    warning) gets SIGTERM, SIGKILL ``kill_after`` later (on a loss or ``stop``, with the
+    child's group). ``watchdog``: started in advance, else here."""
     try:
         watchdog = watchdog or start_watchdog(kill_after, environ)
     except OSError as exc:
         return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
     run = _Run(hold, kill_after, stop, watchdog)
     try:  # every way out dismisses the watchdog (run.finish)
-        # Ready long since, unless the slot was free; answering, unless stopped (SIGSTOP, a
-        # debugger, a freezer) while conch queued: no child starts without both.
-        ready = watchdog.ready(WATCHDOG_START_TIMEOUT, stop)
-        if not ready or not watchdog.answers(ANSWER_TIMEOUT):
-            ended = watchdog.ended  # killed while conch queued, or could not start
-            watchdog.kill()  # stopped, it would never see its pipe's end
-            if not ready and stop.is_set():
-                raise Interrupted(stop.reason)
-            if ended:
-                error = "the watchdog exited before the child"
-            elif ready:
-                error = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-            else:
-                error = f"not running after {WATCHDOG_START_TIMEOUT:g}s"
+        # Ready long since, unless the slot was free; no child starts unless it answers too.
+        error = watchdog.handshake(WATCHDOG_START_TIMEOUT, stop)
+        if error is not None:
             return _report(Outcome.WATCHDOG_FAILED, error=error)
         run.confirm_hold()  # after the watchdog's start, which can take a while under load
         env = child_env(hold, environ)
@@ -294,7 +209,7 @@ def run_child(
             watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
-        with _reap_lock:  # the adopting reaper takes no status until the child is claimed
+        with procs._reap_lock:  # the adopting reaper takes no status until the child is claimed
             try:
                 pid = spawn(argv, env)
             except (FileNotFoundError, ValueError):  # ValueError: an empty command name
@@ -309,19 +224,19 @@ def run_child(
                 except OSError as exc:
                     unarmed = exc
                 box = run.box
-                _on_exit(pid, lambda status: _child_exited(status, box))
+                _on_exit(pid, lambda status: box.put(ChildExit(os.waitstatus_to_exitcode(status))))
             except BaseException:  # no reaping thread (can't start new thread): fail closed
-                _kill_group(pid)
+                procs._kill_group(pid)
                 raise
         try:  # from here on, whatever goes wrong, the child does not outlive our supervision
             if unarmed is not None:
-                run.terminate(_Job(pid), child_running=True, kill_at=run.kill_at_latest())
+                run.terminate(procs._Job(pid), child_running=True, kill_at=run.kill_at_latest())
                 return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
             return run.supervise(pid)
         except BaseException:
             # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
             # running with nobody watching it while the slot is released.
-            _kill_group(pid)
+            procs._kill_group(pid)
             raise
     finally:
         run.finish()
@@ -354,17 +269,15 @@ class _Run:
         return min(time.monotonic() + self.kill_after, self.kill_at_latest())
 
     def confirm_hold(self) -> None:
-        """Raise Interrupted if ``stop`` is set, HoldLost unless the hold is ours with time
-        to spare: not lost, and the deadline's SIGTERM not due yet (a process stalled since
-        its last keepalive, or a keepalive overdue: the child would be stopped at once)."""
+        # HoldLost unless the hold is ours with time to spare (a process stalled since its
+        # last keepalive, or a keepalive overdue: the child would be stopped at once).
         if self.stop.is_set():
             raise Interrupted(self.stop.reason)
         if self.hold.lost.is_set() or time.monotonic() >= self.term_at():
             reason = self.hold.lost.reason or "lease not confirmed alive (process stalled?)"
             raise HoldLost(f"hold lost before the child started: {reason}")
 
-    def supervise(self, pid: int) -> int:
-        """Wait for the first notice after the child's start, act on it; the exit code."""
+    def supervise(self, pid: int) -> int:  # the first notice after the child's start, acted on
         hold, watchdog = self.hold, self.watchdog
         hold.start_guard()
         started = time.monotonic()
@@ -379,7 +292,7 @@ class _Run:
             flag.subscribe(self.box)
             self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
-        job = _Job(pid)
+        job = procs._Job(pid)
         if isinstance(notice, ChildExit):
             if not job.alive():
                 # Nothing is left for the watchdog to kill: a revoke that outlasts the
@@ -389,7 +302,7 @@ class _Run:
                 hold.release(log_it=False)
             code = _log_child_exit(pid, notice.returncode, started)
             if job.alive():  # a warning for each process that escaped the group
-                if _group_alive(pid):
+                if procs._group_alive(pid):
                     log.warning("stragglers", pgid=pid)
                 self.terminate(job, child_running=False, kill_at=self.grace_until())
             watchdog.dismiss()
@@ -401,28 +314,25 @@ class _Run:
             log.info("signal", signum=self.stop.reason, pid=pid)
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
-        failure = _watchdog_failure(notice)
-        if failure is not None and not watchdog.fired:
-            # No grace: with the watchdog gone or silent (a stopped one is a dead one) nothing
-            # else holds the deadline should conch freeze during a grace (the overlap harness
-            # found it): SIGKILL at once.
+        error = failure(notice)
+        if error is not None and not watchdog.fired:
+            # No grace: with the watchdog gone or silent nothing else holds the deadline
+            # should conch freeze during a grace (docs/design.md). SIGKILL at once.
             returncode = self.terminate(job, child_running=True, kill_at=time.monotonic())
             watchdog.kill()
             _log_child_exit(pid, returncode, started)
-            return _report(Outcome.WATCHDOG_FAILED, error=failure)
+            return _report(Outcome.WATCHDOG_FAILED, error=error)
         log.error("lost", name=hold.name, rev=hold.revision, reason=self._loss_reason(notice))
-        if notice is hold.lost and _slot_taken(hold):
+        if notice is hold.lost and self._slot_taken():
             # Our key is gone in etcd itself: the slot may be someone else's already, so
             # a grace could only be spent beside its new holder. SIGKILL at once.
             kill_at = time.monotonic()
-        elif notice is _DEADLINE:
-            kill_at = self.kill_at_latest()
         else:
-            kill_at = self.grace_until()
+            kill_at = self.kill_at_latest() if notice is _DEADLINE else self.grace_until()
         returncode = self.terminate(job, child_running=True, kill_at=kill_at)
         # Before anything else, as after a child's exit; but not waited for past E (etcd frozen,
         # quorum lost: the usual reason for a loss), when it can no longer free the slot sooner.
-        if not self.watchdog.fired:  # else conch was the one frozen, not etcd
+        if not watchdog.fired:  # else conch was the one frozen, not etcd
             hold.release(
                 log_it=False, until=min(self.expiry(), time.monotonic() + RELEASE_AFTER_LOSS)
             )
@@ -430,9 +340,8 @@ class _Run:
         return exit_code(Outcome.LOST_WHILE_RUNNING)
 
     def _first_notice(self) -> object:
-        """The first of: a ChildExit, the hold's loss or ``stop`` (the Flag), a WatchdogExited
-        or WatchdogSilent, or _DEADLINE once the deadline's SIGTERM is due (the expiry read
-        again at each wake, as keepalives move it on)."""
+        # What came into the box, or _DEADLINE once the deadline's SIGTERM is due (read again
+        # at each wake, as keepalives move it on).
         while True:
             try:
                 return self.box.get(timeout=remaining(self.term_at()))
@@ -451,24 +360,27 @@ class _Run:
             )
         return str(self.hold.lost.reason)
 
-    def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
-        """Stop ``job``: SIGTERM now, SIGKILL at ``kill_at`` (``time.monotonic()``; at once if
-        that has passed), sooner on a ``_hurry`` notice. The watchdog stands by (rather than
-        send a second SIGTERM into the child's cleanup at the deadline), to finish the
-        termination should conch die meanwhile. Returns the child's return code (if
-        ``child_running``)."""
+    def _slot_taken(self) -> bool:
+        # The loss seen in etcd itself (our key deleted, our lease unknown), not an unanswered
+        # keepalive: LossReason.slot_taken, never the message's words.
+        reason = Loss.of(self.hold.lost.reason)
+        return reason is not None and reason.slot_taken
+
+    def terminate(self, job: procs._Job, child_running: bool, kill_at: float) -> int | None:
+        """``_stop_group`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
+        than send a second SIGTERM into the child's cleanup at the deadline) to finish it
+        should conch die meanwhile. Returns the child's return code (if ``child_running``)."""
         self.watchdog.stand_by(kill_at)
         return _stop_group(job, self.box, child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
-        """Whether ``notice``, come during a termination, calls for SIGKILL now: our key
-        gone in etcd, or the watchdog gone or silent."""
-        failure = _watchdog_failure(notice)
-        if failure is not None and not self.watchdog.fired:
-            log.error(Outcome.WATCHDOG_FAILED.value, error=failure)
+        # SIGKILL now, during a termination: our key gone in etcd, or the watchdog gone or silent.
+        error = failure(notice)
+        if error is not None and not self.watchdog.fired:
+            log.error(Outcome.WATCHDOG_FAILED.value, error=error)
             self.watchdog.kill()
             return True
-        return notice is self.hold.lost and _slot_taken(self.hold)
+        return notice is self.hold.lost and self._slot_taken()
 
     def finish(self) -> None:
         for undo in self._undo:
@@ -476,37 +388,15 @@ class _Run:
         self.watchdog.dismiss()
 
 
-STALLED = "wrapper stalled; the watchdog terminated the child"
-
-
-def _watchdog_failure(notice: object) -> str | None:
-    """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
-    if isinstance(notice, WatchdogSilent):
-        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
-    if isinstance(notice, WatchdogExited) and not notice.fired:
-        return "the watchdog exited while the child ran"
-    return None
-
-
-def _slot_taken(hold: Hold) -> bool:
-    """Whether the hold's loss was seen in etcd itself (our key deleted, our lease unknown),
-    not an unanswered keepalive: ``LossReason.slot_taken``, never the message's words."""
-    reason = Loss.of(hold.lost.reason)
-    return reason is not None and reason.slot_taken
-
-
 def _log_child_exit(pid: int, returncode: int | None, started: float) -> int:
-    """Log ``child-exit`` (the child's status as a shell reports it, and how long it ran);
-    return that status. ``None`` (not reaped even after SIGKILL) counts as killed by it."""
+    # child-exit: the status as a shell reports it (None: not reaped even after SIGKILL,
+    # counted as killed by it), and how long the child ran. Returns that status.
     if returncode is None:
-        log.warning("child-unreaped", pid=pid, after=f"{REAP_AFTER_KILL:g}s")
+        log.warning("child-unreaped", pid=pid, after=f"{procs.REAP_AFTER_KILL:g}s")
         returncode = -signal.SIGKILL
     code = exit_status(returncode)
     log.info("child-exit", pid=pid, code=code, ran=f"{time.monotonic() - started:.3f}s")
     return code
-
-
-# -- signals ---------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -515,11 +405,10 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     SIGUSR2, SIGALRM, ..., the real-time signals) sets ``stop`` (reason: the signal number)
     instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped
     conch sends no keepalives while its child runs on. Any of them but SIGTERM ignored on
-    entry stays ignored, here and in the child (``posix_spawn`` keeps what is ignored):
-    ``nohup``, a script's background job. Process-wide signal handlers: for the command, or
-    a caller that owns the process's signals. The previous handlers come back on leaving,
-    unless ``restore`` is False (a process about to exit with its child's status: a late
-    signal must not turn that into death by the signal)."""
+    entry stays ignored, here and in the child (``nohup``, a background job). Process-wide:
+    for the command, or a caller that owns the process's signals. The previous handlers come
+    back on leaving, unless ``restore`` is False (a process about to exit with its child's
+    status: a late signal must not turn that into death by the signal)."""
     previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGTSTP)}
     for sig, handler in previous.items():
         if handler == signal.SIG_IGN and sig in KEEP_IGNORED:
@@ -541,11 +430,10 @@ _suspend_refused = False  # the warning is written once: a storm of ^Z must not 
 
 def _refuse_suspend(signum: int, frame: object) -> None:
     global _suspend_refused
-    if _suspend_refused:
-        return
-    _suspend_refused = True
-    log.warning_from_signal_handler(
-        "suspend-refused",
-        signum=signum,
-        reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
-    )
+    if not _suspend_refused:
+        _suspend_refused = True
+        log.warning_from_signal_handler(
+            "suspend-refused",
+            signum=signum,
+            reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
+        )

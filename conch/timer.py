@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -28,18 +29,6 @@ ValueT = TypeVar("ValueT")
 # Seconds the thread stays up with nothing to do before it ends (the next call_later
 # starts it again): a client with no hold left costs no thread.
 IDLE_EXIT = 5.0
-
-
-class Handle:
-    """A call scheduled by ``Timer.call_later``; ``cancel()`` drops it if it has not run."""
-
-    __slots__ = ("cancelled",)
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 class Cancellable(Protocol):
@@ -64,12 +53,25 @@ class LoopTimer:
         return self.loop.call_later(max(0.0, delay), function)
 
 
+@dataclass(order=True, slots=True)
+class Handle:
+    """A call scheduled by ``Timer.call_later`` (due at ``when``); ``cancel()`` drops it if
+    it has not run."""
+
+    when: float
+    order: int  # ties in call_later's order
+    function: Callable[[], Any] | None = field(compare=False)
+
+    def cancel(self) -> None:
+        self.function = None
+
+
 class Timer:
     """Calls functions at given ``time.monotonic()`` times, in order, on one daemon thread."""
 
     def __init__(self, name: str = "conch-timer") -> None:
         self._name = name
-        self._queue: list[tuple[float, int, Handle, Callable[[], Any]]] = []
+        self._queue: list[Handle] = []
         self._order = itertools.count()
         self._wake = threading.Condition(threading.Lock())
         self._running = False
@@ -79,10 +81,9 @@ class Timer:
         0). A function that raises is logged; the next ones still run. Raises RuntimeError
         when the thread is not running and cannot be started (the call is then dropped;
         the next call_later tries again)."""
-        handle = Handle()
         with self._wake:
-            entry = (time.monotonic() + max(0.0, delay), next(self._order), handle, function)
-            heapq.heappush(self._queue, entry)
+            handle = Handle(time.monotonic() + max(0.0, delay), next(self._order), function)
+            heapq.heappush(self._queue, handle)
             if not self._running:
                 # Marked running only once the thread is there: a start that fails (no
                 # threads left) must not leave every later call waiting for a thread that
@@ -93,33 +94,33 @@ class Timer:
                     handle.cancel()  # the caller is told it failed: it must not run later
                     raise
                 self._running = True
-            elif self._queue[0] is entry:
+            elif self._queue[0] is handle:
                 self._wake.notify()
         return handle
 
     def _run(self) -> None:
         while True:
             with self._wake:
-                while True:
-                    # Cancelled calls at the head are dropped before the wait is set: a
-                    # keepalive answered in time cancels its own deadline and its ask to
-                    # another member, and the thread need not wake for either.
-                    while self._queue and self._queue[0][2].cancelled:
-                        heapq.heappop(self._queue)
-                    now = time.monotonic()
-                    if self._queue and self._queue[0][0] <= now:
-                        _, _, handle, function = heapq.heappop(self._queue)
-                        break
-                    wait = self._queue[0][0] - now if self._queue else IDLE_EXIT
+                # Cancelled calls at the head are dropped before the wait is set: a
+                # keepalive answered in time cancels its own deadline and its ask to
+                # another member, and the thread need not wake for either.
+                while self._queue and self._queue[0].function is None:
+                    heapq.heappop(self._queue)
+                now = time.monotonic()
+                if not self._queue or self._queue[0].when > now:
+                    wait = self._queue[0].when - now if self._queue else IDLE_EXIT
                     if not self._wake.wait(wait) and not self._queue:
                         self._running = False
                         return
-            if handle.cancelled:
-                continue
-            try:
-                function()
-            except Exception as exc:  # one step's bug must not stop every other hold's
-                log.error("timer-call-failed", call=repr(function), error=repr(exc))
+                    continue
+                # The handle lets go of it: the caller may keep the handle for long.
+                handle = heapq.heappop(self._queue)
+                function, handle.function = handle.function, None
+            if function is not None:  # not cancelled meanwhile
+                try:
+                    function()
+                except Exception as exc:  # one step's bug must not stop every other hold's
+                    log.error("timer-call-failed", call=repr(function), error=repr(exc))
             # Not kept while the thread waits: a call may hold the last reference to a
             # session or client that should be collected now.
             del function, handle
@@ -142,12 +143,8 @@ class PerOwner(Generic[OwnerT, ValueT]):
             return value
 
 
-_timers: PerOwner[object, Timer] = PerOwner(lambda _owner: Timer())
-
-
-def timer_for(owner: object) -> Timer:
-    """The one Timer of ``owner`` (a Client), made on first use, gone with the owner."""
-    return _timers(owner)
+# The one Timer of an owner (a Client), made on first use, gone with the owner.
+timer_for: PerOwner[object, Timer] = PerOwner(lambda _owner: Timer())
 
 
 def weakly(method: Callable[..., Any]) -> Callable[..., None]:

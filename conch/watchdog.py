@@ -1,12 +1,10 @@
-"""The child's watchdog: a tiny separate process (``python -I -S``, standard library only,
-``conch/_watchdog_main.py``) that terminates the child's process group when its wrapper can
-no longer supervise it (SIGKILLed, or frozen while the lease runs out), and kills it before
-the lease can expire. Started before conch queues, so its start-up is over when the slot
-comes; it says ``R`` on its stdout once it runs, and no child starts before it has. Its pipe
-from conch carries one command a line, every instant ``time.monotonic()`` (CLOCK_MONOTONIC,
-one clock for the whole host on Linux); the protocol is the table in docs/design.md, "The
-watchdog". Its end shows as the end of its stdout, its silence as a probe unanswered: conch
-fails closed on either while the child runs (``conch.supervisor``).
+"""The child's watchdog: a tiny separate process (``python -I -S conch/_watchdog_main.py``,
+standard library only) that terminates the child's process group when its wrapper can no
+longer supervise it (SIGKILLed, or frozen while the lease runs out), and kills it before the
+lease can expire. Its protocol, one command a line on its pipe from conch, every instant
+``time.monotonic()``, is the table in docs/design.md, "The watchdog". Its end shows as the end
+of its stdout, its silence as a probe unanswered: conch fails closed on either while the child
+runs (``conch.supervisor``).
 """
 
 from __future__ import annotations
@@ -22,32 +20,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+from conch.errors import Interrupted
 from conch.flag import Flag, Mailbox
 from conch.settings import CREDENTIAL_VARIABLES
 
-GOODBYE = b"x\n"
-
-# The watchdog's own code: a script run with ``python -I -S`` (no site, no user paths, not
-# even its own directory on sys.path), so ``ps`` shows its path rather than its source.
+# A script run with -I -S (no site, no user paths), so ``ps`` shows its path, not its source.
 _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
-READY = b"R"  # what the watchdog writes to its stdout once it runs
-FIRED = b"F"  # ... and when it terminates the group
+# What the watchdog writes to its stdout: it runs; it fires (terminates the group); it
+# answers a probe. What conch writes to its pipe: a probe; goodbye.
+READY, FIRED, ANSWER = b"R", b"F", b"A"
+PROBE, GOODBYE = b"p\n", b"x\n"
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
-PROBE = b"p\n"  # conch's probe, on the watchdog's pipe
-ANSWER = b"A"  # ... and the watchdog's answer, on its stdout
-PROBE_INTERVAL = 0.1
-"""Seconds from one answered probe to the next while the child runs: with ANSWER_TIMEOUT,
-how soon a stopped watchdog (SIGSTOP, a debugger, a freezer) is noticed."""
+PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
+# Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
+# child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
-"""Seconds within which the watchdog must answer a probe, else it is failed as a dead one
-(the child SIGKILLed at once, exit 70). Well under the deadline's margin (0.25 s): a
-watchdog that cannot answer that fast cannot be trusted to SIGKILL by the deadline."""
 
-# conch's credentials, as conch and etcdctl read them from the environment (``CONCH_USER``
-# and ``ETCDCTL_USER`` may hold NAME:PASSWORD), the paths to secrets among them alike (the
-# password file, the client certificate and its key): the child and the watchdog start
-# without them, so no job conch runs is handed the cluster's credentials. The CA bundle and
-# the endpoints, no secrets, are passed on.
+# conch's credentials (and paths to secrets): the child and the watchdog start without them.
 CREDENTIALS = CREDENTIAL_VARIABLES
 
 
@@ -70,16 +59,22 @@ class WatchdogSilent(NamedTuple):
     after: float
 
 
+def failure(notice: object) -> str | None:
+    """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
+    if isinstance(notice, WatchdogSilent):
+        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
+    if isinstance(notice, WatchdogExited) and not notice.fired:
+        return "the watchdog exited while the child ran"
+    return None
+
+
 class Watchdog:
-    """A watchdog process, started at once and idle until ``expect(marks, margin, expiry)``
-    says a child is about to start, that the lease can expire at ``expiry`` and the child
-    must be dead ``margin`` seconds before (SIGTERM ``kill_after`` seconds before that), and
-    ``arm(pgid)`` names its process group. ``heartbeat(expiry)`` after each confirmed
-    keepalive, ``stand_by(kill_at)`` while conch terminates the group itself, ``dismiss()``
-    once conch is done with the child (or never had one), ``close()`` to see it gone.
-    ``watch(box)`` reports its end or silence. ``environ`` is the environment it starts
-    with (default ``os.environ``), less CREDENTIALS. Raises OSError when the watchdog
-    process cannot be started."""
+    """A watchdog process, started at once and idle until ``expect()`` says a child is about
+    to start, ``arm()`` names its process group; ``heartbeat()`` after each confirmed
+    keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
+    conch is done with the child (or never had one), ``close()`` to see it gone. Every
+    instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
+    ``os.environ``), less CREDENTIALS. Raises OSError when the process cannot be started."""
 
     def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
@@ -104,31 +99,41 @@ class Watchdog:
 
     @property
     def pid(self) -> int:
-        """The watchdog process's pid."""
         return self._process.pid
 
     def ready(self, timeout: float, stop: Flag | None = None) -> bool:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
-        that, or until ``stop`` is set; one whose script is gone exits at once and never
-        says it) and has not exited since (killed while conch queued)."""
+        that, or until ``stop`` is set) and has not exited since (killed while conch queued)."""
         if not self._ready:
             self._ready = self._read_for(READY, time.monotonic() + timeout, stop)
         return self._ready and not self.ended
 
-    def answers(self, timeout: float) -> bool:
-        """Whether the watchdog, ready and not watched yet, answers a probe within
-        ``timeout`` seconds (ANSWER_TIMEOUT): one stopped while conch queued is failed
-        before the child starts, as a dead one is."""
-        self._send(PROBE)
-        return self._read_for(ANSWER, time.monotonic() + timeout)
+    def handshake(self, timeout: float, stop: Flag) -> str | None:
+        """None if the watchdog is ``ready(timeout, stop)`` and, not watched yet, answers a
+        probe within ANSWER_TIMEOUT (one stopped while conch queued fails, as a dead one
+        does); else what is wrong, the watchdog SIGKILLed (stopped, it would never see its
+        pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
+        ready = self.ready(timeout, stop)
+        if ready:
+            self._send(PROBE)
+            if self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
+                return None
+        ended = self.ended  # killed while conch queued, or could not start
+        self.kill()
+        if not ready and stop.is_set():
+            raise Interrupted(stop.reason)
+        if ended:
+            return "the watchdog exited before the child"
+        if ready:
+            return f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
+        return f"not running after {timeout:g}s"
 
     def _read_for(self, want: bytes | None, deadline: float, stop: Flag | None = None) -> bool:
-        """Read the watchdog's stdout (no reader thread yet) until ``want`` is in it (None:
-        until its end: True then); False at its end, at ``deadline``, or once ``stop`` is
-        set (looked at every 50 ms: a signal handler's flag does not cut a wait short)."""
+        # Read its stdout (no reader thread yet) until ``want`` is in it (None: its end); False
+        # at its end, at ``deadline``, or once ``stop`` is set (looked at every 50 ms).
         while stop is None or not stop.is_set():
             left = deadline - time.monotonic()
-            if self._answered_in_time(min(left, 0.05)):
+            if self._readable(min(left, 0.05)):
                 chunk = self._take()
                 if not chunk:
                     return want is None
@@ -139,9 +144,7 @@ class Watchdog:
         return False
 
     @property
-    def ended(self) -> bool:
-        """Whether the watchdog process is known to have ended (its stdout's end seen, or
-        its exit status)."""
+    def ended(self) -> bool:  # its stdout's end seen, or its exit status
         return self._exited.is_set() or self._process.poll() is not None
 
     def _stdout(self) -> int:
@@ -149,19 +152,14 @@ class Watchdog:
         return self._process.stdout.fileno()
 
     def _readable(self, timeout: float | None) -> bool:
-        """Whether the watchdog's stdout has a byte (or its end) within ``timeout`` seconds
-        (None: however long; poll, not select: an embedder may hold over 1024 fds)."""
+        # A byte (or the end) on its stdout within ``timeout`` seconds, or once more after it (a
+        # thread woken late must not miss bytes that came in time)? poll: fds may pass 1024.
         poller = select.poll()
         poller.register(self._stdout(), select.POLLIN)
-        return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
+        wait = None if timeout is None else max(0.0, timeout) * 1000
+        return bool(poller.poll(wait) or poller.poll(0))
 
-    def _answered_in_time(self, timeout: float | None) -> bool:
-        # Once more after the timeout: a thread of ours woken late (the GIL) must not miss
-        # bytes that came in time.
-        return self._readable(timeout) or self._readable(0)
-
-    def _take(self, size: int = 64) -> bytes:
-        """Read what the watchdog wrote, noting FIRED and its stdout's end."""
+    def _take(self, size: int = 64) -> bytes:  # what it wrote, noting FIRED and the end
         try:
             chunk = os.read(self._stdout(), size)
         except (OSError, ValueError):  # closed under us: close() gave up waiting
@@ -172,12 +170,10 @@ class Watchdog:
         return chunk
 
     def watch(self, box: Mailbox) -> None:
-        """From now on (after ``ready()``), probe the watchdog every PROBE_INTERVAL and put
-        a WatchdogSilent into ``box`` the first time it does not answer within
-        ANSWER_TIMEOUT, and a WatchdogExited the moment it ends (its stdout's end: the
-        kernel closes it as the process exits, however it dies), unless it was dismissed
-        first. One thread of its own does both. A heartbeat needs no answer of its own: the
-        watchdog reads its pipe in order, so the answer to the next probe acknowledges it."""
+        """From now on (after ``ready()``), from a thread of its own, probe the watchdog
+        every PROBE_INTERVAL and put into ``box`` a WatchdogSilent the first time it does not
+        answer within ANSWER_TIMEOUT, a WatchdogExited the moment its stdout ends (however
+        it dies), unless it was dismissed first."""
         self._reader = threading.Thread(
             target=self._probe_and_read, args=(box,), name="conch-watchdog", daemon=True
         )
@@ -195,7 +191,7 @@ class Watchdog:
                     sent = time.monotonic()
                 until = next_probe if sent is None else sent + ANSWER_TIMEOUT
                 wait = until - time.monotonic()
-            if not self._answered_in_time(wait):
+            if not self._readable(wait):
                 if sent is not None and time.monotonic() - sent >= ANSWER_TIMEOUT:
                     silent = True
                     if not self._dismissed:
@@ -210,41 +206,36 @@ class Watchdog:
             box.put(WatchdogExited(self._fired))
 
     def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
-        """A child is about to start with the environment entries ``marks`` (names and
-        values without blanks, unique to it: its ``CONCH_LEASE`` and ``CONCH_REV``); the
-        lease can expire at ``expiry`` (``time.monotonic()``), and the child must be dead
-        ``margin`` seconds before. Should conch die or fall silent before ``arm()``, the
-        process groups of the processes carrying the marks are terminated. Raises OSError
-        when the watchdog is gone (the pipe is broken): start no child then."""
+        """A child is about to start with the environment entries ``marks`` (no blanks,
+        unique to it: the watchdog finds its processes by them until ``arm()``); the lease
+        can expire at ``expiry``, the child must be dead ``margin`` seconds before. Raises
+        OSError when the watchdog is gone (the pipe broken): start no child then."""
         entries = " ".join(f"{name}={value}" for name, value in marks.items())
         self._write(f"e {margin:.6f} {expiry:.6f} {entries}\n".encode())
 
     def arm(self, pgid: int) -> None:
         """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError
-        when the watchdog is gone (the pipe is broken)."""
+        when the watchdog is gone (the pipe broken)."""
         self._write(f"a {pgid}\n".encode())
 
-    def _write(self, line: bytes) -> None:
-        assert self._process.stdin is not None
-        with self._lock:
-            os.write(self._process.stdin.fileno(), line)
-
     def heartbeat(self, expiry: float) -> None:
-        """A keepalive was confirmed: the lease can expire at ``expiry``
-        (``time.monotonic()``) at the earliest. Called from the keepalive thread; never
-        raises."""
-        self._tell(f"h {expiry:.6f}\n".encode())
+        """A keepalive was confirmed: the lease can expire at ``expiry`` at the earliest.
+        From the keepalive thread; never raises."""
+        self._write(f"h {expiry:.6f}\n".encode(), strict=False)
 
     def stand_by(self, kill_at: float) -> None:
-        """conch terminates the group itself from now on and sends SIGKILL at ``kill_at``
-        (``time.monotonic()``): the watchdog SIGKILLs the group a second after that unless
-        dismissed first (conch frozen or dead meanwhile), and at the lease's deadline at the
-        latest."""
-        self._tell(f"s {kill_at:.6f}\n".encode())
+        """conch terminates the group itself from now on, its SIGKILL at ``kill_at``: the
+        watchdog SIGKILLs the group a second after that unless dismissed first, and at the
+        lease's deadline at the latest."""
+        self._write(f"s {kill_at:.6f}\n".encode(), strict=False)
 
-    def _tell(self, line: bytes) -> None:
+    def _write(self, line: bytes, strict: bool = True) -> None:
+        # strict: raise OSError on a broken pipe; else the line is dropped, also once dismissed.
         with self._lock:
-            if not self._dismissed:
+            if strict:
+                assert self._process.stdin is not None
+                os.write(self._process.stdin.fileno(), line)
+            elif not self._dismissed:
                 self._send(line)
 
     def kill(self) -> None:
@@ -263,11 +254,10 @@ class Watchdog:
             self._send(GOODBYE)
 
     def close(self, timeout: float, reap: bool = True) -> bool:
-        """Dismiss the watchdog, close its pipe and wait up to ``timeout`` seconds for it to
-        end (its stdout's end): a conch that exits right after leaves no watchdog behind to
-        be re-parented (an outer conch would take it for a process escaped from its job).
-        ``reap``: also wait() for it (not where another thread reaps every child). Returns
-        whether it ended."""
+        """Dismiss the watchdog, close its pipe and wait up to ``timeout`` seconds for its
+        stdout's end (an outer conch would take a watchdog left behind for a process escaped
+        from its job); ``reap``: also wait() for it (not where another thread reaps every
+        child). Returns whether it ended."""
         self.dismiss()
         if self._process.stdin is not None:
             with contextlib.suppress(OSError):
@@ -283,18 +273,17 @@ class Watchdog:
     @property
     def fired(self) -> bool:
         """Whether the watchdog has terminated the group (after ``ready()``). What it wrote
-        before is read first: a conch frozen while its watchdog fired finds the byte, and
-        the child's death, both waiting as it wakes, in whichever order its threads run."""
-        if self._reader is None:
-            if not self._exited.is_set() and self._readable(0):
-                self._take()
-            return self._fired
+        is read first: a conch frozen while it fired finds the byte and the child's death
+        both waiting as it wakes, in whichever order its threads run."""
         deadline = time.monotonic() + FIRED_READ_TIMEOUT
-        # Bytes (or the end) still unread: the reader thread is about to take them.
+        # Bytes (or the end) still unread: taken here, or by the reader thread, about to.
         while not self._fired and not self._exited.is_set() and self._readable(0):
-            if time.monotonic() > deadline:
+            if self._reader is None:
+                self._take()
+            elif time.monotonic() > deadline:
                 break
-            time.sleep(0.005)
+            else:
+                time.sleep(0.005)
         return self._fired
 
     def _send(self, data: bytes) -> None:

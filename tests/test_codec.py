@@ -103,6 +103,40 @@ def test_pinned_ranges_refused_raise_even_under_the_alarm() -> None:
         read.refused(NO_SPACE)
 
 
+def test_a_pinned_standing_read_whose_window_holds_our_key_reads_one_range() -> None:
+    """At the head (ours in the window, as its last key: none created after ours is read),
+    the Range of ours and the one ahead would read the window's last two: it is not sent,
+    and the answer is the one the two Ranges give."""
+    action = m.ReadStanding(1, KEY, 7)
+    ahead = kv_pb2.KeyValue(key=PREFIX + b"a", create_revision=5)
+    ours = kv_pb2.KeyValue(key=KEY, create_revision=7)
+    window = rpc_pb2.RangeResponse(header=header(9), kvs=[ahead, ours])
+    read = codec.ReadTogether(codec.standing_reads(action, PREFIX, 1), codec.ReadPlan.PINNED_RANGES)
+    first = read.next_call()
+    assert first is not None and first.method == "Range"
+    read.answer(window)
+    assert read.next_call() is None
+    both = codec.Together(9, [window, rpc_pb2.RangeResponse(kvs=[ours, ahead])])
+    assert codec.standing_answer(action, read.result) == codec.standing_answer(action, both)
+    # Ours not in the window (behind it, or gone): the second Range is read.
+    read = codec.ReadTogether(codec.standing_reads(action, PREFIX, 1), codec.ReadPlan.PINNED_RANGES)
+    read.next_call()
+    read.answer(rpc_pb2.RangeResponse(header=header(9), kvs=[ahead]))
+    second = read.next_call()
+    assert second is not None and isinstance(second.request, rpc_pb2.RangeRequest)
+    assert second.request.revision == 9
+
+
+def test_the_keys_ahead_are_counted_by_etcd_and_read_only_when_that_revision_is_compacted() -> None:
+    counted = codec.count_ahead_request(PREFIX, 9)
+    assert counted.count_only and counted.revision == 8 and not counted.max_create_revision
+    assert codec.count_ahead(rpc_pb2.RangeResponse(count=4)) == 4
+    read = codec.count_ahead_request(PREFIX, 9, compacted=True)
+    assert read.keys_only and read.max_create_revision == 8 and not read.revision
+    found = rpc_pb2.RangeResponse(count=7, kvs=[kv_pb2.KeyValue(key=KEY)] * 2)
+    assert codec.count_ahead(found, compacted=True) == 2
+
+
 def test_the_standing_reads_are_the_window_and_our_key_with_the_one_ahead() -> None:
     window, mine_and_prev = two_reads()
     for read in (window, mine_and_prev):

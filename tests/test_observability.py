@@ -120,6 +120,38 @@ def test_the_hook_sees_queued_acquired_released_with_the_figures(
     assert all(r.revoked and not r.after_loss for r in released)
 
 
+def test_waiters_behind_the_window_are_told_their_place_in_the_queue(
+    client: Client, name: str, events: list[conch.events.Event]
+) -> None:
+    """A holder and five waiters queued one after another at max 1: each one's ``queued``
+    says how many keys are ahead of it, past the window (3 keys) too, where the count is
+    etcd's (a count-only Range at the revision before our key)."""
+    sema = conch.Semaphore(client, name, max=1, ttl=10)
+    holder = sema.acquire(timeout=10)
+    held: list[int] = []
+
+    def take_turn() -> None:
+        with sema.acquire(timeout=60) as hold:
+            held.append(hold.revision)
+
+    def queued_events() -> list[conch.events.Queued]:
+        return [e for e in events if isinstance(e, conch.events.Queued)]
+
+    waiters: list[threading.Thread] = []
+    try:
+        for i in range(5):
+            waiters.append(threading.Thread(target=take_turn))
+            waiters[-1].start()
+            poll(lambda: len(queued_events()) == len(waiters), what=f"waiter {i} queued")
+        queued = queued_events()
+        assert [(q.position, q.ahead) for q in queued] == [(i + 2, i + 1) for i in range(5)]
+    finally:
+        holder.release()
+        for waiter in waiters:
+            waiter.join(60)
+    assert held == sorted(q.revision for q in queued)
+
+
 def test_the_hook_runs_with_logging_off_and_a_failing_callback_harms_nothing(
     client: Client, name: str, events: list[conch.events.Event]
 ) -> None:

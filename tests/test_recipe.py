@@ -201,10 +201,10 @@ def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
     assert kinds(actions) == [m.CancelWatch, m.Withdraw]
     withdraw = only(actions, m.Withdraw)
     assert isinstance(withdraw, m.Withdraw) and withdraw.revoke
-    actions = waiter.feed(m.Withdrawn(withdraw.id))
+    actions = waiter.feed(m.Over(withdraw.id))
     pause = only(actions, m.Pause)
     assert any(isinstance(a, m.Note) and a.event == "requeue" for a in actions)
-    (opening,) = waiter.feed(m.PauseOver(pause.id))
+    (opening,) = waiter.feed(m.Over(pause.id))
     assert isinstance(opening, m.OpenSession)
 
 
@@ -215,14 +215,14 @@ def test_etcd_unreachable_for_a_moment_keeps_our_key_and_reads_again() -> None:
     actions = waiter.feed(m.Failed(read.id, m.Failure.UNREACHABLE, "connection refused"))
     assert kinds(actions) == [m.Pause]  # no withdraw, no new session
     assert waiter.state == r.State.PAUSED
-    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    (again,) = waiter.feed(m.Over(only(actions, m.Pause).id))
     assert isinstance(again, m.ReadStanding) and (again.key, again.revision) == (ME, 10)
 
 
 def test_an_enqueue_unanswered_is_sent_again_and_finds_its_own_key() -> None:
     waiter, enqueue = private(1)
     actions = waiter.feed(m.Failed(enqueue.id, m.Failure.UNREACHABLE, "timed out"))
-    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    (again,) = waiter.feed(m.Over(only(actions, m.Pause).id))
     assert isinstance(again, m.SendEnqueue) and again.key == ME
     found = m.EnqueueAnswer(again.id, 12, False, b"old", existing=mine(9), existing_ours=True)
     (read,) = waiter.feed(found)
@@ -236,7 +236,7 @@ def test_a_touch_refused_by_the_space_alarm_keeps_our_place_and_is_tried_again()
     watch, touch = only(actions, m.OpenWatch), only(actions, m.Touch)
     actions = waiter.feed(m.Failed(touch.id, m.Failure.NO_SPACE, "database space exceeded"))
     assert kinds(actions) == [m.Pause] and waiter.state == r.State.IN_WINDOW
-    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    (again,) = waiter.feed(m.Over(only(actions, m.Pause).id))
     assert isinstance(again, m.Touch)
     waiter.feed(m.Failed(again.id, m.Failure.NO_SPACE, "database space exceeded"))
     # Still in the window: the release's event hands over the slot all the same.
@@ -252,7 +252,7 @@ def test_a_lost_private_session_re_enters_at_the_back() -> None:
     assert actions[0] == m.CancelWatch(watch.id)
     withdraw = only(actions, m.Withdraw)
     assert isinstance(withdraw, m.Withdraw) and withdraw.revoke
-    assert kinds(waiter.feed(m.Withdrawn(withdraw.id))) == [m.Pause]
+    assert kinds(waiter.feed(m.Over(withdraw.id))) == [m.Pause]
     assert waiter.outcome is None
 
 
@@ -270,7 +270,7 @@ def test_a_shared_session_lost_while_queued_withdraws_our_key_and_gives_up() -> 
     withdraw = only(actions, m.Withdraw)
     assert isinstance(withdraw, m.Withdraw) and not withdraw.revoke
     assert (withdraw.key, withdraw.revision) == (ME, 10)
-    waiter.feed(m.Withdrawn(withdraw.id))
+    waiter.feed(m.Over(withdraw.id))
     assert waiter.outcome == m.GaveUp(
         m.Reason.SESSION_LOST, "session lost while queued: lease expired"
     )
@@ -282,7 +282,7 @@ def test_a_shared_waiter_whose_key_went_checks_its_lease_before_re_entering() ->
     actions = waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
     check = only(actions, m.CheckLease)
     actions = waiter.feed(m.LeaseAnswer(check.id, 7))  # deleted by hand; the lease lives
-    (again,) = waiter.feed(m.PauseOver(only(actions, m.Pause).id))
+    (again,) = waiter.feed(m.Over(only(actions, m.Pause).id))
     assert isinstance(again, m.SendEnqueue) and again.key == ME
 
 
@@ -291,7 +291,7 @@ def test_a_shared_waiter_whose_lease_is_gone_gives_up() -> None:
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
     check = only(waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12)), m.CheckLease)
     withdraw = only(waiter.feed(m.LeaseAnswer(check.id, -1)), m.Withdraw)
-    waiter.feed(m.Withdrawn(withdraw.id))
+    waiter.feed(m.Over(withdraw.id))
     assert isinstance(waiter.outcome, m.GaveUp)
     assert waiter.outcome.reason == m.Reason.SESSION_LOST
 
@@ -305,7 +305,7 @@ def test_nonblock_tries_once_then_withdraws() -> None:
     enqueue = only(waiter.feed(m.SessionOpened(opening.id, LEASE, ME)), m.SendEnqueue)
     actions = queued(waiter, enqueue, [kr("h", 3)])
     assert kinds(actions) == [m.Withdraw]
-    waiter.feed(m.Withdrawn(only(actions, m.Withdraw).id))
+    waiter.feed(m.Over(only(actions, m.Withdraw).id))
     assert isinstance(waiter.outcome, m.GaveUp) and waiter.outcome.reason == m.Reason.NO_SLOT
 
 
@@ -314,7 +314,7 @@ def test_an_interrupt_while_waiting_cancels_the_watch_and_withdraws() -> None:
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
     actions = waiter.feed(m.Interrupt(15))
     assert actions[0] == m.CancelWatch(watch.id) and kinds(actions) == [m.CancelWatch, m.Withdraw]
-    waiter.feed(m.Withdrawn(only(actions, m.Withdraw).id))
+    waiter.feed(m.Over(only(actions, m.Withdraw).id))
     assert waiter.outcome == m.GaveUp(m.Reason.INTERRUPTED, "interrupted: 15", 15)
     assert waiter.state == r.State.DONE
 
@@ -490,13 +490,13 @@ def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
     for _ in range(3):
         actions = waiter.feed(m.Failed(enqueue.id, m.Failure.NO_SPACE, "space"))
         notes += [a.event for a in actions if isinstance(a, m.Note)]
-        enqueue = only(waiter.feed(m.PauseOver(only(actions, m.Pause).id)), m.SendEnqueue)
+        enqueue = only(waiter.feed(m.Over(only(actions, m.Pause).id)), m.SendEnqueue)
     assert notes == ["etcd-away"]
     touch = only(queued(waiter, enqueue, [kr("h", 3)]), m.Touch)
     for _ in range(3):
         actions = waiter.feed(m.Failed(touch.id, m.Failure.NO_SPACE, "space"))
         notes += [a.event for a in actions if isinstance(a, m.Note)]
-        touch = only(waiter.feed(m.PauseOver(only(actions, m.Pause).id)), m.Touch)
+        touch = only(waiter.feed(m.Over(only(actions, m.Pause).id)), m.Touch)
     assert notes == ["etcd-away", "touch-failed"]
 
 
@@ -529,9 +529,9 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
     if isinstance(action, m.CheckLease):
         return m.LeaseAnswer(action.id, rng.choice([-1, 5]))
     if isinstance(action, m.Withdraw):
-        return m.Withdrawn(action.id)
+        return m.Over(action.id)
     if isinstance(action, m.Pause):
-        return m.PauseOver(action.id)
+        return m.Over(action.id)
     if isinstance(action, m.OpenWatch):
         if rng.random() < 0.5:
             return m.WatchCreated(action.id, revision)
@@ -565,8 +565,8 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
                 [
                     m.SessionLost("x"),
                     m.DeadlineReached(),
-                    m.PauseOver(rng.randint(1, 40)),
-                    m.Withdrawn(rng.randint(1, 40)),
+                    m.Over(rng.randint(1, 40)),
+                    m.Over(rng.randint(1, 40)),
                     m.WatchEvents(rng.randint(1, 40), [m.Event(m.EventType.DELETE, mine(10))], 9),
                     m.Failed(rng.randint(1, 40), m.Failure.UNREACHABLE),
                     None,
@@ -585,7 +585,7 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
         withdraws = [a for a in pending if isinstance(a, m.Withdraw)]
         pending = [a for a in pending if not isinstance(a, m.Withdraw)]
         for withdraw in withdraws:
-            pending += waiter.feed(m.Withdrawn(withdraw.id))
+            pending += waiter.feed(m.Over(withdraw.id))
         if not withdraws and pending:
             answer = _answer(pending.pop(0), rng, keys)
             if answer is not None:

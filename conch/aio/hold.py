@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import weakref
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch import log
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core import messages
@@ -18,33 +17,21 @@ from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
-from conch.hold import (
-    GuardedHold,
-    Slot,
-    _cancel_all,
-    deleting_own_key,
-    to_bytes,
-    warn_hold_dropped,
-)
-from conch.timer import Cancellable, LoopTimer, weakly
+from conch.hold import GuardedHold, Slot, deleting_own_key, to_bytes
+from conch.timer import LoopTimer, weakly
 
 if TYPE_CHECKING:
     from conch.aio.semaphore import Semaphore
 
 
-class Hold(GuardedHold[asyncio.Event, Session]):
-    """A slot held, for coroutines: ``revision`` is the fencing token (our key's
-    create_revision), ``lease_id`` the session's lease, ``lost`` an ``asyncio.Event`` set
-    when the session is lost or our key deleted (``reason`` says why). ``release()`` (or
-    leaving ``async with``) gives the slot back: on a session of its own it revokes the
-    lease, on a shared session it deletes our key (KV.Txn comparing its create_revision).
-    Leaving the block after a loss raises HoldLost (unless the block is already raising);
-    after an explicit ``release()`` inside it, it does not.
-
-    Its guard (the watch on our key, the touch that moves the next waiter up, a look at the
-    key after a broken watch) is a few short steps on the loop's timers, holding the Hold
-    only weakly: a Hold dropped without release is released when collected, with a
-    ResourceWarning."""
+class Hold(GuardedHold[Session]):
+    """A slot held, for coroutines (``conch.Hold``, awaited): ``revision`` is the fencing
+    token, ``lease_id`` the session's lease, ``lost`` an ``asyncio.Event`` set when the
+    session is lost or our key deleted (``reason`` says why). ``release()`` (or leaving
+    ``async with``) gives the slot back. Leaving the block after a loss raises HoldLost
+    (unless the block is already raising); after an explicit ``release()`` inside it, it
+    does not. Its guard runs on the loop's timers, holding the Hold only weakly: a Hold
+    dropped without release is released when collected, with a ResourceWarning."""
 
     def __init__(
         self,
@@ -54,92 +41,56 @@ class Hold(GuardedHold[asyncio.Event, Session]):
         retire: list[etcd_aio.LoopWatch],
         shared: bool,
     ) -> None:
-        self._loop = asyncio.get_running_loop()
-        watches: list[Cancellable] = list(retire)
-        scheduler = LoopTimer(self._loop)
-        super().__init__(sema.name, sema.max, session, held, shared, watches, scheduler)
+        self._loop = loop = asyncio.get_running_loop()
+        super().__init__(sema, session, held, shared, retire, LoopTimer(loop))
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
         self._client = sema.client
         self._released: asyncio.Future[bool] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
         self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
-        # E passed with no keepalive confirmed: the lease may be gone (a waiter would carry
-        # on; a hold cannot promise it is still ours).
-        self._forgets.append(session._kept.add_expiry_listener(weakly(self._session_expired)))
-        self._finalizer = weakref.finalize(self, _hold_dropped, self._loop, self._slot, watches)
-        self._finalizer.atexit = False  # at exit the lease expires after its TTL
-        # The guard's schedule (as the threaded Hold's): the touch owed at once, the watch
+        soon = functools.partial(etcd_aio.call_soon, loop)
+        self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
+        # The threaded Hold's schedule, started at once: the touch owed at once, the watch
         # on our key a moment in, a later touch at max 1.
         self._execute(self._guard.made())
         self._execute(self._guard.start())
 
-    # -- loss --------------------------------------------------------------------------
-
-    def _loss(self) -> object:
-        return self.reason
-
     def _set_lost(self, reason: Loss) -> None:
-        if self.lost.is_set():
-            return
         self.reason = reason
         self.lost.set()
-        log.warning("lost", name=self.name, rev=self.revision, reason=reason)
-        _cancel_all(self._watches)
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
             run_callback(callback, reason)
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
-        """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
-        ``.reason``) on the loop once the hold is lost (soon, if it already
-        is). It must not block; its result is ignored."""
+        """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost). It must
+        not block; its result is ignored."""
         if self.lost.is_set():
             self._loop.call_soon(run_callback, callback, self.reason or CLOSED)
         else:
             self._callbacks.append(callback)
 
     async def check(self) -> None:
-        """Raise HoldLost unless the hold is certainly ours now (``conch.Hold.check``: not
-        released, the lease confirmed alive within the TTL on the monotonic clock, our key
-        not seen deleted). Makes no etcd call."""
+        """``conch.Hold.check``: raise HoldLost unless the hold is certainly ours now. Makes
+        no etcd call."""
         self._check()
 
-    @property
-    def deadline(self) -> float:
-        """``expires_at()``, as a property: an instant for ``asyncio.timeout_at``, once on
-        the loop's clock (``loop.time()``; the default loop's is ``time.monotonic()``, but
-        a loop may keep its own)::
-
-            loop = asyncio.get_running_loop()
-            async with asyncio.timeout_at(hold.deadline - time.monotonic() + loop.time()):
-                await step()
-
-        Read once, it is the expiry as known then; a keepalive moves it on
-        (``timeout.reschedule`` to follow it)."""
-        return self.expires_at()
-
-    # -- guarded writes ----------------------------------------------------------------
-
     async def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
-        """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that compares
-        our key's create_revision with ``revision`` (``conch.Hold.put``). The key is not
-        bound to our lease. ``timeout`` in seconds (default: the client's request
-        timeout). Returns the revision of the write. Raises HoldLost when the compare fails
-        (``lost`` is set then, unless released), Unavailable or another EtcdError when etcd
-        does not answer (the write may then have happened: read it back)."""
+        """``conch.Hold.put``, awaited: write ``key`` = ``value`` only while this hold is ours
+        (one KV.Txn comparing our key's create_revision with ``revision``); ``timeout`` in
+        seconds. Returns the revision of the write. Raises HoldLost when the compare fails,
+        Unavailable or another EtcdError when etcd does not answer."""
         return await self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     async def delete(self, key: bytes | str, timeout: float | None = None) -> int:
-        """Delete ``key`` only while this hold is ours (KV.Txn as in ``put``). Returns the
-        revision of the deletion (also when the key was absent). Raises as ``put``."""
+        """``conch.Hold.delete``, awaited (KV.Txn as in ``put``): the revision of the
+        deletion. Raises as ``put``."""
         return await self._guarded(kv.op_delete(to_bytes(key)), timeout)
 
     async def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
-        compare = [kv.create_revision_is(self.key, self.revision)]
-        return self._written(await etcd_aio.txn(self._client.sync, compare, [op], [], timeout))
-
-    # -- the guard's etcd calls, as tasks on the loop ------------------------------------
+        client = self._client.sync
+        return self._written(await etcd_aio.txn(client, self._ours, [op], [], timeout))
 
     def _call(self, action: GuardCall) -> None:
         spawn(self._loop, self._ask(action))
@@ -149,30 +100,23 @@ class Hold(GuardedHold[asyncio.Event, Session]):
         answer: object
         try:
             if isinstance(action, GuardTouch):
-                put = kv.op_put(key, self._value, self.lease_id)
-                compare = [kv.create_revision_is(key, self.revision)]
-                answer = await etcd_aio.txn(client, compare, [put], [])
+                answer = await etcd_aio.txn(client, self._ours, self._touch, [])
             elif isinstance(action, GuardLook):
                 answer = await etcd_aio.range_(client, rpc_pb2.RangeRequest(key=key))
             else:
                 notice = weakly(self._on_notice)
-                start = action.start
-                answer = await etcd_aio.LoopWatch.open(
-                    client, notice, key, start, only_deletes=True
-                )
+                open_ = etcd_aio.LoopWatch.open
+                answer = await open_(client, notice, key, action.start, only_deletes=True)
         except EtcdError as exc:
             answer = exc
         self._answered(action, answer)
 
-    # -- release -----------------------------------------------------------------------
-
     async def release(self) -> None:
-        """Give the slot back (``conch.Hold.release``): on a session of its own, revoke the
-        lease (Lease.LeaseRevoke), which deletes our key with it in one revision; on a
-        shared session, delete our key (KV.Txn comparing its create_revision). Best
-        effort: on failure the lease expires after its TTL; after a loss it is tried for at
-        most WITHDRAW_TIMEOUT seconds. Idempotent: a second call waits for the first. A
-        cancel while it runs waits for it to end, then propagates. Logs ``released``."""
+        """``conch.Hold.release``, awaited: revoke a lease of its own (Lease.LeaseRevoke), or
+        delete our key from a shared session (KV.Txn comparing its create_revision); best
+        effort, at most WITHDRAW_TIMEOUT seconds after a loss. Idempotent: a second call
+        waits for the first. A cancel while it runs waits for it to end, then propagates.
+        Logs ``released``."""
         if self._released is None:
             self._releasing = True
             self._guard.release()
@@ -192,9 +136,7 @@ class Hold(GuardedHold[asyncio.Event, Session]):
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        """Release; then raise HoldLost if the hold was lost before the block ended (as
-        ``check()`` judges it then), unless the block is already raising or released the
-        hold itself before any loss."""
+        """As ``conch.Hold.__exit__``, awaited."""
         loss = self._loss_at_exit()
         await self.release()
         if loss is not None and exc_type is None:
@@ -205,21 +147,7 @@ async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     """Revoke a private session, or delete our key from a shared one; whether confirmed."""
     if not slot.shared:
         return await slot.session.close(timeout)
-    client = slot.session.client.sync
     with deleting_own_key(slot):
-        await etcd_aio.delete_own_key(client, slot.key, slot.revision, timeout)
+        await etcd_aio.delete_own_key(slot.session.client.sync, slot.key, slot.revision, timeout)
         return True
     return False
-
-
-def _hold_dropped(
-    loop: asyncio.AbstractEventLoop, slot: Slot[Session], watches: list[Cancellable]
-) -> None:
-    """A Hold was garbage-collected unreleased: warn, and release it on its loop."""
-    warn_hold_dropped("conch.aio", slot.key, slot.revision)
-
-    def give_back() -> None:
-        _cancel_all(watches)
-        spawn(loop, _give_back(slot, None))
-
-    etcd_aio.call_soon(loop, give_back)

@@ -128,7 +128,7 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
             private = self.sessions.pop(action.lease_id, None)
             if private is not None:
                 await private.close(WITHDRAW_TIMEOUT)
-            return messages.Withdrawn(action.id)
+            return messages.Over(action.id)
         assert isinstance(action, messages.OpenWatch)
         put, watch_id = self.inputs.put_nowait, action.id
         key, end, only_deletes = codec.watch_range(action)

@@ -14,7 +14,7 @@ from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
-from conch.session import Keeper, SessionBase, check_client, check_ttl, listen
+from conch.session import Keeper, SessionBase, listen
 from conch.timer import LoopTimer
 
 
@@ -26,8 +26,6 @@ def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
 
 
 class _Keeper(Keeper):
-    """The asyncio face's ``conch.session.Keeper``, on the loop's timers."""
-
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.loop = asyncio.get_running_loop()
         super().__init__(lease_id, ttl, granted_at, LoopTimer(self.loop))
@@ -86,8 +84,7 @@ class _Keeper(Keeper):
         return lambda: None
 
     async def close(self, timeout: float | None) -> bool:
-        """Stop the keepalives and revoke the lease (Lease.LeaseRevoke) within ``timeout``
-        seconds; whether confirmed. A second close waits for the first one's revoke."""
+        # Whether the revoke was confirmed; a second close waits for the first one's.
         if self.revoked is None:
             self.stop()
             self.task.cancel()
@@ -107,23 +104,16 @@ class _Keeper(Keeper):
 
 class Session(SessionBase[_Keeper]):
     """The coroutine face of ``conch.Session``: one etcd lease of ``ttl`` seconds
-    (Lease.LeaseGrant), refreshed every TTL/3 on the loop, on the client's one
-    LeaseKeepAlive stream. Open it with ``async with Session(client, ttl)`` or ``session =
-    await Session(client, ttl)``; ``await session.close()`` revokes the lease, so every key
-    on it goes at once. Raises UsageError for a bad ttl or client, Unavailable (or another
-    EtcdError) when LeaseGrant fails.
-
-    ``lost`` (an ``asyncio.Event``) is set when etcd says the lease is gone (a keepalive
-    answered with TTL <= 0); ``reason`` is then a ``conch.core.loss.Loss``
-    (LossReason.LEASE_NOT_FOUND). The loss rule, ``alive_until``, sharing between holds
-    (``sema.acquire(session=session)``, one key per semaphore) and a dropped session's
-    revoke are as ``conch.Session``'s.
-    """
+    (Lease.LeaseGrant), refreshed every TTL/3 on the loop. ``async with Session(client,
+    ttl)`` or ``session = await Session(client, ttl)``; ``await session.close()`` revokes it.
+    Raises UsageError for a bad ttl or client, Unavailable (or another EtcdError) when
+    LeaseGrant fails. ``lost`` (an ``asyncio.Event``) is set, and ``reason`` is a Loss
+    (LossReason.LEASE_NOT_FOUND), when etcd says the lease is gone; the loss rule,
+    ``alive_until``, sharing between holds (one key per semaphore) and a dropped session's
+    revoke are as ``conch.Session``'s."""
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
-        check_client(client, Client, "conch.aio")
-        check_ttl(ttl)
-        super().__init__(ttl)
+        super().__init__(client, ttl, Client, "conch.aio")
         self.client = client
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
@@ -131,9 +121,7 @@ class Session(SessionBase[_Keeper]):
             return self
         asked = time.monotonic()
         granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
-        # etcd restarts the countdown when it receives the grant, which is after we sent it:
-        # so the lease is certainly alive until send time + TTL (monotonic).
-        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked), "conch.aio")
+        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -156,8 +144,6 @@ class Session(SessionBase[_Keeper]):
         return self._kept.reason
 
     async def close(self, timeout: float | None = None) -> bool:
-        """Stop the keepalives and revoke the lease (Lease.LeaseRevoke), waiting at most
-        ``timeout`` seconds (default: the client's request timeout). Returns False when the
-        revoke could not be confirmed (the lease then expires after its TTL). A cancel
-        while it runs waits for the revoke to end, then propagates."""
+        """As ``conch.Session.close`` (Lease.LeaseRevoke within ``timeout`` seconds; False if
+        not confirmed); a cancel while it runs waits for the revoke to end, then propagates."""
         return True if self._keeper is None else await self._closing().close(timeout)

@@ -5,26 +5,20 @@ faces and the simulator execute what it builds and feed back what it decodes, so
 read etcd differently. A request is a ``Call``, which a face sends with its own client:
 ``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
 
-**Reading several Ranges at one revision** (the standing read, the gap-closing read of a
-watch) is a plan of the core too (``ReadTogether``): one read-only KV.Txn, or the first
-Range and the others pinned to its revision. The plan is ``read_plan(server_version)``:
-
-* etcd 3.5.0 to 3.5.6 can take the server down on a read-only Txn (whose deadline passes
-  while it is applied: etcd issue 14110, fixed in 3.5.5; or once it has failed, in the
-  "apply request took too long" warning: issue 14891, fixed in 3.5.7). On those releases,
-  and on a server whose version is unknown, the Ranges are read pinned to one revision (a
-  Range's deadline only fails that Range).
-* Under etcd's space alarm (NOSPACE), etcd before 3.4.20 (in 3.4) and before 3.5.7 (in
-  3.5) refuses a read-only Txn too once its database is over its quota (etcd PRs 14254 and
-  14884 let it through), while KV.Range is still served: a Txn refused so is read again as
-  pinned Ranges, at once (``ReadTogether.refused``), whatever the release.
+Several Ranges are read at one revision (the standing read, the gap-closing read of a watch)
+by the plan ``read_plan(server_version)`` (``ReadTogether``): one read-only KV.Txn, or the
+first Range and the others pinned to its revision: on etcd 3.5.0 to 3.5.6, whose read-only
+Txn can take the server down (etcd issues 14110 and 14891), and on a server whose release is
+not known. A Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7, PRs
+14254 and 14884) is read again as pinned Ranges at once, whatever the release. docs/design.md
+("The codec") has the releases and why.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -95,13 +89,20 @@ def enqueue_answer(
     )
 
 
-def standing_reads(
-    action: messages.ReadStanding, prefix: bytes, max: int
-) -> list[rpc_pb2.RangeRequest]:
+class Reads(list[rpc_pb2.RangeRequest]):
+    """RangeRequests to read at one revision (``ReadTogether``). ``enough(answers)``, where
+    set, says after each pinned Range whether the ones still to read are told by those read."""
+
+    enough: Callable[[Sequence[rpc_pb2.RangeResponse]], bool] | None = None
+
+
+def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Reads:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
-    one just ahead (2 keys descending). Read them with ``ReadTogether``."""
-    return [
+    one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
+    a window that holds our key is enough (ours is its last key, none being created after
+    it), so a waiter at the head reads one Range."""
+    reads = Reads(
         kv.prefix_request(
             prefix,
             limit=limit,
@@ -111,12 +112,16 @@ def standing_reads(
             sort_target=kv.CREATE,
         )
         for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
-    ]
+    )
+    reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
+    return reads
 
 
 def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
     """What ``standing_reads`` read together, as StandingAnswer."""
-    window, mine_and_prev = (r.kvs for r in read.responses)
+    window = list(read.responses[0].kvs)
+    # The window alone (``Reads.enough``): its last two keys are ours and the one ahead.
+    mine_and_prev = read.responses[1].kvs if len(read.responses) > 1 else window[-2:][::-1]
     return messages.StandingAnswer(
         action.id, read.revision, [key_rev(k) for k in window], [key_rev(k) for k in mine_and_prev]
     )
@@ -187,6 +192,7 @@ class ReadTogether:
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads
         self.reads = list(reads)
+        self.enough = reads.enough if isinstance(reads, Reads) else None
         self.plan = plan
         self.fell_back = False  # the Txn was refused under the space alarm
         self._answers: list[rpc_pb2.RangeResponse] = []
@@ -194,7 +200,7 @@ class ReadTogether:
 
     def next_call(self) -> Call | None:
         """The next request to send, or None when ``result`` is ready."""
-        if len(self._answers) == len(self.reads):
+        if self._done():
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
@@ -224,9 +230,15 @@ class ReadTogether:
             return
         raise error
 
+    def _done(self) -> bool:
+        if len(self._answers) == len(self.reads):
+            return True
+        return bool(self._answers) and self.enough is not None and self.enough(self._answers)
+
     @property
     def result(self) -> Together:
-        assert len(self._answers) == len(self.reads)
+        """The responses read: all of ``reads``, or the first ones, where they were enough."""
+        assert self._done()
         return Together(self._revision, self._answers)
 
 
@@ -256,10 +268,22 @@ def withdraw_call(action: messages.Withdraw) -> Call:
     return _txn([compare], [kv.op_delete(action.key)])
 
 
-def count_ahead_request(prefix: bytes, revision: int) -> rpc_pb2.RangeRequest:
-    """A Range of the keys under ``prefix`` created before ``revision`` (keys only), for the
-    ``queued`` log line: etcd's count ignores max_create_revision, so they are read."""
-    return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+def count_ahead_request(
+    prefix: bytes, revision: int, compacted: bool = False
+) -> rpc_pb2.RangeRequest:
+    """A Range for the ``queued`` log line's count of the keys ahead of ours (created at
+    ``revision``): the count under ``prefix`` just before it (count_only at ``revision - 1``),
+    one number however long the queue. ``compacted``, that revision being compacted: the keys
+    created before ours that are still there, keys only (etcd's count ignores the
+    max_create_revision filter). Decode it with ``count_ahead``."""
+    if compacted:
+        return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+    return kv.prefix_request(prefix, count_only=True, revision=revision - 1)
+
+
+def count_ahead(response: rpc_pb2.RangeResponse, compacted: bool = False) -> int:
+    """The keys ahead, from the answer to ``count_ahead_request``."""
+    return len(response.kvs) if compacted else int(response.count)
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:

@@ -23,9 +23,8 @@ GUARD_WATCH_DELAY = 0.05
 # release (about 3 ms more at that handoff, measured), small next to half a second; a
 # shorter job never pays for that write.
 TOUCH_DELAY = 0.5
-
-
-# -- the guard as a machine ------------------------------------------------------------------
+# The message of a look that found our key gone (or another's in its place).
+KEY_GONE_LOOK = Loss(LossReason.KEY_DELETED, "our key was deleted")
 
 
 class Pauses(Protocol):
@@ -86,21 +85,15 @@ class GuardLost:
 GuardCall: TypeAlias = GuardTouch | GuardWatch | GuardLook
 GuardAction: TypeAlias = GuardAfter | GuardCall | GuardLost | Note
 
-# The message of a look that found our key gone (or another's in its place).
-KEY_GONE_LOOK = Loss(LossReason.KEY_DELETED, "our key was deleted")
-
 
 class GuardMachine:
     """The guard of one held slot: our key at create_revision ``revision`` (the fencing
     token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``.
-
     Inputs are its methods, each returning the actions to execute. Once ``done`` (released,
     or lost) it asks for nothing more but the notes already due."""
 
     def __init__(self, owed: TouchOwed, revision: int, held_at: int, pauses: Pauses) -> None:
-        self._touch_at_once = owed == TouchOwed.AT_ONCE
-        # Seconds into the guard of the touch owed later (None: no touch then).
-        self._touch_after = TOUCH_DELAY if owed == TouchOwed.LATER else None
+        self._owed = owed
         self.revision = revision
         # A revision at which our key was seen ours and holding: the guard watches from there
         # (from our create_revision, after a long wait, etcd would replay all that history
@@ -118,14 +111,12 @@ class GuardMachine:
         """Nothing left to guard: released (or releasing), or lost."""
         return self.releasing or self.lost is not None
 
-    # -- the hold's life -------------------------------------------------------------------
-
     def made(self) -> list[GuardAction]:
         """The hold is made. A hold that owes its touch at once touches now: another holder
         may leave any moment, and the waiter behind us must be watching for it, so it must
         learn now, not once the guard starts (after the supervisor's spawn), that it is in
         the window."""
-        return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self._touch_at_once else []
+        return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self._owed == TouchOwed.AT_ONCE else []
 
     def start(self) -> list[GuardAction]:
         """Start guarding (idempotent): the watch on our key GUARD_WATCH_DELAY in."""
@@ -151,22 +142,19 @@ class GuardMachine:
         """A guarded write's compare on our create_revision failed: our key is gone."""
         return self._lose(KEY_GONE_WRITE)
 
-    # -- the guard's steps and their answers ----------------------------------------------
-
     def step(self, step: GuardStep) -> list[GuardAction]:
         """A GuardAfter came due."""
         if self.done:
             return []
-        if step == GuardStep.WATCH_OWN_KEY:
-            actions: list[GuardAction] = []
-            if self._touch_after is not None:
-                delay = self._touch_after - GUARD_WATCH_DELAY
-                actions.append(GuardAfter(delay, GuardStep.TOUCH_DUE))
-            self._watches_own_key = True
-            return [*actions, GuardWatch(self.held_at + 1)]
         if step == GuardStep.LOOK:
             return [GuardLook()]
-        return [GuardTouch(step)]
+        if step != GuardStep.WATCH_OWN_KEY:
+            return [GuardTouch(step)]
+        self._watches_own_key = True
+        watch = GuardWatch(self.held_at + 1)
+        if self._owed != TouchOwed.LATER:
+            return [watch]
+        return [GuardAfter(TOUCH_DELAY - GUARD_WATCH_DELAY, GuardStep.TOUCH_DUE), watch]
 
     def watch_failed(self) -> list[GuardAction]:
         """The watch on our key could not be opened (or, as ``look_failed``, a Range of it
@@ -184,8 +172,8 @@ class GuardMachine:
 
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
         """What a Range of our key found (None when absent), at header revision ``revision``:
-        still ours only if its create_revision is still ours (the fencing token)."""
-        # Only a release makes the deletion no loss (a loss seen first is kept as it is).
+        still ours only if its create_revision is still ours (the fencing token). Only a
+        release makes the deletion no loss (a loss seen first is kept as it is)."""
         if self.releasing:
             return []
         if found is None or found.create_revision != self.revision:

@@ -3,7 +3,8 @@ see it, the inputs a driver feeds, the actions a machine asks for, and the outco
 
 Plain frozen records, no behaviour: ``conch.core.waiter`` decides with them, the codec
 (``conch.core.codec``) turns actions into etcd requests and responses into inputs, and each
-face executes them.
+face executes them. docs/design.md ("The machine") tables what each input means and which
+etcd call each action is.
 """
 
 from __future__ import annotations
@@ -13,17 +14,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-# -- what the machine knows of etcd's data -------------------------------------------------
-
 
 @dataclass(frozen=True)
 class KeyRev:
-    """One key as a Range (keys only) or a watch event shows it: its create_revision ranks
-    it in the queue, its mod_revision changes with every put (a touch)."""
+    """One key as a Range (keys only) or a watch event shows it."""
 
     key: bytes
-    create_revision: int
-    mod_revision: int
+    create_revision: int  # ranks it in the queue
+    mod_revision: int  # changes with every put (a touch)
 
 
 class EventType(enum.Enum):
@@ -33,8 +31,7 @@ class EventType(enum.Enum):
 
 @dataclass(frozen=True)
 class Event:
-    """One watch event: a put or a deletion of ``kv.key`` at ``kv.mod_revision`` (for a
-    deletion, etcd reports the deletion's revision as mod_revision)."""
+    """A put or a deletion of ``kv.key`` at ``kv.mod_revision`` (a deletion's own revision)."""
 
     type: EventType
     kv: KeyRev
@@ -51,99 +48,75 @@ class Failure(enum.Enum):
 
 @dataclass(frozen=True)
 class Tagged:
-    """An action that asks, or an input that answers: the driver feeds back an action's
-    answer under the action's ``id``."""
+    """An action that asks, or an input that answers it under the action's ``id``."""
 
     id: int
 
 
-# -- inputs --------------------------------------------------------------------------------
+# -- inputs: the action an answer answers names it; its ``revision`` is the header's -------
 
 
 @dataclass(frozen=True)
 class SessionOpened(Tagged):
-    """Answer to ``OpenSession``: the new lease and our key on it."""
-
-    lease_id: int
-    key: bytes
+    lease_id: int  # the new lease
+    key: bytes  # our key on it
 
 
 @dataclass(frozen=True)
 class EnqueueAnswer(Tagged):
-    """Answer to ``SendEnqueue``. ``revision``: the response header's. ``created``: the put
-    happened; ``heads`` are then the first N keys (our key among them: we hold at
-    ``revision``). Else ``existing`` is the key found in our place (None: deleted between
-    compare and read) and ``existing_ours`` whether it is on our lease (an earlier attempt
-    of ours went through). ``value``: what our key holds (written, or found ours)."""
-
     revision: int
-    created: bool
-    value: bytes = b""
+    created: bool  # the put happened: ``heads`` are the first N keys (ours among them: held)
+    value: bytes = b""  # what our key holds (written, or found ours)
     heads: Sequence[bytes] = ()
-    existing: KeyRev | None = None
-    existing_ours: bool = False
+    existing: KeyRev | None = None  # not created: the key in our place (None: deleted since)
+    existing_ours: bool = False  # it is on our lease: an earlier attempt of ours went through
 
 
 @dataclass(frozen=True)
 class StandingAnswer(Tagged):
-    """Answer to ``ReadStanding``: ``window`` the first ``window_size(N)`` keys ascending,
-    ``mine_and_prev`` the last two descending (ours first, if still there)."""
-
     revision: int
-    window: Sequence[KeyRev]
-    mine_and_prev: Sequence[KeyRev]
+    window: Sequence[KeyRev]  # the first window_size(N) keys, ascending
+    mine_and_prev: Sequence[KeyRev]  # the last two, descending (ours first, if still there)
 
 
 @dataclass(frozen=True)
 class KeysAnswer(Tagged):
-    """Answer to ``ReadKeys``: each key in the order asked, None when absent."""
-
     revision: int
-    kvs: Sequence[KeyRev | None]
+    kvs: Sequence[KeyRev | None]  # each key in the order asked, None when absent
 
 
 @dataclass(frozen=True)
 class TouchAnswer(Tagged):
-    """Answer to ``Touch``: ``succeeded`` false when our key is gone (compare failed)."""
-
     revision: int
-    succeeded: bool
+    succeeded: bool  # false when our key is gone (the compare failed)
 
 
 @dataclass(frozen=True)
 class LeaseAnswer(Tagged):
-    """Answer to ``CheckLease``: ``ttl`` seconds left, <= 0 gone."""
-
-    ttl: int
+    ttl: int  # seconds left, <= 0: gone
 
 
 @dataclass(frozen=True)
-class Withdrawn(Tagged):
-    """``Withdraw`` is over (confirmed or not: it is best effort, the lease expires anyway)."""
+class Over(Tagged):
+    """The ``Pause`` with this id has run its length, or the ``Withdraw`` is over (confirmed
+    or not: it is best effort, the lease expires anyway)."""
 
 
 @dataclass(frozen=True)
 class Failed(Tagged):
-    """A request failed; ``detail`` says how, for the log; ``cause`` is the driver's own
-    (an exception), handed back in GaveUp.cause."""
-
-    failure: Failure
-    detail: str = ""
-    cause: object = None
+    failure: Failure  # the request failed so
+    detail: str = ""  # how, for the log
+    cause: object = None  # the driver's own (an exception), handed back in GaveUp.cause
 
 
 @dataclass(frozen=True)
 class WatchCreated(Tagged):
-    """etcd confirmed the watch: it covers the revisions after ``revision``."""
-
-    revision: int
+    revision: int  # etcd confirmed the watch: it covers the revisions after this one
 
 
 @dataclass(frozen=True)
 class WatchEvents(Tagged):
-    """The watch delivered ``events`` (in revision order); ``revision``: the header's."""
-
-    events: Sequence[Event]
+    events: Sequence[Event]  # in revision order
     revision: int
 
 
@@ -153,11 +126,6 @@ class WatchBroken(Tagged):
 
     compacted: bool = False
     detail: str = ""
-
-
-@dataclass(frozen=True)
-class PauseOver(Tagged):
-    """The ``Pause`` with this id has run its length."""
 
 
 @dataclass(frozen=True)
@@ -179,23 +147,11 @@ class Interrupt:
     reason: object = None
 
 
-Input: TypeAlias = (
-    SessionOpened
-    | EnqueueAnswer
-    | StandingAnswer
-    | KeysAnswer
-    | TouchAnswer
-    | LeaseAnswer
-    | Withdrawn
-    | Failed
-    | WatchCreated
-    | WatchEvents
-    | WatchBroken
-    | PauseOver
-    | DeadlineReached
-    | SessionLost
-    | Interrupt
-)
+# What answers a request of the main line, a watch's notices, what the driver tells unasked.
+Answer: TypeAlias = SessionOpened | EnqueueAnswer | StandingAnswer | KeysAnswer | LeaseAnswer
+Watched: TypeAlias = WatchCreated | WatchEvents | WatchBroken
+Told: TypeAlias = DeadlineReached | SessionLost | Interrupt
+Input: TypeAlias = Answer | TouchAnswer | Over | Failed | Watched | Told
 
 
 # -- actions: each names its etcd call; conch.core.codec builds it -------------------------
@@ -272,7 +228,7 @@ class Withdraw(Tagged):
     """Take our key out of the queue, best effort (WITHDRAW_TIMEOUT): with ``revoke``,
     revoke ``lease_id`` (a private session: its close); else delete ``key`` by a KV.Txn
     comparing its create_revision with ``revision``, or when ``revision`` is 0 (our enqueue's
-    outcome unknown) comparing its lease with ``lease_id``. Answer: Withdrawn."""
+    outcome unknown) comparing its lease with ``lease_id``. Answer: Over."""
 
     key: bytes
     revision: int
@@ -283,7 +239,7 @@ class Withdraw(Tagged):
 @dataclass(frozen=True)
 class Pause(Tagged):
     """Wait ``seconds`` (cut short by the deadline or an interrupt, which the driver feeds
-    then), then feed PauseOver(id)."""
+    then), then feed Over(id)."""
 
     seconds: float
 
@@ -298,19 +254,9 @@ class Note:
     warning: bool = False
 
 
-Action: TypeAlias = (
-    OpenSession
-    | SendEnqueue
-    | ReadStanding
-    | ReadKeys
-    | OpenWatch
-    | CancelWatch
-    | Touch
-    | CheckLease
-    | Withdraw
-    | Pause
-    | Note
-)
+# The requests of the waiter's main line (one at a time), and every action.
+Request: TypeAlias = OpenSession | SendEnqueue | ReadStanding | ReadKeys | CheckLease | Withdraw
+Action: TypeAlias = Request | OpenWatch | CancelWatch | Touch | Pause | Note
 
 
 # -- outcomes ------------------------------------------------------------------------------
@@ -326,18 +272,16 @@ class TouchOwed(enum.Enum):
 
 @dataclass(frozen=True)
 class Held:
-    """We hold a slot: ``revision`` is our key's create_revision (the fencing token),
-    ``held_at`` a revision at which it was seen holding. ``retire``: ids of watches left
-    open (the one that woke us: cancel it off the handoff's path). ``lease_id`` and ``key``
-    as held (a private session may have been re-opened on the way)."""
+    """We hold a slot; ``key`` and ``lease_id`` as held (a private session may have been
+    re-opened on the way)."""
 
     key: bytes
     lease_id: int
-    revision: int
-    held_at: int
+    revision: int  # our key's create_revision: the fencing token
+    held_at: int  # a revision at which it was seen holding
     value: bytes
     touch: TouchOwed
-    retire: Sequence[int] = ()
+    retire: Sequence[int] = ()  # watches left open (that woke us): cancel off the handoff's path
 
 
 class Reason(enum.Enum):

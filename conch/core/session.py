@@ -20,7 +20,8 @@ from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
 
 # Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
-# step: a client's sessions send in bursts the keepalive thread serves in one wake-up.
+# step: a client's sessions send in bursts the keepalive thread serves in one wake-up (safe:
+# each deadline counts from its send time).
 SEND_GRID = 0.5  # seconds
 
 # The pause before an unanswered keepalive is sent again, doubling up to the cap.
@@ -36,16 +37,14 @@ def keepalive_margin(ttl: float) -> float:
 
 @dataclass(frozen=True)
 class SendKeepalive:
-    """Send one keepalive now (Lease.LeaseKeepAlive); unanswered if not by ``deadline``
-    (``time.monotonic()`` seconds)."""
+    """Send one keepalive now (Lease.LeaseKeepAlive); unanswered if not by ``deadline``."""
 
     deadline: float
 
 
 @dataclass(frozen=True)
 class WakeAt:
-    """Call ``wake(now)`` at ``at`` (``time.monotonic()`` seconds); replaces any WakeAt
-    given before."""
+    """Call ``wake(now)`` at ``at``; replaces any WakeAt given before."""
 
     at: float
 
@@ -68,11 +67,10 @@ SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired | Lost
 
 
 class SessionMachine:
-    """One lease of ``ttl`` seconds, granted by a LeaseGrant sent at ``granted_at``.
-
-    Attributes the drivers read: ``ttl`` and ``interval`` (TTL/3: a keepalive is due one
-    interval after the last confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss,
-    once etcd has said the lease is gone; None before), ``closed``."""
+    """One lease of ``ttl`` seconds, granted by a LeaseGrant sent at ``granted_at``. The
+    drivers read ``ttl``, ``interval`` (TTL/3: a keepalive is due one interval after the
+    last confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss once etcd has said
+    the lease is gone, else None) and ``closed``."""
 
     def __init__(self, ttl: int, granted_at: float) -> None:
         self.ttl = ttl

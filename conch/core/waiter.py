@@ -1,31 +1,18 @@
-"""The waiting recipe as a pure state machine: inputs in, actions out, no I/O.
-
-As h11 does for HTTP, this module decides and never does: no sockets, no threads, no
-clock, no gRPC. A ``Waiter`` is one acquire of one semaphore (docs/design.md, "Waiting",
-draws it and tables its inputs and actions): it says which etcd request to send
-(``SendEnqueue``, ``ReadStanding``, ``OpenWatch``, ``Touch``, ...) and is told what came
-back (``EnqueueAnswer``, ``StandingAnswer``, ``WatchEvents``, ``Failed``, ...), under the
-request's ``id`` (an answer to a request the machine has moved past is ignored). Time
-reaches it only as inputs (``DeadlineReached``, ``PauseOver``); ``Pause`` says how long,
-from the ``Backoff`` the driver gave it. A driver (``conch/semaphore.py`` is the threaded
-one) is a short loop::
-
-    todo = deque(waiter.start())
-    while waiter.outcome is None:
-        answer = execute(todo.popleft()) if todo else next_input()  # None: no answer now
-        if answer is not None:
-            todo.extend(waiter.feed(answer))
-    # waiter.outcome: Held (the slot, at a revision), or a GaveUp with its Reason
-
-Actions are executed in the order given: the one on the handoff's path comes first (a read
-before the cancel of the watch that woke it). ``Note`` actions are log lines. Once a slot is
-held, the Hold's guard decides (``conch.core.guard``).
+"""The waiting recipe as a pure state machine (as h11 is HTTP's): inputs in, actions out; no
+sockets, no threads, no clock, no gRPC. A ``Waiter`` is one acquire of one semaphore:
+docs/design.md ("Waiting", "The machine") draws its states, tables its inputs and actions
+and shows its driver's loop. Every request carries an ``id``: an answer to one the machine
+has moved past is ignored. Time reaches it only as inputs (``DeadlineReached``, ``Over``);
+``Pause`` says how long, from the ``Backoff`` the driver gave it. Actions are executed in the
+order given: the one on the handoff's path comes first (a read before the cancel of the watch
+that woke it); ``Note`` actions are log lines. Once a slot is held, the Hold's guard decides
+(``conch.core.guard``).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 from conch.core import messages as m
@@ -110,7 +97,7 @@ class Waiter:
         self._backoff = backoff
         self._ids = 0
         self._request: int | None = None  # the one unary request on the main line
-        self._asked: type[m.Action] | None = None  # its kind
+        self._asked: type[m.Request] | None = None  # its kind
         self._watch: int | None = None  # the watch we wait on
         self._woke: list[int] = []  # watches that woke us: cancelled after the next read
         self._pause: int | None = None
@@ -121,16 +108,14 @@ class Waiter:
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
         self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
         self._held_back: list[m.WatchEvents] = []  # window events awaiting the gap check
-        self._away = False  # "etcd-away" said for the failures in a row now
-        self._touch_failing = False  # "touch-failed" said likewise
+        self._said: set[str] = set()  # "queued" for our key; warnings of a run of failures
         self._late = False  # the deadline passed: give up before the next wait
         self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
-        self._queued_noted = False
         self._orphan: int | None = None  # a request in flight when we gave up
         self._after_pause: Step = self._enqueue
-        self._after_withdraw: Step = self._finish
-        self._pending_outcome: m.GaveUp | None = None
+        self._gave_up: m.GaveUp | None = None  # withdrawing to end so; None: to re-enter
+        self._reentry = ""  # why we re-enter once withdrawn
 
     def start(self) -> list[m.Action]:
         """The first actions: open a session (private) or send the enqueue (shared)."""
@@ -153,7 +138,10 @@ class Waiter:
         if isinstance(event, m.Interrupt):
             return self._give_up(*_interrupted(event))
         if isinstance(event, m.DeadlineReached):
-            return self._deadline()
+            self._late = True  # enqueueing or reading: we try once, and give up before waiting
+            if self.state in _WAITING or self.state == State.PAUSED:
+                return self._give_up(Reason.NO_SLOT, "no free slot in time")
+            return []
         if isinstance(event, m.SessionLost):
             return self._session_lost(event.reason)
         if isinstance(event, m.Failed) and event.id == self._watch:
@@ -163,8 +151,14 @@ class Waiter:
             return self._retry(event.detail)
         if isinstance(event, (m.WatchCreated, m.WatchEvents, m.WatchBroken)):
             return self._on_watch(event)
-        if isinstance(event, m.PauseOver):
-            return self._pause_over(event)
+        if isinstance(event, m.Over):
+            if event.id == self._touch:  # ids are never reused: this is the touch's retry
+                self._touch = None
+                return self._maybe_touch()
+            if event.id != self._pause or self.state != State.PAUSED:
+                return []
+            self._pause = None
+            return self._after_pause()
         if isinstance(event, (m.TouchAnswer, m.Failed)) and event.id == self._touch:
             return self._on_touch(event)
         if not isinstance(event, m.Tagged) or event.id != self._request:
@@ -172,7 +166,7 @@ class Waiter:
         self._request = None
         if isinstance(event, m.Failed):
             return self._failed(event)
-        self._away = False  # etcd answered
+        self._said.discard("etcd-away")  # etcd answered
         if isinstance(event, m.SessionOpened):
             self.key, self.lease_id = event.key, event.lease_id
             self._entered = self._session_open = True
@@ -195,10 +189,8 @@ class Waiter:
         self._ids += 1
         return self._ids
 
-    def _send(self, action: m.Action) -> list[m.Action]:
-        """``action`` as the one request on the main line (its id is ``_request``)."""
-        self._request = getattr(action, "id", None)
-        self._asked = type(action)
+    def _send(self, action: m.Request) -> list[m.Action]:
+        self._request, self._asked = action.id, type(action)
         return [action]
 
     def _open_session(self) -> list[m.Action]:
@@ -222,9 +214,9 @@ class Waiter:
     def _enqueued(self, answer: m.EnqueueAnswer) -> list[m.Action]:
         if answer.created:
             self.revision, self.value = answer.revision, answer.value
-            self._queued_noted = False  # a new key: say where it queues
+            self._said.discard("queued")  # a new key: say where it queues
             if self.key in answer.heads:
-                return self._held(answer.revision, TouchOwed.NONE, ())
+                return self._held(answer.revision, [], owes=False)
             return self._read_standing()
         found = answer.existing
         if found is None:
@@ -234,9 +226,9 @@ class Waiter:
             self.revision, self.value = found.create_revision, answer.value
             return self._read_standing()
         # --spread: our host's key, held by another process. Wait for it to change.
-        note = m.Note("spread-busy", {"rev": found.create_revision})
         self._standing_at, self._watched = answer.revision, found
-        return [note, *self._wait(State.SPREAD_BUSY)]
+        note = m.Note("spread-busy", {"rev": found.create_revision})
+        return [note, *self._wait(State.SPREAD_BUSY, found.key)]
 
     def _standing(self, answer: m.StandingAnswer) -> list[m.Action]:
         first = list(answer.window)
@@ -246,47 +238,44 @@ class Waiter:
         in_window = bool(first) and first[-1].key == self.key
         if ours and in_window and len(first) <= self.max:
             # The watch that woke us is retired by the hold, off the handoff's path.
-            return self._held(answer.revision, self._owed(), tuple(self._woke))
+            return self._held(answer.revision, self._woke)
         actions: list[m.Action] = [m.CancelWatch(w) for w in self._woke]
         self._woke = []
         if not ours:
             return actions + self._place_lost(_GONE)
         self._standing_at = answer.revision
+        fields: dict[str, object] = {"rev": self.revision}
         if in_window:
             self._ahead = first[:-1]
-            state = State.IN_WINDOW
+            fields.update(position=len(first), ahead=len(self._ahead))
+            state, key = State.IN_WINDOW, self.prefix
         elif not ahead:
             # Nobody ahead, yet not in the window: cannot be. Fail closed, re-enter.
             return actions + self._place_lost("inconsistent queue read; re-entering")
         else:
             self._watched = ahead[0]
-            state = State.BEHIND
-        if not self._queued_noted:
-            self._queued_noted = True
-            fields: dict[str, object] = {"rev": self.revision}
-            if state == State.IN_WINDOW:
-                fields.update(position=len(self._ahead) + 1, ahead=len(self._ahead))
+            state, key = State.BEHIND, ahead[0].key
+        if "queued" not in self._said:
+            self._said.add("queued")
             actions.append(m.Note("queued", fields))
-        return actions + self._wait(state)
+        return actions + self._wait(state, key)
 
-    def _wait(self, state: State) -> list[m.Action]:
-        """Sleep on a watch from now (WatchCreated then closes the gap since our read)."""
+    def _wait(self, state: State, key: bytes) -> list[m.Action]:
+        """Sleep on a watch of ``key`` from now (WatchCreated then closes the gap since our
+        read): in the window, the deletions under the prefix."""
         if self._late:
             return self._give_up(Reason.NO_SLOT, "no free slot in time")
         self.state = state
         self._watch = self._new_id()
         self._held_back = []
-        window = state == State.IN_WINDOW
-        assert window or self._watched is not None
-        key = self.prefix if window else self._watched.key  # type: ignore[union-attr]
-        return [m.OpenWatch(self._watch, key, prefix=window), *self._maybe_touch()]
+        watch = m.OpenWatch(self._watch, key, prefix=state == State.IN_WINDOW)
+        return [watch, *self._maybe_touch()]
 
-    def _owed(self) -> TouchOwed:
-        if self._touched:
-            return TouchOwed.NONE
-        return TouchOwed.AT_ONCE if self.max > 1 else TouchOwed.LATER
-
-    def _held(self, held_at: int, touch: TouchOwed, retire: Sequence[int]) -> list[m.Action]:
+    def _held(self, held_at: int, retire: list[int], owes: bool = True) -> list[m.Action]:
+        """We hold at ``held_at``; ``owes``: the touch is the Hold's unless we made it."""
+        touch = TouchOwed.AT_ONCE if self.max > 1 else TouchOwed.LATER
+        if self._touched or not owes:
+            touch = TouchOwed.NONE
         actions: list[m.Action] = [m.CancelWatch(w) for w in self._woke if w not in retire]
         self._woke, self._watch = [], None
         self.state = State.HELD
@@ -297,7 +286,7 @@ class Waiter:
 
     # -- the watch -----------------------------------------------------------------------
 
-    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+    def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if event.id != self._watch or self.state not in _WAITING:
             return []
         if isinstance(event, m.WatchBroken):
@@ -344,7 +333,7 @@ class Waiter:
             before = len(self._ahead)
             self._ahead = [k for k in self._ahead if k.key != deleted.key]
             if len(self._ahead) < before and len(self._ahead) < self.max:
-                return self._held(deleted.mod_revision, self._owed(), (event.id,))
+                return self._held(deleted.mod_revision, [event.id])
         self._standing_at = max(self._standing_at, event.revision)
         return self._maybe_touch()
 
@@ -400,17 +389,15 @@ class Waiter:
     def _on_touch(self, answer: m.TouchAnswer | m.Failed) -> list[m.Action]:
         self._touch = None
         if isinstance(answer, m.TouchAnswer):
-            self._touch_failing = False
+            self._said.discard("touch-failed")
             self._touched = answer.succeeded
             return [] if answer.succeeded else self._place_lost(_GONE)
         if answer.failure in (Failure.UNREACHABLE, Failure.NO_SPACE):
-            # Keep our place; the waiter behind still wakes when our key goes.
-            self._touch = self._new_id()  # the retry's pause: its PauseOver touches again
-            pause: list[m.Action] = [m.Pause(self._touch, self._backoff.next())]
-            if self._touch_failing:
-                return pause  # said once per run of failures: the alarm may last hours
-            self._touch_failing = True
-            return [m.Note("touch-failed", {"error": answer.detail}, warning=True), *pause]
+            # Keep our place; the waiter behind still wakes when our key goes. The alarm
+            # may last hours: said once per run of failures.
+            self._touch = self._new_id()  # the retry's pause: its Over touches again
+            note = m.Note("touch-failed", {"error": answer.detail}, warning=True)
+            return [*self._once(note), m.Pause(self._touch, self._backoff.next())]
         if answer.failure == Failure.LEASE_NOT_FOUND:
             return self._place_lost("our lease is gone")
         return self._give_up(Reason.REFUSED, answer.detail, answer)
@@ -443,56 +430,42 @@ class Waiter:
         return [*self._cancel_watches(), *self._pause_then(self._reread(), cause)]
 
     def _pause_then(self, after: Step, cause: str, requeue: bool = False) -> list[m.Action]:
+        """Pause, then ``after``; "etcd-away" is said once per run of failures."""
         if self._late:
             return self._give_up(Reason.NO_SLOT, f"no free slot in time: {cause}")
         self.state = State.PAUSED
         self._after_pause = after
         self._pause = self._new_id()
-        pause: list[m.Action] = [m.Pause(self._pause, self._backoff.next())]
-        if not requeue and self._away:
-            return pause  # said once per run of failures
-        self._away = not requeue
-        note = m.Note("requeue" if requeue else "etcd-away", {"reason": cause}, warning=True)
-        return [note, *pause]
+        pause = m.Pause(self._pause, self._backoff.next())
+        if requeue:
+            self._said.discard("etcd-away")
+            return [m.Note("requeue", {"reason": cause}, warning=True), pause]
+        return [*self._once(m.Note("etcd-away", {"reason": cause}, warning=True)), pause]
 
-    def _pause_over(self, event: m.PauseOver) -> list[m.Action]:
-        if event.id == self._touch:  # ids are never reused: this is the touch's retry
-            self._touch = None
-            return self._maybe_touch()
-        if event.id != self._pause or self.state != State.PAUSED:
-            return []
-        self._pause = None
-        return self._after_pause()
+    def _once(self, note: m.Note) -> list[m.Action]:
+        said = note.event in self._said
+        self._said.add(note.event)
+        return [] if said else [note]
 
     def _place_lost(self, reason: str) -> list[m.Action]:
-        """Our key is gone while we wait: re-enter at the back of the queue. On a shared
-        session only if its lease lives (a key deleted by hand): ask etcd first."""
-        if not self.shared:
-            return self._close_then_reenter(reason)
+        """Our key is gone while we wait: re-enter at the back of the queue (a private
+        session: revoke it first, best effort, then pause and re-enter with a new one). On a
+        shared session only if its lease lives (a key deleted by hand): ask etcd first."""
         actions = self._cancel_watches()
+        if not self.shared:
+            self._gave_up, self._reentry = None, reason
+            return [*actions, *self._withdraw()]
         self.state = State.READING
         self.revision = 0
         check = self._send(m.CheckLease(self._new_id(), self.lease_id))
         return [*actions, m.Note("lease-check", {"reason": reason}), *check]
-
-    def _close_then_reenter(self, reason: str) -> list[m.Action]:
-        """Private session: revoke it (best effort), then pause and re-enter with a new one."""
-        self._pending_outcome = None
-        self._after_withdraw = lambda: self._pause_then(self._open_session, reason, requeue=True)
-        return [*self._cancel_watches(), *self._withdraw()]
 
     def _session_lost(self, reason: str) -> list[m.Action]:
         if not self._session_open:
             return []  # not the session we are on (none yet, or a closed one)
         if self.shared:
             return self._give_up(Reason.SESSION_LOST, f"session lost while queued: {reason}")
-        return self._close_then_reenter(f"session lost: {reason}")
-
-    def _deadline(self) -> list[m.Action]:
-        self._late = True
-        if self.state in _WAITING or self.state == State.PAUSED:
-            return self._give_up(Reason.NO_SLOT, "no free slot in time")
-        return []  # enqueueing or reading: we try once, and give up before waiting
+        return self._place_lost(f"session lost: {reason}")
 
     # -- giving up -----------------------------------------------------------------------
 
@@ -508,8 +481,7 @@ class Waiter:
         if not self._session_open:
             self.state, self.outcome = State.DONE, outcome
             return actions
-        self._pending_outcome = outcome
-        self._after_withdraw = self._finish
+        self._gave_up = outcome
         return [*actions, *self._withdraw()]
 
     def _withdraw(self) -> list[m.Action]:
@@ -521,20 +493,20 @@ class Waiter:
         return self._send(withdraw)
 
     def _withdrawing(self, event: m.Input) -> list[m.Action]:
-        if isinstance(event, m.Interrupt) and self._pending_outcome is None:
-            # Withdrawing to re-enter: stop there instead.
-            self._pending_outcome = m.GaveUp(*_interrupted(event))
-            self._after_withdraw = self._finish
+        if isinstance(event, m.Interrupt) and self._gave_up is None:
+            self._gave_up = m.GaveUp(*_interrupted(event))  # to re-enter: stop there instead
         elif isinstance(event, m.DeadlineReached):
             self._late = True
-        elif isinstance(event, m.Withdrawn) and event.id == self._request:
+        elif isinstance(event, m.Over) and event.id == self._request:
             self._request = None
-            return self._after_withdraw()
+            return self._withdrawn()
         return self._late_answer(event)
 
-    def _finish(self) -> list[m.Action]:
-        assert self._pending_outcome is not None
-        self.state, self.outcome = State.DONE, self._pending_outcome
+    def _withdrawn(self) -> list[m.Action]:
+        """Our key is out: end as given up, or pause and re-enter (a private session)."""
+        if self._gave_up is None:
+            return self._pause_then(self._open_session, self._reentry, requeue=True)
+        self.state, self.outcome = State.DONE, self._gave_up
         return []
 
     def _late_answer(self, event: m.Input) -> list[m.Action]:

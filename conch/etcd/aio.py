@@ -20,10 +20,10 @@ from conch.etcd import kv, lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
 from conch.etcd.lease import KEEPALIVE_SLACK as KEEPALIVE_SLACK
-from conch.etcd.lease import Grant, KeepAlives, LoopKeepAlives
+from conch.etcd.lease import Grant, LoopKeepAlives
 from conch.etcd.loop import call_soon as call_soon
 from conch.etcd.loop import resolve
-from conch.etcd.watch import LoopHub, Watch, WatchNotice
+from conch.etcd.watch import LoopHub, Watch, WatchNotice, _hub_for
 from conch.timer import PerOwner
 
 T = TypeVar("T")
@@ -69,9 +69,8 @@ async def grant(
 ) -> Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    return lease.granted(
-        await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
-    )
+    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    return lease.granted(response)
 
 
 async def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:
@@ -96,12 +95,16 @@ async def time_to_live(
     return int(response.TTL)
 
 
-def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], T]) -> Callable[[Client], T]:
-    """``make(client, loop)`` once per client and running loop, made on first use; the ones
-    of loops that have ended are dropped then (their streams ended with them)."""
+def _per_loop(
+    make: Callable[[Client, asyncio.AbstractEventLoop], T], forked: Callable[[Client], T]
+) -> Callable[[Client], T]:
+    """``make(client, loop)`` once per client and running loop, made on first use (those of
+    ended loops, and their streams, dropped then); in a forked process, ``forked(client)``."""
     tables: PerOwner[Client, dict[asyncio.AbstractEventLoop, T]] = PerOwner(lambda _c: {})
 
     def get(client: Client) -> T:
+        if not loop_native():
+            return forked(client)
         loop = asyncio.get_running_loop()
         table = tables(client)
         made = table.get(loop)
@@ -114,12 +117,8 @@ def _per_loop(make: Callable[[Client, asyncio.AbstractEventLoop], T]) -> Callabl
     return get
 
 
-_loop_hub = _per_loop(LoopHub)
-_loop_keepalives = _per_loop(LoopKeepAlives)
-
-
-def _keepalives(client: Client) -> KeepAlives:
-    return _loop_keepalives(client) if loop_native() else lease.keepalives_for(client)
+_hub = _per_loop(LoopHub, _hub_for)
+_keepalives = _per_loop(LoopKeepAlives, lease.keepalives_for)
 
 
 class LoopWatch:
@@ -142,8 +141,8 @@ class LoopWatch:
         self._on_notice = on_notice
         self._cancelled = False
         deliver: Callable[[WatchNotice], None] = self._deliver
-        hub = _loop_hub(client) if loop_native() else None
-        if hub is None:  # the threaded stream's reader thread hands each notice over
+        hub = _hub(client)
+        if not isinstance(hub, LoopHub):  # the threaded stream's reader hands each notice over
             loop = asyncio.get_running_loop()
 
             def deliver(notice: WatchNotice) -> None:

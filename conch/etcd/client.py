@@ -1,17 +1,21 @@
-"""The connection to an etcd cluster: endpoints, deadlines, failover, and error mapping.
+"""The connection to an etcd cluster: endpoints, deadlines, failover, and how a call fails.
 
 Every unary call carries a deadline; one that fails with UNAVAILABLE or runs out its
-per-attempt time is tried again on the next endpoint (``retry.Attempts``) until then. Streams
-run on the current endpoint; their owners re-open them after a failure, on the next one.
-With credentials, calls and streams carry an auth token; etcd refuses a stale one (expired,
-issued before an auth change, unknown to a member that restarted): one thread then
-authenticates for all (``Client.token``), and the call is retried within its deadline.
+per-attempt time is tried again on the next endpoint (``Attempts``, with a capped, jittered
+``Backoff`` between rounds) until then. Streams run on the current endpoint; their owners
+re-open them after a failure, on the next one. With credentials, calls and streams carry an
+auth token; etcd refuses a stale one (expired, issued before an auth change, unknown to a
+member that restarted): one thread then authenticates for all (``Client.token``), and the
+call is retried within its deadline. ``map_rpc_error`` is the one table from a gRPC status
+(and etcd's words) to conch's exceptions, for calls and streams, blocking or on a loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -20,7 +24,17 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import AuthenticationFailed, EtcdError, Interrupted, Unavailable, UsageError
+from conch.errors import (
+    AuthenticationFailed,
+    Compacted,
+    EtcdError,
+    Interrupted,
+    LeaseNotFound,
+    PermissionDenied,
+    TokenInvalid,
+    Unavailable,
+    UsageError,
+)
 from conch.etcd.endpoints import (
     TLS,
     Credentials,
@@ -32,7 +46,6 @@ from conch.etcd.endpoints import (
     parse_endpoints,
 )
 from conch.etcd.loop import admission, close_loop_channel, settled
-from conch.etcd.retry import Attempts, Backoff, map_rpc_error
 from conch.flag import Flag
 
 if TYPE_CHECKING:
@@ -40,18 +53,20 @@ if TYPE_CHECKING:
 
 # Seconds close() spends, in all, revoking the leases of sessions still open on the client.
 CLOSE_REVOKE_TIMEOUT = 1.0
+BACKOFF_FIRST = 0.05  # seconds
+BACKOFF_CAP = 1.0  # seconds
+ATTEMPT_FIRST = 1.0  # seconds; see Attempts.next
 
+_JITTER = random.Random()
 
-# Re-exported: what callers of this module have always found here.
+# With what callers of this module have always found here (re-exported).
 __all__ = [
     "TLS",
-    "Backoff",
     "Client",
     "Credentials",
     "Endpoint",
     "check_timeout",
     "connect",
-    "map_rpc_error",
     "parse_endpoints",
 ]
 
@@ -83,42 +98,31 @@ class Client:
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._auth_flight: asyncio.Task[str | None] | None = None  # call_async's Authenticate
-        self._stubs: dict[Endpoint, Stubs] = {}
-        # The grpc.aio channels of call_async and the loop's streams, by the event loop
-        # they are bound to (a grpc.aio channel serves the loop it was dialled on only).
-        self._loop_stubs: dict[asyncio.AbstractEventLoop, dict[Endpoint, Stubs]] = {}
+        # By the event loop their grpc.aio channel serves (only the one it was dialled on), or
+        # None: the blocking ones.
+        self._stubs: dict[asyncio.AbstractEventLoop | None, dict[Endpoint, Stubs]] = {None: {}}
         self._current = 0
         self._lock = threading.Lock()
         self._close_hooks: list[Callable[[float], None]] = []
         self._failover_listeners: list[Callable[[Endpoint], None]] = []
         self._closed = False
-        # gRPC channels do not survive fork(): a forked child must connect its own Client.
-        self.pid = os.getpid()
+        self.pid = os.getpid()  # gRPC channels do not survive fork(): a child connects its own
 
-    @classmethod
     @contextlib.contextmanager
-    def _dialling(
-        cls,
-        endpoints: Sequence[Endpoint],
-        dial_timeout: float,
-        request_timeout: float,
-        tls: TLS | None,
-        credentials: Credentials | None,
-    ) -> Iterator[Client]:
+    def _dialling(self, dial_timeout: float) -> Iterator[Client]:
         """The checks of ``connect`` and ``connect_async`` (UsageError), then the client to
-        dial (``_dial``) with, closed when the dial fails; an EtcdError but
-        AuthenticationFailed raised as Unavailable naming the endpoints."""
+        ``_dial``, closed if that fails: an EtcdError but AuthenticationFailed becomes
+        Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
-        check_timeout("request_timeout", request_timeout)
+        check_timeout("request_timeout", self.request_timeout)
         check_fork_support()
-        client = cls(endpoints, request_timeout, tls, credentials)
         try:
-            yield client
+            yield self
         except BaseException as exc:
-            client.close()
+            self.close()
             if not isinstance(exc, EtcdError) or isinstance(exc, AuthenticationFailed):
                 raise
-            eps = ",".join(str(e) for e in endpoints)
+            eps = ",".join(str(e) for e in self.endpoints)
             if isinstance(exc, Unavailable):
                 message = f"cannot reach etcd at {eps} within {dial_timeout:g}s: {exc}"
             else:
@@ -135,11 +139,10 @@ class Client:
         credentials: Credentials | None = None,
     ) -> Client:
         """Dial until some endpoint answers (Auth.Authenticate with credentials, else
-        Maintenance.Status); raise Unavailable after ``dial_timeout`` seconds, or
-        AuthenticationFailed. Writes nothing to etcd. Raises UsageError for a timeout that is
-        not above 0 or is over 10 years, and in a process forked from one that used gRPC with
-        its fork support off (its calls would hang)."""
-        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
+        Maintenance.Status; nothing written); Unavailable after ``dial_timeout`` seconds, or
+        AuthenticationFailed. UsageError for a timeout not above 0 or over 10 years, and in a
+        process forked from one that used gRPC with its fork support off (calls would hang)."""
+        with cls(endpoints, request_timeout, tls, credentials)._dialling(dial_timeout) as client:
             client._dial(dial_timeout)
         return client
 
@@ -152,10 +155,9 @@ class Client:
         tls: TLS | None = None,
         credentials: Credentials | None = None,
     ) -> Client:
-        """``connect`` for coroutines: the same dial (Auth.Authenticate with credentials,
-        else Maintenance.Status) through ``call_async``, the same errors. A cancel closes
-        the client before it propagates."""
-        with cls._dialling(endpoints, dial_timeout, request_timeout, tls, credentials) as client:
+        """``connect`` for coroutines: the same dial through ``call_async``, the same
+        errors. A cancel closes the client before it propagates."""
+        with cls(endpoints, request_timeout, tls, credentials)._dialling(dial_timeout) as client:
             await client._dial_async(dial_timeout)
         return client
 
@@ -166,10 +168,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Revoke the leases of the sessions still open on this client (at most
-        CLOSE_REVOKE_TIMEOUT seconds in all: a waiter's key or a hold left open goes at once,
-        not after its TTL), then drop the channels. In a process forked from the one that
-        connected, only forget them: they belong to the parent."""
+        """Revoke the leases of the sessions still open on this client (CLOSE_REVOKE_TIMEOUT
+        seconds in all: a waiter's key or a hold left open goes now, not after its TTL), then
+        drop the channels; in a forked process only forget them (they are the parent's)."""
         if os.getpid() == self.pid:
             with self._lock:
                 hooks, self._close_hooks = list(self._close_hooks), []
@@ -178,15 +179,11 @@ class Client:
                 hook(max(0.05, deadline - time.monotonic()))
         with self._lock:
             self._closed = True
-            stubs, self._stubs = list(self._stubs.values()), {}
-            by_loop, self._loop_stubs = self._loop_stubs, {}
-        if os.getpid() != self.pid:
-            return
-        for s in stubs:
-            s.channel.close()
-        for loop, table in by_loop.items():
-            for s in table.values():
-                close_loop_channel(loop, s.channel)
+            by_loop, self._stubs = self._stubs, {None: {}}
+        if os.getpid() == self.pid:
+            for loop, table in by_loop.items():
+                for s in table.values():
+                    _close(loop, s.channel)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -196,21 +193,20 @@ class Client:
     def _stubs_for(
         self, endpoint: Endpoint, loop: asyncio.AbstractEventLoop | None = None
     ) -> Stubs:
-        """The blocking stubs of ``endpoint``, or grpc.aio ones bound to ``loop`` (running).
-        Raises UsageError in a forked process, the closed client's EtcdError once closed."""
+        """The blocking stubs of ``endpoint``, or grpc.aio ones bound to ``loop`` (running);
+        UsageError in a forked process, the closed client's EtcdError once closed."""
         self._check_process()
         with self._lock:
             if self._closed:
                 raise _closed_error()
             stubs = self._table(loop).get(endpoint)
         if stubs is None:
-            # Dialled outside the lock: with --insecure-skip-tls-verify it is a TLS handshake
-            # (up to 5 s against a hung member) that other calls must not wait behind.
+            # Outside the lock: with skip_verify it is a TLS handshake (up to 5 s on a hung member).
             dialled = Stubs.dial(endpoint, self._tls, loop_native=loop is not None)
             with self._lock:
                 stubs = None if self._closed else self._table(loop).setdefault(endpoint, dialled)
             if stubs is not dialled:
-                close_loop_channel(loop, dialled.channel) if loop else dialled.channel.close()
+                _close(loop, dialled.channel)
             if stubs is None:
                 raise _closed_error()
         return stubs
@@ -223,21 +219,19 @@ class Client:
             )
 
     def _table(self, loop: asyncio.AbstractEventLoop | None) -> dict[Endpoint, Stubs]:
-        """The stubs dialled for ``loop`` (None: the blocking ones), with our lock held. The
-        channels of loops that have ended since are closed here: nothing else would."""
-        if loop is None:
-            return self._stubs
-        table = self._loop_stubs.get(loop)
+        """The stubs dialled for ``loop`` (None: the blocking ones), under our lock; closes
+        the channels of loops that have ended (nothing else would)."""
+        table = self._stubs.get(loop)
         if table is None:
-            for ended in [other for other in self._loop_stubs if other.is_closed()]:
-                for s in self._loop_stubs.pop(ended).values():
+            for ended in [other for other in self._stubs if other and other.is_closed()]:
+                for s in self._stubs.pop(ended).values():
                     close_loop_channel(ended, s.channel)
-            table = self._loop_stubs[loop] = {}
+            table = self._stubs[loop] = {}
         return table
 
     def failover(self, failed: Endpoint) -> None:
-        """Move on from ``failed`` to the next endpoint (no-op if someone already moved on).
-        Listeners (``on_failover``) hear of it when this call is the one that moved."""
+        """Move on from ``failed`` to the next endpoint (no-op if someone already moved on),
+        telling the ``on_failover`` listeners when this call is the one that moved."""
         with self._lock:
             moved = self.endpoints[self._current] == failed
             if moved:
@@ -247,8 +241,8 @@ class Client:
             listener(failed)
 
     def on_close(self, hook: Callable[[float], None]) -> Callable[[], None]:
-        """Call ``hook(seconds)`` from ``close()`` before the channels go, with the time it
-        may take (a session revokes its lease). Returns a function that removes it."""
+        """Call ``hook(seconds it may take)`` from ``close()`` before the channels go (a
+        session revokes its lease). Returns a function that removes it."""
         return self._add(self._close_hooks, hook)
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
@@ -257,7 +251,6 @@ class Client:
         return self._add(self._failover_listeners, listener)
 
     def _add(self, callbacks: list[Any], callback: Any) -> Callable[[], None]:
-        """Append ``callback`` to one of our lists, under our lock; return its remover."""
         with self._lock:
             callbacks.append(callback)
 
@@ -268,15 +261,14 @@ class Client:
         return remove
 
     def authenticate(self, timeout: float | None = None) -> None:
-        """Auth.Authenticate with our credentials and keep the token for later calls, within
-        ``timeout`` seconds (default ``request_timeout``). Raises AuthenticationFailed for a
-        wrong user or password, Unavailable when no member answers in time."""
+        """Auth.Authenticate with our credentials within ``timeout`` seconds (default
+        ``request_timeout``), the token kept for later calls. Raises AuthenticationFailed
+        for a wrong user or password, Unavailable when no member answers in time."""
         if self._credentials is not None:
             self._dial(timeout)
 
     def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
-        """``call``'s arguments for Auth.Authenticate with our credentials, else for
-        Maintenance.Status: what dials (and, with credentials, fetches a token)."""
+        """``call``'s arguments to dial: Auth.Authenticate with credentials, else Status."""
         if self._credentials is None:
             return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
         user, password = self._credentials.user, self._credentials.password
@@ -308,10 +300,9 @@ class Client:
 
     def token(self, timeout: float | None = None) -> str | None:
         """The auth token calls carry now (None without credentials), from Auth.Authenticate
-        within ``timeout`` seconds (default ``request_timeout``) when there is none.
-        Single-flight: one thread authenticates and the others wait for its token, so a burst
-        of stale tokens costs one Authenticate. Raises AuthenticationFailed, or Unavailable
-        when no token comes in time."""
+        within ``timeout`` seconds (default ``request_timeout``) when there is none: one
+        thread authenticates, the others wait for its token (a burst of stale tokens costs
+        one Authenticate). Raises AuthenticationFailed, or Unavailable when none comes in time."""
         credentials, token = self._credentials, self._token  # read once: others reset it
         if credentials is None or token is not None:
             return token
@@ -333,12 +324,11 @@ class Client:
         _authenticating: bool = False,
         interrupt: Flag | None = None,
     ) -> Any:
-        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``. Fails over and
-        retries on UNAVAILABLE, and authenticates again and retries when the token is stale,
-        until ``timeout`` seconds (default ``request_timeout``) pass. ``interrupt``, when set,
-        ends the retries (not an attempt in flight) with Interrupted. Raises Unavailable,
-        PermissionDenied, AuthenticationFailed, LeaseNotFound, Compacted, Interrupted or
-        EtcdError."""
+        """One unary RPC, e.g. ``call("kv", "Range", RangeRequest(...))``, failing over on
+        UNAVAILABLE and authenticating again on a stale token, retried until ``timeout``
+        seconds (default ``request_timeout``) pass; ``interrupt``, once set, ends the retries
+        (not an attempt in flight) with Interrupted. Raises Unavailable, PermissionDenied,
+        AuthenticationFailed, LeaseNotFound, Compacted, Interrupted or EtcdError."""
         attempts = Attempts(self, timeout)
         while True:
             endpoint, attempt = attempts.next()
@@ -358,10 +348,9 @@ class Client:
                 raise Interrupted(interrupt.reason)
 
     def _attempt_error(self, exc: Exception, endpoint: Endpoint) -> EtcdError:
-        """What an attempt's exception on ``endpoint`` means: gRPC's error mapped, our own
-        Unavailable (no token in time) as it is; gRPC's ValueError "Cannot invoke RPC on
-        closed channel!" (or grpc.aio's UsageError) raised as the closed client's error
-        (any other raised as it is)."""
+        """An attempt's exception: gRPC's mapped, our Unavailable (no token in time) as it
+        is; a ValueError "Cannot invoke RPC on closed channel!" (grpc.aio: UsageError) raised
+        as the closed client's error, any other raised as it is."""
         if isinstance(exc, grpc.RpcError):
             return map_rpc_error(exc, endpoint)
         if isinstance(exc, Unavailable):
@@ -379,12 +368,11 @@ class Client:
         _authenticating: bool = False,
         interrupt: asyncio.Event | None = None,
     ) -> Any:
-        """``call`` for coroutines: the same RPC, deadlines, failover, backoff and token
-        renewal (``Attempts`` decides for both), each attempt a grpc.aio call on a channel
-        bound to the running loop (in a process forked while grpc.aio channels were open, a
-        blocking call's ``.future()`` whose end wakes the loop). ``interrupt`` as ``call``'s
-        Flag. Cancelling the awaiting task cancels the attempt in flight (a write may then
-        have been applied, as after a timeout). Raises as ``call``."""
+        """``call`` for coroutines (``Attempts`` decides for both), each attempt a grpc.aio
+        call on a channel of the running loop (forked while grpc.aio channels were open: a
+        blocking call's ``.future()`` that wakes the loop); ``interrupt`` as ``call``'s Flag.
+        Cancelling cancels the attempt in flight (a write may have applied, as after a
+        timeout). Raises as ``call``."""
         import asyncio
 
         import grpc.aio
@@ -420,9 +408,8 @@ class Client:
                 raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:
-        """``token`` for coroutines: Auth.Authenticate through ``call_async`` within ``timeout``
-        seconds (default ``request_timeout``) when there is no token, single-flight per event
-        loop (the coroutines that find none await one Authenticate). Raises as ``token``."""
+        """``token`` for coroutines, through ``call_async``: the coroutines of one loop that
+        find no token await one Auth.Authenticate. Raises as ``token``."""
         import asyncio
 
         credentials, token = self._credentials, self._token  # read once: others reset it
@@ -446,10 +433,9 @@ class Client:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> tuple[Endpoint, Any]:
         """Open a bidirectional stream on ``endpoint`` (default: the current one) with ``token``
-        (by default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop,
-        whose caller brings the token); the caller owns failover and, when the stream ends
-        with TokenInvalid, ``invalidate_token(token)``. With ``hasleader``, etcd ends a stream
-        when its member loses the leader (partitioned from the quorum), not leaving it silent."""
+        (default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop, the
+        caller's token); the caller owns failover and, when it ends with TokenInvalid,
+        ``invalidate_token(token)``. ``hasleader``: etcd ends it if its member loses the leader."""
         import grpc.aio
 
         if loop is None:
@@ -457,8 +443,7 @@ class Client:
         metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
         endpoint = self.endpoint if endpoint is None else endpoint
         stub = getattr(self._stubs_for(endpoint, loop), service)
-        try:
-            # The call is both the handle to cancel and the iterator of responses.
+        try:  # the call: the handle to cancel and the iterator of responses
             return endpoint, getattr(stub, method)(requests, metadata=metadata)
         except (ValueError, grpc.aio.UsageError) as exc:
             raise self._attempt_error(exc, endpoint) from None
@@ -466,6 +451,10 @@ class Client:
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("token", token),)
+
+
+def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
+    close_loop_channel(loop, channel) if loop else channel.close()
 
 
 def _closed_error() -> EtcdError:
@@ -481,12 +470,129 @@ def connect(
     credentials: Credentials | None = None,
 ) -> Client:
     """A Client for ``endpoints`` (a comma-separated string or a list of ``host:port`` /
-    ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises UsageError for
-    a bad endpoint, Unavailable when none answers in time, AuthenticationFailed for wrong
-    credentials, and for a timeout that is not above 0 or is over 10 years (gRPC would wait
-    forever)."""
+    ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises Unavailable
+    when none answers in time, AuthenticationFailed for wrong credentials, UsageError for a
+    bad endpoint or a timeout not above 0 or over 10 years (gRPC would wait forever)."""
     check_timeout("dial_timeout", dial_timeout)
     check_timeout("request_timeout", request_timeout)
-    return Client.connect(
-        parse_endpoints(endpoints), dial_timeout, request_timeout, tls, credentials
+    parsed = parse_endpoints(endpoints)
+    return Client.connect(parsed, dial_timeout, request_timeout, tls, credentials)
+
+
+def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> EtcdError:
+    """Turn a gRPC error from etcd into the conch exception that says what happened."""
+    # A grpc.aio call's error (AioRpcError) is no grpc.Call, but has its code() and details().
+    aio = sys.modules.get("grpc.aio")  # loaded by whoever made an aio call
+    status = isinstance(error, grpc.Call) or (
+        aio is not None and isinstance(error, aio.AioRpcError)
     )
+    code = error.code() if status else grpc.StatusCode.UNKNOWN
+    details = (error.details() if status else None) or str(error)
+    message = f"{details} ({endpoint})" if endpoint else details
+    # etcd's UNKNOWN "context deadline exceeded" (out of time inside the server) is as
+    # retryable as our timeout; gRPC's "Stream removed" (an RST_STREAM from a busy server: etcd
+    # 3.4, a LeaseRevoke in a burst of auth changes) as a broken connection (every conch call
+    # is safe to repeat).
+    timed_out = ("context deadline exceeded", "request timed out", "Stream removed")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or any(
+        words in details for words in timed_out
+    ):
+        return Unavailable(message, code.name)
+    # Permissions changed since the token was issued (etcd's apply path's words, or 3.4's
+    # gRPC error's): authenticate again.
+    stale = ("invalid auth token", "revision in header is old", "revision of auth store is old")
+    if code == grpc.StatusCode.UNAUTHENTICATED or any(words in details for words in stale):
+        return TokenInvalid(message, code.name)
+    if "authentication failed" in details:
+        return AuthenticationFailed(message, code.name)
+    if "authentication is not enabled" in details:  # a user given to an open cluster
+        return AuthenticationFailed(f"{message}: give no user", code.name)
+    if code == grpc.StatusCode.PERMISSION_DENIED or "user name is empty" in details:
+        return PermissionDenied(message, code.name)
+    if code == grpc.StatusCode.NOT_FOUND and "lease not found" in details:
+        return LeaseNotFound(message, code.name)
+    if code == grpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
+        return Compacted(message)
+    return EtcdError(message, code.name)
+
+
+class Backoff:
+    """Capped exponential backoff with decorrelated jitter (else the waiters of one outage
+    retry in lockstep, each retry a burst on etcd): ``next()`` gives the next pause in
+    seconds, from [``first``, 3 x the previous one] (the first from [``first``, 3 x
+    ``first``]), never over ``cap``. ``rng`` (a ``random.Random``) makes it reproducible;
+    ``reset()`` starts again from ``first`` (after progress)."""
+
+    def __init__(
+        self,
+        first: float = BACKOFF_FIRST,
+        cap: float = BACKOFF_CAP,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._first = first
+        self._cap = cap
+        self._last = first
+        # One generator for all: seeding one (os.urandom) costs tens of microseconds, and a
+        # Hold makes its Backoff on the handoff's path.
+        self._rng = rng or _JITTER
+
+    def next(self) -> float:
+        self._last = min(self._cap, self._rng.uniform(self._first, self._last * 3))
+        return self._last
+
+    def reset(self) -> None:
+        self._last = self._first
+
+
+class Attempts:
+    """The decisions of one unary call (``call`` or ``call_async``) across its attempts,
+    within ``timeout`` seconds (default the client's ``request_timeout``)."""
+
+    def __init__(self, client: Client, timeout: float | None) -> None:
+        if timeout is not None:
+            check_timeout("timeout", timeout)  # nan or inf would make gRPC wait forever
+        self._client = client
+        total = client.request_timeout if timeout is None else timeout
+        self.deadline = time.monotonic() + total
+        self._backoff = Backoff()
+        self._tried_in_round = self._stale_tokens = self._rounds = 0
+
+    def left(self) -> float:
+        """Seconds left until the call's deadline (negative once past)."""
+        return self.deadline - time.monotonic()
+
+    def next(self) -> tuple[Endpoint, float]:
+        """The endpoint of the next attempt, and the seconds it may take there: with other
+        endpoints to try, ATTEMPT_FIRST doubled each full round over them (a silent member
+        holds an attempt this long; half the time left held a LeaseRevoke 2.5 s on a cut-off
+        leader), so that a link that is only slow still gets calls through."""
+        left = self.left()
+        if len(self._client.endpoints) > 1:
+            left = min(left, ATTEMPT_FIRST * 2.0 ** min(self._rounds, 6))
+        return self._client.endpoint, max(left, 0.001)
+
+    def failed(self, error: EtcdError, endpoint: Endpoint, token: str | None) -> float:
+        """The seconds to pause (0: none) after an attempt on ``endpoint`` with ``token``
+        failed with ``error``; raises it when not worth retrying or out of time (Unavailable
+        when a fresh token never came)."""
+        stale = isinstance(error, TokenInvalid) and token is not None
+        if not (stale or isinstance(error, Unavailable)) or time.monotonic() >= self.deadline:
+            if stale:
+                # Out of time renewing tokens: as transient as a member that is away.
+                raise Unavailable(f"no fresh auth token accepted in time: {error}") from None
+            raise error
+        if stale:
+            # A burst of auth changes (each makes older JWT tokens stale) outruns any fixed
+            # count of retries: retry while time is left, at once the first time.
+            self._client.invalidate_token(token)
+            self._stale_tokens += 1
+            if self._stale_tokens == 1:
+                return 0.0
+        else:
+            self._client.failover(endpoint)
+            self._tried_in_round += 1
+            if self._tried_in_round < len(self._client.endpoints):
+                return 0.0
+            self._tried_in_round = 0
+            self._rounds += 1
+        return min(self._backoff.next(), max(0.0, self.left()))

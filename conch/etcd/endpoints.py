@@ -1,9 +1,6 @@
-"""Where calls go: etcd members' endpoints, TLS, credentials, and the gRPC channels to them.
-
-A channel to a member is dialled twice over at most: once for blocking calls (``grpc``),
-and once per event loop for its coroutines (``grpc.aio``, whose calls run on that loop).
-Both carry the same options: HTTP/2 pings, no gRPC retries, a short reconnect backoff.
-"""
+"""Where calls go: etcd members' endpoints, TLS, credentials, and the gRPC channels to them:
+one for blocking calls (``grpc``) and one per event loop for its coroutines (``grpc.aio``)
+per member, all with HTTP/2 pings, no gRPC retries and a short reconnect backoff."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 0),  # etcd answers pings on idle links with GOAWAY
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.enable_retries", 0),
-    # gRPC's reconnect backoff grows to 2 minutes: a client that lived through a long outage
-    # stayed unavailable for 14-20 s after etcd was back. Dialling a member is cheap.
+    # gRPC's own grows to 2 minutes: a client stayed away 14-20 s after a long outage ended.
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
@@ -54,7 +50,7 @@ class Endpoint:
 
     @classmethod
     def parse(cls, text: str) -> Endpoint:
-        """Parse one endpoint; raise UsageError naming it when it is not ``[scheme://]host:port``."""
+        """Parse one endpoint; UsageError naming it when it is not ``[scheme://]host:port``."""
         raw = text.strip()
         tls = False
         for scheme, is_tls in (("http://", False), ("https://", True)):
@@ -72,9 +68,8 @@ class Endpoint:
 @dataclass(frozen=True)
 class TLS:
     """Transport security: PEM bytes of the CA bundle (None: the system's roots), and of the
-    client certificate and key for mutual TLS. ``skip_verify`` trusts whatever certificate
-    each endpoint presents (etcdctl's --insecure-skip-tls-verify): encrypted, but open to a
-    man in the middle."""
+    client certificate and key for mutual TLS. ``skip_verify`` trusts the certificate each
+    endpoint presents (etcdctl's --insecure-skip-tls-verify): open to a man in the middle."""
 
     cacert: bytes | None = None
     cert: bytes | None = None
@@ -88,9 +83,7 @@ class TLS:
         Unavailable when skip_verify cannot fetch the endpoint's certificate."""
         roots = self.cacert
         options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
-        if self.skip_verify:
-            # gRPC cannot turn verification off; trust the presented certificate itself,
-            # under a name it carries.
+        if self.skip_verify:  # gRPC cannot skip verifying: trust the one presented, by its name
             roots, name = _presented_certificate(endpoint, self.cert, self.key)
             options.append(("grpc.ssl_target_name_override", name))
         return grpc.ssl_channel_credentials(roots, self.key, self.cert), options
@@ -99,9 +92,9 @@ class TLS:
 def _presented_certificate(
     endpoint: Endpoint, cert: bytes | None, key: bytes | None
 ) -> tuple[bytes, str]:
-    """The PEM certificate ``endpoint`` presents, and a host name it is valid for. One TLS
-    handshake (of at most 5 s) without verification, showing our client certificate
-    (``cert``, ``key``: PEM) if we have one: an etcd that requires one ends it without."""
+    """The PEM certificate ``endpoint`` presents, and a host name it is valid for, from one
+    unverified TLS handshake (at most 5 s) showing our client certificate (``cert``,
+    ``key``: PEM) if any (an etcd that requires one ends it without)."""
     import socket
     import ssl
     import tempfile
@@ -150,10 +143,8 @@ class Credentials:
 
 class Stubs(NamedTuple):
     """One channel to one member and the etcd services' stubs on it: blocking ``grpc``
-    calls, or (``dial(..., loop_native=True)``) ``grpc.aio`` calls bound to the event loop
-    running at the dial."""
+    calls, or (``dial(..., loop_native=True)``) ``grpc.aio`` ones on the loop running then."""
 
-    endpoint: Endpoint
     channel: Any  # grpc.Channel, or grpc.aio.Channel
     kv: pb.KVStub
     lease: pb.LeaseStub
@@ -177,7 +168,7 @@ class Stubs(NamedTuple):
         if loop_native:
             _loop_channels.add(channel)
         services = (pb.KVStub, pb.LeaseStub, pb.WatchStub, pb.MaintenanceStub, pb.AuthStub)
-        return cls(endpoint, channel, *(stub(channel) for stub in services))
+        return cls(channel, *(stub(channel) for stub in services))
 
 
 # The process that last dialled a channel: a child forked from it inherits gRPC's state.
@@ -187,8 +178,8 @@ _FALSE = ("0", "false", "no", "n", "f", "off")
 
 def check_fork_support() -> None:
     """Raise UsageError in a process forked from one that used gRPC when gRPC's fork support
-    is off (GRPC_ENABLE_FORK_SUPPORT=false): its first call would hang in gRPC for good,
-    past every deadline (found with multiprocessing's fork start method)."""
+    is off (GRPC_ENABLE_FORK_SUPPORT=false): its first call would hang past every deadline
+    (found with multiprocessing's fork start method)."""
     setting = os.environ.get("GRPC_ENABLE_FORK_SUPPORT", "").strip().lower()
     if _dialled_in not in (None, os.getpid()) and setting in _FALSE:
         raise UsageError(
@@ -210,8 +201,7 @@ def check_timeout(parameter: str, seconds: float, zero: bool = False) -> None:
 
 
 def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
-    """``endpoints`` (a comma-separated string or a list) parsed; UsageError naming a bad
-    one, or when none is given."""
+    """``endpoints`` (comma-separated, or a list) parsed; UsageError for a bad one or none."""
     texts = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
     parsed = [Endpoint.parse(t) for t in texts if t.strip()]
     if not parsed:
@@ -219,15 +209,13 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
     return parsed
 
 
-# grpc.aio channels dialled here and not closed yet. gRPC's asyncio stack does not survive a
-# fork while any is open (its poller thread stays behind in the parent, and a child's calls
-# then hang past their deadlines, found with os.fork); a child forked then uses the
-# blocking stack for its coroutines too (``loop_native``).
+# grpc.aio channels open. gRPC's asyncio stack does not survive a fork while any is (its
+# poller thread stays in the parent; a child's calls hung past their deadlines): a child
+# forked then uses the blocking stack for its coroutines too (``loop_native``).
 _loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
 _loop_native_lost_in: int | None = None
-# A child keeps the grpc.aio channels open at the fork referenced for good: gRPC's destructor,
-# run there (the parent's Client closed or collected in the child), hung the child or wrote
-# into the connection it shares with the parent, which then lost its keepalives.
+# The child keeps those referenced for good: gRPC's destructor, run there, hung the child or
+# wrote into the connection it shares with the parent (which then lost its keepalives).
 _parents_channels: list[Any] = []
 
 
@@ -242,8 +230,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def loop_native() -> bool:
-    """Whether coroutines may use gRPC's asyncio stack in this process: not in one forked
-    (at any depth) while grpc.aio channels dialled here were open."""
+    """Whether coroutines may use gRPC's asyncio stack here: not in a process forked (at any
+    depth) while grpc.aio channels were open."""
     return _loop_native_lost_in is None
 
 

@@ -10,10 +10,10 @@ from conchpb.mvccpb import kv_pb2
 from conch.etcd.client import Client
 from conch.flag import Flag
 
-KeyValue: TypeAlias = kv_pb2.KeyValue
-RangeRequest: TypeAlias = rpc_pb2.RangeRequest
-RangeResponse: TypeAlias = rpc_pb2.RangeResponse
 TxnResponse: TypeAlias = rpc_pb2.TxnResponse
+CREATE = rpc_pb2.RangeRequest.CREATE  # sort_target: by create_revision
+ASCEND = rpc_pb2.RangeRequest.ASCEND
+DESCEND = rpc_pb2.RangeRequest.DESCEND
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -38,11 +38,6 @@ def range_(
     return cast(
         rpc_pb2.RangeResponse, client.call("kv", "Range", request, timeout, interrupt=interrupt)
     )
-
-
-CREATE = rpc_pb2.RangeRequest.CREATE  # sort_target: by create_revision
-ASCEND = rpc_pb2.RangeRequest.ASCEND
-DESCEND = rpc_pb2.RangeRequest.DESCEND
 
 
 def range_prefix(
@@ -105,6 +100,12 @@ def create_revision_is(key: bytes, revision: int) -> rpc_pb2.Compare:
     )
 
 
+def prefix_request(prefix: bytes, **fields: Any) -> rpc_pb2.RangeRequest:
+    """A RangeRequest over every key under ``prefix`` with further ``fields``."""
+    return rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix), **fields)
+
+
+# The operations of a Txn's success or failure branch.
 def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc_pb2.RequestOp:
     return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
 
@@ -115,11 +116,6 @@ def op_get(key: bytes) -> rpc_pb2.RequestOp:
 
 def op_range(request: rpc_pb2.RangeRequest) -> rpc_pb2.RequestOp:
     return rpc_pb2.RequestOp(request_range=request)
-
-
-def prefix_request(prefix: bytes, **fields: Any) -> rpc_pb2.RangeRequest:
-    """A RangeRequest over every key under ``prefix`` with further ``fields``."""
-    return rpc_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix), **fields)
 
 
 def op_delete(key: bytes) -> rpc_pb2.RequestOp:

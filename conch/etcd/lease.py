@@ -47,9 +47,8 @@ def granted(response: rpc_pb2.LeaseGrantResponse) -> Grant:
 
 
 def revoke(client: Client, lease_id: int, timeout: float | None = None) -> None:
-    """Lease.LeaseRevoke: the lease and every key attached to it go at once.
-
-    A lease that is already gone counts as revoked."""
+    """Lease.LeaseRevoke: the lease and every key attached to it go at once; a lease that is
+    already gone counts as revoked."""
     with contextlib.suppress(LeaseNotFound):
         client.call("lease", "LeaseRevoke", rpc_pb2.LeaseRevokeRequest(ID=lease_id), timeout)
 
@@ -66,6 +65,7 @@ ASK_ANOTHER_AFTER = 0.5  # seconds
 # How late the keepalives' timers may enforce a deadline before the waiter stops waiting.
 KEEPALIVE_SLACK = 1.0  # seconds
 NO_ANSWER = "keepalive: no answer in time"
+_LEASE = ("lease", "LeaseKeepAlive")  # the stream: service, method
 
 # What a keepalive comes to: the TTL in seconds, LeaseNotFound (TTL <= 0) or Unavailable.
 Outcome = int | EtcdError
@@ -88,14 +88,11 @@ def wait_for(deadline: float) -> float:
 
 class KeepAlives:
     """The LeaseKeepAlive stream of one Client, for all of its leases (etcd answers each
-    keepalive with its lease ID, in order). ``refresh(lease_id, deadline, done)`` sends one
-    keepalive and calls ``done(outcome)`` once: the TTL etcd answered, LeaseNotFound for
-    TTL <= 0, Unavailable for no answer by ``deadline``. A broken stream is dropped, the
-    client fails over, and the keepalive goes out again after a capped backoff; a silent
-    one also goes to the next member after ASK_ANOTHER_AFTER, whose answer, if first, makes
-    it the member in use. Steps run on one timer thread (``timer``, conch-keepalive) that
-    never waits on etcd, streams open on another (conch-keepalive-open); ``done`` runs on
-    the timer thread and must not block. No stream stays open once no lease is left."""
+    keepalive with its lease ID, in order). A broken stream is dropped, the client fails
+    over, and the keepalive goes out again after a capped backoff; a silent one also goes to
+    the next member after ASK_ANOTHER_AFTER, whose answer, if first, makes it the member in
+    use. Steps run on one timer thread (``timer``, conch-keepalive) that never waits on etcd,
+    streams open on another (conch-keepalive-open). No stream stays open once no lease is left."""
 
     def __init__(self, client: Client) -> None:
         self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
@@ -106,8 +103,6 @@ class KeepAlives:
         # keepalives sent and the answers received (etcd answers in order).
         self._streams: dict[Stream, dict[int, list[int]]] = {}
         self._opening: dict[Endpoint, list[_Ask]] = {}  # streams being opened, who waits
-        # A stream refused at once (our token forgotten) may end before it reaches us.
-        self._early_ends: dict[Stream, EtcdError] = {}
         self._asks: dict[int, _Ask] = {}  # the keepalive under way, by lease ID
         self._leases: set[int] = set()  # leases kept alive here
         # Answers from the readers, not yet handled on the timer thread.
@@ -116,17 +111,17 @@ class KeepAlives:
         self._draining = False
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
-        """One LeaseKeepAliveRequest for ``lease_id``; ``done(outcome)`` once, by ``deadline``
-        (``time.monotonic()``). One still under way for the lease is given up (Unavailable).
-        Raises RuntimeError when the timer thread cannot be started. From any thread."""
+        """One LeaseKeepAliveRequest for ``lease_id``, from any thread; ``done(outcome)`` once,
+        on the timer thread (it must not block), by ``deadline`` (``time.monotonic()``): the
+        TTL, LeaseNotFound for TTL <= 0, Unavailable for no answer. One still under way for
+        the lease is given up (Unavailable). Raises RuntimeError when no timer thread starts."""
         self._steps.call_later(0, lambda: self._start(_Ask(lease_id, deadline, done)))
 
     def forget(self, lease_id: int) -> None:
-        """Stop keeping ``lease_id`` alive: a keepalive under way is dropped (no ``done``);
-        the last lease closes the streams. From any thread."""
+        """Stop keeping ``lease_id`` alive (from any thread): a keepalive under way is dropped
+        (no ``done``); the last lease closes the streams. The other steps run on the timer
+        thread."""
         self._steps.call_later(0, lambda: self._forget(lease_id))
-
-    # -- on the timer thread --------------------------------------------------------------
 
     def _start(self, ask: _Ask) -> None:
         previous = self._asks.get(ask.lease_id)
@@ -141,26 +136,21 @@ class KeepAlives:
         # On the stream in use, else to the member after the last one asked.
         if self._asks.get(ask.lease_id) is not ask or ask.left() <= 0:
             return
-        target = self._next_to_ask(ask)
-        if isinstance(target, Stream):
-            self._send(ask, target)
-        elif target is not None:
-            self._open(target, ask)
-
-    def _next_to_ask(self, ask: _Ask) -> Stream | Endpoint | None:
         current = next(iter(self._streams), None)
-        if not ask.asked and current is not None:
-            return current
         client = self._client_ref()
-        if client is None:
-            return None
-        asked = [stream.endpoint for stream in ask.asked]
-        endpoints = client.endpoints
-        start = endpoints.index(asked[-1]) + 1 if asked else endpoints.index(client.endpoint)
-        for endpoint in endpoints[start:] + endpoints[:start]:
-            if endpoint not in asked:
-                return next((s for s in self._streams if s.endpoint == endpoint), endpoint)
-        return None
+        if not ask.asked and current is not None:
+            self._send(ask, current)
+        elif client is not None:
+            asked = [stream.endpoint for stream in ask.asked]
+            endpoints = client.endpoints
+            start = endpoints.index(asked[-1]) + 1 if asked else endpoints.index(client.endpoint)
+            for endpoint in [e for e in endpoints[start:] + endpoints[:start] if e not in asked]:
+                stream = next((s for s in self._streams if s.endpoint == endpoint), None)
+                if stream is None:
+                    self._open(endpoint, ask)
+                else:
+                    self._send(ask, stream)
+                return
 
     def _send(self, ask: _Ask, stream: Stream) -> None:
         counts = self._streams[stream].setdefault(ask.lease_id, [0, 0])
@@ -194,10 +184,10 @@ class KeepAlives:
 
     def _opened(self, endpoint: Endpoint, opened: Stream | EtcdError) -> None:
         waiting = self._opening.pop(endpoint, [])
-        if isinstance(opened, Stream):
-            # Ended before it was ours: a failed open (kept, its keepalives would go
-            # unanswered until the deadline declared the session lost).
-            opened = self._early_ends.pop(opened, opened)
+        if isinstance(opened, Stream) and opened.error is not None:
+            # Refused at once (our token forgotten), before it was ours: a failed open (kept,
+            # its keepalives would go unanswered until the deadline declared the session lost).
+            opened = opened.error
         if isinstance(opened, Stream):
             if not self._leases:
                 opened.close()
@@ -212,9 +202,7 @@ class KeepAlives:
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
         if counts is None:
-            if item.error is not None and self._opening:
-                self._early_ends[item.stream] = item.error  # for _opened to find
-            return  # a stream we already left, or one not registered yet
+            return  # a stream we already left, or one not registered yet (``_opened``)
         if item.error is not None:
             self._drop(item.stream)
             self._failover(item.stream)
@@ -283,8 +271,6 @@ class KeepAlives:
         self._streams.pop(stream, None)
         stream.close()
 
-    # -- on other threads -----------------------------------------------------------------
-
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
         # On the opener thread (RuntimeError when it cannot be started): Auth.Authenticate
         # within ``timeout`` seconds if the token is missing; the stream to the timer thread.
@@ -325,9 +311,6 @@ class KeepAlives:
                 self._on_item(item)
             except Exception as exc:  # a bug (or a failover listener's) must not stop the rest
                 log.error("keepalive-answer-failed", error=repr(exc))
-
-
-_LEASE = ("lease", "LeaseKeepAlive")
 
 
 @dataclasses.dataclass(eq=False, slots=True)

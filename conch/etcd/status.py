@@ -19,6 +19,7 @@ from conch.timer import PerOwner
 # Seconds before an endpoint whose Status failed is asked again (until then its release is
 # not known, and reads take the plan that is safe on every release).
 ASK_AGAIN_AFTER = 10.0
+_STATUS = rpc_pb2.StatusRequest()  # never changed
 
 
 class _Versions:
@@ -44,19 +45,17 @@ _versions: PerOwner[Client, _Versions] = PerOwner(lambda _client: _Versions())
 
 def server_version(client: Client, interrupt: Flag | None = None) -> str | None:
     """The etcd release of the endpoint ``client`` calls now ("3.5.1", Maintenance.Status's
-    ``version``), asked once per endpoint and remembered for the client's life; None when
-    Status failed (asked again ASK_AGAIN_AFTER seconds later). One Status at a time per
-    client, within the client's request timeout. Raises Interrupted when ``interrupt`` ends
-    the Status's retries."""
+    ``version``, one Status at a time per client within its request timeout), remembered for
+    the client's life; None when Status failed (asked again ASK_AGAIN_AFTER seconds later).
+    Raises Interrupted when ``interrupt`` ends the Status's retries."""
     versions = _versions(client)
     endpoint = client.endpoint
     with versions.lock:
         known, version = versions.remembered(endpoint)
         if known:
             return version
-        request = rpc_pb2.StatusRequest()
         try:
-            response = client.call("maintenance", "Status", request, interrupt=interrupt)
+            response = client.call("maintenance", "Status", _STATUS, interrupt=interrupt)
         except EtcdError:
             response = None
         return versions.learn(endpoint, response)
@@ -65,9 +64,8 @@ def server_version(client: Client, interrupt: Flag | None = None) -> str | None:
 async def server_version_async(
     client: Client, interrupt: asyncio.Event | None = None
 ) -> str | None:
-    """``server_version`` for coroutines: the coroutines of one loop that find the release
-    not known await one Status (``Client.call_async``). Raises Interrupted when
-    ``interrupt`` ends the Status's retries (that coroutine only)."""
+    """``server_version`` for coroutines: those of one loop that find the release not known
+    await one Status (``call_async``). Interrupted when ``interrupt`` is set (that one only)."""
     versions = _versions(client)
     endpoint = client.endpoint
     known, version = versions.remembered(endpoint)
@@ -93,7 +91,7 @@ async def server_version_async(
 
 async def _ask(client: Client, versions: _Versions, endpoint: Endpoint) -> str | None:
     try:
-        response = await client.call_async("maintenance", "Status", rpc_pb2.StatusRequest())
+        response = await client.call_async("maintenance", "Status", _STATUS)
     except EtcdError:
         response = None
     return versions.learn(endpoint, response)

@@ -13,7 +13,7 @@ import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.retry import map_rpc_error
+from conch.etcd.client import map_rpc_error
 
 if TYPE_CHECKING:
     import asyncio
@@ -27,11 +27,10 @@ Deliver = Callable[["StreamItem"], None]
 
 class BidiStream:
     """A bidirectional gRPC stream on ``endpoint`` (default: the client's current one) that
-    carries ``token`` (``Client.token`` or ``token_async`` first; None without credentials).
-    ``send()`` queues a request; a reader thread hands ``deliver`` one ``StreamItem`` per
-    response, then one with ``error`` set when the stream ends for any reason (TokenInvalid
-    also invalidates ``token``, so the owner's next stream carries a fresh one). ``close()``
-    cancels the call; nothing is delivered after it."""
+    carries ``token`` (from ``Client.token``; None without credentials). ``send()`` queues a
+    request; a reader thread hands ``deliver`` one ``StreamItem`` per response, then one with
+    ``error`` set when the stream ends (TokenInvalid also invalidates ``token``, so the
+    owner's next stream carries a fresh one). ``close()`` cancels it; nothing comes after."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
@@ -46,6 +45,7 @@ class BidiStream:
     ) -> None:
         self._client, self._deliver, self.token = client, deliver, token
         self._closed = False
+        self.error: EtcdError | None = None  # what ended it, once it has ended
         requests, loop = self._queue()
         opened = client.open_stream(service, method, requests, None, token, endpoint, loop)
         self.endpoint, self._call = opened
@@ -92,15 +92,15 @@ class BidiStream:
             error = map_rpc_error(rpc_error, self.endpoint)
         if isinstance(error, TokenInvalid):
             self._client.invalidate_token(self.token)
+        self.error = error
         if not self._closed:
             self._hand_over(StreamItem(self, None, error))
 
 
 class LoopStream(BidiStream):
-    """A BidiStream on the running event loop (grpc.aio), read by a task of that loop, so
-    no thread of ours hands its answers over: ``deliver`` is called on the loop (an exception
-    it raises is logged, the stream reads on); ``send()`` and ``close()`` too. Opening waits
-    for nothing."""
+    """A BidiStream on the running event loop (grpc.aio; ``token`` from ``token_async``),
+    read by a task of it: ``deliver`` is called on the loop (an exception it raises is
+    logged, the stream reads on), ``send()`` and ``close()`` too. Opening waits for nothing."""
 
     def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
         import asyncio

@@ -1,8 +1,5 @@
 """Watches: a key or range watched from a start revision, events delivered to a callback.
-
-All the watches of one Client share one Watch.Watch stream (one reader, not one per watch).
-etcd answers create requests in order: the n-th ``created`` answer is the n-th create still
-unanswered's; later answers carry the watch_id it gave."""
+All the watches of one Client share one Watch.Watch stream (one reader, not one per watch)."""
 
 from __future__ import annotations
 
@@ -127,7 +124,8 @@ class _Hub:
         self._lock = threading.RLock()
         self._stream: Stream | None = None
         self._watches: set[Watch] = set()
-        self._unanswered: collections.deque[Watch] = collections.deque()  # creates, in order
+        # Creates not answered yet: etcd answers them in order, later answers by watch_id.
+        self._unanswered: collections.deque[Watch] = collections.deque()
         self._by_id: dict[int, Watch] = {}
         self._heard = time.monotonic()  # when the current stream last answered
         self._failures = 0
@@ -137,8 +135,6 @@ class _Hub:
         self._probing = False
         self._idle_check = False
         self._opening = False  # a thread is opening the stream, outside the lock
-        # A stream's reader starts with it: its end may come before it is installed.
-        self._early_end: tuple[Stream, EtcdError] | None = None
         client.on_failover(self._endpoint_failed)
 
     def add(self, watch: Watch) -> None:
@@ -204,10 +200,10 @@ class _Hub:
             self._detach()
             self._stream = stream
             self._heard = time.monotonic()
-            early, self._early_end = self._early_end, None
-            if early is not None and early[0] is stream:
-                # Refused at once (as while etcd restarts): resume now, not at the probe.
-                self._broken(stream, early[1])
+            if stream.error is not None:
+                # Its reader starts with it: refused at once (as while etcd restarts) before
+                # it was installed. Resume now, not at the probe.
+                self._broken(stream, stream.error)
                 return
             for watch in list(self._watches):
                 self._send_create(stream, watch)
@@ -229,9 +225,7 @@ class _Hub:
         notices: list[WatchNotice] = []
         with self._lock:
             if item.stream is not self._stream:
-                if self._opening and item.error is not None:
-                    self._early_end = (item.stream, item.error)  # for _connect to see
-                return  # a stream we already left, or one not installed yet
+                return  # a stream we already left, or one not installed yet (``_connect``)
             self._heard = time.monotonic()
             response = item.response
             if item.error is not None:

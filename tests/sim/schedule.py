@@ -49,7 +49,7 @@ from conch.core import messages as m
 from conch.core import session as sm
 from conch.core import waiter as r
 from conch.errors import Compacted, EtcdError, Unavailable
-from conch.etcd.retry import map_rpc_error
+from conch.etcd.client import map_rpc_error
 from tests.sim.model import ModelError, SimEtcd
 
 TTL = 5  # seconds: every session's lease
@@ -279,7 +279,7 @@ class World:
             if isinstance(action, m.CancelWatch):
                 self._cancel_watch(proc, action.id)
             elif isinstance(action, m.Pause):
-                over = m.PauseOver(action.id)
+                over = m.Over(action.id)
                 self._timer(action.seconds, proc, "pause", functools.partial(self.feed, proc, over))
             else:
                 self._send(proc, action)
@@ -309,7 +309,7 @@ class World:
                 return done.value
             except EtcdError as error:
                 if isinstance(action, m.Withdraw):
-                    return m.Withdrawn(action.id)  # best effort: over either way
+                    return m.Over(action.id)  # best effort: over either way
                 failed = codec.failed(getattr(action, "id", 0), error)
                 if isinstance(action, READS) and failed.failure == m.Failure.NO_SPACE:
                     # etcd serves Ranges under its space alarm: a read that fails for it
@@ -362,7 +362,7 @@ class World:
                 yield lambda: self._revoke(action.lease_id)
             else:
                 yield self._on_model(codec.withdraw_call(action))
-            return m.Withdrawn(action.id)
+            return m.Over(action.id)
         raise AssertionError(f"unknown action {action!r}")
 
     def _on_model(self, call: codec.Call) -> Callable[[], Any]:
@@ -1222,7 +1222,7 @@ def _lost(answer: Any) -> Any:
     if isinstance(answer, tuple):
         answer = answer[0]
     machine_id = getattr(answer, "id", None)
-    if isinstance(answer, m.Withdrawn) or machine_id is None or machine_id == 0:
+    if isinstance(answer, m.Over) or machine_id is None or machine_id == 0:
         return answer
     return codec.failed(machine_id, etcd_error(ModelError("DEADLINE_EXCEEDED", "answer lost")))
 

@@ -24,7 +24,7 @@ class NoGapCheck(r.Waiter):
     """Trusts its watch from "now" and never reads the keys again once etcd confirms it,
     so a change between its read and the watch's start is missed (liveness)."""
 
-    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+    def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if isinstance(event, m.WatchCreated):
             return []
         return super()._on_watch(event)
@@ -33,7 +33,7 @@ class NoGapCheck(r.Waiter):
 class NoRewatch(r.Waiter):
     """Ignores a broken or compacted watch: sleeps on without one (liveness)."""
 
-    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+    def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if isinstance(event, m.WatchBroken):
             return []
         return super()._on_watch(event)
@@ -44,7 +44,7 @@ class CountsBeforeGapCheck(r.Waiter):
     the fix the simulator's seeds 1568 and 1698 found: a key deleted between the queue read
     and the watch's start is held (safety)."""
 
-    def _on_watch(self, event: m.WatchCreated | m.WatchEvents | m.WatchBroken) -> list[m.Action]:
+    def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if (
             isinstance(event, m.WatchEvents)
             and event.id == self._watch
@@ -61,7 +61,7 @@ class NoWithdraw(r.Waiter):
 
     def _withdraw(self) -> list[m.Action]:
         self.state = r.State.WITHDRAWING
-        return self._after_withdraw()
+        return self._withdrawn()
 
 
 class NoSpaceFallback(codec.ReadTogether):

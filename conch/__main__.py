@@ -2,23 +2,17 @@
 
 import os
 
-FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
-VERBOSITY = "GRPC_VERBOSITY"
-
 
 def main() -> None:
     """Import the command line and run it; an interrupt during the imports exits 130
-    quietly. For its own process only, and only where the environment does not set them,
-    the command sets GRPC_ENABLE_FORK_SUPPORT=false (it forks only to exec; gRPC's fork
-    handlers can hang fork() while streams are active) and, while grpc is imported,
-    GRPC_VERBOSITY=NONE (no absl lines around conch's own report of a failure).
-    """
-    fork_support_off = FORK_SUPPORT not in os.environ
+    quietly. Where the environment does not set them, sets GRPC_ENABLE_FORK_SUPPORT=false
+    and, while grpc is imported, GRPC_VERBOSITY=NONE, for its own process (docs/design.md)."""
+    fork_support_off = "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
     if fork_support_off:
-        os.environ[FORK_SUPPORT] = "false"
-    quieted = VERBOSITY not in os.environ
+        os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
+    quieted = "GRPC_VERBOSITY" not in os.environ
     if quieted:
-        os.environ[VERBOSITY] = "NONE"
+        os.environ["GRPC_VERBOSITY"] = "NONE"
     try:
         import conch.etcd
 
@@ -32,7 +26,7 @@ def main() -> None:
         raise SystemExit(exit_code(Outcome.INTERRUPTED, signalled(signal.SIGINT))) from None
     finally:
         if quieted:
-            del os.environ[VERBOSITY]
+            del os.environ["GRPC_VERBOSITY"]
     run()
 
 

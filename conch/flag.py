@@ -28,9 +28,8 @@ class Flag:
         self.reason: object = None
         self._set = False
         self._boxes: list[Mailbox] = []
-        # Callbacks not yet run, by a key of their own: whichever thread pops one runs it, so
-        # each runs once even when add_callback() races set() (dict.pop is atomic; no lock,
-        # which set() could not take from a signal handler).
+        # Callbacks not yet run: whichever thread pops one runs it, so each runs once even when
+        # add_callback() races set() (dict.pop is atomic; no lock: set() runs in signal handlers).
         self._callbacks: dict[object, Callable[[Flag], None]] = {}
         self._first = threading.Lock()  # taken, never released, by the one set() that wins
 

@@ -1,9 +1,8 @@
 """A slot held: its guard (the watch on our key, the touch that moves the next waiter up)
-and its release. The guard is a few short steps, not a thread: they run on the client's
-timer thread (``conch.timer``) and from the client's shared Watch stream, and reach the
-Hold through weak references only. So a hold costs no thread of its own, and a Hold nobody
-references any more is collected: its finalizer releases it (with a ResourceWarning), and
-no key or lease of it outlives it by more than the TTL.
+and its release. The guard is a few short steps on the client's timer thread
+(``conch.timer``) and its shared Watch stream, not a thread of its own; they reach the Hold
+weakly, so a Hold nobody references is collected: its finalizer releases it (with a
+ResourceWarning), and no key or lease of it outlives it by more than the TTL.
 """
 
 from __future__ import annotations
@@ -82,6 +81,9 @@ class GuardedHold(Generic[SessionT]):
     (``_set_lost``) and makes the guard's etcd calls (``_call``), feeding what came of each
     to ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
 
+    _set_lost: Callable[[Loss], None]
+    _call: Callable[[g.GuardCall], None]
+
     def __init__(
         self,
         sema: Recipe,
@@ -123,12 +125,6 @@ class GuardedHold(Generic[SessionT]):
         self._finalizer = weakref.finalize(self, _dropped, face, self._slot, soon, give_back)
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
 
-    def _set_lost(self, loss: Loss) -> None:
-        raise NotImplementedError
-
-    def _call(self, action: g.GuardCall) -> None:
-        raise NotImplementedError
-
     def _check(self) -> None:
         if self._why is not None:
             raise HoldLost(f"{self._who} lost: {self._why}")
@@ -140,11 +136,11 @@ class GuardedHold(Generic[SessionT]):
     def expires_at(self) -> float:
         """The earliest instant (``time.monotonic()`` seconds) etcd can expire this hold's
         lease: the send time of the last keepalive etcd answered (Lease.LeaseKeepAlive) plus
-        the TTL (etcd restarts its countdown on receipt, after we sent it). Later with every
-        confirmed keepalive; 0.0 once lost or released. Makes no etcd call. A pause of the
-        whole process stops its timers with it: bound each step of work by it with room to
-        spare (``conch.supervisor.deadline_margin(ttl)``), ``check()`` again right before
-        acting as the holder, and for state in etcd use the guarded ``put``/``delete``."""
+        the TTL (etcd restarts its countdown on receipt). Later with every confirmed
+        keepalive; 0.0 once lost or released. No etcd call. A pause of the process stops its
+        timers too: bound each step of work by it with room to spare
+        (``conch.supervisor.deadline_margin(ttl)``), ``check()`` right before acting as the
+        holder, and for state in etcd use the guarded ``put``/``delete``."""
         if self._why is not None or self._releasing:
             return 0.0
         return self.session.alive_until
@@ -161,8 +157,8 @@ class GuardedHold(Generic[SessionT]):
                     await write(chunk)
                     timeout.reschedule(hold.deadline - margin)
 
-        ``asyncio.TimeoutError`` (TimeoutError) then means: the lease may expire before
-        the step would end. Threads: ``conch.Hold.remaining()``."""
+        TimeoutError then means: the lease may expire before the step would end. Threads:
+        ``conch.Hold.remaining()``."""
         return self.expires_at()
 
     def _written(self, response: rpc_pb2.TxnResponse) -> int:
@@ -200,9 +196,6 @@ class GuardedHold(Generic[SessionT]):
         held = f"{time.monotonic() - self._since:.3f}s"
         log.info("released", name=self.name, rev=self.revision, **extra, held=held, revoked=revoked)
 
-    def _done(self) -> bool:
-        return self._releasing or self._guard.done
-
     def _session_lost(self, said: object) -> None:
         reason = said.reason if isinstance(said, Flag) else said
         if not isinstance(reason, Loss):
@@ -238,7 +231,7 @@ class GuardedHold(Generic[SessionT]):
 
         def run() -> None:
             hold = ref()
-            if hold is not None and not hold._done():
+            if hold is not None and not (hold._releasing or hold._guard.done):
                 hold._execute(hold._guard.step(step))
 
         self._scheduler.call_later(delay, run)
@@ -266,7 +259,7 @@ class GuardedHold(Generic[SessionT]):
             actions = guard.watch_failed()
         else:
             self._watches.append(answer)
-            if self._done():  # released or lost while it opened
+            if self._releasing or self._guard.done:  # released or lost while it opened
                 _cancel_all(self._watches)
             return
         self._execute(actions)
@@ -276,10 +269,9 @@ class Hold(GuardedHold[Session]):
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
-    ``release()`` (or leaving the ``with`` block) gives the slot back: on a session of its
-    own it revokes the lease (key and lease go in one revision), on a shared session it
-    deletes our key only (KV.Txn comparing its create_revision). A Hold dropped without
-    release is released when collected, with a ResourceWarning."""
+    ``release()`` (or leaving the ``with`` block) gives the slot back: a session of its own
+    is revoked, key and lease in one revision; from a shared one our key is deleted. A Hold
+    dropped without release is released when collected, with a ResourceWarning."""
 
     def __init__(
         self,
@@ -345,35 +337,30 @@ class Hold(GuardedHold[Session]):
 
     def check(self) -> None:
         """Raise HoldLost unless the hold is certainly ours now: not released, the lease
-        certainly alive (a keepalive confirmed within the TTL on the monotonic clock, so a
-        process frozen past its TTL fails the moment it resumes) and our key not seen
-        deleted. Makes no etcd call: call it right before acting as the holder; for state
-        in etcd, the guarded ``put``/``delete`` check in etcd itself."""
+        certainly alive (a keepalive confirmed within the TTL on the monotonic clock: a
+        process frozen past it fails at once on resuming), our key not seen deleted. No etcd
+        call: use it right before acting as the holder (state in etcd: ``put``/``delete``)."""
         self._check()
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
-        """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: the message as a str, with
-        ``.reason``) once the hold is lost (at once if it is), from the conch thread that saw
-        it (the keepalive thread, or the watch reader): it must not block. Its result is
-        ignored, so ``lambda reason: loop.call_soon_threadsafe(...)`` fits."""
+        """Call ``callback(reason)`` (a ``conch.core.loss.Loss``: a str, with ``.reason``)
+        once the hold is lost (at once if it is), from the conch thread that saw it (keepalive
+        or watch reader): it must not block; its result is ignored, so ``lambda reason:
+        loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
-            # the Loss itself: str() of it would drop its reason
-            reason = flag.reason
-            callback(
-                reason if isinstance(reason, Loss) else Loss(LossReason.SESSION_CLOSED, str(reason))
-            )
+            why = flag.reason  # the Loss itself: str() of it would drop its reason
+            callback(why if isinstance(why, Loss) else Loss(LossReason.SESSION_CLOSED, str(why)))
 
         self.lost.add_callback(call)
 
     def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
         """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that puts if our
-        key's create_revision is still ``revision``, so the write lands at a revision where we
-        held the slot, or not at all. The key is not bound to our lease. ``timeout`` in
-        seconds (default: the client's). Returns the revision of the write. Raises HoldLost
-        when the compare fails (our key is gone; ``lost`` is set then, unless released),
-        Unavailable or another EtcdError when etcd does not answer (the write may then have
-        happened: read it back)."""
+        key's create_revision is still ``revision`` (so it lands where we held the slot, or
+        not at all); the key is not bound to our lease. ``timeout`` in seconds (default: the
+        client's). Returns the revision of the write. Raises HoldLost when the compare fails
+        (our key is gone; ``lost`` is set then, unless released), Unavailable or another
+        EtcdError when etcd does not answer (the write may then have happened: read it back)."""
         return self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     def delete(self, key: bytes | str, timeout: float | None = None) -> int:
@@ -387,12 +374,11 @@ class Hold(GuardedHold[Session]):
     def release(self, log_it: bool = True, until: float | None = None) -> None:
         """Give the slot back: on a session of its own, revoke the lease (Lease.LeaseRevoke),
         which deletes our key with it in one revision; on a shared session, delete our key
-        (KV.Txn comparing its create_revision). The waiter first in line holds at that
-        revision. Best effort: on failure the lease expires after its TTL; after a loss it is
-        tried for at most WITHDRAW_TIMEOUT seconds. Thread-safe; returns once the revoke is
-        over, whichever thread sent it. Logs ``released`` once: ``log_it=False`` leaves it to
-        a later ``release()`` (the supervisor's, after the child's exit). ``until``: a
-        ``time.monotonic()`` instant past which the revoke is not waited for."""
+        (KV.Txn comparing its create_revision). The first waiter holds at that revision. Best
+        effort: on failure the lease expires after its TTL; after a loss it is tried for at
+        most WITHDRAW_TIMEOUT seconds. Thread-safe; returns once the revoke is over, whoever
+        sent it. Logs ``released`` once (``log_it=False``: left to a later ``release()``).
+        ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
         with self._release_lock:
             releasing, self._releasing = self._releasing, True
             self._guard.release()
@@ -420,17 +406,15 @@ class Hold(GuardedHold[Session]):
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Release; then raise HoldLost if the hold was lost before the block ended (as
-        ``check()`` judges it then), unless the block is already raising or released the
-        hold itself before any loss."""
+        ``check()`` judges it), unless raising already or released before any loss."""
         loss = self._loss_at_exit()
         self.release()
         if loss is not None and exc_type is None:
             raise loss
 
     def remaining(self) -> float:
-        """Seconds from now until ``expires_at()``, 0.0 once it has passed (or the hold is
-        lost or released): the timeout for a threaded wait bounded by the lease, as in
-        ``done.wait(hold.remaining() - margin)``. Makes no etcd call."""
+        """Seconds until ``expires_at()`` (0.0 once passed, lost or released; no etcd call),
+        as a threaded wait's timeout: ``done.wait(hold.remaining() - margin)``."""
         return max(0.0, self.expires_at() - time.monotonic())
 
 
@@ -448,16 +432,12 @@ def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
 
 
 def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., object]) -> None:
-    """A Hold of ``face`` ("conch" or "conch.aio") was garbage-collected unreleased: warn
-    (ResourceWarning, pointing at the collector), as Python does for an unclosed file, and
-    log; then cancel its watches and ``give_back(slot, None)`` through ``soon`` (the
-    client's timer thread, or the hold's loop; not the collecting thread)."""
+    """A Hold of ``face`` was collected unreleased: warn (ResourceWarning, at the collector)
+    as for an unclosed file, and log; then, through ``soon`` (the face's thread, not the
+    collecting one), cancel its watches and ``give_back(slot, None)``."""
     key = slot.key.decode(errors="replace")
-    warnings.warn(
-        f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it",
-        ResourceWarning,
-        stacklevel=2,
-    )
+    message = f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it"
+    warnings.warn(message, ResourceWarning, stacklevel=2)
     log.warning("hold-dropped", key=key, rev=slot.revision)
 
     def release() -> None:
@@ -470,9 +450,6 @@ def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., ob
 def _cancel_all(watches: list[Cancellable]) -> None:
     # One pop at a time (atomic): a watch appended by another thread meanwhile is
     # cancelled too, never cleared from the list uncancelled.
-    while watches:
-        try:
-            watch = watches.pop()
-        except IndexError:
-            return
-        watch.cancel()
+    with contextlib.suppress(IndexError):
+        while watches:
+            watches.pop().cancel()

@@ -17,11 +17,6 @@ from datetime import UTC, datetime
 CMD_MAX_BYTES = 256
 
 
-def default_host() -> str:
-    """The node name: ``CONCH_HOST`` if set, else the hostname."""
-    return os.environ.get("CONCH_HOST") or socket.gethostname()
-
-
 def _utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -46,10 +41,11 @@ class Identity:
     ) -> Identity:
         """This process's identity for running ``argv``: ``cmd`` is ``argv[0]`` (empty for
         no argv), or with ``record_args`` the whole of ``argv`` joined by spaces; either cut
-        to CMD_MAX_BYTES bytes of UTF-8. ``host`` defaults to ``default_host()``."""
+        to CMD_MAX_BYTES bytes of UTF-8. ``host`` defaults to ``CONCH_HOST``, else the hostname."""
         words = argv if record_args else argv[:1]
         cmd = cut_utf8(" ".join(words), CMD_MAX_BYTES)
-        return cls(host or default_host(), os.getpid(), _utc_now(), cmd)
+        host = host or os.environ.get("CONCH_HOST") or socket.gethostname()
+        return cls(host, os.getpid(), _utc_now(), cmd)
 
     def entering(self) -> Identity:
         """This identity, ``started`` now: what a key written now says (a Semaphore of a

@@ -46,10 +46,6 @@ def encode_segment(text: str) -> bytes:
     return text.replace("%", "%25").replace("/", "%2F").encode("utf-8")
 
 
-def decode_segment(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace").replace("%2F", "/").replace("%25", "%")
-
-
 def name_prefix(name: str) -> bytes:
     """Every capacity of one name: ``/conch/v1/sema/<name>/``."""
     check_name(name)

@@ -1,10 +1,6 @@
-"""The listing of a semaphore's keys (``--who``): one Record per holder or waiter.
-
-Ages are the reader's clock against each key's ``started`` (contract section 6; etcd keeps
-no time), floored at 0. A holder held from its key's creation when fewer than ``max`` keys
-were ahead of it then (a KV.Range at its create_revision); a holder that waited first, one
-whose revision was compacted, or one past HISTORY_READS has an unknown hold time (``held=?``).
-"""
+"""The listing of a semaphore's keys (``--who``): one Record per holder or waiter. Ages are
+the reader's clock against each key's ``started`` (etcd keeps no time), floored at 0; hold
+times are etcd's view at each holder's create_revision (docs/design.md, "How --who tells")."""
 
 from __future__ import annotations
 
@@ -61,8 +57,7 @@ class Record:
         line = (
             f"{self.name}[{self.held}/{capacity}] {self.state:<4}  {_quoted(self.host)} "
             f"pid={self.pid if self.pid is not None else '?'} "
-            f"since={_quoted(self.started or '?')} "
-            f"rev={self.rev}"
+            f"since={_quoted(self.started or '?')} rev={self.rev}"
         )
         return line + (f" note={self.note}" if self.note else "") + self._times_text()
 

@@ -210,11 +210,8 @@ def _orphans() -> dict[int, _Stat]:
     # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
     # that parent (or an ancestor of it) is then a child of ours, in view until reaped.
     with _reap_lock:
-        return {
-            pid: stat
-            for pid, stat in _children().items()
-            if pid not in _claimed and _beside_jobs.get(pid) != stat.started
-        }
+        children = _children().items()
+        return {p: s for p, s in children if p not in _claimed and _beside_jobs.get(p) != s.started}
 
 
 _PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_CHILDREN
@@ -343,14 +340,11 @@ def _await_gone(job: _Job, deadline: float) -> None:  # polled: grandchildren ar
 
 
 def _await_exit(
-    box: Mailbox,
-    deadline: float,
-    returncode: int | None,
-    hurry: Callable[[object], bool] | None = None,
+    box: Mailbox, deadline: float, code: int | None, hurry: Callable[[object], bool] | None = None
 ) -> tuple[int | None, float]:
-    # The child's return code (None: not reaped by ``deadline``) and the deadline (now, once
-    # a notice for which ``hurry`` is true comes); other notices are dropped.
-    while returncode is None:
+    # The child's return code (``code`` if known; None: not reaped by ``deadline``) and the
+    # deadline (now, once a notice for which ``hurry`` is true comes); others are dropped.
+    while code is None:
         try:
             item = box.get(timeout=remaining(deadline))
         except queue.Empty:
@@ -359,22 +353,19 @@ def _await_exit(
             return item.returncode, deadline
         if hurry is not None and hurry(item):
             return None, time.monotonic()
-    return returncode, deadline
+    return code, deadline
 
 
 def prepare_command_process() -> None:
     """What the ``conch`` command (never the library) sets up in its own process before
-    anything else: closed std fds reopened on /dev/null, Python's locale coercion undone for
-    the child's sake, and SIGCHLD at its default (inherited ignored, the kernel would reap
-    the child itself and its status would be lost)."""
+    anything else: ``reopen_closed_std_fds()``, ``undo_locale_coercion()``, and SIGCHLD at its
+    default (inherited ignored, the kernel would reap the child, its status lost)."""
     reopen_closed_std_fds()
     undo_locale_coercion()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
-# Started in the C locale, Python sets LC_CTYPE to a UTF-8 locale in its own environment
-# (PEP 538), which a child would inherit: a cron job would run in another locale under conch.
-_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")
+_COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")  # what PEP 538 sets LC_CTYPE to
 
 
 def started_with(name: str) -> str | None:
@@ -391,9 +382,9 @@ def started_with(name: str) -> str | None:
 
 
 def undo_locale_coercion() -> None:
-    """Python's own LC_CTYPE goes (the caller's, if it had one, comes back): the command's
-    children get the environment it was started with. Only the command: a service that
-    embeds conch may have set LC_CTYPE itself."""
+    """Python's own LC_CTYPE (PEP 538's coercion of the C locale) goes, the caller's, if it
+    had one, comes back: the command's children (a cron job) run in the locale they would
+    without conch. Only the command: a service that embeds conch may have set it itself."""
     if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
         given = started_with("LC_CTYPE")
         if given is None:

@@ -38,13 +38,9 @@ def parse_duration(flag: str, text: str) -> float:
     if re.fullmatch(_NUMBER, value):
         total = float(value)
     else:
-        pos, total = 0, 0.0
-        for match in _PART.finditer(value):
-            if match.start() != pos:
-                break
-            total += float(match.group(1)) * _UNITS[match.group(2)]
-            pos = match.end()
-        if pos != len(value) or not value or not math.isfinite(total):
+        whole = re.fullmatch(f"(?:{_PART.pattern})+", value)  # then findall() is linear
+        total = sum(float(n) * _UNITS[u] for n, u in _PART.findall(value)) if whole else math.nan
+        if not math.isfinite(total):
             raise UsageError(f"bad {flag} {shown(text)}: {_EXAMPLES}")
     if total > MAX_DURATION:
         raise UsageError(f"bad {flag} {shown(text)}: longer than 10 years")
@@ -120,9 +116,8 @@ class Connection(NamedTuple):
 
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
-# The variables this module may read a credential from: a password, a password file, a
-# user given as NAME:PASSWORD, or the paths of the client certificate and its key (a path to
-# a secret is treated as the secret: all removed, none passed on). For whoever starts
+# Every variable a credential may be read from (a password, its file, NAME:PASSWORD, the
+# client certificate's and key's paths: a path to a secret is the secret), for whoever starts
 # processes that must not see them.
 CREDENTIAL_VARIABLES = (
     *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
@@ -186,13 +181,8 @@ def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
         raise UsageError("--cert and --key go together")
     if files:
         _check_pem(files)
-    skip = setting(
-        "--insecure-skip-tls-verify",
-        "1" if flags.insecure_skip_tls_verify else None,
-        "INSECURE_SKIP_TLS_VERIFY",
-        "",
-        environ,
-    )
+    given = "1" if flags.insecure_skip_tls_verify else None
+    skip = setting("--insecure-skip-tls-verify", given, "INSECURE_SKIP_TLS_VERIFY", "", environ)
     skip_verify = truthy(skip.value)
     if skip_verify:
         log.debug("setting", setting="insecure-skip-tls-verify", value=1, source=skip.source)

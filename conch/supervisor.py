@@ -6,8 +6,8 @@ embedders (``supervise``). Every way a round ends is an ``Outcome``, its exit co
 The deadline: the child is SIGKILLed by E - ``deadline_margin(ttl)`` at the latest (E: the
 lease's earliest expiry, ``Session.alive_until``, on our monotonic clock) and SIGTERMed
 ``kill_after`` before that, whether or not a loss has been declared, so that no waiter can
-take the slot while it still runs. The watchdog holds the same deadline for a wrapper frozen
-or dead.
+take the slot while it still runs. The watchdog process holds the same deadline for a wrapper
+frozen (SIGSTOP, a VM paused) or dead.
 """
 
 from __future__ import annotations
@@ -114,19 +114,16 @@ def supervise(
     ``wait`` seconds for a slot (None: forever, 0: try once); ``kill_after`` seconds between
     SIGTERM and SIGKILL, planned back from the lease's earliest expiry (UsageError when it
     does not fit ``sema.ttl``: ``max_kill_after``); ``stop`` set (by a signal) withdraws or
-    terminates; ``environ`` as for ``run_child``. Raises NoSlot, Interrupted, Unavailable
-    from the acquisition (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch). A
-    hold lost before the child started is given back and queued for again, at the back,
-    while ``wait`` allows (a ``requeue`` warning; NoSlot once it does not). ``watchdog``
-    (from ``start_watchdog(kill_after)``, started before connecting) serves the first
-    round. The deadline is kept by this process's threads and by the watchdog process: a
-    pause of the whole process (SIGSTOP, a VM paused) stops the former, never the latter."""
+    terminates; ``environ`` as for ``run_child``; ``watchdog`` (``start_watchdog()``, started
+    before connecting) serves the first round. Raises NoSlot, Interrupted, Unavailable from
+    the acquisition (Semaphore.acquire: Lease.LeaseGrant, KV.Txn, KV.Range, Watch). A hold
+    lost before the child started is given back and queued for again, at the back, while
+    ``wait`` allows (a ``requeue`` warning; NoSlot once it does not)."""
     kill_after = check_kill_after(kill_after, sema.ttl)
     deadline = None if wait is None else time.monotonic() + wait
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:  # a round: a watchdog, a hold, the child
-        try:
-            # before queueing: its start-up is over by the slot
+        try:  # the watchdog before queueing: its start-up is over by the slot
             watchdog = watchdog or start_watchdog(kill_after, environ)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
@@ -156,12 +153,8 @@ def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str,
     env = without_credentials(os.environ if environ is None else environ)
     if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
-    env.update(
-        CONCH_NAME=hold.name,
-        CONCH_REV=str(hold.revision),
-        CONCH_LEASE=f"{hold.lease_id:x}",
-        CONCH_MAX=str(hold.max),
-    )
+    env.update(CONCH_NAME=hold.name, CONCH_REV=str(hold.revision))
+    env.update(CONCH_LEASE=f"{hold.lease_id:x}", CONCH_MAX=str(hold.max))
     return env
 
 
@@ -437,11 +430,10 @@ _suspend_refused = False  # the warning is written once: a storm of ^Z must not 
 
 def _refuse_suspend(signum: int, frame: object) -> None:
     global _suspend_refused
-    if _suspend_refused:
-        return
-    _suspend_refused = True
-    log.warning_from_signal_handler(
-        "suspend-refused",
-        signum=signum,
-        reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
-    )
+    if not _suspend_refused:
+        _suspend_refused = True
+        log.warning_from_signal_handler(
+            "suspend-refused",
+            signum=signum,
+            reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
+        )

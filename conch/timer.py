@@ -1,10 +1,10 @@
 """One timer thread per client: the delayed calls of its holds and watches.
 
-A hold's guard (open the watch on our key a moment into the hold, touch the key, look at it
-again after a broken watch) and the shared Watch stream's progress probe are short steps at
-given times, not loops that need a thread each. They run here, one after another, on one
-thread per Client, so that a process with many holds pays for one thread, not one per hold.
-A step may call etcd (always with a deadline); the steps behind it wait for it.
+A hold's guard (open the watch on our key a moment in, touch the key, look at it after a
+broken watch) and the shared Watch stream's progress probe are short steps at given times,
+not loops: they run here one after another, so that a process with many holds pays for one
+thread, not one per hold. A step may call etcd (always with a deadline); the steps behind
+it wait for it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
-
-if TYPE_CHECKING:
-    import asyncio
+from typing import Any, Generic, Protocol, TypeVar
 
 from conch import log
 
@@ -36,27 +33,16 @@ class Cancellable(Protocol):
 
 
 class Scheduler(Protocol):
-    """What runs the steps of the keepalives and the watch hub: a ``Timer`` (a thread of
-    its own), or a ``LoopTimer`` (the event loop's thread)."""
+    """What runs the steps of the keepalives, the watch hub and the holds' guards: a ``Timer``
+    (a thread of its own), or an asyncio loop (called on its thread only; it runs
+    ``function`` there, and one that raises goes to the loop's exception handler)."""
 
     def call_later(self, delay: float, function: Callable[[], Any]) -> Cancellable: ...
 
 
-class LoopTimer:
-    """``Timer.call_later`` on an event loop: ``function`` runs on the loop's thread (call
-    it there only). A function that raises is reported by the loop's exception handler."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-
-    def call_later(self, delay: float, function: Callable[[], Any]) -> Cancellable:
-        return self.loop.call_later(max(0.0, delay), function)
-
-
 @dataclass(order=True, slots=True)
 class Handle:
-    """A call scheduled by ``Timer.call_later`` (due at ``when``); ``cancel()`` drops it if
-    it has not run."""
+    """A call ``Timer.call_later`` scheduled, due at ``when``; ``cancel()`` drops it unrun."""
 
     when: float
     order: int  # ties in call_later's order
@@ -77,10 +63,9 @@ class Timer:
         self._running = False
 
     def call_later(self, delay: float, function: Callable[[], Any]) -> Handle:
-        """Call ``function()`` from the timer thread ``delay`` seconds from now (at once for
-        0). A function that raises is logged; the next ones still run. Raises RuntimeError
-        when the thread is not running and cannot be started (the call is then dropped;
-        the next call_later tries again)."""
+        """Call ``function()`` from the timer thread ``delay`` seconds from now (0: at once);
+        one that raises is logged, the next still run. Raises RuntimeError when the thread
+        cannot be started (the call is dropped; the next call_later tries again)."""
         with self._wake:
             handle = Handle(time.monotonic() + max(0.0, delay), next(self._order), function)
             heapq.heappush(self._queue, handle)
@@ -148,8 +133,7 @@ timer_for: PerOwner[object, Timer] = PerOwner(lambda _owner: Timer())
 
 
 def weakly(method: Callable[..., Any]) -> Callable[..., None]:
-    """``method`` (a bound method) called through a weak reference to its object: a callback
-    that does not keep its object alive, and does nothing once the object is gone."""
+    """A callback calling bound ``method`` through a weak reference (a no-op once it is gone)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any) -> None:

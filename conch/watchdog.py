@@ -24,8 +24,7 @@ from conch.errors import Interrupted
 from conch.flag import Flag, Mailbox
 from conch.settings import CREDENTIAL_VARIABLES
 
-# Run with ``python -I -S`` (no site, no user paths, not even its own directory on sys.path),
-# so ``ps`` shows its path rather than its source.
+# A script run with -I -S (no site, no user paths), so ``ps`` shows its path, not its source.
 _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
 # What the watchdog writes to its stdout: it runs; it fires (terminates the group); it
 # answers a probe. What conch writes to its pipe: a probe; goodbye.
@@ -37,9 +36,7 @@ PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the ch
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
 
-# conch's credentials as conch and etcdctl read them from the environment, the paths to
-# secrets among them (password file, client key and certificate): the child and the watchdog
-# start without them. The CA bundle and the endpoints, no secrets, are passed on.
+# conch's credentials (and paths to secrets): the child and the watchdog start without them.
 CREDENTIALS = CREDENTIAL_VARIABLES
 
 
@@ -210,10 +207,9 @@ class Watchdog:
 
     def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
         """A child is about to start with the environment entries ``marks`` (no blanks,
-        unique to it); the lease can expire at ``expiry``, and the child must be dead
-        ``margin`` seconds before. Should conch die or freeze before ``arm()``, the groups
-        of the processes carrying the marks are terminated. Raises OSError when the watchdog
-        is gone (the pipe broken): start no child then."""
+        unique to it: the watchdog finds its processes by them until ``arm()``); the lease
+        can expire at ``expiry``, the child must be dead ``margin`` seconds before. Raises
+        OSError when the watchdog is gone (the pipe broken): start no child then."""
         entries = " ".join(f"{name}={value}" for name, value in marks.items())
         self._write(f"e {margin:.6f} {expiry:.6f} {entries}\n".encode())
 

@@ -211,11 +211,13 @@ class Notice(NamedTuple):
 
 
 def test_watch_notices_become_the_machine_s_inputs() -> None:
-    assert codec.watch_input(3, Notice(created=True, revision=9)) == m.WatchCreated(3, 9)
+    assert codec.watch_input(3, Notice(created=True, revision=9)) == m.Watched(
+        3, revision=9, created=True
+    )
     broken = codec.watch_input(3, Notice(error=Compacted("compacted", 4)))
-    assert isinstance(broken, m.WatchBroken) and broken.compacted
+    assert broken.ended and broken.compacted
     deleted = kv_pb2.Event(type=kv_pb2.Event.DELETE, kv=kv_pb2.KeyValue(key=KEY, mod_revision=11))
-    assert codec.watch_input(3, Notice(revision=11, events=(deleted,))) == m.WatchEvents(
+    assert codec.watch_input(3, Notice(revision=11, events=(deleted,))) == m.Watched(
         3, [m.Event(m.EventType.DELETE, m.KeyRev(KEY, 0, 11))], 11
     )
     key, end, only_deletes = codec.watch_range(m.OpenWatch(4, PREFIX, prefix=True))

@@ -107,8 +107,10 @@ def test_the_release_event_itself_hands_the_slot_over_with_no_request() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
-    assert waiter.feed(m.WatchCreated(watch.id, 10)) == []  # nothing since the read: no gap
-    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    assert (
+        waiter.feed(m.Watched(watch.id, revision=10, created=True)) == []
+    )  # nothing since the read: no gap
+    actions = waiter.feed(m.Watched(watch.id, [deleted(holder, 12)], 12))
     assert actions == []
     held = waiter.outcome
     assert isinstance(held, m.Held)
@@ -120,7 +122,7 @@ def test_at_max_2_a_release_out_of_order_gives_the_slot_at_once() -> None:
     waiter, enqueue = private(2)
     a, b = kr("a", 3), kr("b", 4)
     watch = only(queued(waiter, enqueue, [a, b]), m.OpenWatch)
-    waiter.feed(m.WatchEvents(watch.id, [deleted(b, 12)], 12))
+    waiter.feed(m.Watched(watch.id, [deleted(b, 12)], 12))
     held = waiter.outcome
     assert isinstance(held, m.Held) and held.held_at == 12
 
@@ -131,7 +133,7 @@ def test_deletions_behind_us_and_puts_do_not_move_us_up() -> None:
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     behind = kr("z", 20)
     put = m.Event(m.EventType.PUT, kr("h", 3, 30))
-    assert waiter.feed(m.WatchEvents(watch.id, [deleted(behind, 21), put], 30)) == []
+    assert waiter.feed(m.Watched(watch.id, [deleted(behind, 21), put], 30)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
 
 
@@ -143,7 +145,7 @@ def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() 
     watch = only(actions, m.OpenWatch)
     assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
     assert not any(isinstance(a, m.Touch) for a in actions)
-    (read,) = waiter.feed(m.WatchEvents(watch.id, [m.Event(m.EventType.PUT, kr("w3", 6, 11))], 11))
+    (read,) = waiter.feed(m.Watched(watch.id, [m.Event(m.EventType.PUT, kr("w3", 6, 11))], 11))
     assert isinstance(read, m.ReadStanding)  # the read first, the cancel after it
     window = [*ahead[1:3], ahead[3], mine(10)]
     actions = waiter.feed(m.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
@@ -160,7 +162,7 @@ def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: m.To
     waiter, enqueue = private(max_holders)
     ahead = [kr(f"k{i}", 3 + i) for i in range(r.window_size(max_holders))]
     watch = only(queued(waiter, enqueue, ahead), m.OpenWatch)
-    read = only(waiter.feed(m.WatchEvents(watch.id, [deleted(ahead[-1], 40)], 40)), m.ReadStanding)
+    read = only(waiter.feed(m.Watched(watch.id, [deleted(ahead[-1], 40)], 40)), m.ReadStanding)
     # Everyone ahead went at once: the read finds us holding.
     assert waiter.feed(m.StandingAnswer(read.id, 40, [mine(10)], [mine(10)])) == []
     held = waiter.outcome
@@ -172,7 +174,7 @@ def test_a_watch_created_after_a_change_is_caught_by_the_gap_check() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
-    (check,) = waiter.feed(m.WatchCreated(watch.id, 15))
+    (check,) = waiter.feed(m.Watched(watch.id, revision=15, created=True))
     assert isinstance(check, m.ReadKeys) and list(check.keys) == [holder.key, ME]
     actions = waiter.feed(m.KeysAnswer(check.id, 15, [None, mine(10)]))  # the holder left
     assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
@@ -182,7 +184,7 @@ def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
-    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
     assert waiter.feed(m.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW
 
@@ -190,14 +192,14 @@ def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
 def test_a_broken_watch_reads_the_standing_again() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    actions = waiter.feed(m.WatchBroken(watch.id, compacted=True, detail="compacted"))
+    actions = waiter.feed(m.Watched(watch.id, ended=True, compacted=True, detail="compacted"))
     assert kinds(actions) == [m.ReadStanding]
 
 
 def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    actions = waiter.feed(m.Watched(watch.id, [deleted(mine(10), 12)], 12))
     assert kinds(actions) == [m.CancelWatch, m.Withdraw]
     withdraw = only(actions, m.Withdraw)
     assert isinstance(withdraw, m.Withdraw) and withdraw.revoke
@@ -211,7 +213,9 @@ def test_our_key_deleted_while_queued_re_enters_with_a_new_session() -> None:
 def test_etcd_unreachable_for_a_moment_keeps_our_key_and_reads_again() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    read = only(waiter.feed(m.WatchBroken(watch.id, detail="stream gave up")), m.ReadStanding)
+    read = only(
+        waiter.feed(m.Watched(watch.id, ended=True, detail="stream gave up")), m.ReadStanding
+    )
     actions = waiter.feed(m.Failed(read.id, m.Failure.UNREACHABLE, "connection refused"))
     assert kinds(actions) == [m.Pause]  # no withdraw, no new session
     assert waiter.state == r.State.PAUSED
@@ -240,7 +244,7 @@ def test_a_touch_refused_by_the_space_alarm_keeps_our_place_and_is_tried_again()
     assert isinstance(again, m.Touch)
     waiter.feed(m.Failed(again.id, m.Failure.NO_SPACE, "database space exceeded"))
     # Still in the window: the release's event hands over the slot all the same.
-    waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 12)], 12))
+    waiter.feed(m.Watched(watch.id, [deleted(holder, 12)], 12))
     held = waiter.outcome
     assert isinstance(held, m.Held) and held.touch == m.TouchOwed.LATER
 
@@ -279,7 +283,7 @@ def test_a_shared_session_lost_while_queued_withdraws_our_key_and_gives_up() -> 
 def test_a_shared_waiter_whose_key_went_checks_its_lease_before_re_entering() -> None:
     waiter, enqueue = shared()
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12))
+    actions = waiter.feed(m.Watched(watch.id, [deleted(mine(10), 12)], 12))
     check = only(actions, m.CheckLease)
     actions = waiter.feed(m.LeaseAnswer(check.id, 7))  # deleted by hand; the lease lives
     (again,) = waiter.feed(m.Over(only(actions, m.Pause).id))
@@ -289,7 +293,7 @@ def test_a_shared_waiter_whose_key_went_checks_its_lease_before_re_entering() ->
 def test_a_shared_waiter_whose_lease_is_gone_gives_up() -> None:
     waiter, enqueue = shared()
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    check = only(waiter.feed(m.WatchEvents(watch.id, [deleted(mine(10), 12)], 12)), m.CheckLease)
+    check = only(waiter.feed(m.Watched(watch.id, [deleted(mine(10), 12)], 12)), m.CheckLease)
     withdraw = only(waiter.feed(m.LeaseAnswer(check.id, -1)), m.Withdraw)
     waiter.feed(m.Over(withdraw.id))
     assert isinstance(waiter.outcome, m.GaveUp)
@@ -340,8 +344,8 @@ def test_a_lease_granted_after_the_wait_was_given_up_is_revoked() -> None:
 def test_stale_answers_are_ignored() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    (read,) = waiter.feed(m.WatchBroken(watch.id))[1:]
-    assert waiter.feed(m.WatchEvents(watch.id, [deleted(kr("h", 3), 12)], 12)) == []
+    (read,) = waiter.feed(m.Watched(watch.id, ended=True))[1:]
+    assert waiter.feed(m.Watched(watch.id, [deleted(kr("h", 3), 12)], 12)) == []
     assert waiter.feed(m.EnqueueAnswer(enqueue.id, 10, True, b"v")) == []
     assert isinstance(read, m.ReadStanding) and waiter.outcome is None
 
@@ -353,7 +357,7 @@ def test_spread_busy_waits_for_the_host_key_to_change_then_enqueues_again() -> N
     assert waiter.state == r.State.SPREAD_BUSY
     watch = only(actions, m.OpenWatch)
     assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (other.key, False)
-    actions = waiter.feed(m.WatchEvents(watch.id, [deleted(other, 11)], 11))
+    actions = waiter.feed(m.Watched(watch.id, [deleted(other, 11)], 11))
     assert kinds(actions) == [m.SendEnqueue, m.CancelWatch]
 
 
@@ -362,7 +366,7 @@ def test_a_watch_confirmed_resets_the_backoff() -> None:
     waiter = r.Waiter(PREFIX, 1, pauses, key=ME, lease_id=LEASE)
     enqueue = only(waiter.start(), m.SendEnqueue)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    waiter.feed(m.WatchCreated(watch.id, 10))
+    waiter.feed(m.Watched(watch.id, revision=10, created=True))
     assert pauses.resets == 1
 
 
@@ -443,8 +447,8 @@ def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_w
     waiter, enqueue = private(2)
     a, b, c = kr("a", 3), kr("b", 4), kr("c", 5)
     watch = only(queued(waiter, enqueue, [a, b, c]), m.OpenWatch)
-    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
-    assert waiter.feed(m.WatchEvents(watch.id, [deleted(a, 16)], 16)) == []
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
+    assert waiter.feed(m.Watched(watch.id, [deleted(a, 16)], 16)) == []
     assert waiter.feed(m.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
 
@@ -457,8 +461,8 @@ def test_a_release_before_the_gap_check_answers_never_holds_a_key_gone_in_the_ga
     waiter, enqueue = shared()
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
-    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
-    assert waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
+    assert waiter.feed(m.Watched(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
     actions = waiter.feed(m.KeysAnswer(check.id, 16, [None, None]))  # both gone: ours in the gap
     assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
@@ -474,8 +478,8 @@ def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answer
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
-    check = only(waiter.feed(m.WatchCreated(watch.id, 15)), m.ReadKeys)
-    assert waiter.feed(m.WatchEvents(watch.id, [deleted(holder, 16)], 16)) == []
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
+    assert waiter.feed(m.Watched(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None
     assert waiter.feed(m.KeysAnswer(check.id, 16, [None, mine(10)])) == []
     held = waiter.outcome
@@ -534,12 +538,12 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
         return m.Over(action.id)
     if isinstance(action, m.OpenWatch):
         if rng.random() < 0.5:
-            return m.WatchCreated(action.id, revision)
+            return m.Watched(action.id, revision=revision, created=True)
         if rng.random() < 0.1:
-            return m.WatchBroken(action.id)
+            return m.Watched(action.id, ended=True)
         key = rng.choice([*keys, mine(10)])
         kind = rng.choice(list(m.EventType))
-        return m.WatchEvents(action.id, [m.Event(kind, key)], revision)
+        return m.Watched(action.id, [m.Event(kind, key)], revision)
     raise AssertionError(action)
 
 
@@ -567,7 +571,7 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
                     m.DeadlineReached(),
                     m.Over(rng.randint(1, 40)),
                     m.Over(rng.randint(1, 40)),
-                    m.WatchEvents(rng.randint(1, 40), [m.Event(m.EventType.DELETE, mine(10))], 9),
+                    m.Watched(rng.randint(1, 40), [m.Event(m.EventType.DELETE, mine(10))], 9),
                     m.Failed(rng.randint(1, 40), m.Failure.UNREACHABLE),
                     None,
                 ]

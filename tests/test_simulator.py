@@ -112,7 +112,7 @@ def test_the_schedules_explore_every_input_and_fault() -> None:
         "Touch",
         "ReadKeys",
         "CheckLease",
-        "WatchBroken",
+        "Watched.ended",
         "SessionLost",
         "Interrupt",
         "DeadlineReached",

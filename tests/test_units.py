@@ -61,7 +61,7 @@ def test_slash_and_percent_in_names_are_encoded_so_prefixes_never_nest() -> None
     assert keys.name_prefix("a/1") == b"/conch/v1/sema/a%2F1/"
     assert keys.name_prefix("50%") == b"/conch/v1/sema/50%25/"
     assert not keys.name_prefix("a/1").startswith(keys.name_prefix("a"))
-    assert keys.decode_segment(b"a%2F1%25") == "a/1%"
+    assert keys.spread_key("a", 1, "h/x%") == b"/conch/v1/sema/a/1/h%2Fx%25"
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "x" * 201, "tab\there", "nl\n", "del\x7f"])

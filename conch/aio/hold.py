@@ -18,7 +18,7 @@ from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
 from conch.hold import GuardedHold, Slot, deleting_own_key, to_bytes
-from conch.timer import LoopTimer, weakly
+from conch.timer import weakly
 
 if TYPE_CHECKING:
     from conch.aio.semaphore import Semaphore
@@ -28,10 +28,9 @@ class Hold(GuardedHold[Session]):
     """A slot held, for coroutines (``conch.Hold``, awaited): ``revision`` is the fencing
     token, ``lease_id`` the session's lease, ``lost`` an ``asyncio.Event`` set when the
     session is lost or our key deleted (``reason`` says why). ``release()`` (or leaving
-    ``async with``) gives the slot back. Leaving the block after a loss raises HoldLost
-    (unless the block is already raising); after an explicit ``release()`` inside it, it
-    does not. Its guard runs on the loop's timers, holding the Hold only weakly: a Hold
-    dropped without release is released when collected, with a ResourceWarning."""
+    ``async with``) gives the slot back; leaving after a loss raises HoldLost (unless raising
+    already, or released inside the block). Its guard runs on the loop's timers, holding the
+    Hold weakly: one dropped without release is released when collected (ResourceWarning)."""
 
     def __init__(
         self,
@@ -42,17 +41,16 @@ class Hold(GuardedHold[Session]):
         shared: bool,
     ) -> None:
         self._loop = loop = asyncio.get_running_loop()
-        super().__init__(sema, session, held, shared, retire, LoopTimer(loop))
+        super().__init__(sema, session, held, shared, retire, loop)
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
-        self._client = sema.client
+        self._client = sema.client.sync
         self._released: asyncio.Future[bool] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
         self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
-        # The threaded Hold's schedule, started at once: the touch owed at once, the watch
-        # on our key a moment in, a later touch at max 1.
+        # Its guard starts at once (the threaded Hold's waits for start_guard()).
         self._execute(self._guard.made())
         self._execute(self._guard.start())
 
@@ -89,14 +87,13 @@ class Hold(GuardedHold[Session]):
         return await self._guarded(kv.op_delete(to_bytes(key)), timeout)
 
     async def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
-        client = self._client.sync
-        return self._written(await etcd_aio.txn(client, self._ours, [op], [], timeout))
+        return self._written(await etcd_aio.txn(self._client, self._ours, [op], [], timeout))
 
     def _call(self, action: GuardCall) -> None:
         spawn(self._loop, self._ask(action))
 
     async def _ask(self, action: GuardCall) -> None:
-        client, key = self._client.sync, self.key
+        client, key = self._client, self.key
         answer: object
         try:
             if isinstance(action, GuardTouch):
@@ -144,7 +141,6 @@ class Hold(GuardedHold[Session]):
 
 
 async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
-    """Revoke a private session, or delete our key from a shared one; whether confirmed."""
     if not slot.shared:
         return await slot.session.close(timeout)
     with deleting_own_key(slot):

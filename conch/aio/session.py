@@ -15,7 +15,6 @@ from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
 from conch.session import Keeper, SessionBase, listen
-from conch.timer import LoopTimer
 
 
 def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
@@ -28,7 +27,7 @@ def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
 class _Keeper(Keeper):
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.loop = asyncio.get_running_loop()
-        super().__init__(lease_id, ttl, granted_at, LoopTimer(self.loop))
+        super().__init__(lease_id, ttl, granted_at, self.loop)
         self.client = client
         self.lost = asyncio.Event()
         self.reason: Loss | None = None

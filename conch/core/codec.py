@@ -20,7 +20,7 @@ import enum
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Protocol
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -30,8 +30,6 @@ from conch.core.waiter import window_size
 from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import kv  # its request builders only: pure functions of protobuf
 
-Request: TypeAlias = rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
-
 
 @dataclass(frozen=True)
 class Call:
@@ -40,7 +38,7 @@ class Call:
 
     service: str
     method: str
-    request: Request
+    request: rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
 
 
 def _txn(
@@ -102,15 +100,9 @@ def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Re
     one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
     a window that holds our key is enough (ours is its last key, none being created after
     it), so a waiter at the head reads one Range."""
+    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": action.revision}
     reads = Reads(
-        kv.prefix_request(
-            prefix,
-            limit=limit,
-            sort_order=order,
-            keys_only=True,
-            max_create_revision=action.revision,
-            sort_target=kv.CREATE,
-        )
+        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
         for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
     )
     reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
@@ -134,10 +126,8 @@ def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
 
 def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
     """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
-    found = [r.kvs for r in read.responses]
-    return messages.KeysAnswer(
-        action.id, read.revision, [key_rev(kvs[0]) if kvs else None for kvs in found]
-    )
+    kvs = [key_rev(r.kvs[0]) if r.kvs else None for r in read.responses]
+    return messages.KeysAnswer(action.id, read.revision, kvs)
 
 
 class ReadPlan(enum.Enum):
@@ -307,20 +297,20 @@ class Notice(Protocol):
     def events(self) -> Sequence[kv_pb2.Event]: ...
 
 
-def watch_input(watch_id: int, notice: Notice) -> messages.Input:
-    """A notice of watch ``watch_id`` as the machine's input: WatchBroken (compacted or
-    given up), WatchCreated, or WatchEvents."""
+def watch_input(watch_id: int, notice: Notice) -> messages.Watched:
+    """A notice of watch ``watch_id`` as the machine's input: ended (compacted, or given
+    up), created, or its events."""
     if notice.error is not None:
         compacted = isinstance(notice.error, Compacted)
-        return messages.WatchBroken(watch_id, compacted, str(notice.error))
+        return messages.Watched(watch_id, ended=True, compacted=compacted, detail=str(notice.error))
     if notice.created:
-        return messages.WatchCreated(watch_id, notice.revision)
+        return messages.Watched(watch_id, revision=notice.revision, created=True)
     delete, put = messages.EventType.DELETE, messages.EventType.PUT
     events = [
         messages.Event(delete if e.type == kv_pb2.Event.DELETE else put, key_rev(e.kv))
         for e in notice.events
     ]
-    return messages.WatchEvents(watch_id, events, notice.revision)
+    return messages.Watched(watch_id, events, notice.revision)
 
 
 # The one table from what etcd said (the etcd layer's exception, which names the gRPC status:

@@ -23,13 +23,10 @@ GUARD_WATCH_DELAY = 0.05
 # release (about 3 ms more at that handoff, measured), small next to half a second; a
 # shorter job never pays for that write.
 TOUCH_DELAY = 0.5
-# The message of a look that found our key gone (or another's in its place).
-KEY_GONE_LOOK = Loss(LossReason.KEY_DELETED, "our key was deleted")
 
 
 class Pauses(Protocol):
-    """Where the machine's pauses come from (``conch.etcd.client.Backoff``: capped, with
-    jitter): ``next()`` seconds."""
+    """The machine's pauses: ``next()`` seconds (``conch.etcd.client.Backoff``: capped)."""
 
     def next(self) -> float: ...
 
@@ -53,9 +50,8 @@ class GuardAfter:
 
 @dataclass(frozen=True)
 class GuardTouch:
-    """Re-put our key if its create_revision is still ours (one KV.Txn, the value bound to
-    the lease). Answer: ``touched(step, revision, succeeded)``, ``touch_failed(step, detail)``
-    when etcd did not answer or refused (its space alarm)."""
+    """Re-put our key if its create_revision is still ours (one KV.Txn, the value on our
+    lease). Answer: ``touched(step, revision, succeeded)``, or ``touch_failed(step, detail)``."""
 
     step: GuardStep
 
@@ -88,9 +84,9 @@ GuardAction: TypeAlias = GuardAfter | GuardCall | GuardLost | Note
 
 class GuardMachine:
     """The guard of one held slot: our key at create_revision ``revision`` (the fencing
-    token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``.
-    Inputs are its methods, each returning the actions to execute. Once ``done`` (released,
-    or lost) it asks for nothing more but the notes already due."""
+    token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``. Each
+    input (method) returns the actions to execute; once ``done`` (released, or lost), none
+    but the notes already due."""
 
     def __init__(self, owed: TouchOwed, revision: int, held_at: int, pauses: Pauses) -> None:
         self._owed = owed
@@ -112,10 +108,9 @@ class GuardMachine:
         return self.releasing or self.lost is not None
 
     def made(self) -> list[GuardAction]:
-        """The hold is made. A hold that owes its touch at once touches now: another holder
-        may leave any moment, and the waiter behind us must be watching for it, so it must
-        learn now, not once the guard starts (after the supervisor's spawn), that it is in
-        the window."""
+        """The hold is made. One that owes its touch at once touches now: another holder may
+        leave any moment, and the waiter behind us must learn now, not once the guard starts
+        (after the supervisor's spawn), that it is in the window, to watch for it."""
         return [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)] if self._owed == TouchOwed.AT_ONCE else []
 
     def start(self) -> list[GuardAction]:
@@ -134,8 +129,7 @@ class GuardMachine:
         return self._lose(loss.within("session lost: "))
 
     def session_expired(self, loss: Loss) -> list[GuardAction]:
-        """The lease's earliest expiry passed with no keepalive confirmed: the hold can no
-        longer promise it is ours (``LossReason.NO_KEEPALIVE``)."""
+        """E passed with no keepalive confirmed: the hold can no longer promise it is ours."""
         return self._lose(loss)
 
     def write_refused(self) -> list[GuardAction]:
@@ -165,24 +159,22 @@ class GuardMachine:
 
     def notice(self, ended: bool) -> list[GuardAction]:
         """A notice of the watch on our key (deletions only): an event is our key's deletion
-        (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up), the
-        watch is over and says nothing of our key: look at it after a pause. Whether the
-        session is lost is the keepalive's call, not this."""
+        (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up): it says
+        nothing of our key, look at it after a pause (the session's loss is the keepalive's
+        call)."""
         return self.watch_failed() if ended else self._lose(KEY_GONE)
 
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
-        """What a Range of our key found (None when absent), at header revision ``revision``:
-        still ours only if its create_revision is still ours (the fencing token). Only a
-        release makes the deletion no loss (a loss seen first is kept as it is)."""
+        """What a Range of our key found (None when absent) at header revision ``revision``:
+        ours only if its create_revision is. Only a release makes its absence no loss."""
         if self.releasing:
             return []
         if found is None or found.create_revision != self.revision:
-            return self._lose(KEY_GONE_LOOK)
+            return self._lose(Loss(LossReason.KEY_DELETED, "our key was deleted"))
         return [] if self.done else [GuardWatch(revision + 1)]
 
     def touched(self, step: GuardStep, revision: int, succeeded: bool) -> list[GuardAction]:
-        """A touch's answer at ``revision``: ``succeeded`` (the compare on our create_revision
-        held), else our key is gone: the hold is lost."""
+        """A touch's answer at ``revision``: unless ``succeeded``, our key is gone (lost)."""
         self._touch_failing = False
         if self.releasing:
             return []
@@ -193,9 +185,8 @@ class GuardMachine:
         return []
 
     def touch_failed(self, step: GuardStep, detail: str) -> list[GuardAction]:
-        """No answer to a touch (etcd away), or a refusal (its space alarm): the hold is not
-        lost for that; the touch is retried after a pause. Said once per run of failures:
-        the alarm may last hours."""
+        """No answer to a touch (etcd away), or a refusal (its space alarm): no loss; retried
+        after a pause. Said once per run of failures: the alarm may last hours."""
         actions: list[GuardAction] = []
         if not self._touch_failing:
             actions.append(Note("touch-failed", {"error": detail}, warning=True))

@@ -110,20 +110,15 @@ class Failed(Tagged):
 
 
 @dataclass(frozen=True)
-class WatchCreated(Tagged):
-    revision: int  # etcd confirmed the watch: it covers the revisions after this one
+class Watched(Tagged):
+    """A notice of watch ``id``: its ``events`` (in revision order), or ``created``: etcd
+    confirmed it (it covers the revisions after ``revision``), or ``ended``: its start
+    revision was ``compacted``, or its stream gave up (``detail``)."""
 
-
-@dataclass(frozen=True)
-class WatchEvents(Tagged):
-    events: Sequence[Event]  # in revision order
-    revision: int
-
-
-@dataclass(frozen=True)
-class WatchBroken(Tagged):
-    """The watch ended: its start revision was compacted, or its stream gave up."""
-
+    events: Sequence[Event] = ()
+    revision: int = 0
+    created: bool = False
+    ended: bool = False
     compacted: bool = False
     detail: str = ""
 
@@ -147,9 +142,8 @@ class Interrupt:
     reason: object = None
 
 
-# What answers a request of the main line, a watch's notices, what the driver tells unasked.
+# What answers a request of the main line, what the driver tells unasked, every input.
 Answer: TypeAlias = SessionOpened | EnqueueAnswer | StandingAnswer | KeysAnswer | LeaseAnswer
-Watched: TypeAlias = WatchCreated | WatchEvents | WatchBroken
 Told: TypeAlias = DeadlineReached | SessionLost | Interrupt
 Input: TypeAlias = Answer | TouchAnswer | Over | Failed | Watched | Told
 
@@ -191,10 +185,9 @@ class ReadKeys(Tagged):
 
 @dataclass(frozen=True)
 class OpenWatch(Tagged):
-    """Watch.Watch from now (etcd's ``created`` answer is wanted: WatchCreated): with
-    ``prefix``, the deletions (NOPUT filter) under the semaphore's prefix ``key``; else
-    every change of the one ``key``. Answers: WatchCreated, WatchEvents, WatchBroken; or
-    Failed at once when the watch cannot be opened."""
+    """Watch.Watch from now (etcd's ``created`` answer wanted): with ``prefix``, the
+    deletions (NOPUT filter) under the semaphore's prefix ``key``; else every change of the
+    one ``key``. Answers: Watched; or Failed at once when the watch cannot be opened."""
 
     key: bytes
     prefix: bool
@@ -226,9 +219,8 @@ class CheckLease(Tagged):
 @dataclass(frozen=True)
 class Withdraw(Tagged):
     """Take our key out of the queue, best effort (WITHDRAW_TIMEOUT): with ``revoke``,
-    revoke ``lease_id`` (a private session: its close); else delete ``key`` by a KV.Txn
-    comparing its create_revision with ``revision``, or when ``revision`` is 0 (our enqueue's
-    outcome unknown) comparing its lease with ``lease_id``. Answer: Over."""
+    Lease.LeaseRevoke of ``lease_id`` (a private session's close); else delete ``key`` by
+    ``codec.withdraw_call``'s KV.Txn (by ``revision``, or by lease). Answer: Over."""
 
     key: bytes
     revision: int

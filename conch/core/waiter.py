@@ -107,7 +107,7 @@ class Waiter:
         self._ahead: list[KeyRev] = []  # in the window: every key ahead of ours
         self._watched: KeyRev | None = None  # behind (or spread-busy): the key we watch
         self._gap_asked: list[KeyRev] = []  # the keys of the gap check in flight
-        self._held_back: list[m.WatchEvents] = []  # window events awaiting the gap check
+        self._held_back: list[m.Watched] = []  # window events awaiting the gap check
         self._said: set[str] = set()  # "queued" for our key; warnings of a run of failures
         self._late = False  # the deadline passed: give up before the next wait
         self._entered = self.shared  # a session was ever ours
@@ -149,7 +149,7 @@ class Waiter:
             if event.failure == Failure.OTHER:
                 return self._give_up(Reason.REFUSED, event.detail, event)
             return self._retry(event.detail)
-        if isinstance(event, (m.WatchCreated, m.WatchEvents, m.WatchBroken)):
+        if isinstance(event, m.Watched):
             return self._on_watch(event)
         if isinstance(event, m.Over):
             if event.id == self._touch:  # ids are never reused: this is the touch's retry
@@ -255,14 +255,11 @@ class Waiter:
         else:
             self._watched = ahead[0]
             state, key = State.BEHIND, ahead[0].key
-        if "queued" not in self._said:
-            self._said.add("queued")
-            actions.append(m.Note("queued", fields))
-        return actions + self._wait(state, key)
+        return actions + self._once(m.Note("queued", fields)) + self._wait(state, key)
 
     def _wait(self, state: State, key: bytes) -> list[m.Action]:
-        """Sleep on a watch of ``key`` from now (WatchCreated then closes the gap since our
-        read): in the window, the deletions under the prefix."""
+        """Sleep on a watch of ``key`` from now (its confirmation then closes the gap since
+        our read): in the window, the deletions under the prefix."""
         if self._late:
             return self._give_up(Reason.NO_SLOT, "no free slot in time")
         self.state = state
@@ -289,11 +286,11 @@ class Waiter:
     def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if event.id != self._watch or self.state not in _WAITING:
             return []
-        if isinstance(event, m.WatchBroken):
+        if event.ended:
             self._watch = None
             note = m.Note("rewatch", {"reason": event.detail or "watch ended"})
             return [note, *self._reread()()]
-        if isinstance(event, m.WatchCreated):
+        if event.created:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
@@ -322,7 +319,7 @@ class Waiter:
         assert self._watched is not None
         return [self._watched]
 
-    def _window_events(self, event: m.WatchEvents) -> list[m.Action]:
+    def _window_events(self, event: m.Watched) -> list[m.Action]:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us
         up; the one that leaves fewer than N ahead means we hold at its revision. A deletion
         of our own key (in the same ordered stream) before that is a lost place."""
@@ -376,12 +373,8 @@ class Waiter:
     # -- the touch -----------------------------------------------------------------------
 
     def _maybe_touch(self) -> list[m.Action]:
-        if (
-            self.state != State.IN_WINDOW
-            or self._touched
-            or self._touch is not None
-            or len(self._ahead) >= self.touch_below
-        ):
+        owed = self.state == State.IN_WINDOW and not self._touched and self._touch is None
+        if not owed or len(self._ahead) >= self.touch_below:
             return []
         self._touch = self._new_id()
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]
@@ -443,6 +436,7 @@ class Waiter:
         return [*self._once(m.Note("etcd-away", {"reason": cause}, warning=True)), pause]
 
     def _once(self, note: m.Note) -> list[m.Action]:
+        """``note``, unless said already (in this run of failures, or for this key)."""
         said = note.event in self._said
         self._said.add(note.event)
         return [] if said else [note]

@@ -20,7 +20,7 @@ from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-from conch.timer import Cancellable, LoopTimer, PerOwner, Scheduler, Timer
+from conch.timer import Cancellable, PerOwner, Scheduler, Timer
 
 
 class Grant(NamedTuple):
@@ -354,7 +354,7 @@ class LoopKeepAlives(KeepAlives):
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client)
-        self._steps = LoopTimer(loop)
+        self._steps = loop
         self._loop = loop
         self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
 

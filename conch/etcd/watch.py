@@ -20,7 +20,7 @@ from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.lease import live
 from conch.etcd.loop import call_soon, running_loop
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
-from conch.timer import LoopTimer, PerOwner, Scheduler, timer_for
+from conch.timer import PerOwner, Scheduler, timer_for
 
 PUT = kv_pb2.Event.PUT
 DELETE = kv_pb2.Event.DELETE
@@ -361,7 +361,7 @@ class LoopHub(_Hub):
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client)
-        self._timer = LoopTimer(loop)
+        self._timer = loop
         self._loop = loop
         self._authenticating: asyncio.Task[str | None] | None = None
 

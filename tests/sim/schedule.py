@@ -187,7 +187,7 @@ class World:
         self.sessions: list[Session] = []
         self.live: list[Session] = []  # sessions not yet done (a superset, pruned each step)
         self.watch_owner: dict[int, tuple[Proc, int]] = {}  # model's watch id -> (proc, id)
-        self.broken: list[tuple[Proc, int, bool]] = []  # WatchBroken notices to deliver
+        self.broken: list[tuple[Proc, int, bool]] = []  # ended watch notices to deliver
         self.trace = Trace()
         self.steps = 0
         self.requests = 0  # requests sent to etcd (by machines and holders)
@@ -250,6 +250,9 @@ class World:
         self.log("{} <- {}", proc.name, event)
         before = proc.waiter.state
         self.counts[type(event).__name__] += 1
+        if isinstance(event, m.Watched):
+            kind = "ended" if event.ended else "created" if event.created else "events"
+            self.counts[f"Watched.{kind}"] += 1
         if isinstance(event, m.Failed):
             self.counts[f"Failed.{event.failure.name}"] += 1
         self.execute(proc, proc.waiter.feed(event))
@@ -1301,12 +1304,12 @@ def cost_per_release(
     costs = []
     for _ in range(releases):
         holders = [p for p in world.procs if p.holding]
-        requests, notices = world.requests, world.counts["WatchEvents"]
+        requests, notices = world.requests, world.counts["Watched.events"]
         world.release(world.rng.choice(holders))
         settle(world)
         world.check()
         world.check_quiet()
-        costs.append((world.requests - requests, world.counts["WatchEvents"] - notices))
+        costs.append((world.requests - requests, world.counts["Watched.events"] - notices))
     return costs
 
 

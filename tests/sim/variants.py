@@ -25,7 +25,7 @@ class NoGapCheck(r.Waiter):
     so a change between its read and the watch's start is missed (liveness)."""
 
     def _on_watch(self, event: m.Watched) -> list[m.Action]:
-        if isinstance(event, m.WatchCreated):
+        if event.created:
             return []
         return super()._on_watch(event)
 
@@ -34,7 +34,7 @@ class NoRewatch(r.Waiter):
     """Ignores a broken or compacted watch: sleeps on without one (liveness)."""
 
     def _on_watch(self, event: m.Watched) -> list[m.Action]:
-        if isinstance(event, m.WatchBroken):
+        if event.ended:
             return []
         return super()._on_watch(event)
 
@@ -46,7 +46,7 @@ class CountsBeforeGapCheck(r.Waiter):
 
     def _on_watch(self, event: m.Watched) -> list[m.Action]:
         if (
-            isinstance(event, m.WatchEvents)
+            not (event.created or event.ended)
             and event.id == self._watch
             and self.state == r.State.IN_WINDOW
             and self._asked is m.ReadKeys

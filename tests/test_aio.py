@@ -477,7 +477,9 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
             lags.append(time.monotonic() - before - 0.01)
 
     async def body(aclient: conch.aio.Client) -> None:
-        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=3)
+        # TTL 6 s: at 3 s a loaded machine once let the holder's lease expire among 200,
+        # and waiters entered while the test still held the slot.
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=6)
         entered: list[conch.aio.Hold] = []
 
         async def waiting() -> None:
@@ -487,7 +489,7 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
         async with sema.acquire(timeout=10):
             tasks = [asyncio.create_task(waiting()) for _ in range(10)]
             await queued(aclient, 10)
-            await tick_for(2.0)  # past a keepalive of each (every TTL/3 = 1 s)
+            await tick_for(2.5)  # past a keepalive of each (every TTL/3 = 2 s)
             at_ten = threading.active_count()
             tasks += [asyncio.create_task(waiting()) for _ in range(190)]
             await queued(aclient, 200)

@@ -158,11 +158,16 @@ def test_semaphore_refuses_booleans_and_absurd_ttls(field: str, value: object) -
 
 @pytest.mark.parametrize("host", ["", "a\nb", "nul\x00", "x" * 201, ".."])
 def test_semaphore_refuses_a_host_name_no_key_could_carry(host: str) -> None:
+    from conch.etcd.client import Client, Endpoint
     from conch.semaphore import Semaphore
 
     identity = Identity(host, 1, "2026-01-01T00:00:00Z", "true")
-    with pytest.raises(UsageError, match="CONCH_HOST"):
-        Semaphore(None, "n", 1, identity=identity)  # type: ignore[arg-type]
+    client = Client([Endpoint("127.0.0.1", 1, False)])  # never dialled: the host is checked first
+    try:
+        with pytest.raises(UsageError, match="CONCH_HOST"):
+            Semaphore(client, "n", 1, identity=identity)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize(

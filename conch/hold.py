@@ -105,17 +105,17 @@ class GuardedHold(Generic[SessionT]):
         # again (its value, on our lease), which wakes the waiter behind us, watching it.
         self._ours = [kv.create_revision_is(held.key, held.revision)]
         self._touch = [kv.op_put(held.key, held.value, held.lease_id)]
-        self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff())
+        self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff().next)
         self._slot = Slot(session, held.key, held.revision, shared, list(retire))
         self._watches = self._slot.watches
         self._scheduler = scheduler
+        # Timers and subscriptions feed the guard through the Hold weakly.
+        self._fed = weakly(self._feed)
         # The session subscriptions' removers. E passed with no keepalive confirmed: the
         # lease may be gone (a waiter would carry on; a hold cannot promise it is ours).
-        expired = session._kept.add_expiry_listener(weakly(self._session_expired))
-        self._forgets: list[Callable[[], object]] = [expired]
-        self._releasing = False  # set before the revoke: the deletion it causes is no loss
+        expired = functools.partial(self._fed, self._guard.session_expired)
+        self._forgets: list[Callable[[], object]] = [session._kept.add_expiry_listener(expired)]
         self._revoked_after_loss = False
-        self._why: Loss | None = None  # the loss, once lost
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
         self._warn_on_loss = True
@@ -126,9 +126,9 @@ class GuardedHold(Generic[SessionT]):
         self._finalizer.atexit = False  # at exit the lease expires after its TTL
 
     def _check(self) -> None:
-        if self._why is not None:
-            raise HoldLost(f"{self._who} lost: {self._why}")
-        if self._releasing:
+        if self._guard.lost is not None:
+            raise HoldLost(f"{self._who} lost: {self._guard.lost}")
+        if self._guard.releasing:
             raise HoldLost(f"{self._who} released")
         if not self.session.certainly_alive():
             raise HoldLost(f"{self._who} lost: no keepalive confirmed within the TTL")
@@ -141,7 +141,7 @@ class GuardedHold(Generic[SessionT]):
         timers too: bound each step of work by it with room to spare
         (``conch.supervisor.deadline_margin(ttl)``), ``check()`` right before acting as the
         holder, and for state in etcd use the guarded ``put``/``delete``."""
-        if self._why is not None or self._releasing:
+        if self._guard.done:
             return 0.0
         return self.session.alive_until
 
@@ -172,7 +172,7 @@ class GuardedHold(Generic[SessionT]):
 
     def _loss_at_exit(self) -> HoldLost | None:
         # Judged before the release: none if the block released the hold before any loss.
-        was_released = self._releasing
+        was_released = self._guard.releasing
         try:
             self._check()
         except HoldLost as lost:
@@ -182,7 +182,7 @@ class GuardedHold(Generic[SessionT]):
     def _withdraw_timeout(self) -> float | None:
         # The release is under way: no finalizer left; WITHDRAW_TIMEOUT after a loss.
         self._finalizer.detach()
-        self._revoked_after_loss = self._why is not None
+        self._revoked_after_loss = self._guard.lost is not None
         return WITHDRAW_TIMEOUT if self._revoked_after_loss else None
 
     def _given_back(self) -> None:
@@ -202,15 +202,16 @@ class GuardedHold(Generic[SessionT]):
             reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
         self._execute(self._guard.session_lost(reason))
 
-    def _session_expired(self, loss: Loss) -> None:
-        self._execute(self._guard.session_expired(loss))
+    def _feed(self, input: Callable[..., list[g.GuardAction]], *args: Any) -> None:
+        self._execute(input(*args))
 
     def _execute(self, actions: list[g.GuardAction]) -> None:
         for action in actions:
             if isinstance(action, g.GuardAfter):
-                self._later(action.seconds, action.step)
+                due = functools.partial(self._fed, self._guard.step, action.step)
+                self._scheduler.call_later(action.seconds, due)
             elif isinstance(action, g.GuardLost):
-                self._why = loss = action.loss
+                loss = action.loss
                 if self._warn_on_loss:
                     log.warning("lost", name=self.name, rev=self.revision, reason=str(loss))
                 # A lost hold has nothing left to watch, released or not (the watch would
@@ -221,47 +222,33 @@ class GuardedHold(Generic[SessionT]):
                 emit = log.warning if action.warning else log.info
                 emit(action.event, name=self.name, **action.fields)
             else:
-                if isinstance(action, g.GuardWatch):
+                if action.step is g.GuardStep.WATCH_OWN_KEY:
                     _cancel_all(self._watches)
                 self._call(action)
-
-    def _later(self, delay: float, step: g.GuardStep) -> None:
-        # Unless the Hold is gone or done by then.
-        ref = weakref.ref(self)
-
-        def run() -> None:
-            hold = ref()
-            if hold is not None and not (hold._releasing or hold._guard.done):
-                hold._execute(hold._guard.step(step))
-
-        self._scheduler.call_later(delay, run)
 
     def _on_notice(self, notice: WatchNotice) -> None:
         self._execute(self._guard.notice(ended=notice.error is not None))
 
     def _answered(self, action: g.GuardCall, answer: Any) -> None:
-        # Its response (for a GuardWatch, the watch opened), or the EtcdError it raised.
-        guard, failed = self._guard, isinstance(answer, EtcdError)
-        if isinstance(action, g.GuardTouch):
-            if failed:
-                actions = guard.touch_failed(action.step, str(answer))
-            else:
-                revision, succeeded = int(answer.header.revision), bool(answer.succeeded)
-                actions = guard.touched(action.step, revision, succeeded)
-        elif isinstance(action, g.GuardLook):
-            if failed:
-                actions = guard.look_failed()
-            else:
-                found = answer.kvs[0] if answer.kvs else None
-                seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
-                actions = guard.looked(seen, int(answer.header.revision))
-        elif failed:
-            actions = guard.watch_failed()
-        else:
+        # Its response (for a watch, the watch opened), or the EtcdError it raised.
+        guard, step, failed = self._guard, action.step, isinstance(answer, EtcdError)
+        if step is g.GuardStep.WATCH_OWN_KEY and not failed:
             self._watches.append(answer)
-            if self._releasing or self._guard.done:  # released or lost while it opened
+            if guard.done:  # released or lost while it opened
                 _cancel_all(self._watches)
             return
+        if step is g.GuardStep.WATCH_OWN_KEY:
+            actions = guard.watch_failed()
+        elif step is g.GuardStep.LOOK and failed:
+            actions = guard.look_failed()
+        elif step is g.GuardStep.LOOK:
+            found = answer.kvs[0] if answer.kvs else None
+            seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
+            actions = guard.looked(seen, int(answer.header.revision))
+        elif failed:
+            actions = guard.touch_failed(step, str(answer))
+        else:
+            actions = guard.touched(step, int(answer.header.revision), bool(answer.succeeded))
         self._execute(actions)
 
 
@@ -289,9 +276,10 @@ class Hold(GuardedHold[Session]):
             later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
             touch = later if touch else TouchOwed.NONE
         self._client = client = sema.client
+        self.lost = Flag("hold-lost")
+        self._set_lost = self.lost.set
         held = Held(key, session.lease_id, revision, held_at, value, touch)
         super().__init__(sema, session, held, shared, retire, timer_for(client))
-        self.lost = Flag("hold-lost")
         self._released = Flag("released")
         self._release_lock = threading.Lock()
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
@@ -306,21 +294,18 @@ class Hold(GuardedHold[Session]):
     def _guard_started(self) -> bool:
         return self._guard.started
 
-    def _set_lost(self, loss: Loss) -> None:
-        self.lost.set(loss)
-
     def _call(self, action: g.GuardCall) -> None:
         # On the timer thread (or the watch's reader), as a blocking call.
         client, key = self._client, self.key
         answer: object
         try:
-            if isinstance(action, g.GuardTouch):
-                answer = kv.txn(client, self._ours, self._touch, [])
-            elif isinstance(action, g.GuardLook):
-                answer = kv.range_(client, rpc_pb2.RangeRequest(key=key))
-            else:
+            if action.step is g.GuardStep.WATCH_OWN_KEY:
                 notice = weakly(self._on_notice)
                 answer = Watch(client, key, action.start, notice, only_deletes=True)
+            elif action.step is g.GuardStep.LOOK:
+                answer = kv.range_(client, rpc_pb2.RangeRequest(key=key))
+            else:
+                answer = kv.txn(client, self._ours, self._touch, [])
         except EtcdError as exc:
             answer = exc
         self._answered(action, answer)
@@ -329,11 +314,7 @@ class Hold(GuardedHold[Session]):
         """Start guarding the key (idempotent): ``Semaphore.acquire`` does unless
         ``guard=False``; the supervisor does just after starting the child. Until then, a
         loss is noticed late, never missed: the hold subscribes to the session's loss first."""
-        with self._release_lock:
-            if self._releasing:
-                return
-            actions = self._guard.start()
-        self._execute(actions)
+        self._execute(self._guard.start())
 
     def check(self) -> None:
         """Raise HoldLost unless the hold is certainly ours now: not released, the lease
@@ -380,7 +361,7 @@ class Hold(GuardedHold[Session]):
         sent it. Logs ``released`` once (``log_it=False``: left to a later ``release()``).
         ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
         with self._release_lock:
-            releasing, self._releasing = self._releasing, True
+            releasing = self._guard.releasing
             self._guard.release()
         if releasing:
             self._released.wait()  # the revoke another call sent

@@ -9,37 +9,29 @@ from conch.core.guard import (
     TOUCH_DELAY,
     GuardAction,
     GuardAfter,
-    GuardLook,
+    GuardCall,
     GuardLost,
     GuardMachine,
     GuardStep,
-    GuardTouch,
-    GuardWatch,
 )
 from conch.core.loss import NOT_CONFIRMED, LossReason
 from conch.core.messages import KeyRev, Note, TouchOwed
 
 
-class Fixed:
-    """Pauses of one length, so that the actions compare equal."""
-
-    def next(self) -> float:
-        return 0.25
-
-
 def machine(owed: TouchOwed = TouchOwed.NONE) -> GuardMachine:
-    return GuardMachine(owed, revision=10, held_at=12, pauses=Fixed())
+    # Pauses of one length, so that the actions compare equal.
+    return GuardMachine(owed, revision=10, held_at=12, pauses=lambda: 0.25)
 
 
 def test_a_hold_that_owes_its_touch_at_once_touches_before_its_guard_starts() -> None:
     guard = machine(TouchOwed.AT_ONCE)
     assert guard.made() == [GuardAfter(0.0, GuardStep.TOUCH_AT_ONCE)]
-    assert guard.step(GuardStep.TOUCH_AT_ONCE) == [GuardTouch(GuardStep.TOUCH_AT_ONCE)]
+    assert guard.step(GuardStep.TOUCH_AT_ONCE) == [GuardCall(GuardStep.TOUCH_AT_ONCE)]
     assert guard.touched(GuardStep.TOUCH_AT_ONCE, revision=15, succeeded=True) == []
     assert guard.start() == [GuardAfter(GUARD_WATCH_DELAY, GuardStep.WATCH_OWN_KEY)]
     assert guard.start() == []  # idempotent
     # Ours at the touch: the watch starts after it, with nothing before it to replay.
-    assert guard.step(GuardStep.WATCH_OWN_KEY) == [GuardWatch(16)]
+    assert guard.step(GuardStep.WATCH_OWN_KEY) == [GuardCall(GuardStep.WATCH_OWN_KEY, 16)]
 
 
 def test_a_max_1_hold_that_waited_touches_touch_delay_into_the_hold() -> None:
@@ -48,7 +40,7 @@ def test_a_max_1_hold_that_waited_touches_touch_delay_into_the_hold() -> None:
     guard.start()
     assert guard.step(GuardStep.WATCH_OWN_KEY) == [
         GuardAfter(TOUCH_DELAY - GUARD_WATCH_DELAY, GuardStep.TOUCH_DUE),
-        GuardWatch(13),
+        GuardCall(GuardStep.WATCH_OWN_KEY, 13),
     ]
 
 
@@ -69,8 +61,10 @@ def test_touch_failed_is_said_once_per_run_of_failures_and_the_touch_retried() -
 def test_a_notice_of_our_key_s_deletion_loses_the_hold_an_ended_watch_looks() -> None:
     guard = machine()
     assert guard.notice(ended=True) == [GuardAfter(0.25, GuardStep.LOOK)]
-    assert guard.step(GuardStep.LOOK) == [GuardLook()]
-    assert guard.looked(KeyRev(b"k", 10, 30), revision=31) == [GuardWatch(32)]
+    assert guard.step(GuardStep.LOOK) == [GuardCall(GuardStep.LOOK)]
+    assert guard.looked(KeyRev(b"k", 10, 30), revision=31) == [
+        GuardCall(GuardStep.WATCH_OWN_KEY, 32)
+    ]
     (lost,) = guard.notice(ended=False)
     assert isinstance(lost, GuardLost) and lost.loss.reason is LossReason.KEY_DELETED
     assert guard.done and guard.notice(ended=False) == [] and guard.step(GuardStep.LOOK) == []

@@ -97,7 +97,7 @@ def test_a_second_release_returns_only_once_the_first_revoke_is_over(
     etcd.members[0].pause()
     try:
         first.start()
-        poll(lambda: hold._releasing, what="the first release under way")
+        poll(lambda: hold.expires_at() == 0.0, what="the first release under way")
         second.start()
         assert not second_done.wait(0.5), "release() returned while the revoke was pending"
     finally:

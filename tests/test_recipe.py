@@ -407,7 +407,7 @@ def test_backoff_is_jittered_capped_and_reproducible() -> None:
 
 
 def guard(owed: m.TouchOwed = m.TouchOwed.NONE) -> g.GuardMachine:
-    return g.GuardMachine(owed, revision=10, held_at=12, pauses=FixedPauses())
+    return g.GuardMachine(owed, revision=10, held_at=12, pauses=FixedPauses().next)
 
 
 def lost(actions: Sequence[g.GuardAction]) -> bool:
@@ -418,17 +418,17 @@ def test_the_guard_plan_follows_what_the_hold_owes() -> None:
     watch_step = g.GuardAfter(g.GUARD_WATCH_DELAY, g.GuardStep.WATCH_OWN_KEY)
     plain = guard(m.TouchOwed.NONE)
     assert plain.made() == [] and plain.start() == [watch_step]
-    assert plain.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(13)]
+    assert plain.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardCall(g.GuardStep.WATCH_OWN_KEY, 13)]
     at_once = guard(m.TouchOwed.AT_ONCE)
     assert at_once.made() == [g.GuardAfter(0.0, g.GuardStep.TOUCH_AT_ONCE)]
     assert at_once.start() == [watch_step]
-    assert at_once.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(13)]
+    assert at_once.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardCall(g.GuardStep.WATCH_OWN_KEY, 13)]
     later = guard(m.TouchOwed.LATER)
     assert later.made() == [] and later.start() == [watch_step]
     assert g.TOUCH_DELAY > g.GUARD_WATCH_DELAY
     assert later.step(g.GuardStep.WATCH_OWN_KEY) == [
         g.GuardAfter(g.TOUCH_DELAY - g.GUARD_WATCH_DELAY, g.GuardStep.TOUCH_DUE),
-        g.GuardWatch(13),
+        g.GuardCall(g.GuardStep.WATCH_OWN_KEY, 13),
     ]
 
 
@@ -439,14 +439,14 @@ def test_what_the_guard_makes_of_a_notice_a_look_and_a_touch() -> None:
     released = guard()
     released.release()
     assert released.notice(ended=False) == [] and released.lost is None  # our own release
-    assert guard().looked(mine(10), 30) == [g.GuardWatch(31)]
+    assert guard().looked(mine(10), 30) == [g.GuardCall(g.GuardStep.WATCH_OWN_KEY, 31)]
     assert lost(guard().looked(mine(12), 30))  # a key of that name, not ours
     assert lost(guard().looked(None, 30))
     assert released.looked(None, 30) == [] and released.lost is None
     touched = guard(m.TouchOwed.AT_ONCE)  # ours at the touch: the watch starts from there
     assert touched.touched(g.GuardStep.TOUCH_AT_ONCE, 20, succeeded=True) == []
     touched.start()
-    assert touched.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardWatch(21)]
+    assert touched.step(g.GuardStep.WATCH_OWN_KEY) == [g.GuardCall(g.GuardStep.WATCH_OWN_KEY, 21)]
     assert touched.lost is None
     assert lost(guard().touched(g.GuardStep.TOUCH_DUE, 20, succeeded=False))
     retry = guard().touch_failed(g.GuardStep.TOUCH_DUE, "etcd away")  # or the space alarm

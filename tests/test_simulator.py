@@ -138,8 +138,8 @@ def test_the_schedules_explore_every_input_and_fault() -> None:
         "keepalive.unanswered",
         "Expired",
         "Lost",
-        "GuardTouch",
-        "GuardLook",
+        "GuardCall.TOUCH_DUE",
+        "GuardCall.LOOK",
         "GuardLost",
     ):
         assert counts[needed] >= 3, f"{needed}: {counts[needed]} in 200 schedules"

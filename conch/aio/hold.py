@@ -12,7 +12,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch.aio.session import Session, run_callback
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core import messages
-from conch.core.guard import GuardCall, GuardLook, GuardTouch
+from conch.core.guard import GuardCall, GuardStep
 from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
@@ -96,14 +96,14 @@ class Hold(GuardedHold[Session]):
         client, key = self._client, self.key
         answer: object
         try:
-            if isinstance(action, GuardTouch):
-                answer = await etcd_aio.txn(client, self._ours, self._touch, [])
-            elif isinstance(action, GuardLook):
-                answer = await etcd_aio.range_(client, rpc_pb2.RangeRequest(key=key))
-            else:
+            if action.step is GuardStep.WATCH_OWN_KEY:
                 notice = weakly(self._on_notice)
                 open_ = etcd_aio.LoopWatch.open
                 answer = await open_(client, notice, key, action.start, only_deletes=True)
+            elif action.step is GuardStep.LOOK:
+                answer = await etcd_aio.range_(client, rpc_pb2.RangeRequest(key=key))
+            else:
+                answer = await etcd_aio.txn(client, self._ours, self._touch, [])
         except EtcdError as exc:
             answer = exc
         self._answered(action, answer)
@@ -115,7 +115,6 @@ class Hold(GuardedHold[Session]):
         waits for the first. A cancel while it runs waits for it to end, then propagates.
         Logs ``released``."""
         if self._released is None:
-            self._releasing = True
             self._guard.release()
             timeout = self._withdraw_timeout()
             self._released = self._loop.create_task(self._give_back(timeout))

@@ -7,8 +7,9 @@ executes its actions and feeds it what came of them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import TypeAlias
 
 from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.core.messages import KeyRev, Note, TouchOwed
@@ -25,14 +26,8 @@ GUARD_WATCH_DELAY = 0.05
 TOUCH_DELAY = 0.5
 
 
-class Pauses(Protocol):
-    """The machine's pauses: ``next()`` seconds (``conch.etcd.client.Backoff``: capped)."""
-
-    def next(self) -> float: ...
-
-
 class GuardStep(enum.Enum):
-    """A step the guard takes when its timer (``GuardAfter``) comes due."""
+    """A step of the guard: due after a ``GuardAfter``, made as a ``GuardCall``."""
 
     WATCH_OWN_KEY = "watch-own-key"  # retire the waiting watch, watch our key
     TOUCH_AT_ONCE = "touch-at-once"  # the touch owed as the hold is made
@@ -49,25 +44,16 @@ class GuardAfter:
 
 
 @dataclass(frozen=True)
-class GuardTouch:
-    """Re-put our key if its create_revision is still ours (one KV.Txn, the value on our
-    lease). Answer: ``touched(step, revision, succeeded)``, or ``touch_failed(step, detail)``."""
+class GuardCall:
+    """A call to etcd, by ``step``. A touch: re-put our key if its create_revision is still
+    ours (one KV.Txn, the value on our lease); answer ``touched(step, revision, succeeded)``
+    or ``touch_failed(step, detail)``. LOOK: Range our key; answer ``looked(found,
+    revision)`` (found None when absent; the header's revision), ``look_failed()`` without
+    one. WATCH_OWN_KEY: cancel the guard's watches, watch our key's deletions from revision
+    ``start``; ``watch_failed()`` if it cannot be opened, its notices to ``notice(ended)``."""
 
     step: GuardStep
-
-
-@dataclass(frozen=True)
-class GuardWatch:
-    """Cancel the guard's watches; watch our key's deletions from revision ``start``.
-    Answer: ``watch_failed()`` if it cannot be opened; its notices to ``notice(ended)``."""
-
-    start: int
-
-
-@dataclass(frozen=True)
-class GuardLook:
-    """Range our key. Answer: ``looked(found, revision)`` (found None when absent;
-    ``revision`` the response header's), ``look_failed()`` when etcd does not answer."""
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,18 +63,19 @@ class GuardLost:
     loss: Loss
 
 
-# The actions that are calls to etcd, and all of them.
-GuardCall: TypeAlias = GuardTouch | GuardWatch | GuardLook
 GuardAction: TypeAlias = GuardAfter | GuardCall | GuardLost | Note
 
 
 class GuardMachine:
     """The guard of one held slot: our key at create_revision ``revision`` (the fencing
-    token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``. Each
+    token), seen ours and holding at ``held_at``, owing the waiter behind it ``owed``, its
+    pauses' seconds from ``pauses()`` (``conch.etcd.client.Backoff.next``: capped). Each
     input (method) returns the actions to execute; once ``done`` (released, or lost), none
     but the notes already due."""
 
-    def __init__(self, owed: TouchOwed, revision: int, held_at: int, pauses: Pauses) -> None:
+    def __init__(
+        self, owed: TouchOwed, revision: int, held_at: int, pauses: Callable[[], float]
+    ) -> None:
         self._owed = owed
         self.revision = revision
         # A revision at which our key was seen ours and holding: the guard watches from there
@@ -140,12 +127,10 @@ class GuardMachine:
         """A GuardAfter came due."""
         if self.done:
             return []
-        if step == GuardStep.LOOK:
-            return [GuardLook()]
         if step != GuardStep.WATCH_OWN_KEY:
-            return [GuardTouch(step)]
+            return [GuardCall(step)]
         self._watches_own_key = True
-        watch = GuardWatch(self.held_at + 1)
+        watch = GuardCall(step, self.held_at + 1)
         if self._owed != TouchOwed.LATER:
             return [watch]
         return [GuardAfter(TOUCH_DELAY - GUARD_WATCH_DELAY, GuardStep.TOUCH_DUE), watch]
@@ -153,7 +138,7 @@ class GuardMachine:
     def watch_failed(self) -> list[GuardAction]:
         """The watch on our key could not be opened (or, as ``look_failed``, a Range of it
         had no answer): look at the key after a pause."""
-        return [] if self.done else [GuardAfter(self._pauses.next(), GuardStep.LOOK)]
+        return [] if self.done else [GuardAfter(self._pauses(), GuardStep.LOOK)]
 
     look_failed = watch_failed
 
@@ -167,17 +152,13 @@ class GuardMachine:
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:
         """What a Range of our key found (None when absent) at header revision ``revision``:
         ours only if its create_revision is. Only a release makes its absence no loss."""
-        if self.releasing:
-            return []
         if found is None or found.create_revision != self.revision:
             return self._lose(Loss(LossReason.KEY_DELETED, "our key was deleted"))
-        return [] if self.done else [GuardWatch(revision + 1)]
+        return [] if self.done else [GuardCall(GuardStep.WATCH_OWN_KEY, revision + 1)]
 
     def touched(self, step: GuardStep, revision: int, succeeded: bool) -> list[GuardAction]:
         """A touch's answer at ``revision``: unless ``succeeded``, our key is gone (lost)."""
         self._touch_failing = False
-        if self.releasing:
-            return []
         if not succeeded:
             return self._lose(KEY_GONE)
         if step == GuardStep.TOUCH_AT_ONCE and not self._watches_own_key:
@@ -187,13 +168,11 @@ class GuardMachine:
     def touch_failed(self, step: GuardStep, detail: str) -> list[GuardAction]:
         """No answer to a touch (etcd away), or a refusal (its space alarm): no loss; retried
         after a pause. Said once per run of failures: the alarm may last hours."""
-        actions: list[GuardAction] = []
+        said: list[GuardAction] = []
         if not self._touch_failing:
-            actions.append(Note("touch-failed", {"error": detail}, warning=True))
+            said.append(Note("touch-failed", {"error": detail}, warning=True))
         self._touch_failing = True
-        if not self.done:
-            actions.append(GuardAfter(self._pauses.next(), step))
-        return actions
+        return said if self.done else [*said, GuardAfter(self._pauses(), step)]
 
     def _lose(self, loss: Loss) -> list[GuardAction]:
         if self.done:

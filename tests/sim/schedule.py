@@ -509,7 +509,9 @@ class World:
         proc.holding = True
         # The guard, as conch/hold.py runs it: made with the hold, started at once (the
         # supervisor starts it once its child is spawned).
-        proc.guard = g.GuardMachine(held.touch, held.revision, held.held_at, SimBackoff(self.rng))
+        proc.guard = g.GuardMachine(
+            held.touch, held.revision, held.held_at, SimBackoff(self.rng).next
+        )
         self._guard(proc, proc.guard.made())
         self._guard(proc, proc.guard.start())
         session = next(s for s in reversed(self.sessions) if s.lease_id == held.lease_id)
@@ -544,12 +546,14 @@ class World:
                 step = functools.partial(guard.step, action.step)
                 later = functools.partial(self._guard_later, proc, step)
                 self._timer(action.seconds, proc, "guard", later)
-            elif isinstance(action, g.GuardTouch):
-                self._guard_touch(proc, action.step)
-            elif isinstance(action, g.GuardWatch):
-                self._guard_watch(proc, action.start)
-            elif isinstance(action, g.GuardLook):
-                self._guard_look(proc)
+            elif isinstance(action, g.GuardCall):
+                self.counts[f"GuardCall.{action.step.name}"] += 1
+                if action.step is g.GuardStep.WATCH_OWN_KEY:
+                    self._guard_watch(proc, action.start)
+                elif action.step is g.GuardStep.LOOK:
+                    self._guard_look(proc)
+                else:
+                    self._guard_touch(proc, action.step)
             elif isinstance(action, g.GuardLost):
                 self._hold_lost(proc, action.loss)
 

@@ -7,16 +7,13 @@ def main() -> None:
     """Import the command line and run it; an interrupt during the imports exits 130
     quietly. Where the environment does not set them, sets GRPC_ENABLE_FORK_SUPPORT=false
     and, while grpc is imported, GRPC_VERBOSITY=NONE, for its own process (docs/design.md)."""
-    fork_support_off = "GRPC_ENABLE_FORK_SUPPORT" not in os.environ
-    if fork_support_off:
-        os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"
-    quieted = "GRPC_VERBOSITY" not in os.environ
-    if quieted:
-        os.environ["GRPC_VERBOSITY"] = "NONE"
+    ours = {"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "NONE"}
+    ours = {variable: value for variable, value in ours.items() if variable not in os.environ}
+    os.environ.update(ours)
     try:
         import conch.etcd
 
-        conch.etcd.FORK_SUPPORT_OFF = fork_support_off
+        conch.etcd.FORK_SUPPORT_OFF = "GRPC_ENABLE_FORK_SUPPORT" in ours
         from conch.cli import run
     except KeyboardInterrupt:
         import signal
@@ -25,7 +22,7 @@ def main() -> None:
 
         raise SystemExit(exit_code(Outcome.INTERRUPTED, signalled(signal.SIGINT))) from None
     finally:
-        if quieted:
+        if "GRPC_VERBOSITY" in ours:
             del os.environ["GRPC_VERBOSITY"]
     run()
 

@@ -10,7 +10,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 from conch import __version__, hints, log, procs, supervisor
 from conch.errors import (
@@ -51,22 +51,17 @@ class _Formatter(argparse.HelpFormatter):
         with contextlib.suppress(ValueError):
             columns = int(os.environ.get("COLUMNS", "0"))
         if columns <= 0:
-            try:
-                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
-            except (AttributeError, ValueError, OSError):
-                columns = 80
-        kwargs.setdefault("width", columns - 2)
-        super().__init__(prog, **kwargs)
+            with contextlib.suppress(AttributeError, ValueError, OSError):
+                columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        super().__init__(prog, **{"width": (columns if columns > 0 else 80) - 2, **kwargs})
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with errors raised as UsageError and no abbreviations (``--no`` is not
     ``--nonblock``: an abbreviation that works today breaks when an option is added)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Formatter)
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"formatter_class": _Formatter, "allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(hints.cut_quoted(message))
@@ -89,8 +84,7 @@ class _Once(argparse.Action):
 
 
 # Options as "--flag[,-f] [METAVAR]": help; without a METAVAR, a switch. The connection
-# options are accepted before the subcommand too, as etcdctl takes its global flags
-# (conch --endpoints HOST:PORT sema ...).
+# options are taken before the subcommand too, as etcdctl's global flags are.
 _CONNECTION = {
     "--endpoints LIST": "comma-separated host:port or http(s)://host:port "
     "(env CONCH_ENDPOINTS, then ETCDCTL_ENDPOINTS; default 127.0.0.1:2379)",
@@ -143,8 +137,7 @@ def _option(usage: str) -> tuple[list[str], str, str]:
     return names, names[0][2:].replace("-", "_"), metavar
 
 
-# Every option string, and whether it takes a value; those of the top level (before the
-# subcommand).
+# Every option string, and whether it takes a value; those of the top level.
 _OPTIONS = {
     flag: bool(_option(usage)[2])
     for table in (_CONNECTION, _SEMA, _WAITING, _SEMA_AFTER)
@@ -152,6 +145,10 @@ _OPTIONS = {
     for flag in _option(usage)[0]
 } | dict.fromkeys(("-h", "--help", "--version"), False)
 _TOP = {"-h", "--help", "--version", *(_option(usage)[0][0] for usage in _CONNECTION)}
+_RUN = "conch sema NAME --max N -- CMD..."
+_NEGATIVE = re.compile(r"-\.?\d")  # -1s, -.5: a negative value, not an option
+_NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
+_RunSettings = tuple[int, float, float | None, bool]  # ttl, kill-after, wait (None: forever)
 
 
 def _add_options(
@@ -181,14 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="version",
         version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
     )
-    _add_options(
-        parser.add_argument_group(
-            "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's "
-            "ETCDCTL_*)"
-        ),
-        _CONNECTION,
-        _GLOBAL,
+    connection = parser.add_argument_group(
+        "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's ETCDCTL_*)"
     )
+    _add_options(connection, _CONNECTION, _GLOBAL)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sema = sub.add_parser(
         "sema",
@@ -221,14 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_max(text: str | None) -> int | None:
-    if text is None:
-        return None
+def _parse_max(text: str) -> int:
     if not re.fullmatch(r"[0-9]{1,12}", text.strip()):
         raise UsageError(f"bad --max {hints.shown(text)}: want a whole number, 1 to 1000000")
-    value = int(text)
-    check_max(value, "--max")
-    return value
+    check_max(int(text), "--max")
+    return int(text)
 
 
 def _who(args: argparse.Namespace, max_holders: int | None, connection: Connection) -> int:
@@ -259,23 +249,15 @@ def _who(args: argparse.Namespace, max_holders: int | None, connection: Connecti
     return exit_code(Outcome.LISTED if held else Outcome.NONE_HELD)
 
 
-class _RunSettings(NamedTuple):
-    ttl: int  # seconds
-    kill_after: float  # seconds
-    wait: float | None  # seconds; None: forever
-    record_args: bool  # the whole command line in the holder's key, not only its name
-
-
 def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunSettings:
-    """--ttl, --kill-after, --wait and --record-args (or their env vars), checked whatever
-    the mode: a bad value is a usage error even where it would not be used (--who)."""
+    """--ttl, --kill-after, --wait (seconds) and --record-args (or their env vars), checked
+    whatever the mode: a bad value is a usage error even where it would not be used (--who)."""
     ttl_found = setting("--ttl", args.ttl, "TTL", "10s", environ, ("CONCH_",))
     ttl = parse_ttl(ttl_found.named, ttl_found.value)
     ka_found = setting("--kill-after", args.kill_after, "KILL_AFTER", "5s", environ, ("CONCH_",))
     kill_after = parse_duration(ka_found.named, ka_found.value)
     # The child must be dead before its lease can expire: a grace asked for that cannot fit
-    # the TTL is refused (64) rather than quietly cut; the default is cut to what leaves
-    # each keepalive its whole patience.
+    # the TTL is refused (64); the default is cut to leave each keepalive its whole patience.
     if ka_found.source == "default":
         kill_after = supervisor.default_kill_after(ttl, kill_after)
     else:
@@ -287,11 +269,7 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
     record = setting("--record-args", given, "RECORD_ARGS", "", environ, ("CONCH_",))
     record_args = truthy(record.value)
     log.debug("setting", setting="record-args", value=int(record_args), source=record.source)
-    return _RunSettings(ttl, kill_after, wait, record_args)
-
-
-_RUN = "conch sema NAME --max N -- CMD..."
-_NEGATIVE = re.compile(r"-\.?\d")  # -1s, -.5: a negative value, not an option
+    return ttl, kill_after, wait, record_args
 
 
 def _negative_values_attached(words: list[str]) -> list[str]:
@@ -315,35 +293,26 @@ def _parse_words(
     try:
         args, extras = parser.parse_known_args(words)
     except UsageError:
-        # conch -w 10 sema ...: the unknown -w left its value to be taken for the subcommand
-        # ("invalid choice: '10'"); the option is what to talk about.
+        # conch -w 10 sema: the unknown -w left 10 to be taken for the subcommand: talk of -w.
         for word in words[: words.index("sema")] if "sema" in words else words:
             if word.startswith("-") and word.split("=", 1)[0] not in _TOP:
-                raise UsageError(_unknown_option(word, before_subcommand=True)) from None
+                raise UsageError(hints.unknown_option(word, _OPTIONS, True)) from None
         raise
     for word in extras:
         if word.startswith("-") and word != "-":
             before = "sema" in words and words.index(word) < words.index("sema")
-            raise UsageError(_unknown_option(word, before))
+            raise UsageError(hints.unknown_option(word, _OPTIONS, before))
     if extras:
         where = "one NAME only" if has_cmd else f"the command goes after --: {_RUN}"
         raise UsageError(f"unexpected argument {hints.shown(extras[0])}: {where}")
     return args
 
 
-def _unknown_option(word: str, before_subcommand: bool) -> str:
-    """What to say about ``word``, an option the parser did not take where it was given."""
-    given = word.split("=", 1)[0]
-    if before_subcommand and given in _OPTIONS:
-        return f"{given} goes after the subcommand: conch sema NAME {given} ..."
-    return hints.unknown_option(word, _OPTIONS)
-
-
 def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
     """The arguments before ``--`` (``has_cmd``: a ``--`` followed). A NAME that starts with
     a single ``-`` (``-x``) is taken as the NAME when it comes right after ``sema``, is not
-    one of our options (``-n``, ``-qn``: there a forgotten NAME stays an error), and the
-    words do not parse otherwise. Connection options given before the subcommand are merged
+    our switches (``-n``, ``-qn``: there a forgotten NAME stays an error), and the words do
+    not parse otherwise. Connection options given before the subcommand are merged
     into those given after it (both: a usage error)."""
     parser = build_parser()
     words = _negative_values_attached(words)
@@ -352,7 +321,8 @@ def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
     except UsageError as error:
         at = words.index("sema") if "sema" in words else -1
         first = words[at + 1] if 0 <= at < len(words) - 1 else ""
-        if not first.startswith("-") or first.startswith("--") or _options(parser, first):
+        switches = first[1:] and all(f"-{letter}" in _OPTIONS for letter in first[1:])
+        if not first.startswith("-") or first.startswith("--") or switches:
             raise
         try:
             args = _parse_words(parser, [*words[: at + 1], *words[at + 2 :], "--", first], True)
@@ -368,18 +338,6 @@ def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
     return args
 
 
-def _options(parser: argparse.ArgumentParser, word: str) -> bool:
-    """Whether ``word`` parses as options of ``sema`` (``-n``, ``-qn``)."""
-    try:
-        parser.parse_args(["sema", word, "name"])
-    except UsageError:
-        return False
-    return True
-
-
-_NOT_WITH_WHO = ("--ttl", "--wait", "--nonblock", "--spread", "--kill-after", "--record-args")
-
-
 def _run(
     args: argparse.Namespace,
     max_holders: int,
@@ -388,14 +346,15 @@ def _run(
     connection: Connection,
     exiting: bool,
 ) -> int:
-    identity = Identity.current(cmd, record_args=settings.record_args)
+    ttl, kill_after, wait, record_args = settings
+    identity = Identity.current(cmd, record_args=record_args)
     check_host(identity.host)
     if exiting:
         supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
     # Started while we connect (~20 ms sooner); if it cannot be, supervise() retries and reports.
     watchdog = None
     with contextlib.suppress(OSError):
-        watchdog = supervisor.start_watchdog(settings.kill_after)
+        watchdog = supervisor.start_watchdog(kill_after)
     # Caught from the first write on (dialling writes nothing: a signal may simply end us);
     # with ``exiting`` they stay caught, as a late one must not replace the child's status.
     try:
@@ -403,11 +362,9 @@ def _run(
             connection.dial() as client,
             supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
         ):
-            sema = Semaphore(client, args.name, max_holders, settings.ttl, args.spread, identity)
+            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
             try:
-                return supervisor.supervise(
-                    sema, cmd, settings.wait, settings.kill_after, stop, watchdog
-                )
+                return supervisor.supervise(sema, cmd, wait, kill_after, stop, watchdog)
             except NoSlot as exc:
                 log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
                 return exc.exit_code
@@ -424,8 +381,7 @@ def run() -> NoReturn:
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
     procs.prepare_command_process()
-    # gRPC's stream iterators wake every 0.1 s to see a KeyboardInterrupt, which in conch's
-    # own threads only burns CPU (15% of a core for 100 waiters): 5 s in the command only.
+    # gRPC's stream iterators wake every 0.1 s, in conch's threads for nothing (docs/design.md).
     import grpc._common
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
@@ -450,7 +406,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
             raise UsageError(f"missing command: try '{_RUN}'")
         log.set_quiet(args.quiet)
         log.set_debug(args.debug)
-        max_holders = _parse_max(args.max)
+        max_holders = None if args.max is None else _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)
         flags = ConnectionFlags(*(getattr(args, field) for field in ConnectionFlags._fields))
@@ -481,10 +437,8 @@ def _ending(exc: Exception, debug: bool) -> int:
     ``debug`` (``--debug``); a child that ran was SIGKILLed before it left its supervision."""
     if isinstance(exc, UsageError):
         print(f"conch: {exc}", file=sys.stderr)
-    elif isinstance(exc, Unavailable):
-        log.error("unavailable", error=str(exc))
     elif isinstance(exc, ConchError):
-        log.error("failed", error=str(exc))
+        log.error("unavailable" if isinstance(exc, Unavailable) else "failed", error=str(exc))
     else:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)

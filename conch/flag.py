@@ -1,10 +1,6 @@
-"""One-shot flags that several waiters can watch at once.
-
-conch waits on several things at a time (a watch event, session loss, a deadline, a signal,
-the child's exit). Each wait is one ``queue.SimpleQueue`` (a *mailbox*); every source puts a
-message into the mailboxes that subscribed to it. ``SimpleQueue.put`` is reentrant, so a
-``Flag`` may be set from a signal handler without the deadlock ``threading.Event.set`` risks.
-"""
+"""One-shot flags that several waiters can watch at once: each wait is a *mailbox* (a
+``queue.SimpleQueue``, whose reentrant ``put`` a signal handler may call) that every source
+it waits on puts a message into (docs/design.md, "Flags and mailboxes")."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ class Flag:
 
     def set(self, reason: object = None) -> None:
         """Set the flag (first call wins). Safe from signal handlers and any thread."""
-        # Not blocking: a signal handler that interrupted a set() in the same thread must
-        # not wait for it (that set() wins).
+        # Not blocking: a handler that interrupted a set() in this thread must not wait for it.
         if self._set or not self._first.acquire(blocking=False):
             return
         self.reason = reason

@@ -5,17 +5,17 @@ Pure functions of text; nothing here talks to etcd."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 SHOWN_MAX = 64  # characters of a value echoed in a message
 
-# Options other tools take for what conch spells differently: what to use instead, and why.
+# Options other tools take, and what an "unknown option" message says after the option.
 _HABITS = {
-    option: (meant, why)
+    option: (f": did you mean {meant}? " if meant else " ") + f"({why.format(option)})"
     for options, meant, why in (
-        ("-w", "--wait", "flock's -w: conch takes --wait DUR, e.g. --wait 10s"),
-        ("--timeout", "--wait", "flock's --timeout: conch takes --wait DUR, e.g. --wait 10s"),
-        ("-timeout", "--wait", "consul lock's -timeout: conch takes --wait DUR, e.g. --wait 10s"),
+        ("-w --timeout", "--wait", "flock's {}: conch takes --wait DUR, e.g. --wait 10s"),
+        ("-timeout", "--wait", "consul lock's {}: conch takes --wait DUR, e.g. --wait 10s"),
         ("--nowait --no-wait --nb", "--nonblock", "exit 75 at once if no slot is free"),
         ("-x -e --exclusive", "--max 1", "one holder at a time is --max 1"),
         ("-s --shared", "--max N", "N holders at a time is --max N"),
@@ -23,8 +23,7 @@ _HABITS = {
         ("--conflict-exit-code", "", "conch exits 75 when no slot is free; not settable"),
         ("-v --verbose -verbose", "", "conch logs every state change unless -q; --debug logs more"),
         ("-V --version", "conch --version", "the version is an option of conch itself"),
-        ("-c", "", "flock's -c: conch runs a shell line as -- sh -c '...'"),
-        ("--command", "", "flock's --command: conch runs a shell line as -- sh -c '...'"),
+        ("-c --command", "", "flock's {}: conch runs a shell line as -- sh -c '...'"),
         ("-command", "", "conch runs a shell line as -- sh -c '...'"),
     )
     for option in options.split()
@@ -45,27 +44,21 @@ def shown(value: str, limit: int = SHOWN_MAX) -> str:
 def cut_quoted(message: str, limit: int = SHOWN_MAX) -> str:
     """``message`` (argparse's, which quotes what it was given) with each quoted value longer
     than ``limit`` characters cut as ``shown`` cuts it."""
-    import re
-
-    return re.sub(
-        "'([^']{" + str(limit + 1) + ",})'",
-        lambda match: shown(match.group(1), limit),
-        message,
-    )
+    return re.sub(f"'([^']{{{limit + 1},}})'", lambda m: shown(m.group(1), limit), message)
 
 
-def unknown_option(word: str, options: Iterable[str]) -> str:
-    """The message for an option the parser does not know: the flag meant, where a habit or
-    a close match says which; ``options`` are the parser's option strings."""
+def unknown_option(word: str, options: Iterable[str], before_subcommand: bool = False) -> str:
+    """The message for an option the parser does not take where it was given: the flag meant,
+    where a habit or a close match says which, or (``before_subcommand``) that one of
+    ``options`` (the parser's option strings) goes after the subcommand."""
     given = word.split("=", 1)[0]
+    if before_subcommand and given in options:
+        return f"{given} goes after the subcommand: conch sema NAME {given} ..."
     habit = _HABITS.get(given)
     if habit is None and not given.startswith("--") and len(given) > 2:
         habit = _HABITS.get(given[:2])  # -w10, as flock takes it
     if habit is not None:
-        meant, why = habit
-        if meant:
-            return f"unknown option {shown(given)}: did you mean {meant}? ({why})"
-        return f"unknown option {shown(given)} ({why})"
+        return f"unknown option {shown(given)}{habit}"
     import difflib  # only on this error path
 
     longs = [option for option in options if option.startswith("--")]

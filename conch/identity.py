@@ -1,9 +1,5 @@
-"""Who holds or waits: the JSON value at every key (contract section 6).
-
-``cmd`` is the program's name only, unless the caller asks for the whole command line
-(``record_args``): etcd spreads a key's value to every client allowed to read the prefix,
-on any host, and a command line can carry secrets (``--password=...``) that ``ps`` shows to
-local users only."""
+"""Who holds or waits: the JSON value at every key (contract section 6). Why ``cmd`` is the
+program's name only unless ``record_args``: docs/design.md, "The key schema"."""
 
 from __future__ import annotations
 
@@ -15,10 +11,6 @@ from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 
 CMD_MAX_BYTES = 256
-
-
-def _utc_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def cut_utf8(text: str, limit: int) -> str:
@@ -42,15 +34,14 @@ class Identity:
         """This process's identity for running ``argv``: ``cmd`` is ``argv[0]`` (empty for
         no argv), or with ``record_args`` the whole of ``argv`` joined by spaces; either cut
         to CMD_MAX_BYTES bytes of UTF-8. ``host`` defaults to ``CONCH_HOST``, else the hostname."""
-        words = argv if record_args else argv[:1]
-        cmd = cut_utf8(" ".join(words), CMD_MAX_BYTES)
+        cmd = cut_utf8(" ".join(argv if record_args else argv[:1]), CMD_MAX_BYTES)
         host = host or os.environ.get("CONCH_HOST") or socket.gethostname()
-        return cls(host, os.getpid(), _utc_now(), cmd)
+        return cls(host, os.getpid(), "", cmd).entering()
 
     def entering(self) -> Identity:
         """This identity, ``started`` now: what a key written now says (a Semaphore of a
         long-lived service is made long before it queues)."""
-        return replace(self, started=_utc_now())
+        return replace(self, started=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":")).encode("utf-8")

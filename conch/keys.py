@@ -14,31 +14,27 @@ NAME_MAX_BYTES = 200
 MAX_CAPACITY = 1_000_000
 
 
-def check_name(name: str) -> None:
-    """Raise UsageError unless ``name`` is 1..200 bytes of UTF-8, no control characters,
-    not ``.`` or ``..``."""
-    _check_segment("name", name)
-
-
 def check_host(host: str) -> None:
     """The node name (``CONCH_HOST``) goes into the value of every key and, with --spread,
     into the key: the same rules as a name. Raises UsageError."""
-    _check_segment("CONCH_HOST", host)
+    check_name(host, "CONCH_HOST")
 
 
-def _check_segment(what: str, text: str) -> None:
-    if not isinstance(text, str):
-        raise UsageError(f"bad {what} {repr(text)[:SHOWN_MAX]}: want a str")
+def check_name(name: str, what: str = "name") -> None:
+    """Raise UsageError naming ``what`` unless ``name`` is 1..200 bytes of UTF-8, no control
+    characters, not ``.`` or ``..``."""
+    if not isinstance(name, str):
+        raise UsageError(f"bad {what} {repr(name)[:SHOWN_MAX]}: want a str")
     try:
-        size = len(text.encode("utf-8"))
+        size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
-        raise UsageError(f"bad {what} {shown(text)}: not valid UTF-8") from None
+        raise UsageError(f"bad {what} {shown(name)}: not valid UTF-8") from None
     if not 1 <= size <= NAME_MAX_BYTES:
-        raise UsageError(f"bad {what} {shown(text)}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
-    if text in (".", ".."):
-        raise UsageError(f"bad {what} {shown(text)}: '.' and '..' are not names")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in text):
-        raise UsageError(f"bad {what} {shown(text)}: control characters are not allowed")
+        raise UsageError(f"bad {what} {shown(name)}: must be 1 to {NAME_MAX_BYTES} bytes of UTF-8")
+    if name in (".", ".."):
+        raise UsageError(f"bad {what} {shown(name)}: '.' and '..' are not names")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        raise UsageError(f"bad {what} {shown(name)}: control characters are not allowed")
 
 
 def encode_segment(text: str) -> bytes:
@@ -72,9 +68,8 @@ def capacity_of(name: str, key: bytes) -> int | None:
     ``<max>/<tail>`` with ``<max>`` as conch writes it (1 to MAX_CAPACITY, no leading 0)."""
     max_raw, sep, tail = key[len(name_prefix(name)) :].partition(b"/")
     text = max_raw.decode("ascii", "replace")
-    if not sep or not tail or not text.isdigit() or str(int(text)) != text:
-        return None
-    return int(text) if 1 <= int(text) <= MAX_CAPACITY else None
+    whole = sep and tail and text.isdigit() and str(int(text)) == text
+    return int(text) if whole and 1 <= int(text) <= MAX_CAPACITY else None
 
 
 def check_max(max_holders: int, parameter: str = "max") -> None:

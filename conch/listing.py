@@ -10,7 +10,7 @@ import time
 from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, TypeAlias
+from typing import Any
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -53,28 +53,22 @@ class Record:
     def to_text(self) -> str:
         """One line, fields in a fixed order; a field with spaces or unprintable characters
         (written by someone else) is shown JSON-quoted so it cannot forge another line."""
-        capacity = "?" if self.max is None else str(self.max)
         line = (
-            f"{self.name}[{self.held}/{capacity}] {self.state:<4}  {_quoted(self.host)} "
-            f"pid={self.pid if self.pid is not None else '?'} "
+            f"{self.name}[{self.held}/{'?' if self.max is None else self.max}] {self.state:<4}  "
+            f"{_quoted(self.host)} pid={self.pid if self.pid is not None else '?'} "
             f"since={_quoted(self.started or '?')} rev={self.rev}"
         )
-        return line + (f" note={self.note}" if self.note else "") + self._times_text()
-
-    def _times_text(self) -> str:
+        line += f" note={self.note}" if self.note else ""
         if self.held_s is not None:
-            return f" held={_duration(self.held_s)}"
+            return f"{line} held={_duration(self.held_s)}"
         if self.waited_s is not None:
-            return f" waited={_duration(self.waited_s)}"
+            return f"{line} waited={_duration(self.waited_s)}"
         if self.queued_s is not None:  # a holder that waited first: its hold began unseen
-            return f" held=? queued={_duration(self.queued_s)}"
-        return ""
+            return f"{line} held=? queued={_duration(self.queued_s)}"
+        return line
 
     def to_json(self) -> str:
-        fields = asdict(self)
-        del fields["held"]
-        if not self.note:
-            del fields["note"]
+        fields = {k: v for k, v in asdict(self).items() if k != "held" and (v or k != "note")}
         return json.dumps(fields, ensure_ascii=False)
 
 
@@ -130,23 +124,19 @@ def _as_text(value: object, missing: str) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-# A listing as steps (``conch.semaphore.Steps``: its KV.Range calls out, their responses in),
-# so that the threaded who() and conch.aio's execute the same decisions.
-Listing: TypeAlias = Generator[codec.Call, rpc_pb2.RangeResponse, list[Record]]
-
-
 def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:
     """Every key under ``name`` (all capacities), in create_revision order per capacity; the
     capacity ``max_holders`` first when given. One KV.Range, then one per holder (at most
-    HISTORY_READS) for its hold time; reads only (no lease). The Records' ages are this
-    host's clock against each key's ``started`` (see the module). Raises UsageError for a
-    bad ``max_holders``, EtcdError when etcd does not answer."""
+    HISTORY_READS) for its hold time; reads only (no lease). Raises UsageError for a bad
+    ``max_holders``, EtcdError when etcd does not answer."""
     return drive(client, listing(name, max_holders))
 
 
-def listing(name: str, max_holders: int | None = None) -> Listing:
-    """``who`` without its I/O: yields each KV.Range to make, is sent its response (or
-    thrown its error: Compacted for a hold time is an unknown one), returns the Records."""
+def listing(
+    name: str, max_holders: int | None = None
+) -> Generator[codec.Call, rpc_pb2.RangeResponse, list[Record]]:
+    """``who`` without its I/O, for both faces: yields each KV.Range, is sent its response
+    (or thrown its error: Compacted for a hold time is an unknown one), returns the Records."""
     if max_holders is not None:
         keys.check_max(max_holders, "max_holders")
     now = time.time()
@@ -174,12 +164,9 @@ def listing(name: str, max_holders: int | None = None) -> Listing:
             if state == "HELD" and capacity is not None and reads_left > 0:
                 reads_left -= 1
                 # Fewer than ``capacity`` keys ahead of it when it was created: it held at once.
+                sema = keys.sema_prefix(name, capacity)
                 request = kv.prefix_request(
-                    keys.sema_prefix(name, capacity),
-                    revision=rev,
-                    limit=capacity,
-                    keys_only=True,
-                    max_create_revision=rev - 1,
+                    sema, revision=rev, limit=capacity, keys_only=True, max_create_revision=rev - 1
                 )
                 with contextlib.suppress(Compacted):  # unknown, then
                     history = yield codec.Call("kv", "Range", request)

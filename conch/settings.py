@@ -1,12 +1,7 @@
-"""The command's settings: durations, and the connection (endpoints, dial timeout, TLS, user)
-resolved from flags and the environment in one place.
-
-Each connection setting is taken from the first of: its flag, ``CONCH_<NAME>``,
-``ETCDCTL_<NAME>`` (what etcdctl v3 reads, so that a shell set up for etcdctl locks against
-the same cluster), the default. ``--debug`` logs where each one came from; a password is
-never shown. etcdctl settings conch has no use for (``ETCDCTL_COMMAND_TIMEOUT``,
-``ETCDCTL_KEEPALIVE_TIME``, discovery) are not read.
-"""
+"""The command's settings: durations, and the connection (endpoints, dial timeout, TLS, user),
+each from its flag, else ``CONCH_<NAME>``, else etcdctl's ``ETCDCTL_<NAME>``, else the default
+(docs/design.md, "Where the command's settings come from"). ``--debug`` logs where each one
+came from; a password is never shown."""
 
 from __future__ import annotations
 
@@ -27,6 +22,7 @@ _NUMBER = r"\d+\.?\d*|\.\d+"
 _PART = re.compile(f"({_NUMBER})({'|'.join(_UNITS)})")  # "ms" before "m": the first unit wins
 MAX_DURATION = 10 * 365 * 86400.0  # seconds; beyond this timeouts overflow, and mean nothing
 _EXAMPLES = "want a duration like 500ms, 10s, 1.5s, 2m, 1h30m"
+_PEM_CERTIFICATE = rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----"
 
 
 def parse_duration(flag: str, text: str) -> float:
@@ -56,9 +52,8 @@ def parse_ttl(flag: str, text: str) -> int:
 
 
 class Setting(NamedTuple):
-    """A setting's text, where it came from (a flag such as ``--endpoints``, a variable such
-    as ``CONCH_ENDPOINTS`` or ``ETCDCTL_ENDPOINTS``, or ``default``), and what a message
-    about it names: the variable it came from, else the flag."""
+    """A setting's text, where it came from (its flag, ``CONCH_X``, ``ETCDCTL_X`` or
+    ``default``), and what a message about it names: the variable it came from, else the flag."""
 
     value: str
     source: str
@@ -99,7 +94,7 @@ class ConnectionFlags(NamedTuple):
 
 
 class Connection(NamedTuple):
-    """Everything ``connect()`` needs, resolved. ``dial_timeout`` in seconds."""
+    """Everything ``connect()`` needs, resolved: its arguments by name (seconds for time)."""
 
     endpoints: str
     dial_timeout: float
@@ -109,16 +104,12 @@ class Connection(NamedTuple):
     def dial(self) -> Client:
         """A Client (conch.etcd.connect: Maintenance.Status, or Auth.Authenticate with
         credentials, within the dial timeout). Raises Unavailable, AuthenticationFailed."""
-        return connect(
-            self.endpoints, self.dial_timeout, tls=self.tls, credentials=self.credentials
-        )
+        return connect(**self._asdict())
 
 
 DEFAULT_ENDPOINTS = "127.0.0.1:2379"
 
-# Every variable a credential may be read from (a password, its file, NAME:PASSWORD, the
-# client certificate's and key's paths: a path to a secret is the secret), for whoever starts
-# processes that must not see them.
+# Every variable a credential may come from (a path to a secret is the secret), to withhold.
 CREDENTIAL_VARIABLES = (
     *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
     *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
@@ -191,9 +182,6 @@ def _tls(flags: ConnectionFlags, environ: Mapping[str, str]) -> TLS | None:
     return TLS(files.get("cacert"), files.get("cert"), files.get("key"), skip_verify=skip_verify)
 
 
-_PEM_CERTIFICATE = rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----"
-
-
 def _check_pem(files: dict[str, bytes]) -> None:
     """Usage error unless the CA bundle holds certificates and the client certificate and key
     load as a pair (gRPC would only say so in its own log lines, then fail the dial)."""
@@ -202,8 +190,7 @@ def _check_pem(files: dict[str, bytes]) -> None:
 
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if "cacert" in files:
-        # Only the PEM blocks: a bundle's comments may be in any encoding (Mozilla's are
-        # UTF-8), and ssl takes PEM text in ASCII only.
+        # Only the PEM blocks: a bundle's comments may be in any encoding; ssl takes ASCII.
         blocks = re.findall(_PEM_CERTIFICATE, files["cacert"], re.DOTALL)
         try:
             context.load_verify_locations(cadata=b"\n".join(blocks).decode("ascii"))

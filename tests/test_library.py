@@ -715,11 +715,12 @@ def test_an_error_inside_the_supervision_kills_the_child_before_the_slot_goes(
     signal) must not leave the child running, unwatched, while the slot is released."""
     from conch import supervisor
     from conch.flag import Flag
+    from conch.watchdog import Watchdog
 
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in the termination")
 
-    monkeypatch.setattr(supervisor.Watchdog, "stand_by", broken)  # the termination's first step
+    monkeypatch.setattr(Watchdog, "stand_by", broken)  # the termination's first step
     pidfile = tmp_path / "pid"
     stop = Flag("stop")
     sema = conch.Semaphore(client, name, max=1, ttl=5)

@@ -54,17 +54,26 @@ def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
 
 
+def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.RangeRequest]:
+    """The window (``window_size(max)`` keys ascending by create_revision) and the last two
+    keys descending, keys only, none created after revision ``upto`` (0: any)."""
+    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": upto}
+    return [
+        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
+        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
+    ]
+
+
 def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
     """``action`` as one KV.Txn: if our key's create_revision is 0, put it (``value``, bound
-    to the lease) and Range the first ``max`` keys under ``prefix`` by create_revision
-    (keys only); else Range our key. Decode its answer with ``enqueue_answer``."""
-    heads = kv.prefix_request(
-        prefix, limit=max, keys_only=True, sort_target=kv.CREATE, sort_order=kv.ASCEND
-    )
+    to the lease) and read our standing in the same Txn (the Ranges of ``standing_reads``,
+    and a count_only Range under ``prefix``: the keys ahead, and ours); else Range our key.
+    Not read-only, so no release's read-only Txn bug applies. Decode with ``enqueue_answer``."""
     key = action.key
+    ranges = [*_standing_ranges(prefix, max), kv.prefix_request(prefix, count_only=True)]
     return _txn(
         [kv.create_revision_is(key, 0)],
-        [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
+        [kv.op_put(key, value, action.lease_id), *map(kv.op_range, ranges)],
         [kv.op_get(key)],
     )
 
@@ -75,8 +84,15 @@ def enqueue_answer(
     """The TxnResponse to ``enqueue_call`` (``sent``: the value put) as EnqueueAnswer."""
     revision = int(response.header.revision)
     if response.succeeded:
-        heads = [h.key for h in response.responses[1].response_range.kvs]
-        return messages.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+        window, mine_and_prev, counted = (r.response_range for r in response.responses[1:])
+        standing = messages.StandingAnswer(
+            action.id,
+            revision,
+            [key_rev(k) for k in window.kvs],
+            [key_rev(k) for k in mine_and_prev.kvs],
+            int(counted.count),
+        )
+        return messages.EnqueueAnswer(action.id, revision, True, sent, standing=standing)
     found = response.responses[0].response_range.kvs
     if not found:
         return messages.EnqueueAnswer(action.id, revision, False)
@@ -100,11 +116,7 @@ def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Re
     one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
     a window that holds our key is enough (ours is its last key, none being created after
     it), so a waiter at the head reads one Range."""
-    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": action.revision}
-    reads = Reads(
-        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
-        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
-    )
+    reads = Reads(_standing_ranges(prefix, max, action.revision))
     reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
     return reads
 

@@ -1,17 +1,9 @@
-"""The codec: each action of the Waiter as the etcd request(s) that carry it out, and each
-etcd response (or error, or watch notice) as the input the Waiter is fed. Pure functions on
-protobuf messages and ``conch.core.messages`` records: no I/O, no clock, no threads. Both
-faces and the simulator execute what it builds and feed back what it decodes, so they cannot
-read etcd differently. A request is a ``Call``, which a face sends with its own client:
-``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
-
-Several Ranges are read at one revision (the standing read, the gap-closing read of a watch)
-by the plan ``read_plan(server_version)`` (``ReadTogether``): one read-only KV.Txn, or the
-first Range and the others pinned to its revision: on etcd 3.5.0 to 3.5.6, whose read-only
-Txn can take the server down (etcd issues 14110 and 14891), and on a server whose release is
-not known. A Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7, PRs
-14254 and 14884) is read again as pinned Ranges at once, whatever the release. docs/design.md
-("The codec") has the releases and why.
+"""The codec: each action of the Waiter as the etcd request(s) that carry it out (a ``Call``,
+which a face sends with its own client), and each etcd response, error or watch notice as
+the input the Waiter is fed. Pure functions on protobuf messages and ``conch.core.messages``
+records: both faces and the simulator execute what it builds and feed back what it decodes,
+so they cannot read etcd differently. Ranges read at one revision follow the read plan
+(``read_plan``, ``ReadTogether``); docs/design.md ("The codec") has the releases and why.
 """
 
 from __future__ import annotations
@@ -50,13 +42,11 @@ def _txn(
 
 
 def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
-    """A KeyValue as the machine sees it (key, create_revision, mod_revision)."""
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
 
 
 def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.RangeRequest]:
-    """The window (``window_size(max)`` keys ascending by create_revision) and the last two
-    keys descending, keys only, none created after revision ``upto`` (0: any)."""
+    """The window and the last two keys, none created after revision ``upto`` (0: any)."""
     keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": upto}
     return [
         kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
@@ -113,9 +103,8 @@ class Reads(list[rpc_pb2.RangeRequest]):
 def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Reads:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
-    one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
-    a window that holds our key is enough (ours is its last key, none being created after
-    it), so a waiter at the head reads one Range."""
+    one just ahead (2 keys descending). Read them with ``ReadTogether``: a window that
+    holds our key is enough (ours is its last key)."""
     reads = Reads(_standing_ranges(prefix, max, action.revision))
     reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
     return reads
@@ -132,7 +121,7 @@ def standing_answer(action: messages.ReadStanding, read: Together) -> messages.S
 
 
 def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
-    """One Range per key of ``action``, in its order. Read them with ``ReadTogether``."""
+    """One Range per key of ``action``, in its order, to read with ``ReadTogether``."""
     return [rpc_pb2.RangeRequest(key=key) for key in action.keys]
 
 
@@ -149,7 +138,7 @@ class ReadPlan(enum.Enum):
     PINNED_RANGES = "pinned-ranges"  # the first Range, then the others at its revision
 
 
-# etcd releases whose read-only Txn can take the server down (see the module docstring).
+# etcd releases whose read-only Txn can take the server down (etcd issues 14110, 14891).
 TXN_PANIC_FROM = (3, 5, 0)
 TXN_PANIC_FIXED = (3, 5, 7)
 
@@ -158,9 +147,8 @@ _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 def read_plan(server_version: str | None) -> ReadPlan:
     """How to read Ranges together from the server of ``server_version`` (Maintenance.Status's
-    ``version``, "3.5.1"; None: not known, Status did not answer): pinned Ranges on a release
-    whose read-only Txn can crash it or when the release is not known or unreadable, else
-    one read-only Txn."""
+    ``version``, "3.5.1"; None: not known): pinned Ranges on a release whose read-only Txn
+    can crash it, or one not known, else one read-only Txn."""
     match = _VERSION.match(server_version or "")
     version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
     if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
@@ -187,9 +175,9 @@ class ReadTogether:
                 read.refused(exc)  # raises exc again unless the read goes on another way
         return read.result
 
-    A read-only Txn refused under the space alarm (``Failure.NO_SPACE``) is read again as
-    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises it:
-    Compacted, when a pinned Range's revision was compacted, the machine reads again)."""
+    A read-only Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7) is
+    read again as pinned Ranges at once. Any other error ends the read (``refused`` raises
+    it: Compacted, a pinned Range's revision compacted, the machine reads again)."""
 
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads

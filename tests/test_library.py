@@ -719,7 +719,7 @@ def test_an_error_inside_the_supervision_kills_the_child_before_the_slot_goes(
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in the termination")
 
-    monkeypatch.setattr(supervisor, "_stop_group", broken)
+    monkeypatch.setattr(supervisor.Watchdog, "stand_by", broken)  # the termination's first step
     pidfile = tmp_path / "pid"
     stop = Flag("stop")
     sema = conch.Semaphore(client, name, max=1, ttl=5)

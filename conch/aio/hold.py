@@ -46,7 +46,6 @@ class Hold(GuardedHold[Session]):
         self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
-        # Its guard starts at once (the threaded Hold's waits for start_guard()).
         self._execute(self._guard.made())
         self._execute(self._guard.start())
 

@@ -26,7 +26,7 @@ from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, 
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
-from conch.procs import ChildExit, _on_exit, _stop_group, adopt_orphans, spawn
+from conch.procs import ChildExit, _Job, _on_exit, adopt_orphans, spawn
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
 from conch.watchdog import Watchdog, failure, without_credentials
@@ -226,17 +226,17 @@ def run_child(
                 box = run.box
                 _on_exit(pid, lambda status: box.put(ChildExit(os.waitstatus_to_exitcode(status))))
             except BaseException:  # no reaping thread (can't start new thread): fail closed
-                procs._kill_group(pid)
+                _Job(pid, run.box).kill()
                 raise
         try:  # from here on, whatever goes wrong, the child does not outlive our supervision
             if unarmed is not None:
-                run.terminate(procs._Job(pid), child_running=True, kill_at=run.kill_at_latest())
+                run.terminate(_Job(pid, run.box), child_running=True, kill_at=run.kill_at_latest())
                 return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
             return run.supervise(pid)
         except BaseException:
             # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
             # running with nobody watching it while the slot is released.
-            procs._kill_group(pid)
+            _Job(pid, run.box).kill()
             raise
     finally:
         run.finish()
@@ -292,7 +292,7 @@ class _Run:
             flag.subscribe(self.box)
             self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
-        job = procs._Job(pid)
+        job = _Job(pid, self.box)
         if isinstance(notice, ChildExit):
             if not job.alive():
                 # Nothing is left for the watchdog to kill: a revoke that outlasts the
@@ -366,12 +366,12 @@ class _Run:
         reason = Loss.of(self.hold.lost.reason)
         return reason is not None and reason.slot_taken
 
-    def terminate(self, job: procs._Job, child_running: bool, kill_at: float) -> int | None:
-        """``_stop_group`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
+    def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
+        """``job.stop`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
         than send a second SIGTERM into the child's cleanup at the deadline) to finish it
         should conch die meanwhile. Returns the child's return code (if ``child_running``)."""
         self.watchdog.stand_by(kill_at)
-        return _stop_group(job, self.box, child_running, kill_at, self._hurry)
+        return job.stop(child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
         # SIGKILL now, during a termination: our key gone in etcd, or the watchdog gone or silent.

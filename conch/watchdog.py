@@ -35,6 +35,7 @@ PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the ch
 # Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
+_SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
 
 # conch's credentials (and paths to secrets): the child and the watchdog start without them.
 CREDENTIALS = CREDENTIAL_VARIABLES
@@ -45,27 +46,17 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in CREDENTIALS}
 
 
-class WatchdogExited(NamedTuple):
-    """Put into the supervisor's mailbox when the watchdog process ends before conch
-    dismissed it; ``fired``: whether it had terminated the child's group first."""
+class WatchdogNotice(NamedTuple):
+    """Put into the supervisor's mailbox when the watchdog process ends before conch dismissed
+    it, or first fails to answer a probe within ANSWER_TIMEOUT (stopped, or too starved to keep
+    the deadline): ``error`` says which, None if it had terminated the child's group first."""
 
-    fired: bool
-
-
-class WatchdogSilent(NamedTuple):
-    """Put into the supervisor's mailbox when the watchdog has not answered a probe within
-    ``after`` seconds (ANSWER_TIMEOUT): stopped, or too starved to keep the deadline."""
-
-    after: float
+    error: str | None
 
 
 def failure(notice: object) -> str | None:
     """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
-    if isinstance(notice, WatchdogSilent):
-        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
-    if isinstance(notice, WatchdogExited) and not notice.fired:
-        return "the watchdog exited while the child ran"
-    return None
+    return notice.error if isinstance(notice, WatchdogNotice) else None
 
 
 class Watchdog:
@@ -124,9 +115,7 @@ class Watchdog:
             raise Interrupted(stop.reason)
         if ended:
             return "the watchdog exited before the child"
-        if ready:
-            return f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-        return f"not running after {timeout:g}s"
+        return _SILENT if ready else f"not running after {timeout:g}s"
 
     def _read_for(self, want: bytes | None, deadline: float, stop: Flag | None = None) -> bool:
         # Read its stdout (no reader thread yet) until ``want`` is in it (None: its end); False
@@ -171,9 +160,9 @@ class Watchdog:
 
     def watch(self, box: Mailbox) -> None:
         """From now on (after ``ready()``), from a thread of its own, probe the watchdog
-        every PROBE_INTERVAL and put into ``box`` a WatchdogSilent the first time it does not
-        answer within ANSWER_TIMEOUT, a WatchdogExited the moment its stdout ends (however
-        it dies), unless it was dismissed first."""
+        every PROBE_INTERVAL and put into ``box`` a WatchdogNotice the first time it does not
+        answer within ANSWER_TIMEOUT and the moment its stdout ends (however it dies), unless
+        it was dismissed first."""
         self._reader = threading.Thread(
             target=self._probe_and_read, args=(box,), name="conch-watchdog", daemon=True
         )
@@ -195,15 +184,16 @@ class Watchdog:
                 if sent is not None and time.monotonic() - sent >= ANSWER_TIMEOUT:
                     silent = True
                     if not self._dismissed:
-                        box.put(WatchdogSilent(ANSWER_TIMEOUT))
+                        box.put(WatchdogNotice(_SILENT))
                 continue
             chunk = self._take()
             if ANSWER in chunk and sent is not None:
                 sent, next_probe = None, time.monotonic() + PROBE_INTERVAL
             if not chunk:
                 break
+        error = None if self._fired else "the watchdog exited while the child ran"
         if not self._dismissed:
-            box.put(WatchdogExited(self._fired))
+            box.put(WatchdogNotice(error))
 
     def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
         """A child is about to start with the environment entries ``marks`` (no blanks,

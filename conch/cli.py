@@ -42,9 +42,8 @@ __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
 
 class _Formatter(argparse.HelpFormatter):
-    """argparse's, as wide as shutil.get_terminal_size() says ($COLUMNS, else stdout's
-    terminal, else 80) without importing shutil: argparse makes one for every add_argument(),
-    and shutil's import was ~2.5 ms of every start (bench/startup.py)."""
+    """argparse's, as wide as shutil.get_terminal_size() ($COLUMNS, else stdout's terminal,
+    else 80), without shutil's import: ~2.5 ms, and argparse makes one per add_argument()."""
 
     def __init__(self, prog: str, **kwargs: Any) -> None:
         columns = 0
@@ -57,8 +56,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with errors raised as UsageError and no abbreviations (``--no`` is not
-    ``--nonblock``: an abbreviation that works today breaks when an option is added)."""
+    """argparse, errors raised as UsageError, no abbreviations (they break as options are added)."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**{"formatter_class": _Formatter, "allow_abbrev": False, **kwargs})
@@ -174,9 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "75 no slot (--nonblock or --wait ran out); 126/127 command not executable / not found.",
     )
     parser.add_argument(
-        "--version",
-        action="version",
-        version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})",
+        "--version", action="version", version=f"conch {__version__} (etcd API v{ETCD_API_VERSION})"
     )
     connection = parser.add_argument_group(
         "connection (before or after the subcommand; flag, then CONCH_*, then etcdctl's ETCDCTL_*)"
@@ -273,9 +269,8 @@ def _run_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> _RunS
 
 
 def _negative_values_attached(words: list[str]) -> list[str]:
-    """``--wait -1s`` as ``--wait=-1s``: argparse takes any word that starts with ``-`` and
-    is not a plain negative number for an option, and would say "expected one argument";
-    attached, the value reaches its check, which says what is wrong with it."""
+    """``--wait -1s`` as ``--wait=-1s``: argparse takes a word starting with ``-`` that is not a
+    plain negative number for an option ("expected one argument"); attached, its check says why."""
     out: list[str] = []
     for word in words:
         if out and _OPTIONS.get(out[-1]) and _NEGATIVE.match(word):
@@ -309,11 +304,10 @@ def _parse_words(
 
 
 def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
-    """The arguments before ``--`` (``has_cmd``: a ``--`` followed). A NAME that starts with
-    a single ``-`` (``-x``) is taken as the NAME when it comes right after ``sema``, is not
-    our switches (``-n``, ``-qn``: there a forgotten NAME stays an error), and the words do
-    not parse otherwise. Connection options given before the subcommand are merged
-    into those given after it (both: a usage error)."""
+    """The arguments before ``--`` (``has_cmd``: a ``--`` followed), with the connection
+    options given before the subcommand (and not after it too). A NAME that starts with a
+    single ``-`` is the NAME if it comes right after ``sema``, is not our switches (``-n``,
+    ``-qn``: a forgotten NAME stays an error), and the words do not parse otherwise."""
     parser = build_parser()
     words = _negative_values_attached(words)
     try:

@@ -1,7 +1,6 @@
 """What the command says about what it was given: values cut for messages, the flag an
-operator most likely meant (habits from flock, consul lock and etcdctl, then the standard
-library's close matches), and a hint at ``sh -c`` for a command that looks like a shell line.
-Pure functions of text; nothing here talks to etcd."""
+operator most likely meant (habits of flock, consul lock and etcdctl, else difflib's close
+matches), and a hint at ``sh -c`` for a command that looks like a shell line; no etcd here."""
 
 from __future__ import annotations
 

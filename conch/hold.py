@@ -1,8 +1,7 @@
 """A slot held: its guard (the watch on our key, the touch that moves the next waiter up)
-and its release. The guard is a few short steps on the client's timer thread
-(``conch.timer``) and its shared Watch stream, not a thread of its own; they reach the Hold
-weakly, so a Hold nobody references is collected: its finalizer releases it (with a
-ResourceWarning), and no key or lease of it outlives it by more than the TTL.
+and its release. The guard's steps run on the client's timer thread (``conch.timer``) and
+Watch stream and reach the Hold weakly: a Hold nobody references is collected, and its
+finalizer releases it (ResourceWarning): no key or lease of it outlives it by over the TTL.
 """
 
 from __future__ import annotations
@@ -51,9 +50,8 @@ def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | N
 
 @dataclass(frozen=True)
 class Slot(Generic[SessionT]):
-    """What giving a slot back takes (kept apart from the Hold, for its finalizer): our key
-    at create_revision ``revision`` on ``session``, a session of its own unless ``shared``,
-    and the guard's ``watches`` (the waiting watch it retires, then its own)."""
+    """What giving a slot back takes (apart from the Hold, for its finalizer): our key at
+    create_revision ``revision`` on ``session`` (its own unless ``shared``), the watches."""
 
     session: SessionT
     key: bytes
@@ -77,9 +75,8 @@ def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
 class GuardedHold(Generic[SessionT]):
     """What the Holds of both faces share: who they are, ``check``, the deadline, the loss,
     the ``released`` line, and the execution of their guard machine's actions. A face gives
-    it its scheduler (the client's timer thread, or the loop), sets its ``lost``
-    (``_set_lost``) and makes the guard's etcd calls (``_call``), feeding what came of each
-    to ``_answered``. Timers reach the Hold weakly, so a dropped Hold is still collected."""
+    its scheduler (the client's timer thread, or the loop), sets its ``lost`` (``_set_lost``)
+    and makes the guard's etcd calls (``_call``), feeding each answer to ``_answered``."""
 
     _set_lost: Callable[[Loss], None]
     _call: Callable[[g.GuardCall], None]
@@ -111,8 +108,7 @@ class GuardedHold(Generic[SessionT]):
         self._scheduler = scheduler
         # Timers and subscriptions feed the guard through the Hold weakly.
         self._fed = weakly(self._feed)
-        # The session subscriptions' removers. E passed with no keepalive confirmed: the
-        # lease may be gone (a waiter would carry on; a hold cannot promise it is ours).
+        # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_expired)
         self._forgets: list[Callable[[], object]] = [session._kept.add_expiry_listener(expired)]
         self._revoked_after_loss = False
@@ -141,9 +137,7 @@ class GuardedHold(Generic[SessionT]):
         timers too: bound each step of work by it with room to spare
         (``conch.supervisor.deadline_margin(ttl)``), ``check()`` right before acting as the
         holder, and for state in etcd use the guarded ``put``/``delete``."""
-        if self._guard.done:
-            return 0.0
-        return self.session.alive_until
+        return 0.0 if self._guard.done else self.session.alive_until
 
     @property
     def deadline(self) -> float:
@@ -237,18 +231,16 @@ class GuardedHold(Generic[SessionT]):
             if guard.done:  # released or lost while it opened
                 _cancel_all(self._watches)
             return
-        if step is g.GuardStep.WATCH_OWN_KEY:
-            actions = guard.watch_failed()
-        elif step is g.GuardStep.LOOK and failed:
-            actions = guard.look_failed()
-        elif step is g.GuardStep.LOOK:
+        if step is g.GuardStep.LOOK and not failed:
             found = answer.kvs[0] if answer.kvs else None
             seen = None if found is None else KeyRev(found.key, found.create_revision, 0)
             actions = guard.looked(seen, int(answer.header.revision))
-        elif failed:
-            actions = guard.touch_failed(step, str(answer))
-        else:
+        elif not failed:
             actions = guard.touched(step, int(answer.header.revision), bool(answer.succeeded))
+        elif step in (g.GuardStep.WATCH_OWN_KEY, g.GuardStep.LOOK):
+            actions = guard.watch_failed()  # look_failed, the same input
+        else:
+            actions = guard.touch_failed(step, str(answer))
         self._execute(actions)
 
 
@@ -375,11 +367,9 @@ class Hold(GuardedHold[Session]):
             finally:
                 self._given_back()
                 self._released.set()
-        if not log_it:
-            return
         with self._release_lock:
-            logged, self._logged = self._logged, True
-        if not logged:
+            logged, self._logged = self._logged, self._logged or log_it
+        if log_it and not logged:
             self._log_released(self._revoked)
 
     def __enter__(self) -> Hold:
@@ -413,9 +403,8 @@ def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
 
 
 def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., object]) -> None:
-    """A Hold of ``face`` was collected unreleased: warn (ResourceWarning, at the collector)
-    as for an unclosed file, and log; then, through ``soon`` (the face's thread, not the
-    collecting one), cancel its watches and ``give_back(slot, None)``."""
+    """A Hold of ``face`` collected unreleased: warn (ResourceWarning, as for an unclosed file)
+    and log; then, on the face's thread (``soon``), cancel its watches and give it back."""
     key = slot.key.decode(errors="replace")
     message = f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it"
     warnings.warn(message, ResourceWarning, stacklevel=2)

@@ -194,15 +194,6 @@ def _call_back(callback: Callable[[int], None], status: int) -> None:
         log.error("callback-failed", flag="child-exit", error=repr(exc))
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        with contextlib.suppress(PermissionError):  # a member not ours to signal lives
-            os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _orphans() -> dict[int, _Stat]:
     """Our children that conch did not start, zombies included (unless adopting: none)."""
     if not _adopting:
@@ -258,12 +249,9 @@ def _stat(pid: int) -> _Stat | None:  # None once the process is gone
 
 def _command_line(pid: int) -> str:  # as ps shows it: the arguments, else [name] (a zombie)
     with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            text = cmdline.read(256).replace(b"\0", b" ").strip()
-        if text:
+        if text := _read(f"/proc/{pid}/cmdline")[:256].replace(b"\0", b" ").strip():
             return text.decode(errors="replace")
-        with open(f"/proc/{pid}/comm", "rb") as comm:
-            return f"[{comm.read().strip().decode(errors='replace')}]"
+        return f"[{_read(f'/proc/{pid}/comm').strip().decode(errors='replace')}]"
     return "?"
 
 
@@ -271,16 +259,26 @@ class _Job:
     """The child's process group ``pgid`` and what the child left outside it, re-parented
     to us (``setsid cmd &``, a daemon's double fork): the slot is ours until all of it is
     gone. Each process that escaped is named once in an ``escaped`` warning, and gets what
-    the group was last sent, also when it reaches us after that (its parent died of it)."""
+    the group was last sent, also when it reaches us after that (its parent died of it).
+    ``box``: the supervisor's mailbox, where the reaper puts the child's ChildExit."""
 
-    def __init__(self, pgid: int) -> None:
+    def __init__(self, pgid: int, box: Mailbox) -> None:
         self.pgid = pgid
+        self.box = box
         self._known: set[int] = set()
         self._sent: int | None = None
 
     def alive(self) -> bool:  # a member of the group or an escaped process is left
         escaped = bool(self._escaped())
-        return _group_alive(self.pgid) or escaped
+        return self.group_alive() or escaped
+
+    def group_alive(self) -> bool:
+        try:
+            with contextlib.suppress(PermissionError):  # a member not ours to signal lives
+                os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def signal(self, sig: int) -> None:
         self._sent = sig
@@ -302,58 +300,53 @@ class _Job:
                     (os.killpg if stat.pgid == pid else os.kill)(pid, self._sent)
         return orphans
 
+    def kill(self) -> None:
+        # SIGKILL, GONE_AFTER_KILL to be gone; never raises: on the way out of an error, which
+        # must stay the one reported.
+        with contextlib.suppress(Exception):
+            self.signal(signal.SIGKILL)
+            self._await_gone(time.monotonic() + GONE_AFTER_KILL)
 
-def _kill_group(pgid: int) -> None:
-    # SIGKILL the group and what escaped it, GONE_AFTER_KILL to be gone; never raises: on the
-    # way out of an error, which must stay the one reported.
-    with contextlib.suppress(Exception):
-        job = _Job(pgid)
-        job.signal(signal.SIGKILL)
-        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
+    def stop(
+        self, child_running: bool, kill_at: float, hurry: Callable[[object], bool]
+    ) -> int | None:
+        """SIGTERM the job; SIGKILL what is left of it at ``kill_at`` (``time.monotonic()``): at
+        once, without SIGTERM, if that has passed, and as soon as a notice comes for which
+        ``hurry(notice)`` is true. Returns the child's return code (if ``child_running``)."""
+        returncode = None if child_running else 0
+        if time.monotonic() < kill_at:
+            self.signal(signal.SIGTERM)
+            log.info("term-sent", pgid=self.pgid)
+            returncode, kill_at = self._await_exit(kill_at, returncode, hurry)
+            self._await_gone(kill_at)
+        if returncode is None or self.alive():
+            self.signal(signal.SIGKILL)
+            log.warning("kill-sent", pgid=self.pgid)
+            returncode, _ = self._await_exit(time.monotonic() + REAP_AFTER_KILL, returncode)
+            # A SIGKILLed process is still running its exit (closing files, dropping locks): the
+            # slot stays ours until it is gone, within a bound.
+            self._await_gone(time.monotonic() + GONE_AFTER_KILL)
+        return returncode if child_running else None
 
+    def _await_gone(self, deadline: float) -> None:  # polled: grandchildren are not ours
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
 
-def _stop_group(
-    job: _Job, box: Mailbox, child_running: bool, kill_at: float, hurry: Callable[[object], bool]
-) -> int | None:
-    """SIGTERM the job; SIGKILL what is left of it at ``kill_at`` (``time.monotonic()``): at
-    once, without SIGTERM, if that has passed, and as soon as a notice comes for which
-    ``hurry(notice)`` is true. Returns the child's return code (if ``child_running``)."""
-    returncode = None if child_running else 0
-    if time.monotonic() < kill_at:
-        job.signal(signal.SIGTERM)
-        log.info("term-sent", pgid=job.pgid)
-        returncode, kill_at = _await_exit(box, kill_at, returncode, hurry)
-        _await_gone(job, kill_at)
-    if returncode is None or job.alive():
-        job.signal(signal.SIGKILL)
-        log.warning("kill-sent", pgid=job.pgid)
-        returncode, _ = _await_exit(box, time.monotonic() + REAP_AFTER_KILL, returncode)
-        # A SIGKILLed process is still running its exit (closing files, dropping locks): the
-        # slot stays ours until it is gone, within a bound.
-        _await_gone(job, time.monotonic() + GONE_AFTER_KILL)
-    return returncode if child_running else None
-
-
-def _await_gone(job: _Job, deadline: float) -> None:  # polled: grandchildren are not ours
-    while job.alive() and time.monotonic() < deadline:
-        time.sleep(min(GROUP_POLL, max(0.0, deadline - time.monotonic())))
-
-
-def _await_exit(
-    box: Mailbox, deadline: float, code: int | None, hurry: Callable[[object], bool] | None = None
-) -> tuple[int | None, float]:
-    # The child's return code (``code`` if known; None: not reaped by ``deadline``) and the
-    # deadline (now, once a notice for which ``hurry`` is true comes); others are dropped.
-    while code is None:
-        try:
-            item = box.get(timeout=remaining(deadline))
-        except queue.Empty:
-            break
-        if isinstance(item, ChildExit):
-            return item.returncode, deadline
-        if hurry is not None and hurry(item):
-            return None, time.monotonic()
-    return code, deadline
+    def _await_exit(
+        self, deadline: float, code: int | None, hurry: Callable[[object], bool] | None = None
+    ) -> tuple[int | None, float]:
+        # The child's return code (``code`` if known; None: not reaped by ``deadline``) and the
+        # deadline (now, once a notice for which ``hurry`` is true comes); others are dropped.
+        while code is None:
+            try:
+                item = self.box.get(timeout=remaining(deadline))
+            except queue.Empty:
+                break
+            if isinstance(item, ChildExit):
+                return item.returncode, deadline
+            if hurry is not None and hurry(item):
+                return None, time.monotonic()
+        return code, deadline
 
 
 def prepare_command_process() -> None:
@@ -373,8 +366,7 @@ def started_with(name: str) -> str | None:
     None if it had none; ``os.environ``'s value when that cannot be read."""
     prefix = name.encode() + b"="
     try:
-        with open("/proc/self/environ", "rb") as environ:
-            entries = environ.read().split(b"\0")
+        entries = _read("/proc/self/environ").split(b"\0")
     except OSError:
         return os.environ.get(name)
     found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from conch import log
 from conch.core.loss import Loss
 from conch.core.session import SEND_GRID as SEND_GRID  # seconds; named here too
-from conch.core.session import Expired, SendKeepalive, SessionAction, SessionMachine, WakeAt
+from conch.core.session import SendKeepalive, SessionAction, SessionMachine, WakeAt
 from conch.core.session import keepalive_margin as keepalive_margin  # named here too
 from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
@@ -84,11 +84,11 @@ class Keeper:
                 self.next_wake = self.timer.call_later(delay, self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
-            elif isinstance(action, Expired):
+            elif action.lost:
+                self.declare_lost(action.loss)
+            else:
                 for listener in tuple(self.expiry_listeners.values()):
                     self.tell(listener, action.loss)
-            else:
-                self.declare_lost(action.loss)
 
     def wake(self) -> None:
         self.execute(self.machine.wake(time.monotonic()))
@@ -101,13 +101,12 @@ class Keeper:
         if self.next_wake is not None:
             self.next_wake.cancel()
 
-
-def _dropped(face: str, keeper: Keeper) -> None:
-    # A Session collected unclosed: warn, as Python does for an unclosed file.
-    said = f"{face} session (lease {keeper.lease_id:x}) dropped without close(); revoking it"
-    warnings.warn(said, ResourceWarning, stacklevel=2)
-    log.warning("session-dropped", lease=f"{keeper.lease_id:x}")
-    keeper.dropped()
+    def collected(self, face: str) -> None:
+        # Its Session collected unclosed: warn, as Python does for an unclosed file.
+        said = f"{face} session (lease {self.lease_id:x}) dropped without close(); revoking it"
+        warnings.warn(said, ResourceWarning, stacklevel=2)
+        log.warning("session-dropped", lease=f"{self.lease_id:x}")
+        self.dropped()
 
 
 def _call(listener: Callable[..., None], *args: object) -> None:
@@ -193,7 +192,7 @@ class SessionBase(Generic[KeeperT]):
         # etcd restarts the countdown when it receives a grant or keepalive, after we sent
         # it: the keeper's lease is certainly alive until the grant's send time + TTL.
         self._keeper = keeper
-        self._finalizer = weakref.finalize(self, _dropped, self._face, keeper)
+        self._finalizer = weakref.finalize(self, keeper.collected, self._face)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         asked, self.ttl = self.ttl, keeper.machine.ttl
         log.info("session", lease=f"{keeper.lease_id:x}", ttl=f"{self.ttl}s")

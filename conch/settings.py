@@ -121,7 +121,17 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     and password files; logs each setting's source at debug level. Raises UsageError for a
     bad value or an unreadable file, naming the flag or variable it came from."""
     endpoints = setting("--endpoints", flags.endpoints, "ENDPOINTS", DEFAULT_ENDPOINTS, environ)
-    _check_endpoints(endpoints)
+    texts = [text for text in endpoints.value.split(",") if text.strip()]
+    if not texts:
+        raise UsageError(f"bad {endpoints.named} {shown(endpoints.value)}: no endpoint")
+    for text in texts:  # the message names the source: ETCDCTL_ENDPOINTS is easily forgotten
+        try:
+            Endpoint.parse(text)
+        except UsageError:
+            raise UsageError(
+                f"bad endpoint {shown(text)} in {endpoints.named}: "
+                "want host:port or http(s)://host:port"
+            ) from None
     dial = setting("--dial-timeout", flags.dial_timeout, "DIAL_TIMEOUT", "5s", environ)
     dial_timeout = parse_duration(dial.named, dial.value)
     if dial_timeout <= 0:
@@ -131,22 +141,6 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     return Connection(
         endpoints.value, dial_timeout, _tls(flags, environ), _credentials(flags, environ)
     )
-
-
-def _check_endpoints(found: Setting) -> None:
-    """UsageError naming the bad endpoint (cut if long) and where it came from: the value of
-    an ETCDCTL_ENDPOINTS meant for etcdctl is not where an operator looks first."""
-    texts = [text for text in found.value.split(",") if text.strip()]
-    if not texts:
-        raise UsageError(f"bad {found.named} {shown(found.value)}: no endpoint")
-    for text in texts:
-        try:
-            Endpoint.parse(text)
-        except UsageError:
-            raise UsageError(
-                f"bad endpoint {shown(text)} in {found.named}: "
-                "want host:port or http(s)://host:port"
-            ) from None
 
 
 def _read_file(what: str, path: str) -> bytes:
@@ -222,12 +216,8 @@ def _credentials(flags: ConnectionFlags, environ: Mapping[str, str]) -> Credenti
             raise UsageError("--password and --password-file need --user")
         return None
     name, _, inline = user.value.partition(":")
-    given = {
-        **environ,
-        "--password": flags.password,
-        "--password-file": flags.password_file,
-        "CONCH_PASSWORD_FILE": environ.get("CONCH_PASSWORD_FILE") or None,
-    }
+    given = {**environ, "--password": flags.password, "--password-file": flags.password_file}
+    given["CONCH_PASSWORD_FILE"] = environ.get("CONCH_PASSWORD_FILE") or None  # empty: unset
     password, source = "", ""
     for user_source, password_source, path_source in (
         ("--user", "--password", "--password-file"),

@@ -1,13 +1,11 @@
 """The supervision loop (contract section 7; docs/design.md, "The supervision loop"):
-acquire, run the child, child exit or loss, terminate, release; written once, for the CLI and
-embedders (``supervise``). Every way a round ends is an ``Outcome``, its exit code in
-``conch.errors.EXIT_CODES``. The POSIX plumbing under it is ``conch.procs``.
-
-The deadline: the child is SIGKILLed by E - ``deadline_margin(ttl)`` at the latest (E: the
-lease's earliest expiry, ``Session.alive_until``, on our monotonic clock) and SIGTERMed
-``kill_after`` before that, whether or not a loss has been declared, so that no waiter can
-take the slot while it still runs. The watchdog process holds the same deadline for a wrapper
-frozen (SIGSTOP, a VM paused) or dead.
+acquire, run the child, child exit or loss, terminate, release, once for the CLI and embedders
+(``supervise``); every way a round ends is an ``Outcome`` (``conch.errors.EXIT_CODES``). The
+child is SIGKILLed by E - ``deadline_margin(ttl)`` (E: the lease's earliest expiry,
+``Session.alive_until``, on our monotonic clock) and SIGTERMed ``kill_after`` before, a loss
+declared or not, so that no waiter takes the slot while it runs; the watchdog process holds the
+same deadline for a wrapper frozen (SIGSTOP, a VM paused) or dead. The POSIX plumbing under it
+is ``conch.procs``.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, 
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
-from conch.procs import ChildExit, _on_exit, _stop_group, adopt_orphans, spawn
+from conch.procs import ChildExit, _Job, _on_exit, adopt_orphans, spawn
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
 from conch.session import keepalive_margin
 from conch.watchdog import Watchdog, failure, without_credentials
@@ -52,13 +50,8 @@ WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be go
 RELEASE_AFTER_LOSS = 0.25  # seconds the release after a loss is given at most, never past E
 STALLED = "wrapper stalled; the watchdog terminated the child"
 _DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
-
-DEADLINE_MARGIN = 0.25
-"""Seconds before the lease's earliest expiry by which the child is SIGKILLed, plus
-CLOCK_RATE_TOLERANCE of the TTL: a late wake-up, the SIGKILL's delivery."""
-
-CLOCK_RATE_TOLERANCE = 0.001
-"""How much faster etcd's leader's clock may run than ours, as a fraction of the TTL."""
+DEADLINE_MARGIN = 0.25  # seconds (deadline_margin): a late wake-up, the SIGKILL's delivery
+CLOCK_RATE_TOLERANCE = 0.001  # of the TTL: how much faster etcd's leader's clock may run
 
 
 def deadline_margin(ttl: float) -> float:
@@ -130,9 +123,7 @@ def supervise(
         try:
             hold = sema.acquire(remaining(deadline), stop, guard=False)
             hold._warn_on_loss = False  # reported below as an error, with what became of the child
-            try:
-                if stop.is_set():
-                    raise Interrupted(stop.reason)
+            try:  # Interrupted if ``stop`` is set (by now, or during the handshake)
                 return run_child(hold, argv, kill_after, stop, watchdog, environ)
             finally:
                 hold.release()
@@ -202,7 +193,13 @@ def run_child(
         error = watchdog.handshake(WATCHDOG_START_TIMEOUT, stop)
         if error is not None:
             return _report(Outcome.WATCHDOG_FAILED, error=error)
-        run.confirm_hold()  # after the watchdog's start, which can take a while under load
+        # After the watchdog's start (seconds, under load): the hold must be ours with time to
+        # spare (not a process stalled since its last keepalive, nor a keepalive overdue).
+        if stop.is_set():
+            raise Interrupted(stop.reason)
+        if hold.lost.is_set() or time.monotonic() >= run.term_at():
+            reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
+            raise HoldLost(f"hold lost before the child started: {reason}")
         env = child_env(hold, environ)
         try:
             # Before the child exists: a conch killed before the arm line leaves it found.
@@ -226,17 +223,17 @@ def run_child(
                 box = run.box
                 _on_exit(pid, lambda status: box.put(ChildExit(os.waitstatus_to_exitcode(status))))
             except BaseException:  # no reaping thread (can't start new thread): fail closed
-                procs._kill_group(pid)
+                _Job(pid, run.box).kill()
                 raise
         try:  # from here on, whatever goes wrong, the child does not outlive our supervision
             if unarmed is not None:
-                run.terminate(procs._Job(pid), child_running=True, kill_at=run.kill_at_latest())
+                run.terminate(_Job(pid, run.box), child_running=True, kill_at=run.kill_at_latest())
                 return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
             return run.supervise(pid)
         except BaseException:
             # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
             # running with nobody watching it while the slot is released.
-            procs._kill_group(pid)
+            _Job(pid, run.box).kill()
             raise
     finally:
         run.finish()
@@ -268,15 +265,6 @@ class _Run:
     def grace_until(self) -> float:  # SIGKILL's instant for a termination that starts now
         return min(time.monotonic() + self.kill_after, self.kill_at_latest())
 
-    def confirm_hold(self) -> None:
-        # HoldLost unless the hold is ours with time to spare (a process stalled since its
-        # last keepalive, or a keepalive overdue: the child would be stopped at once).
-        if self.stop.is_set():
-            raise Interrupted(self.stop.reason)
-        if self.hold.lost.is_set() or time.monotonic() >= self.term_at():
-            reason = self.hold.lost.reason or "lease not confirmed alive (process stalled?)"
-            raise HoldLost(f"hold lost before the child started: {reason}")
-
     def supervise(self, pid: int) -> int:  # the first notice after the child's start, acted on
         hold, watchdog = self.hold, self.watchdog
         hold.start_guard()
@@ -292,7 +280,7 @@ class _Run:
             flag.subscribe(self.box)
             self._undo.append(partial(flag.unsubscribe, self.box))
         notice = self._first_notice()
-        job = procs._Job(pid)
+        job = _Job(pid, self.box)
         if isinstance(notice, ChildExit):
             if not job.alive():
                 # Nothing is left for the watchdog to kill: a revoke that outlasts the
@@ -302,7 +290,7 @@ class _Run:
                 hold.release(log_it=False)
             code = _log_child_exit(pid, notice.returncode, started)
             if job.alive():  # a warning for each process that escaped the group
-                if procs._group_alive(pid):
+                if job.group_alive():
                     log.warning("stragglers", pgid=pid)
                 self.terminate(job, child_running=False, kill_at=self.grace_until())
             watchdog.dismiss()
@@ -366,12 +354,12 @@ class _Run:
         reason = Loss.of(self.hold.lost.reason)
         return reason is not None and reason.slot_taken
 
-    def terminate(self, job: procs._Job, child_running: bool, kill_at: float) -> int | None:
-        """``_stop_group`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
+    def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
+        """``job.stop`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
         than send a second SIGTERM into the child's cleanup at the deadline) to finish it
         should conch die meanwhile. Returns the child's return code (if ``child_running``)."""
         self.watchdog.stand_by(kill_at)
-        return _stop_group(job, self.box, child_running, kill_at, self._hurry)
+        return job.stop(child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
         # SIGKILL now, during a termination: our key gone in etcd, or the watchdog gone or silent.

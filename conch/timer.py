@@ -1,10 +1,6 @@
-"""One timer thread per client: the delayed calls of its holds and watches.
-
-A hold's guard (open the watch on our key a moment in, touch the key, look at it after a
-broken watch) and the shared Watch stream's progress probe are short steps at given times,
-not loops: they run here one after another, so that a process with many holds pays for one
-thread, not one per hold. A step may call etcd (always with a deadline); the steps behind
-it wait for it.
+"""One timer thread per client: the short steps at given times of its holds' guards, its
+watch stream and its keepalives, one after another (a step that calls etcd, always with a
+deadline, makes those behind it wait): a thread per client, not per hold (docs/design.md).
 """
 
 from __future__ import annotations
@@ -33,9 +29,8 @@ class Cancellable(Protocol):
 
 
 class Scheduler(Protocol):
-    """What runs the steps of the keepalives, the watch hub and the holds' guards: a ``Timer``
-    (a thread of its own), or an asyncio loop (called on its thread only; it runs
-    ``function`` there, and one that raises goes to the loop's exception handler)."""
+    """What runs the steps of the keepalives, the watch hub and the holds' guards: a ``Timer``,
+    or an asyncio loop (on its thread only; a function that raises goes to its handler)."""
 
     def call_later(self, delay: float, function: Callable[[], Any]) -> Cancellable: ...
 
@@ -70,9 +65,8 @@ class Timer:
             handle = Handle(time.monotonic() + max(0.0, delay), next(self._order), function)
             heapq.heappush(self._queue, handle)
             if not self._running:
-                # Marked running only once the thread is there: a start that fails (no
-                # threads left) must not leave every later call waiting for a thread that
-                # never came. The new thread waits for this lock before it looks.
+                # Marked running only once the thread is there (a failed start must not leave
+                # later calls waiting for no thread); the new thread waits for this lock.
                 try:
                     threading.Thread(target=self._run, name=self._name, daemon=True).start()
                 except BaseException:
@@ -86,9 +80,8 @@ class Timer:
     def _run(self) -> None:
         while True:
             with self._wake:
-                # Cancelled calls at the head are dropped before the wait is set: a
-                # keepalive answered in time cancels its own deadline and its ask to
-                # another member, and the thread need not wake for either.
+                # Cancelled calls at the head go before the wait is set: a keepalive answered
+                # in time cancels its deadline and its ask to another member (no wake-up).
                 while self._queue and self._queue[0].function is None:
                     heapq.heappop(self._queue)
                 now = time.monotonic()

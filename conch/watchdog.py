@@ -35,6 +35,7 @@ PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the ch
 # Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
+_SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
 
 # conch's credentials (and paths to secrets): the child and the watchdog start without them.
 CREDENTIALS = CREDENTIAL_VARIABLES
@@ -45,27 +46,17 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in CREDENTIALS}
 
 
-class WatchdogExited(NamedTuple):
-    """Put into the supervisor's mailbox when the watchdog process ends before conch
-    dismissed it; ``fired``: whether it had terminated the child's group first."""
+class WatchdogNotice(NamedTuple):
+    """Put into the supervisor's mailbox when the watchdog process ends before conch dismissed
+    it, or first fails to answer a probe within ANSWER_TIMEOUT (stopped, or too starved to keep
+    the deadline): ``error`` says which, None if it had terminated the child's group first."""
 
-    fired: bool
-
-
-class WatchdogSilent(NamedTuple):
-    """Put into the supervisor's mailbox when the watchdog has not answered a probe within
-    ``after`` seconds (ANSWER_TIMEOUT): stopped, or too starved to keep the deadline."""
-
-    after: float
+    error: str | None
 
 
 def failure(notice: object) -> str | None:
     """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
-    if isinstance(notice, WatchdogSilent):
-        return f"the watchdog did not answer within {notice.after:g}s (stopped?)"
-    if isinstance(notice, WatchdogExited) and not notice.fired:
-        return "the watchdog exited while the child ran"
-    return None
+    return notice.error if isinstance(notice, WatchdogNotice) else None
 
 
 class Watchdog:
@@ -85,21 +76,19 @@ class Watchdog:
             env=without_credentials(os.environ if environ is None else environ),
             start_new_session=True,  # out of reach of signals sent to conch's group
         )
-        assert self._process.stdin is not None
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._stdin, self._stdout = self._process.stdin, self._process.stdout.fileno()
+        self.pid = self._process.pid
         # A watchdog that stops reading (SIGSTOPped) must never block the keepalive thread in
         # a heartbeat's write: one that does not fit is dropped, and the watchdog, its expiry
         # not moved on, fires early rather than late.
-        os.set_blocking(self._process.stdin.fileno(), False)
+        os.set_blocking(self._stdin.fileno(), False)
         self._lock = threading.Lock()
         self._dismissed = False
         self._ready = False
         self._fired = False
         self._reader: threading.Thread | None = None
         self._exited = threading.Event()  # its stdout closed: the process has ended
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
 
     def ready(self, timeout: float, stop: Flag | None = None) -> bool:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
@@ -124,9 +113,7 @@ class Watchdog:
             raise Interrupted(stop.reason)
         if ended:
             return "the watchdog exited before the child"
-        if ready:
-            return f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-        return f"not running after {timeout:g}s"
+        return _SILENT if ready else f"not running after {timeout:g}s"
 
     def _read_for(self, want: bytes | None, deadline: float, stop: Flag | None = None) -> bool:
         # Read its stdout (no reader thread yet) until ``want`` is in it (None: its end); False
@@ -147,21 +134,17 @@ class Watchdog:
     def ended(self) -> bool:  # its stdout's end seen, or its exit status
         return self._exited.is_set() or self._process.poll() is not None
 
-    def _stdout(self) -> int:
-        assert self._process.stdout is not None
-        return self._process.stdout.fileno()
-
     def _readable(self, timeout: float | None) -> bool:
         # A byte (or the end) on its stdout within ``timeout`` seconds, or once more after it (a
         # thread woken late must not miss bytes that came in time)? poll: fds may pass 1024.
         poller = select.poll()
-        poller.register(self._stdout(), select.POLLIN)
+        poller.register(self._stdout, select.POLLIN)
         wait = None if timeout is None else max(0.0, timeout) * 1000
         return bool(poller.poll(wait) or poller.poll(0))
 
     def _take(self, size: int = 64) -> bytes:  # what it wrote, noting FIRED and the end
         try:
-            chunk = os.read(self._stdout(), size)
+            chunk = os.read(self._stdout, size)
         except (OSError, ValueError):  # closed under us: close() gave up waiting
             chunk = b""
         self._fired = self._fired or FIRED in chunk
@@ -171,9 +154,9 @@ class Watchdog:
 
     def watch(self, box: Mailbox) -> None:
         """From now on (after ``ready()``), from a thread of its own, probe the watchdog
-        every PROBE_INTERVAL and put into ``box`` a WatchdogSilent the first time it does not
-        answer within ANSWER_TIMEOUT, a WatchdogExited the moment its stdout ends (however
-        it dies), unless it was dismissed first."""
+        every PROBE_INTERVAL and put into ``box`` a WatchdogNotice the first time it does not
+        answer within ANSWER_TIMEOUT and the moment its stdout ends (however it dies), unless
+        it was dismissed first."""
         self._reader = threading.Thread(
             target=self._probe_and_read, args=(box,), name="conch-watchdog", daemon=True
         )
@@ -195,15 +178,16 @@ class Watchdog:
                 if sent is not None and time.monotonic() - sent >= ANSWER_TIMEOUT:
                     silent = True
                     if not self._dismissed:
-                        box.put(WatchdogSilent(ANSWER_TIMEOUT))
+                        box.put(WatchdogNotice(_SILENT))
                 continue
             chunk = self._take()
             if ANSWER in chunk and sent is not None:
                 sent, next_probe = None, time.monotonic() + PROBE_INTERVAL
             if not chunk:
                 break
+        error = None if self._fired else "the watchdog exited while the child ran"
         if not self._dismissed:
-            box.put(WatchdogExited(self._fired))
+            box.put(WatchdogNotice(error))
 
     def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
         """A child is about to start with the environment entries ``marks`` (no blanks,
@@ -233,8 +217,7 @@ class Watchdog:
         # strict: raise OSError on a broken pipe; else the line is dropped, also once dismissed.
         with self._lock:
             if strict:
-                assert self._process.stdin is not None
-                os.write(self._process.stdin.fileno(), line)
+                os.write(self._stdin.fileno(), line)
             elif not self._dismissed:
                 self._send(line)
 
@@ -259,9 +242,8 @@ class Watchdog:
         from its job); ``reap``: also wait() for it (not where another thread reaps every
         child). Returns whether it ended."""
         self.dismiss()
-        if self._process.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._process.stdin.close()
+        with contextlib.suppress(OSError):
+            self._stdin.close()
         deadline = time.monotonic() + timeout
         # The reader thread, once started, is the one reading its stdout.
         ended = self._exited.wait(timeout) if self._reader else self._read_for(None, deadline)
@@ -287,6 +269,5 @@ class Watchdog:
         return self._fired
 
     def _send(self, data: bytes) -> None:
-        assert self._process.stdin is not None
         with contextlib.suppress(OSError, ValueError):
-            os.write(self._process.stdin.fileno(), data)
+            os.write(self._stdin.fileno(), data)

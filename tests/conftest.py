@@ -165,6 +165,23 @@ def sema_keys(client: Client, name: str, max_holders: int | None = None) -> list
     return list(response.kvs)
 
 
+@contextlib.contextmanager
+def other_keys(client: Client, name: str, max_holders: int, count: int) -> Iterator[list[bytes]]:
+    """``count`` keys queued under the semaphore by the test itself (on no lease), for a
+    waiter to queue behind and the test to delete when it chooses; gone when the block ends.
+    A waiter behind them holds on the look a deletion wakes it to, not on a window event."""
+    from conch import keys
+
+    others = [keys.sema_prefix(name, max_holders) + f"other-{i}".encode() for i in range(count)]
+    for key in others:
+        kv.put(client, key, b"{}")
+    try:
+        yield others
+    finally:
+        for key in others:
+            kv.delete(client, key)
+
+
 class Conch:
     """One ``python -m conch`` process; stderr goes to a file (no pipe to fill up)."""
 

@@ -154,18 +154,33 @@ def test_the_enqueue_is_one_create_if_absent_txn_and_its_answers_read_so() -> No
     assert isinstance(txn, rpc_pb2.TxnRequest) and call.method == "Txn"
     assert txn.compare[0].target == rpc_pb2.Compare.CREATE and txn.compare[0].create_revision == 0
     assert txn.success[0].request_put == rpc_pb2.PutRequest(key=KEY, value=b"{}", lease=0x51)
-    assert txn.success[1].request_range.limit == 2
+    window, mine_and_prev, counted = (op.request_range for op in txn.success[1:])
+    assert (window.limit, window.sort_order, window.keys_only) == (
+        5,
+        rpc_pb2.RangeRequest.ASCEND,
+        True,
+    )
+    assert (mine_and_prev.limit, mine_and_prev.sort_order) == (2, rpc_pb2.RangeRequest.DESCEND)
+    assert counted.count_only and (counted.key, counted.range_end) == (window.key, window.range_end)
     assert txn.failure[0].request_range == rpc_pb2.RangeRequest(key=KEY)
 
-    heads = rpc_pb2.RangeResponse(kvs=[kv_pb2.KeyValue(key=KEY)])
+    ahead = kv_pb2.KeyValue(key=b"/conch/v1/sema/x/1/a", create_revision=4, mod_revision=4)
+    ours = kv_pb2.KeyValue(key=KEY, create_revision=5, mod_revision=5)
+    ranges = [
+        rpc_pb2.RangeResponse(kvs=[ahead, ours]),
+        rpc_pb2.RangeResponse(kvs=[ours, ahead]),
+        rpc_pb2.RangeResponse(count=2),
+    ]
     put = rpc_pb2.ResponseOp(response_put=rpc_pb2.PutResponse())
     created = rpc_pb2.TxnResponse(
         header=header(5),
         succeeded=True,
-        responses=[put, rpc_pb2.ResponseOp(response_range=heads)],
+        responses=[put, *(rpc_pb2.ResponseOp(response_range=r) for r in ranges)],
     )
+    a, me = m.KeyRev(ahead.key, 4, 4), m.KeyRev(KEY, 5, 5)
+    standing = m.StandingAnswer(1, 5, [a, me], [me, a], 2)
     assert codec.enqueue_answer(action, created, b"{}") == m.EnqueueAnswer(
-        1, 5, True, b"{}", heads=[KEY]
+        1, 5, True, b"{}", standing=standing
     )
     mine = kv_pb2.KeyValue(key=KEY, create_revision=3, mod_revision=4, lease=0x51, value=b"v")
     found = rpc_pb2.TxnResponse(

@@ -28,6 +28,7 @@ from tests.conftest import (
     Gate,
     Runner,
     alive,
+    other_keys,
     poll,
     sema_keys,
     stat_fields,
@@ -728,7 +729,10 @@ def test_waiter_whose_watch_start_was_compacted_still_gets_the_slot(
     waiter = CompactingSemaphore(client, name, 1, ttl=5, identity=Identity.current(["w"]))
     got: list[int] = []
     thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30).revision))
-    thread.start()
+    # Behind two other keys, the waiter reads its standing (not in its enqueue) once they go.
+    with other_keys(client, name, 1, 2):
+        thread.start()
+        poll(lambda: len(sema_keys(client, name)) == 4, what="the waiter queued")
     poll(lambda: waiter.compactions == 1, what="the compaction to be injected")
     hold.release()
     thread.join(timeout=30)

@@ -25,7 +25,7 @@ from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from tests.conftest import DEADLINE, alive, poll, sema_keys
+from tests.conftest import DEADLINE, alive, other_keys, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -563,30 +563,25 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
             let_go.wait(DEADLINE)
         return real_txn(*args, **kwargs)  # type: ignore[arg-type]
 
-    released = threading.Event()
-
-    class LateLook(conch.Semaphore):
-        """Looks at the queue only after a slot went: it holds on that read, and leaves the
-        touch (it never made one while waiting) to its hold's guard."""
-
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-            assert released.wait(DEADLINE)
-            return super()._standing(key, revision, interrupt)
-
     monkeypatch.setattr(kv, "txn", txn)
     first = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
     second = conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=10)
     holds: list[conch.Hold] = []
     waiter = threading.Thread(
-        target=lambda: holds.append(LateLook(client, name, 2, ttl=3).acquire(timeout=30))
+        target=lambda: holds.append(conch.Semaphore(client, name, 2, ttl=3).acquire(timeout=30))
     )
-    waiter.start()
     try:
-        poll(lambda: len(sema_keys(client, name, 2)) == 3, what="third queued")
-        first.release()
-        released.set()
-        waiter.join(DEADLINE)
-        (third,) = holds  # promoted, not first from creation: its guard touches its key
+        # The third waits behind three other keys and holds on the look the last one's
+        # deletion wakes it to: its hold's guard owes the touch it never made while waiting.
+        with other_keys(client, name, 2, 3) as others:
+            waiter.start()
+            poll(lambda: len(sema_keys(client, name, 2)) == 6, what="third queued")
+            for key in others[:2]:
+                kv.delete(client, key)
+            first.release()
+            kv.delete(client, others[2])
+            waiter.join(DEADLINE)
+        (third,) = holds
         assert in_touch.wait(DEADLINE)
         lease.revoke(client, third.lease_id)
         assert third.session.lost.wait(DEADLINE)
@@ -594,6 +589,8 @@ def test_a_hold_is_lost_with_its_session_even_while_its_guard_waits_on_etcd(
         assert str(third.lost.reason).startswith("session lost")
     finally:
         let_go.set()
+        if waiter.ident is not None:
+            waiter.join(DEADLINE)
         for hold in (second, *holds):
             hold.release()
 
@@ -718,11 +715,12 @@ def test_an_error_inside_the_supervision_kills_the_child_before_the_slot_goes(
     signal) must not leave the child running, unwatched, while the slot is released."""
     from conch import supervisor
     from conch.flag import Flag
+    from conch.watchdog import Watchdog
 
     def broken(*args: object) -> None:
         raise RuntimeError("a bug in the termination")
 
-    monkeypatch.setattr(supervisor, "_stop_group", broken)
+    monkeypatch.setattr(Watchdog, "stand_by", broken)  # the termination's first step
     pidfile = tmp_path / "pid"
     stop = Flag("stop")
     sema = conch.Semaphore(client, name, max=1, ttl=5)

@@ -17,7 +17,6 @@ import gc
 import logging
 import re
 import sys
-import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -55,9 +54,6 @@ class Face(Protocol):
     ) -> Face: ...
     def connect(self) -> contextlib.AbstractAsyncContextManager[Any]: ...
     def semaphore(self, client: Any, name: str, max: int, ttl: int = 5) -> Any: ...
-    def semaphore_reading_once(
-        self, client: Any, name: str, max: int, ttl: int, after: threading.Event
-    ) -> Any: ...
     def session(self, client: Any, ttl: int = 5) -> contextlib.AbstractAsyncContextManager[Any]: ...
     async def acquire(
         self, sema: Any, timeout: float | None = None, session: Any = None
@@ -124,16 +120,6 @@ class Threaded:
 
     def semaphore(self, client: conch.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.Semaphore(client, name, max=max, ttl=ttl)
-
-    def semaphore_reading_once(
-        self, client: conch.Client, name: str, max: int, ttl: int, after: threading.Event
-    ) -> Any:
-        class ReadingOnce(conch.Semaphore):
-            def _standing(self, key: bytes, revision: int, interrupt: conch.Flag) -> Any:
-                assert after.wait(DEADLINE)
-                return super()._standing(key, revision, interrupt)
-
-        return ReadingOnce(client, name, max=max, ttl=ttl)
 
     @contextlib.asynccontextmanager
     async def session(self, client: conch.Client, ttl: int = 5) -> AsyncIterator[conch.Session]:
@@ -232,16 +218,6 @@ class Asyncio:
 
     def semaphore(self, client: conch.aio.Client, name: str, max: int, ttl: int = 5) -> Any:
         return conch.aio.Semaphore(client, name, max=max, ttl=ttl)
-
-    def semaphore_reading_once(
-        self, client: conch.aio.Client, name: str, max: int, ttl: int, after: threading.Event
-    ) -> Any:
-        class ReadingOnce(conch.aio.Semaphore):
-            async def _read_standing(self, action: Any, interrupt: asyncio.Event) -> Any:
-                await _poll(after.is_set, "the go-ahead to read")
-                return await super()._read_standing(action, interrupt)
-
-        return ReadingOnce(client, name, max=max, ttl=ttl)
 
     def session(
         self, client: conch.aio.Client, ttl: int = 5
@@ -656,25 +632,22 @@ def restartable(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluste
 def test_a_waiter_keeps_its_place_while_etcd_is_away_for_a_moment(
     face: Face, restartable: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """etcd killed while a waiter queues, and back with its data within the leases' TTL
-    (30 s) once the waiter's read met the refused connection (it reads its standing only
-    once etcd is down: whether a watch rides out an outage is the watch's business): its
-    lease lived through it, so it keeps its key (no re-entry at the back of the queue) and
-    takes the slot with it when the holder leaves."""
+    """etcd killed while a waiter queues (its standing read with its enqueue, watching the
+    holder), and back with its data within the leases' TTL (30 s) once the waiter has met
+    the refused connection: its lease lived through it, so it keeps its key (no re-entry at
+    the back of the queue) and takes the slot with it when the holder leaves."""
     caplog.set_level(logging.INFO, logger="conch")
     here = face.at(restartable, request_timeout=0.5)
     member = restartable.members[0]
-    killed = threading.Event()
 
     async def scenario(fclient: Any) -> None:
         with restartable.client() as client:
             first = await here.acquire(here.semaphore(fclient, name, max=1, ttl=30), timeout=10)
-            sema = here.semaphore_reading_once(fclient, name, max=1, ttl=30, after=killed)
+            sema = here.semaphore(fclient, name, max=1, ttl=30)
             waiting = asyncio.ensure_future(here.acquire(sema))
             await _poll(lambda: len(sema_keys(client, name)) == 2, "the waiter's key")
             [_, queued] = sema_keys(client, name)
         member.kill()
-        killed.set()
         await _poll(lambda: "event=etcd-away" in caplog.text, "the waiter's read refused")
         member.start(restartable.initial_cluster)
         await asyncio.to_thread(restartable.wait_healthy)

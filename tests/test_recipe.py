@@ -77,7 +77,7 @@ def queued(
 ) -> list[m.Action]:
     """Our key created at ``at`` behind ``ahead`` (all in the window, or the window full):
     the actions after the standing read."""
-    (read,) = waiter.feed(m.EnqueueAnswer(enqueue.id, at, True, b"v", heads=[ahead[0].key]))
+    (read,) = waiter.feed(m.EnqueueAnswer(enqueue.id, at, True, b"v"))
     assert isinstance(read, m.ReadStanding) and read.revision == at
     window_keys = r.window_size(waiter.max)
     window = [*ahead, mine(at)][:window_keys]
@@ -86,10 +86,24 @@ def queued(
 
 def test_a_waiter_whose_key_is_among_the_first_n_at_its_creation_holds_and_owes_no_touch() -> None:
     waiter, enqueue = private(2)
-    actions = waiter.feed(m.EnqueueAnswer(enqueue.id, 7, True, b"v", heads=[kr("a", 3).key, ME]))
+    standing = m.StandingAnswer(enqueue.id, 7, [kr("a", 3), mine(7)], [mine(7), kr("a", 3)], 2)
+    actions = waiter.feed(m.EnqueueAnswer(enqueue.id, 7, True, b"v", standing=standing))
     assert actions == []
     assert waiter.outcome == m.Held(ME, LEASE, 7, 7, b"v", m.TouchOwed.NONE, ())
     assert waiter.state == r.State.HELD
+
+
+def test_the_standing_read_in_the_enqueue_places_a_new_key_without_reading_again() -> None:
+    waiter, enqueue = private(1)
+    window = [kr("h", 3), kr("a", 4), kr("b", 5)]
+    standing = m.StandingAnswer(enqueue.id, 9, window, [mine(9), kr("c", 6)], 5)
+    actions = waiter.feed(m.EnqueueAnswer(enqueue.id, 9, True, b"v", standing=standing))
+    assert not any(isinstance(a, (m.ReadStanding, m.ReadKeys)) for a in actions)
+    note = only(actions, m.Note)
+    assert (note.event, note.fields) == ("queued", {"rev": 9, "position": 5, "ahead": 4})
+    watch = only(actions, m.OpenWatch)
+    assert (watch.key, watch.prefix) == (kr("c", 6).key, False)
+    assert waiter.state == r.State.BEHIND
 
 
 def test_in_the_window_it_watches_deletions_under_the_prefix_and_touches_once() -> None:
@@ -519,9 +533,14 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
         return m.SessionOpened(action.id, LEASE, ME)
     if isinstance(action, m.SendEnqueue):
         created = rng.random() < 0.7
-        heads = [k.key for k in rng.sample(keys, min(len(keys), 2))] + [ME] * rng.randint(0, 1)
+        ahead = sorted(rng.sample(keys, rng.randint(0, len(keys))), key=lambda k: k.create_revision)
+        at = [*ahead, mine(revision)]
+        read = m.StandingAnswer(action.id, revision, at[:5], at[::-1][:2], len(at))
+        standing = rng.choice([None, read])
         found = rng.choice([None, mine(9), kr("host", 4)])
-        return m.EnqueueAnswer(action.id, revision, created, b"v", heads, found, found == mine(9))
+        return m.EnqueueAnswer(
+            action.id, revision, created, b"v", standing, found, found == mine(9)
+        )
     if isinstance(action, m.ReadStanding):
         ahead = sorted(rng.sample(keys, rng.randint(0, len(keys))), key=lambda k: k.create_revision)
         me = [mine(action.revision)] if rng.random() < 0.9 else []

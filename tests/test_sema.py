@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 
 from conch.etcd import Client, kv, lease
-from conch.flag import Flag
-from tests.conftest import Conch, Gate, Runner, alive, etcd_watchers, poll, sema_keys, who_json
+from tests.conftest import (
+    Conch,
+    Gate,
+    Runner,
+    alive,
+    etcd_watchers,
+    other_keys,
+    poll,
+    sema_keys,
+    who_json,
+)
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -668,49 +677,48 @@ def test_holder_json_is_stored_at_the_key(
 def test_a_waiter_promoted_on_its_first_look_still_wakes_the_one_behind(
     own_etcd: EtcdCluster, name: str
 ) -> None:
-    """N=2: A and B hold; C queues; D queues behind C and watches C. A leaves before C's
-    first look at the queue, so C holds at once; then B leaves: D must take B's slot."""
+    """N=2: A and B hold; three other keys queue, then C (behind the last of them, watching
+    it) and D (behind C, watching C). The three go and A leaves unseen by C but for the last
+    deletion, so C holds on the look that deletion wakes it to; then B leaves: D must take
+    B's slot (C's touch, owed at that look, is what woke D into the window)."""
     with own_etcd.client() as client:
         _first_look_promotion(own_etcd, client, name)
 
 
 def _first_look_promotion(etcd: EtcdCluster, client: Client, name: str) -> None:
+    from conch.hold import Hold
     from conch.semaphore import Semaphore
-
-    class SlowFirstLook(Semaphore):
-        look = threading.Event()
-        go = threading.Event()
-
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-            if not self.look.is_set():
-                self.look.set()
-                assert self.go.wait(30)
-            return super()._standing(key, revision, interrupt)
 
     a = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
     b = Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
-    poll(lambda: etcd_watchers(etcd) == 2, what="A's and B's guards watching their keys")
-    holds: dict[str, object] = {}
-    c_thread = threading.Thread(
-        target=lambda: holds.setdefault("c", SlowFirstLook(client, name, 2, ttl=5).acquire(30))
-    )
-    c_thread.start()
-    assert SlowFirstLook.look.wait(30)  # C's key exists; C has not looked yet
-    d_thread = threading.Thread(
-        target=lambda: holds.setdefault("d", Semaphore(client, name, 2, ttl=5).acquire(30))
-    )
-    d_thread.start()
-    poll(lambda: len(sema_keys(client, name)) == 4, what="D queued")
-    poll(lambda: etcd_watchers(etcd) == 3, what="D watching C (etcd has set its watch up)")
-    a.release()
-    SlowFirstLook.go.set()
-    c_thread.join(30)
-    assert "c" in holds
-    b.release()
-    d_thread.join(15)
-    assert "d" in holds, "D slept while B's slot was free"
-    for hold in holds.values():
-        hold.release()  # type: ignore[attr-defined]
+    holds: dict[str, Hold] = {}
+
+    def acquire(who: str) -> None:
+        holds[who] = Semaphore(client, name, 2, ttl=5).acquire(30)
+
+    threads = {who: threading.Thread(target=acquire, args=(who,)) for who in "cd"}
+    try:
+        with other_keys(client, name, 2, 3) as others:
+            threads["c"].start()
+            poll(lambda: len(sema_keys(client, name)) == 6, what="C queued")
+            threads["d"].start()
+            poll(lambda: len(sema_keys(client, name)) == 7, what="D queued")
+            poll(lambda: etcd_watchers(etcd) == 4, what="C watching the last key, D watching C")
+            for key in others[:2]:
+                kv.delete(client, key)
+            a.release()
+            kv.delete(client, others[2])  # C wakes and reads: B, C, D
+            threads["c"].join(30)
+        assert "c" in holds
+        b.release()
+        threads["d"].join(15)
+        assert "d" in holds, "D slept while B's slot was free"
+    finally:
+        for thread in threads.values():
+            if thread.ident is not None:
+                thread.join(30)
+        for hold in holds.values():
+            hold.release()
 
 
 def test_absurd_values_are_usage_errors(conch: Runner, name: str) -> None:

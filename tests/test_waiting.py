@@ -14,8 +14,7 @@ import pytest
 import conch
 from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv
-from conch.flag import Flag
-from tests.conftest import DEADLINE, poll, sema_keys
+from tests.conftest import DEADLINE, other_keys, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
 
@@ -62,36 +61,28 @@ def private_etcd(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Etc
 def test_waiters_keep_their_place_when_etcd_restarts_with_its_data_within_the_ttl(
     private_etcd: EtcdCluster, name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """etcd killed while three waiters queue behind a holder, and back on the same data dir
-    and port once the last waiter's read met the refused connection (that waiter looks at
-    the queue only once etcd is down: whether a watch rides out the outage is the watch's
-    business): every lease (TTL 60 s) survived, so every waiter keeps its key and the slot
-    goes around in the order they queued. Before, that waiter re-entered at the back with a
-    new lease (its old key stayed, on a lease nobody kept alive, until it expired)."""
+    """etcd killed while three waiters queue behind a holder (each watching the key ahead,
+    its standing read with its enqueue), and back on the same data dir and port once a
+    waiter has met the refused connection: every lease (TTL 60 s) survived, so every waiter
+    keeps its key and the slot goes around in the order they queued. Before, a waiter
+    that read while etcd was down re-entered at the back with a new lease (its old key
+    stayed, on a lease nobody kept alive, until it expired)."""
     caplog.set_level(logging.INFO, logger="conch")
     member = private_etcd.members[0]
-    killed = threading.Event()
-
-    class LooksOnceEtcdIsDown(conch.Semaphore):
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-            assert killed.wait(DEADLINE)
-            return super()._standing(key, revision, interrupt)
 
     endpoints = [Endpoint.parse(member.endpoint)]
     with Client.connect(endpoints, dial_timeout=5, request_timeout=0.5) as client:
         sema = conch.Semaphore(client, name, max=1, ttl=60)
         holder = sema.acquire(timeout=10)
-        waiting = queue_up(client, name, sema, 2)
-        waiting += queue_up(client, name, LooksOnceEtcdIsDown(client, name, max=1, ttl=60), 1)
+        waiting = queue_up(client, name, sema, 3)
         queued = [k.create_revision for k in sema_keys(client, name)][1:]
         member.kill()
-        killed.set()
-        # Down until that read was refused (request timeout 0.5 s), well within one
-        # keepalive interval (20 s).
+        # Down until a waiter's watch or read was refused (request timeout 0.5 s), well
+        # within one keepalive interval (20 s).
         poll(
             lambda: "event=etcd-away" in caplog.text or "event=requeue" in caplog.text,
             timeout=15,
-            what="the last waiter's read refused",
+            what="a waiter's watch or read refused",
         )
         member.start(private_etcd.initial_cluster, "existing")
         private_etcd.wait_healthy()
@@ -166,25 +157,22 @@ def test_waiters_keep_their_place_while_etcd_refuses_writes(
 def test_a_holder_promoted_by_a_read_at_max_2_touches_before_its_guard_starts(
     client: Client, name: str
 ) -> None:
-    """N=2: A and B hold, C queued looks at the queue only after A left, and holds on that
-    read; it never touched while waiting. Another holder (B) may leave any moment, so the
-    waiter behind C must learn now that it is in the window: C's key is touched before its
-    guard starts (the supervisor starts it only after the watchdog's handshake and the
-    spawn). Before, the touch waited for ``start_guard()``."""
-    released = threading.Event()
-
-    class LateLook(conch.Semaphore):
-        def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-            assert released.wait(DEADLINE)
-            return super()._standing(key, revision, interrupt)
-
+    """N=2: A and B hold, C queued behind other keys looks at the queue only after A left
+    (woken by the last other key's deletion), and holds on that read; it never touched while
+    waiting. Another holder (B) may leave any moment, so the waiter behind C must learn now
+    that it is in the window: C's key is touched before its guard starts (the supervisor
+    starts it only after the watchdog's handshake and the spawn). Before, the touch waited
+    for ``start_guard()``."""
     a = conch.Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
     b = conch.Semaphore(client, name, 2, ttl=5).acquire(timeout=10)
-    c = Waiting(LateLook(client, name, 2, ttl=5), 30, guard=False)
-    poll(lambda: len(sema_keys(client, name, 2)) == 3, what="C queued")
-    a.release()
-    released.set()
-    hold = c.result()
+    with other_keys(client, name, 2, 3) as others:
+        c = Waiting(conch.Semaphore(client, name, 2, ttl=5), 30, guard=False)
+        poll(lambda: len(sema_keys(client, name, 2)) == 6, what="C queued")
+        for key in others[:2]:
+            kv.delete(client, key)
+        a.release()
+        kv.delete(client, others[2])
+        hold = c.result()
     try:
         touched = poll(
             lambda: [

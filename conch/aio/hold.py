@@ -25,12 +25,8 @@ if TYPE_CHECKING:
 
 
 class Hold(GuardedHold[Session]):
-    """A slot held, for coroutines (``conch.Hold``, awaited): ``revision`` is the fencing
-    token, ``lease_id`` the session's lease, ``lost`` an ``asyncio.Event`` set when the
-    session is lost or our key deleted (``reason`` says why). ``release()`` (or leaving
-    ``async with``) gives the slot back; leaving after a loss raises HoldLost (unless raising
-    already, or released inside the block). Its guard runs on the loop's timers, holding the
-    Hold weakly: one dropped without release is released when collected (ResourceWarning)."""
+    """A slot held, for coroutines: ``conch.Hold``, awaited, but ``lost`` is an
+    ``asyncio.Event`` (``reason`` says why) and its guard starts at once, on the loop."""
 
     def __init__(
         self,
@@ -45,12 +41,11 @@ class Hold(GuardedHold[Session]):
         self.lost = asyncio.Event()
         self.reason: Loss | None = None
         self._client = sema.client.sync
-        self._released: asyncio.Future[bool] | None = None
+        self._released: asyncio.Future[None] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
         self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
-        # Its guard starts at once (the threaded Hold's waits for start_guard()).
         self._execute(self._guard.made())
         self._execute(self._guard.start())
 
@@ -62,28 +57,22 @@ class Hold(GuardedHold[Session]):
             run_callback(callback, reason)
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
-        """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost). It must
-        not block; its result is ignored."""
+        """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost)."""
         if self.lost.is_set():
             self._loop.call_soon(run_callback, callback, self.reason or CLOSED)
         else:
             self._callbacks.append(callback)
 
     async def check(self) -> None:
-        """``conch.Hold.check``: raise HoldLost unless the hold is certainly ours now. Makes
-        no etcd call."""
+        """``conch.Hold.check``: raise HoldLost unless the hold is certainly ours now."""
         self._check()
 
     async def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
-        """``conch.Hold.put``, awaited: write ``key`` = ``value`` only while this hold is ours
-        (one KV.Txn comparing our key's create_revision with ``revision``); ``timeout`` in
-        seconds. Returns the revision of the write. Raises HoldLost when the compare fails,
-        Unavailable or another EtcdError when etcd does not answer."""
+        """``conch.Hold.put``, awaited (one KV.Txn): the revision of the write; raises as it."""
         return await self._guarded(kv.op_put(to_bytes(key), to_bytes(value)), timeout)
 
     async def delete(self, key: bytes | str, timeout: float | None = None) -> int:
-        """``conch.Hold.delete``, awaited (KV.Txn as in ``put``): the revision of the
-        deletion. Raises as ``put``."""
+        """``conch.Hold.delete``, awaited (one KV.Txn): the revision; raises as ``put``."""
         return await self._guarded(kv.op_delete(to_bytes(key)), timeout)
 
     async def _guarded(self, op: rpc_pb2.RequestOp, timeout: float | None) -> int:
@@ -109,24 +98,20 @@ class Hold(GuardedHold[Session]):
         self._answered(action, answer)
 
     async def release(self) -> None:
-        """``conch.Hold.release``, awaited: revoke a lease of its own (Lease.LeaseRevoke), or
-        delete our key from a shared session (KV.Txn comparing its create_revision); best
-        effort, at most WITHDRAW_TIMEOUT seconds after a loss. Idempotent: a second call
-        waits for the first. A cancel while it runs waits for it to end, then propagates.
-        Logs ``released``."""
+        """``conch.Hold.release``, awaited (Lease.LeaseRevoke, or a KV.Txn from a shared
+        session). A second call waits for the first; a cancel waits for it, then propagates."""
         if self._released is None:
             self._guard.release()
             timeout = self._withdraw_timeout()
             self._released = self._loop.create_task(self._give_back(timeout))
         await outlast_cancel(self._released)
 
-    async def _give_back(self, timeout: float | None) -> bool:
+    async def _give_back(self, timeout: float | None) -> None:
         try:
             revoked = await _give_back(self._slot, timeout)
         finally:
             self._given_back()
         self._log_released(revoked)
-        return revoked
 
     async def __aenter__(self) -> Hold:
         return self

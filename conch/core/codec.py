@@ -1,17 +1,9 @@
-"""The codec: each action of the Waiter as the etcd request(s) that carry it out, and each
-etcd response (or error, or watch notice) as the input the Waiter is fed. Pure functions on
-protobuf messages and ``conch.core.messages`` records: no I/O, no clock, no threads. Both
-faces and the simulator execute what it builds and feed back what it decodes, so they cannot
-read etcd differently. A request is a ``Call``, which a face sends with its own client:
-``client.call(c.service, c.method, c.request, ...)``, or ``await client.call_async(...)``.
-
-Several Ranges are read at one revision (the standing read, the gap-closing read of a watch)
-by the plan ``read_plan(server_version)`` (``ReadTogether``): one read-only KV.Txn, or the
-first Range and the others pinned to its revision: on etcd 3.5.0 to 3.5.6, whose read-only
-Txn can take the server down (etcd issues 14110 and 14891), and on a server whose release is
-not known. A Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7, PRs
-14254 and 14884) is read again as pinned Ranges at once, whatever the release. docs/design.md
-("The codec") has the releases and why.
+"""The codec: each action of the Waiter as the etcd request(s) that carry it out (a ``Call``,
+which a face sends with its own client), and each etcd response, error or watch notice as
+the input the Waiter is fed. Pure functions on protobuf messages and ``conch.core.messages``
+records: both faces and the simulator execute what it builds and feed back what it decodes,
+so they cannot read etcd differently. Ranges read at one revision follow the read plan
+(``read_plan``, ``ReadTogether``); docs/design.md ("The codec") has the releases and why.
 """
 
 from __future__ import annotations
@@ -51,21 +43,28 @@ def _txn(
 
 
 def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
-    """A KeyValue as the machine sees it (key, create_revision, mod_revision)."""
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+
+
+def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.RangeRequest]:
+    """The window and the last two keys, none created after revision ``upto`` (0: any)."""
+    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": upto}
+    return [
+        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
+        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
+    ]
 
 
 def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
     """``action`` as one KV.Txn: if our key's create_revision is 0, put it (``value``, bound
-    to the lease) and Range the first ``max`` keys under ``prefix`` by create_revision
-    (keys only); else Range our key. Decode its answer with ``enqueue_answer``."""
-    heads = kv.prefix_request(
-        prefix, limit=max, keys_only=True, sort_target=kv.CREATE, sort_order=kv.ASCEND
-    )
+    to the lease) and read our standing in the same Txn (the Ranges of ``standing_reads``,
+    and a count_only Range under ``prefix``: the keys ahead, and ours); else Range our key.
+    Not read-only, so no release's read-only Txn bug applies. Decode with ``enqueue_answer``."""
     key = action.key
+    ranges = [*_standing_ranges(prefix, max), kv.prefix_request(prefix, count_only=True)]
     return _txn(
         [kv.create_revision_is(key, 0)],
-        [kv.op_put(key, value, action.lease_id), kv.op_range(heads)],
+        [kv.op_put(key, value, action.lease_id), *map(kv.op_range, ranges)],
         [kv.op_get(key)],
     )
 
@@ -76,8 +75,15 @@ def enqueue_answer(
     """The TxnResponse to ``enqueue_call`` (``sent``: the value put) as EnqueueAnswer."""
     revision = int(response.header.revision)
     if response.succeeded:
-        heads = [h.key for h in response.responses[1].response_range.kvs]
-        return messages.EnqueueAnswer(action.id, revision, True, sent, heads=heads)
+        window, mine_and_prev, counted = (r.response_range for r in response.responses[1:])
+        standing = messages.StandingAnswer(
+            action.id,
+            revision,
+            [key_rev(k) for k in window.kvs],
+            [key_rev(k) for k in mine_and_prev.kvs],
+            int(counted.count),
+        )
+        return messages.EnqueueAnswer(action.id, revision, True, sent, standing=standing)
     found = response.responses[0].response_range.kvs
     if not found:
         return messages.EnqueueAnswer(action.id, revision, False)
@@ -98,14 +104,9 @@ class Reads(list[rpc_pb2.RangeRequest]):
 def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Reads:
     """The two Ranges of the standing read, keys only, none created after our key: the
     window (``window_size(max)`` keys ascending by create_revision) and our key with the
-    one just ahead (2 keys descending). Read them with ``ReadTogether``: as pinned Ranges,
-    a window that holds our key is enough (ours is its last key, none being created after
-    it), so a waiter at the head reads one Range."""
-    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": action.revision}
-    reads = Reads(
-        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
-        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
-    )
+    one just ahead (2 keys descending). Read them with ``ReadTogether``: a window that
+    holds our key is enough (ours is its last key)."""
+    reads = Reads(_standing_ranges(prefix, max, action.revision))
     reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
     return reads
 
@@ -121,7 +122,7 @@ def standing_answer(action: messages.ReadStanding, read: Together) -> messages.S
 
 
 def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
-    """One Range per key of ``action``, in its order. Read them with ``ReadTogether``."""
+    """One Range per key of ``action``, in its order, to read with ``ReadTogether``."""
     return [rpc_pb2.RangeRequest(key=key) for key in action.keys]
 
 
@@ -138,7 +139,7 @@ class ReadPlan(enum.Enum):
     PINNED_RANGES = "pinned-ranges"  # the first Range, then the others at its revision
 
 
-# etcd releases whose read-only Txn can take the server down (see the module docstring).
+# etcd releases whose read-only Txn can take the server down (etcd issues 14110, 14891).
 TXN_PANIC_FROM = (3, 5, 0)
 TXN_PANIC_FIXED = (3, 5, 7)
 
@@ -147,9 +148,8 @@ _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
 
 def read_plan(server_version: str | None) -> ReadPlan:
     """How to read Ranges together from the server of ``server_version`` (Maintenance.Status's
-    ``version``, "3.5.1"; None: not known, Status did not answer): pinned Ranges on a release
-    whose read-only Txn can crash it or when the release is not known or unreadable, else
-    one read-only Txn."""
+    ``version``, "3.5.1"; None: not known): pinned Ranges on a release whose read-only Txn
+    can crash it, or one not known, else one read-only Txn."""
     match = _VERSION.match(server_version or "")
     version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
     if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
@@ -176,9 +176,9 @@ class ReadTogether:
                 read.refused(exc)  # raises exc again unless the read goes on another way
         return read.result
 
-    A read-only Txn refused under the space alarm (``Failure.NO_SPACE``) is read again as
-    pinned Ranges, the first at once. Any other error ends the read (``refused`` raises it:
-    Compacted, when a pinned Range's revision was compacted, the machine reads again)."""
+    A read-only Txn refused under the space alarm (NOSPACE: etcd before 3.4.20 and 3.5.7) is
+    read again as pinned Ranges at once. Any other error ends the read (``refused`` raises
+    it: Compacted, a pinned Range's revision compacted, the machine reads again)."""
 
     def __init__(self, reads: Sequence[rpc_pb2.RangeRequest], plan: ReadPlan) -> None:
         assert reads

@@ -1,7 +1,6 @@
 """The hold's guard: when a held slot's guard touches and watches, what it saw means, what
-it logs. No I/O, no clock: ``GuardMachine`` is the whole guard; the Hold of each face
-(``conch/hold.py`` on the client's timer thread, ``conch/aio/hold.py`` on the loop)
-executes its actions and feeds it what came of them.
+it logs. No I/O, no clock: ``GuardMachine`` is the whole guard; each face's Hold
+(``conch/hold.py``, ``conch/aio/hold.py``) executes its actions, feeding back their answers.
 """
 
 from __future__ import annotations
@@ -14,15 +13,11 @@ from typing import TypeAlias
 from conch.core.loss import KEY_GONE, KEY_GONE_WRITE, Loss, LossReason
 from conch.core.messages import KeyRev, Note, TouchOwed
 
-# Seconds into the guard before it opens the watch on our own key: a short job is over by
-# then and never pays for that watch, whose set-up would compete with its release. A
-# deletion in between is not missed (the watch starts from where we held), only noticed
-# later; a lost session is noticed at once.
+# Seconds into the guard before it opens the watch on our own key (a short job never pays
+# for it; a deletion in between is noticed later, not missed: docs/design.md).
 GUARD_WATCH_DELAY = 0.05
-# Seconds into a hold at max 1 before its touch (TouchOwed.LATER). A job that ends just as
-# it is made pays the most: the touch and the next waiter's move-up compete with its
-# release (about 3 ms more at that handoff, measured), small next to half a second; a
-# shorter job never pays for that write.
+# Seconds into a hold at max 1 before its touch (TouchOwed.LATER): a shorter job never pays
+# for that write (docs/design.md).
 TOUCH_DELAY = 0.5
 
 
@@ -78,9 +73,8 @@ class GuardMachine:
     ) -> None:
         self._owed = owed
         self.revision = revision
-        # A revision at which our key was seen ours and holding: the guard watches from there
-        # (from our create_revision, after a long wait, etcd would replay all that history
-        # to the watch, or refuse it as compacted).
+        # Our key seen ours and holding at this revision: the guard watches from there (from
+        # our create_revision, etcd would replay a long wait's history, or refuse it compacted).
         self.held_at = held_at or revision
         self.releasing = False
         self.lost: Loss | None = None
@@ -144,9 +138,8 @@ class GuardMachine:
 
     def notice(self, ended: bool) -> list[GuardAction]:
         """A notice of the watch on our key (deletions only): an event is our key's deletion
-        (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up): it says
-        nothing of our key, look at it after a pause (the session's loss is the keepalive's
-        call)."""
+        (lease revoked or expired, or by hand); ``ended`` (compacted, stream gave up) says
+        nothing of it: look after a pause (the session's loss is the keepalive's call)."""
         return self.watch_failed() if ended else self._lose(KEY_GONE)
 
     def looked(self, found: KeyRev | None, revision: int) -> list[GuardAction]:

@@ -65,9 +65,9 @@ class SessionOpened(Tagged):
 @dataclass(frozen=True)
 class EnqueueAnswer(Tagged):
     revision: int
-    created: bool  # the put happened: ``heads`` are the first N keys (ours among them: held)
+    created: bool  # the put happened: ``standing`` says where our new key stands
     value: bytes = b""  # what our key holds (written, or found ours)
-    heads: Sequence[bytes] = ()
+    standing: StandingAnswer | None = None  # read in the enqueue's Txn (None: read it)
     existing: KeyRev | None = None  # not created: the key in our place (None: deleted since)
     existing_ours: bool = False  # it is on our lease: an earlier attempt of ours went through
 
@@ -77,6 +77,7 @@ class StandingAnswer(Tagged):
     revision: int
     window: Sequence[KeyRev]  # the first window_size(N) keys, ascending
     mine_and_prev: Sequence[KeyRev]  # the last two, descending (ours first, if still there)
+    keys: int | None = None  # every key under the prefix, ours included, when counted
 
 
 @dataclass(frozen=True)
@@ -159,8 +160,8 @@ class OpenSession(Tagged):
 
 @dataclass(frozen=True)
 class SendEnqueue(Tagged):
-    """KV.Txn: put our ``key`` (on ``lease_id``) if absent and Range the first N keys, else
-    Range ``key`` (``codec.enqueue_call``). Answer: EnqueueAnswer."""
+    """KV.Txn: put our ``key`` (on ``lease_id``) if absent and read our standing, else Range
+    ``key`` (``codec.enqueue_call``). Answer: EnqueueAnswer."""
 
     key: bytes
     lease_id: int

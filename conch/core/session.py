@@ -2,12 +2,7 @@
 the loss decision (docs/failure-semantics.md, "The loss rule"). No I/O, no threads, no
 clock: the driver (``conch.session.Keeper``, the simulator) passes ``now``
 (``time.monotonic()`` seconds) into every step, sends each SendKeepalive at once, keeps one
-timer for the latest WakeAt, and reports Expired to the holds and Lost to everyone.
-
-E (``alive_until``) is the send time of the last keepalive etcd answered plus the TTL it
-answered with. E passing with no later keepalive confirmed is ``Expired``
-(``LossReason.NO_KEEPALIVE``: a hold is lost, a waiter's session is not); the session is
-``Lost`` only when etcd says its lease is gone (TTL <= 0: ``LossReason.LEASE_NOT_FOUND``).
+timer for the latest WakeAt, and reports Expired to the holds, or the session's loss.
 """
 
 from __future__ import annotations
@@ -51,19 +46,15 @@ class WakeAt:
 
 @dataclass(frozen=True)
 class Expired:
-    """E passed unconfirmed (once per E): holds are lost with ``loss``; waiters carry on."""
+    """E passed unconfirmed (once per E; LossReason.NO_KEEPALIVE): holds are lost with
+    ``loss``, waiters carry on. ``lost``: etcd said the lease is gone (TTL <= 0:
+    LossReason.LEASE_NOT_FOUND): the session is lost with ``loss``; nothing follows."""
 
     loss: Loss
+    lost: bool = False
 
 
-@dataclass(frozen=True)
-class Lost:
-    """etcd says the lease is gone: the session is lost with ``loss``; nothing follows."""
-
-    loss: Loss
-
-
-SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired | Lost
+SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired
 
 
 class SessionMachine:
@@ -147,7 +138,7 @@ class SessionMachine:
         if self.done:
             return []
         self.lost = LEASE_GONE
-        return [Lost(LEASE_GONE)]
+        return [Expired(LEASE_GONE, lost=True)]
 
     def close(self) -> None:
         """The session is being closed (its lease revoked): ask for nothing more."""

@@ -215,9 +215,9 @@ class Waiter:
         if answer.created:
             self.revision, self.value = answer.revision, answer.value
             self._said.discard("queued")  # a new key: say where it queues
-            if self.key in answer.heads:
-                return self._held(answer.revision, [], owes=False)
-            return self._read_standing()
+            if answer.standing is None:
+                return self._read_standing()
+            return self._standing(answer.standing, fresh=True)
         found = answer.existing
         if found is None:
             return self._enqueue()  # deleted between compare and read: try again
@@ -230,7 +230,8 @@ class Waiter:
         note = m.Note("spread-busy", {"rev": found.create_revision})
         return [note, *self._wait(State.SPREAD_BUSY, found.key)]
 
-    def _standing(self, answer: m.StandingAnswer) -> list[m.Action]:
+    def _standing(self, answer: m.StandingAnswer, fresh: bool = False) -> list[m.Action]:
+        """Where our key stands; ``fresh``: read as it was put (it owes no touch)."""
         first = list(answer.window)
         mine = answer.mine_and_prev[0] if answer.mine_and_prev else None
         ahead = list(answer.mine_and_prev[1:])
@@ -238,7 +239,7 @@ class Waiter:
         in_window = bool(first) and first[-1].key == self.key
         if ours and in_window and len(first) <= self.max:
             # The watch that woke us is retired by the hold, off the handoff's path.
-            return self._held(answer.revision, self._woke)
+            return self._held(answer.revision, self._woke, owes=not fresh)
         actions: list[m.Action] = [m.CancelWatch(w) for w in self._woke]
         self._woke = []
         if not ours:
@@ -255,6 +256,8 @@ class Waiter:
         else:
             self._watched = ahead[0]
             state, key = State.BEHIND, ahead[0].key
+            if answer.keys is not None:
+                fields.update(position=answer.keys, ahead=answer.keys - 1)
         return actions + self._once(m.Note("queued", fields)) + self._wait(state, key)
 
     def _wait(self, state: State, key: bytes) -> list[m.Action]:

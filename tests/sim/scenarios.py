@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
 
+from conch.core import codec, messages
 from tests.sim.model import ModelError
 
 P = b"/conch/v1/sema/sim/2/"
@@ -109,18 +110,12 @@ def queue_range(**fields: Any) -> rpc_pb2.RangeRequest:
     )
 
 
-def enqueue(etcd: Etcd, key: bytes, lease: int, heads: int) -> rpc_pb2.TxnResponse:
-    """conch's enqueue: create-if-absent on the lease, and read the first ``heads`` keys."""
-    return etcd.txn(
-        rpc_pb2.TxnRequest(
-            compare=[create_is(key, 0)],
-            success=[
-                put(key, b"me", lease),
-                rpc_pb2.RequestOp(request_range=queue_range(limit=heads)),
-            ],
-            failure=[rpc_pb2.RequestOp(request_range=rpc_pb2.RangeRequest(key=key))],
-        )
-    )
+def enqueue(etcd: Etcd, key: bytes, lease: int, max: int) -> rpc_pb2.TxnResponse:
+    """conch's enqueue (``codec.enqueue_call``): create-if-absent on the lease, and its
+    standing and the count under the prefix read in the same Txn."""
+    call = codec.enqueue_call(messages.SendEnqueue(0, key, lease), P, max, b"me")
+    assert isinstance(call.request, rpc_pb2.TxnRequest)
+    return etcd.txn(call.request)
 
 
 def queue_and_ranks(etcd: Etcd) -> Observed:

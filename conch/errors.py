@@ -64,8 +64,7 @@ class ConchError(Exception):
 
     def __init_subclass__(cls, outcome: Outcome | None = None) -> None:
         super().__init_subclass__()
-        if outcome is not None:
-            cls.outcome = outcome
+        cls.outcome = outcome or cls.outcome
 
     @property
     def exit_code(self) -> int:

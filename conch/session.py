@@ -69,10 +69,6 @@ class Keeper:
     def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         return listen(self.expiry_listeners, listener)
 
-    def start(self) -> None:
-        """Schedule the first keepalive (RuntimeError: no keepalive thread to be had)."""
-        self.execute(self.machine.start())
-
     def execute(self, actions: list[SessionAction]) -> None:
         for action in actions:
             if isinstance(action, WakeAt):
@@ -180,6 +176,7 @@ class SessionBase(Generic[KeeperT]):
         self._claims_lock = threading.Lock()
 
     def _keep(self, keeper: KeeperT) -> None:
+        keeper.execute(keeper.machine.start())  # RuntimeError: no keepalive thread to be had
         self._keeper = keeper  # etcd counts from receiving the grant: alive to its send + TTL
         self._finalizer = weakref.finalize(self, keeper.collected, self._face)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
@@ -215,9 +212,9 @@ class SessionBase(Generic[KeeperT]):
         return self._kept.machine.alive_until
 
     def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
-        shared session closed under it is no longer ours), and etcd's countdown from our
-        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
+        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a shared
+        session closed under it is no longer ours), and etcd's countdown from our last confirmed
+        keepalive not run out (a process frozen past its TTL fails this)."""
         return self._kept.machine.certainly_alive(time.monotonic())
 
     def _claim(self, key: bytes) -> None:
@@ -237,20 +234,18 @@ class SessionBase(Generic[KeeperT]):
 
 class Session(SessionBase[_Keeper]):
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (as
-    etcd's ``concurrency.Session``; no thread per session). Raises Unavailable (or another
-    EtcdError) when LeaseGrant fails, Interrupted when ``interrupt`` is set while it retries.
-
-    ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
-    TTL <= 0; its ``reason``: a ``conch.core.loss.Loss``, LossReason.LEASE_NOT_FOUND). An
-    unanswered keepalive is sent again, with backoff, and loses nothing by itself: past
-    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``); the
-    session, and a waiter on it, lives on until etcd says otherwise. ``close()`` (or leaving
-    ``with``) revokes the lease: every key on it goes at once; a session dropped unclosed is
-    revoked when collected, with a ResourceWarning. Shared between holds
-    (``Semaphore.acquire(session=...)``), a hold releases by deleting its own key, and the
-    session's loss loses every hold on it; one key per semaphore (a second acquire of it
-    raises UsageError while the first holds or waits)::
+    SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (no
+    thread per session). Raises Unavailable (or another EtcdError) when LeaseGrant fails,
+    Interrupted when ``interrupt`` is set while it retries. ``lost`` (a Flag) is set when
+    etcd says the lease is gone (TTL <= 0; its ``reason``: a ``conch.core.loss.Loss``,
+    LossReason.LEASE_NOT_FOUND); an unanswered keepalive is sent again, with backoff, and
+    loses nothing by itself: past ``alive_until`` unconfirmed the holds on it are lost
+    (``on_expired``), the session and a waiter on it live on. ``close()`` (or leaving
+    ``with``) revokes the lease: every key on it goes at once; one dropped unclosed is
+    revoked when collected (ResourceWarning). Shared (``Semaphore.acquire(session=...)``), a
+    hold releases by deleting its own key and the session's loss loses every hold on it; one
+    key per semaphore (a second acquire of it raises UsageError while the first holds or
+    waits)::
 
         with conch.Session(client, ttl=10) as session:
             with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
@@ -265,23 +260,22 @@ class Session(SessionBase[_Keeper]):
         keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.lost = keeper.lost
         try:
-            keeper.start()
+            self._keep(keeper)
         except BaseException:  # no keepalive thread to be had: leave no lease behind
             keeper.close(None)
             raise
-        self._keep(keeper)
 
     def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost)
-        each time ``alive_until`` passes with no keepalive confirmed since, on the client's
-        keepalive thread: it must not block. Returns the function that removes it."""
+        """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost) each
+        time ``alive_until`` passes with no keepalive confirmed since, on the client's keepalive
+        thread: it must not block. Returns the function that removes it."""
         return self._kept.add_expiry_listener(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
-        moved, on the client's keepalive thread (shared by its sessions, and ``lost``'s
-        callbacks): it must not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``);
-        one that raises is logged. Returns the function that removes it."""
+        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has moved, on
+        the client's keepalive thread (shared by its sessions, and ``lost``'s callbacks): it must
+        not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one that raises is logged.
+        Returns the function that removes it."""
         return listen(self._kept.listeners, listener)
 
     def close(self, timeout: float | None = None) -> bool:

@@ -35,7 +35,6 @@ class _Keeper(Keeper):
         self.listeners: dict[object, Callable[[Loss], None]] = {}
         self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
-        self.start()
 
     async def _live(self) -> None:
         # Parked until cancelled (closed, lost, or asyncio.run ending): then forget the lease.
@@ -72,8 +71,7 @@ class _Keeper(Keeper):
         etcd_aio.call_soon(self.loop, lambda: spawn(self.loop, self.close(None)))
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
-        already); returns a function that removes it."""
+        """``listener(reason)`` on the loop once lost (soon, if already); returns its remover."""
         if not self.lost.is_set():
             return listen(self.listeners, listener)
         self.loop.call_soon(run_callback, listener, self.reason or CLOSED)

@@ -11,8 +11,7 @@ import enum
 class LossReason(enum.Enum):
     """What ended a session or a hold, by what etcd (or our own clock) said."""
 
-    # E passed with no later keepalive confirmed: the lease may be gone, or may have lived
-    # through an outage of etcd. A hold is lost then; a waiter's session is not.
+    # E passed, no later keepalive confirmed: the lease may be gone, or outlived etcd's outage.
     NO_KEEPALIVE = "no-keepalive-confirmed"
     LEASE_NOT_FOUND = "lease-not-found"  # a keepalive's TTL <= 0: expired or revoked
     # Our key is gone while the lease lives (a watch event, a look at the key, a failed

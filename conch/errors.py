@@ -5,14 +5,6 @@ from __future__ import annotations
 
 import enum
 
-EX_USAGE = 64
-EX_UNAVAILABLE = 69
-EX_SOFTWARE = 70  # the hold was lost while the child ran, or conch itself failed
-EX_TEMPFAIL = 75  # no slot
-EX_CANNOT_EXECUTE = 126
-EX_NOT_FOUND = 127
-_SIGNALLED = 128  # + S: a process ended by signal S, as a shell reports it
-
 
 class Outcome(enum.Enum):
     """How conch ends: ``value``, the event its log line is named for (where it has one), and
@@ -29,14 +21,14 @@ class Outcome(enum.Enum):
 
     CHILD_EXITED = "child-exited", None  # the child ran to its end while the hold was kept
     SIGNAL = "signal", None  # a stop signal to conch while the child ran: the child terminated
-    LOST_WHILE_RUNNING = "lost", EX_SOFTWARE  # the hold was lost (or its deadline came): killed
-    NOT_FOUND = "child-not-found", EX_NOT_FOUND  # the command was not found: nothing ran
-    CANNOT_EXECUTE = "child-cannot-execute", EX_CANNOT_EXECUTE  # found, but not executable
-    WATCHDOG_FAILED = "watchdog-failed", EX_SOFTWARE  # no watchdog, or it died or went silent
-    INTERNAL_ERROR = "internal-error", EX_SOFTWARE  # a bug of conch's: the child SIGKILLed first
-    USAGE = "usage", EX_USAGE  # bad flag, name, duration, credentials: nothing written to etcd
-    UNAVAILABLE = "unavailable", EX_UNAVAILABLE  # etcd unreachable, or no session
-    NO_SLOT = "timeout", EX_TEMPFAIL  # --nonblock, or --wait ran out: our waiter key is gone
+    LOST_WHILE_RUNNING = "lost", 70  # the hold was lost (or its deadline came): killed
+    NOT_FOUND = "child-not-found", 127  # the command was not found: nothing ran
+    CANNOT_EXECUTE = "child-cannot-execute", 126  # found, but not executable
+    WATCHDOG_FAILED = "watchdog-failed", 70  # no watchdog, or it died or went silent
+    INTERNAL_ERROR = "internal-error", 70  # a bug of conch's: the child SIGKILLed first
+    USAGE = "usage", 64  # bad flag, name, duration, credentials: nothing written to etcd
+    UNAVAILABLE = "unavailable", 69  # etcd unreachable, or no session
+    NO_SLOT = "timeout", 75  # --nonblock, or --wait ran out: our waiter key is gone
     INTERRUPTED = "interrupted", None  # a stop signal while queued: our waiter key is gone
     LISTED = "listed", 0  # --who: someone holds a slot
     NONE_HELD = "none-held", 1  # --who: nobody does
@@ -55,7 +47,7 @@ def exit_code(outcome: Outcome, status: int | None = None) -> int:
 
 def signalled(signum: int) -> int:
     """The status of a process ended by signal ``signum``, as a shell reports it."""
-    return _SIGNALLED + signum
+    return 128 + signum
 
 
 def exit_status(returncode: int) -> int:
@@ -139,9 +131,8 @@ class NoSlot(ConchError, outcome=Outcome.NO_SLOT):
 
     @classmethod
     def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
-        """The wait for ``name``[``max``] ran out; ``detail``, the waiting machine's account
-        (``no free slot in time[: <cause>]``), said once: ``no free slot of reports[2] in
-        time: <cause>``."""
+        """The wait for ``name``[``max``] ran out; ``detail`` (the waiting machine's ``no free
+        slot in time[: <cause>]``) said once: ``no free slot of reports[2] in time: <cause>``."""
         said = f"no free slot of {name}[{max}] in time"
         head, _, cause = detail.partition(": ")
         if head != "no free slot in time":

@@ -20,9 +20,10 @@ never block in it. An exception it raises is swallowed; the other callbacks stil
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from conch import log
 
@@ -80,66 +81,54 @@ class Lost:
 Event = Queued | Acquired | Released | Lost
 Callback = Callable[[Event], None]
 
-_lock = threading.Lock()
-_callbacks: tuple[Callback, ...] = ()
+# Each subscription under a key of its own: one dict operation at a time, atomic, no lock.
+_callbacks: dict[object, Callback] = {}
+_T = TypeVar("_T", int, float)
 
 
 def subscribe(callback: Callback) -> Callable[[], None]:
     """Call ``callback(event)`` for every event of every hold in this process, from now on.
     Returns the function that unsubscribes it (idempotent)."""
-    global _callbacks
-    with _lock:
-        _callbacks = (*_callbacks, callback)
+    key = object()
+    _callbacks[key] = callback
 
     def unsubscribe() -> None:
-        global _callbacks
-        with _lock:
-            rest = list(_callbacks)
-            if callback in rest:
-                rest.remove(callback)
-            _callbacks = tuple(rest)
+        _callbacks.pop(key, None)
 
     return unsubscribe
 
 
-def _seconds(value: object) -> float | None:
-    """A duration as the log line has it (``"1.204s"``), in seconds; None if it is none."""
+def _read(parse: Callable[[str], _T], value: object) -> _T | None:
+    """``value`` as the log line has it (a duration: ``"1.204s"``); None if it is none."""
     with contextlib.suppress(ValueError):
-        return float(str(value).removesuffix("s"))
-    return None
-
-
-def _int(value: object, base: int = 10) -> int | None:
-    with contextlib.suppress(ValueError):
-        return int(str(value), base)
-    return None
-
-
-def _event(event: str, fields: dict[str, object]) -> Event | None:
-    if (revision := _int(fields.get("rev"))) is None:
-        return None
-    name = str(fields.get("name", ""))
-    size = _int(fields.get("max", 0)) or 0
-    if event == "queued":
-        return Queued(name, size, revision, _int(fields.get("position")), _int(fields.get("ahead")))
-    if event == "acquired":
-        lease_id = _int(fields.get("lease", "0"), 16) or 0
-        return Acquired(name, size, revision, lease_id, _seconds(fields.get("waited", 0)) or 0.0)
-    if event == "released":
-        held = _seconds(fields.get("held"))
-        revoked = fields.get("revoked") is True
-        return Released(name, revision, held, revoked, fields.get("after") == "loss")
-    if event == "lost":
-        return Lost(name, revision, str(fields.get("reason", "")))
+        return parse(str(value).removesuffix("s") if parse is float else str(value))
     return None
 
 
 def _dispatch(event: str, fields: dict[str, object]) -> None:
-    typed = _event(event, fields) if _callbacks else None
-    if typed is not None:
-        for callback in _callbacks:
-            with contextlib.suppress(Exception):  # a hook's failure is not conch's
-                callback(typed)
+    if not _callbacks or (revision := _read(int, fields.get("rev"))) is None:
+        return
+    name = str(fields.get("name", ""))
+    size = _read(int, fields.get("max", 0)) or 0
+    typed: Event
+    if event == "queued":
+        position, ahead = _read(int, fields.get("position")), _read(int, fields.get("ahead"))
+        typed = Queued(name, size, revision, position, ahead)
+    elif event == "acquired":
+        lease_id = _read(functools.partial(int, base=16), fields.get("lease", "0")) or 0
+        waited = _read(float, fields.get("waited", 0)) or 0.0
+        typed = Acquired(name, size, revision, lease_id, waited)
+    elif event == "released":
+        held = _read(float, fields.get("held"))
+        revoked = fields.get("revoked") is True
+        typed = Released(name, revision, held, revoked, fields.get("after") == "loss")
+    elif event == "lost":
+        typed = Lost(name, revision, str(fields.get("reason", "")))
+    else:
+        return
+    for callback in tuple(_callbacks.values()):
+        with contextlib.suppress(Exception):  # a hook's failure is not conch's
+            callback(typed)
 
 
 log.hook = _dispatch

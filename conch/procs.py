@@ -194,15 +194,6 @@ def _call_back(callback: Callable[[int], None], status: int) -> None:
         log.error("callback-failed", flag="child-exit", error=repr(exc))
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        with contextlib.suppress(PermissionError):  # a member not ours to signal lives
-            os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _orphans() -> dict[int, _Stat]:
     """Our children that conch did not start, zombies included (unless adopting: none)."""
     if not _adopting:
@@ -258,12 +249,9 @@ def _stat(pid: int) -> _Stat | None:  # None once the process is gone
 
 def _command_line(pid: int) -> str:  # as ps shows it: the arguments, else [name] (a zombie)
     with contextlib.suppress(OSError):
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            text = cmdline.read(256).replace(b"\0", b" ").strip()
-        if text:
+        if text := _read(f"/proc/{pid}/cmdline")[:256].replace(b"\0", b" ").strip():
             return text.decode(errors="replace")
-        with open(f"/proc/{pid}/comm", "rb") as comm:
-            return f"[{comm.read().strip().decode(errors='replace')}]"
+        return f"[{_read(f'/proc/{pid}/comm').strip().decode(errors='replace')}]"
     return "?"
 
 
@@ -282,7 +270,15 @@ class _Job:
 
     def alive(self) -> bool:  # a member of the group or an escaped process is left
         escaped = bool(self._escaped())
-        return _group_alive(self.pgid) or escaped
+        return self.group_alive() or escaped
+
+    def group_alive(self) -> bool:
+        try:
+            with contextlib.suppress(PermissionError):  # a member not ours to signal lives
+                os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
 
     def signal(self, sig: int) -> None:
         self._sent = sig
@@ -370,8 +366,7 @@ def started_with(name: str) -> str | None:
     None if it had none; ``os.environ``'s value when that cannot be read."""
     prefix = name.encode() + b"="
     try:
-        with open("/proc/self/environ", "rb") as environ:
-            entries = environ.read().split(b"\0")
+        entries = _read("/proc/self/environ").split(b"\0")
     except OSError:
         return os.environ.get(name)
     found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]

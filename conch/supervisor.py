@@ -1,13 +1,11 @@
 """The supervision loop (contract section 7; docs/design.md, "The supervision loop"):
-acquire, run the child, child exit or loss, terminate, release; written once, for the CLI and
-embedders (``supervise``). Every way a round ends is an ``Outcome``, its exit code in
-``conch.errors.EXIT_CODES``. The POSIX plumbing under it is ``conch.procs``.
-
-The deadline: the child is SIGKILLed by E - ``deadline_margin(ttl)`` at the latest (E: the
-lease's earliest expiry, ``Session.alive_until``, on our monotonic clock) and SIGTERMed
-``kill_after`` before that, whether or not a loss has been declared, so that no waiter can
-take the slot while it still runs. The watchdog process holds the same deadline for a wrapper
-frozen (SIGSTOP, a VM paused) or dead.
+acquire, run the child, child exit or loss, terminate, release, once for the CLI and embedders
+(``supervise``); every way a round ends is an ``Outcome`` (``conch.errors.EXIT_CODES``). The
+child is SIGKILLed by E - ``deadline_margin(ttl)`` (E: the lease's earliest expiry,
+``Session.alive_until``, on our monotonic clock) and SIGTERMed ``kill_after`` before, a loss
+declared or not, so that no waiter takes the slot while it runs; the watchdog process holds the
+same deadline for a wrapper frozen (SIGSTOP, a VM paused) or dead. The POSIX plumbing under it
+is ``conch.procs``.
 """
 
 from __future__ import annotations
@@ -52,13 +50,8 @@ WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be go
 RELEASE_AFTER_LOSS = 0.25  # seconds the release after a loss is given at most, never past E
 STALLED = "wrapper stalled; the watchdog terminated the child"
 _DEADLINE = object()  # a wait's result: the SIGTERM planned back from the deadline is due
-
-DEADLINE_MARGIN = 0.25
-"""Seconds before the lease's earliest expiry by which the child is SIGKILLed, plus
-CLOCK_RATE_TOLERANCE of the TTL: a late wake-up, the SIGKILL's delivery."""
-
-CLOCK_RATE_TOLERANCE = 0.001
-"""How much faster etcd's leader's clock may run than ours, as a fraction of the TTL."""
+DEADLINE_MARGIN = 0.25  # seconds (deadline_margin): a late wake-up, the SIGKILL's delivery
+CLOCK_RATE_TOLERANCE = 0.001  # of the TTL: how much faster etcd's leader's clock may run
 
 
 def deadline_margin(ttl: float) -> float:
@@ -130,9 +123,7 @@ def supervise(
         try:
             hold = sema.acquire(remaining(deadline), stop, guard=False)
             hold._warn_on_loss = False  # reported below as an error, with what became of the child
-            try:
-                if stop.is_set():
-                    raise Interrupted(stop.reason)
+            try:  # Interrupted if ``stop`` is set (by now, or during the handshake)
                 return run_child(hold, argv, kill_after, stop, watchdog, environ)
             finally:
                 hold.release()
@@ -202,7 +193,13 @@ def run_child(
         error = watchdog.handshake(WATCHDOG_START_TIMEOUT, stop)
         if error is not None:
             return _report(Outcome.WATCHDOG_FAILED, error=error)
-        run.confirm_hold()  # after the watchdog's start, which can take a while under load
+        # After the watchdog's start (seconds, under load): the hold must be ours with time to
+        # spare (not a process stalled since its last keepalive, nor a keepalive overdue).
+        if stop.is_set():
+            raise Interrupted(stop.reason)
+        if hold.lost.is_set() or time.monotonic() >= run.term_at():
+            reason = hold.lost.reason or "lease not confirmed alive (process stalled?)"
+            raise HoldLost(f"hold lost before the child started: {reason}")
         env = child_env(hold, environ)
         try:
             # Before the child exists: a conch killed before the arm line leaves it found.
@@ -268,15 +265,6 @@ class _Run:
     def grace_until(self) -> float:  # SIGKILL's instant for a termination that starts now
         return min(time.monotonic() + self.kill_after, self.kill_at_latest())
 
-    def confirm_hold(self) -> None:
-        # HoldLost unless the hold is ours with time to spare (a process stalled since its
-        # last keepalive, or a keepalive overdue: the child would be stopped at once).
-        if self.stop.is_set():
-            raise Interrupted(self.stop.reason)
-        if self.hold.lost.is_set() or time.monotonic() >= self.term_at():
-            reason = self.hold.lost.reason or "lease not confirmed alive (process stalled?)"
-            raise HoldLost(f"hold lost before the child started: {reason}")
-
     def supervise(self, pid: int) -> int:  # the first notice after the child's start, acted on
         hold, watchdog = self.hold, self.watchdog
         hold.start_guard()
@@ -302,7 +290,7 @@ class _Run:
                 hold.release(log_it=False)
             code = _log_child_exit(pid, notice.returncode, started)
             if job.alive():  # a warning for each process that escaped the group
-                if procs._group_alive(pid):
+                if job.group_alive():
                     log.warning("stragglers", pgid=pid)
                 self.terminate(job, child_running=False, kill_at=self.grace_until())
             watchdog.dismiss()

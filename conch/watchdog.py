@@ -76,21 +76,19 @@ class Watchdog:
             env=without_credentials(os.environ if environ is None else environ),
             start_new_session=True,  # out of reach of signals sent to conch's group
         )
-        assert self._process.stdin is not None
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._stdin, self._stdout = self._process.stdin, self._process.stdout.fileno()
+        self.pid = self._process.pid
         # A watchdog that stops reading (SIGSTOPped) must never block the keepalive thread in
         # a heartbeat's write: one that does not fit is dropped, and the watchdog, its expiry
         # not moved on, fires early rather than late.
-        os.set_blocking(self._process.stdin.fileno(), False)
+        os.set_blocking(self._stdin.fileno(), False)
         self._lock = threading.Lock()
         self._dismissed = False
         self._ready = False
         self._fired = False
         self._reader: threading.Thread | None = None
         self._exited = threading.Event()  # its stdout closed: the process has ended
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
 
     def ready(self, timeout: float, stop: Flag | None = None) -> bool:
         """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
@@ -136,21 +134,17 @@ class Watchdog:
     def ended(self) -> bool:  # its stdout's end seen, or its exit status
         return self._exited.is_set() or self._process.poll() is not None
 
-    def _stdout(self) -> int:
-        assert self._process.stdout is not None
-        return self._process.stdout.fileno()
-
     def _readable(self, timeout: float | None) -> bool:
         # A byte (or the end) on its stdout within ``timeout`` seconds, or once more after it (a
         # thread woken late must not miss bytes that came in time)? poll: fds may pass 1024.
         poller = select.poll()
-        poller.register(self._stdout(), select.POLLIN)
+        poller.register(self._stdout, select.POLLIN)
         wait = None if timeout is None else max(0.0, timeout) * 1000
         return bool(poller.poll(wait) or poller.poll(0))
 
     def _take(self, size: int = 64) -> bytes:  # what it wrote, noting FIRED and the end
         try:
-            chunk = os.read(self._stdout(), size)
+            chunk = os.read(self._stdout, size)
         except (OSError, ValueError):  # closed under us: close() gave up waiting
             chunk = b""
         self._fired = self._fired or FIRED in chunk
@@ -223,8 +217,7 @@ class Watchdog:
         # strict: raise OSError on a broken pipe; else the line is dropped, also once dismissed.
         with self._lock:
             if strict:
-                assert self._process.stdin is not None
-                os.write(self._process.stdin.fileno(), line)
+                os.write(self._stdin.fileno(), line)
             elif not self._dismissed:
                 self._send(line)
 
@@ -249,9 +242,8 @@ class Watchdog:
         from its job); ``reap``: also wait() for it (not where another thread reaps every
         child). Returns whether it ended."""
         self.dismiss()
-        if self._process.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._process.stdin.close()
+        with contextlib.suppress(OSError):
+            self._stdin.close()
         deadline = time.monotonic() + timeout
         # The reader thread, once started, is the one reading its stdout.
         ended = self._exited.wait(timeout) if self._reader else self._read_for(None, deadline)
@@ -277,6 +269,5 @@ class Watchdog:
         return self._fired
 
     def _send(self, data: bytes) -> None:
-        assert self._process.stdin is not None
         with contextlib.suppress(OSError, ValueError):
-            os.write(self._process.stdin.fileno(), data)
+            os.write(self._stdin.fileno(), data)

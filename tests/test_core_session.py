@@ -1,7 +1,8 @@
 """The session machine (``conch.core.session``) on its own inputs: the keepalive schedule on
 SEND_GRID, the earliest expiry E, and the loss rule (late keepalives lose nothing; E passing
-unconfirmed is Expired, for holds; only etcd saying the lease is gone is Lost). The same
-machine runs in both faces, against real etcd, in tests/test_outage.py and test_loss.py."""
+unconfirmed is Expired, for holds; only etcd saying the lease is gone is Expired(lost=True),
+for the session). The same machine runs in both faces, against real etcd, in
+tests/test_outage.py and test_loss.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from conch.core.session import (
     KEEPALIVE_RETRY_CAP,
     SEND_GRID,
     Expired,
-    Lost,
     SendKeepalive,
     SessionAction,
     SessionMachine,
@@ -81,7 +81,8 @@ def test_only_etcd_saying_the_lease_is_gone_loses_the_session() -> None:
     machine.start()
     machine.wake(3.0)
     (lost,) = machine.lease_gone()
-    assert isinstance(lost, Lost) and lost.loss.reason is LossReason.LEASE_NOT_FOUND
+    assert isinstance(lost, Expired) and lost.lost
+    assert lost.loss.reason is LossReason.LEASE_NOT_FOUND
     assert machine.lost is lost.loss and not machine.certainly_alive(3.1)
     assert machine.wake(4.0) == [] and machine.answered(3.0, 10) == []
 

@@ -1,14 +1,7 @@
 """The session as a machine: one lease's keepalive schedule, its earliest expiry E, and
 the loss decision (docs/failure-semantics.md, "The loss rule"). No I/O, no threads, no
 clock: the driver (``conch.session.Keeper``, the simulator) passes ``now``
-(``time.monotonic()`` seconds) into every step, sends each SendKeepalive at once, keeps one
-timer for the latest WakeAt, and reports Expired to the holds and Lost to everyone.
-
-E (``alive_until``) is the send time of the last keepalive etcd answered plus the TTL it
-answered with. E passing with no later keepalive confirmed is ``Expired``
-(``LossReason.NO_KEEPALIVE``: a hold is lost, a waiter's session is not); the session is
-``Lost`` only when etcd says its lease is gone (TTL <= 0: ``LossReason.LEASE_NOT_FOUND``).
-"""
+(``time.monotonic()`` seconds) into every step and executes the actions it is given."""
 
 from __future__ import annotations
 
@@ -19,9 +12,8 @@ from typing import TypeAlias
 from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
 
-# Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
-# step: a client's sessions send in bursts the keepalive thread serves in one wake-up (safe:
-# each deadline counts from its send time).
+# Keepalives go up to this much (or an eighth of the interval) early, on a grid of that step:
+# a client's sessions send in bursts served in one wake-up (each deadline counts from its send).
 SEND_GRID = 0.5  # seconds
 
 # The pause before an unanswered keepalive is sent again, doubling up to the cap.
@@ -51,26 +43,22 @@ class WakeAt:
 
 @dataclass(frozen=True)
 class Expired:
-    """E passed unconfirmed (once per E): holds are lost with ``loss``; waiters carry on."""
+    """E passed unconfirmed (once per E; LossReason.NO_KEEPALIVE): holds are lost with
+    ``loss``, waiters carry on. ``lost``: etcd said the lease is gone (TTL <= 0:
+    LossReason.LEASE_NOT_FOUND): the session is lost with ``loss``; nothing follows."""
 
     loss: Loss
+    lost: bool = False
 
 
-@dataclass(frozen=True)
-class Lost:
-    """etcd says the lease is gone: the session is lost with ``loss``; nothing follows."""
-
-    loss: Loss
-
-
-SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired | Lost
+SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired
 
 
 class SessionMachine:
     """One lease of ``ttl`` seconds, granted by a LeaseGrant sent at ``granted_at``. The
-    drivers read ``ttl``, ``interval`` (TTL/3: a keepalive is due one interval after the
-    last confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss once etcd has said
-    the lease is gone, else None) and ``closed``."""
+    drivers read ``ttl``, ``interval`` (TTL/3: a keepalive is due one interval after the last
+    confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss, once etcd says the
+    lease is gone) and ``closed``."""
 
     def __init__(self, ttl: int, granted_at: float) -> None:
         self.ttl = ttl
@@ -147,7 +135,7 @@ class SessionMachine:
         if self.done:
             return []
         self.lost = LEASE_GONE
-        return [Lost(LEASE_GONE)]
+        return [Expired(LEASE_GONE, lost=True)]
 
     def close(self) -> None:
         """The session is being closed (its lease revoked): ask for nothing more."""

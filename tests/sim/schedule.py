@@ -434,15 +434,14 @@ class World:
         the latest WakeAt, each keepalive sent at once (its answer fed after the rest)."""
         sends = []
         for action in actions:
-            self.counts[type(action).__name__] += 1
+            lost = isinstance(action, sm.Expired) and action.lost
+            self.counts["Lost" if lost else type(action).__name__] += 1
             if isinstance(action, sm.WakeAt):
                 session.wake = action.at
             elif isinstance(action, sm.SendKeepalive):
                 sends.append(action)
             elif isinstance(action, sm.Expired):
-                self._session_ended(session, action.loss, lost=False)
-            elif isinstance(action, sm.Lost):
-                self._session_ended(session, action.loss, lost=True)
+                self._session_ended(session, action.loss, lost=action.lost)
         for send in sends:
             self._keepalive(session, send.deadline)
 

@@ -38,8 +38,7 @@ class _Keeper(Keeper):
         self.start()
 
     async def _live(self) -> None:
-        """Parked until cancelled: the session closed or lost, or the loop ending (asyncio.run
-        cancels what is left); then the client's keepalive stream forgets the lease."""
+        # Parked until cancelled (closed, lost, or asyncio.run ending): then forget the lease.
         try:
             await self.loop.create_future()
         finally:
@@ -63,10 +62,8 @@ class _Keeper(Keeper):
         self.reason = reason
         self.lost.set()
         self.task.cancel()
-        for key in list(self.listeners):
-            listener = self.listeners.pop(key, None)
-            if listener is not None:
-                run_callback(listener, reason)
+        while self.listeners:  # each once, in order; one may remove another
+            run_callback(self.listeners.pop(next(iter(self.listeners))), reason)
 
     tell = staticmethod(run_callback)
 
@@ -107,9 +104,8 @@ class Session(SessionBase[_Keeper]):
     ttl)`` or ``session = await Session(client, ttl)``; ``await session.close()`` revokes it.
     Raises UsageError for a bad ttl or client, Unavailable (or another EtcdError) when
     LeaseGrant fails. ``lost`` (an ``asyncio.Event``) is set, and ``reason`` is a Loss
-    (LossReason.LEASE_NOT_FOUND), when etcd says the lease is gone; the loss rule,
-    ``alive_until``, sharing between holds (one key per semaphore) and a dropped session's
-    revoke are as ``conch.Session``'s."""
+    (LossReason.LEASE_NOT_FOUND), when etcd says the lease is gone; all else (the loss rule,
+    ``alive_until``, sharing, a dropped session) is as ``conch.Session``'s."""
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
         super().__init__(client, ttl, Client, "conch.aio")
@@ -138,8 +134,7 @@ class Session(SessionBase[_Keeper]):
 
     @property
     def reason(self) -> Loss | None:
-        """Why the session was lost (a Loss: its message, and its ``reason``, a
-        LossReason); None while it is not."""
+        """Why the session was lost (a Loss, its ``reason`` a LossReason); None while not."""
         return self._kept.reason
 
     async def close(self, timeout: float | None = None) -> bool:

@@ -1,8 +1,7 @@
-"""Why a session or a hold was lost, as a type the supervisor and the library switch on: a
-``Loss`` is a ``str`` (the message: ``hold.reason``, ``session.reason``, what
-``on_lost(callback)`` is given) carrying ``reason``, a ``LossReason``, which code that
-decides by it (the supervisor's "SIGKILL at once, or a grace?") compares with a member,
-never the message's words."""
+"""Why a session or a hold was lost: a ``Loss`` is a ``str`` (the message: ``hold.reason``,
+``session.reason``, what ``on_lost(callback)`` is given) carrying ``reason``, a LossReason,
+which code deciding by it (the supervisor: SIGKILL at once, or a grace?) compares, never
+the message's words."""
 
 from __future__ import annotations
 

@@ -74,8 +74,7 @@ class Keeper:
             if isinstance(action, WakeAt):
                 if self.next_wake is not None:
                     self.next_wake.cancel()
-                delay = action.at - time.monotonic()
-                self.next_wake = self.timer.call_later(delay, self.wake)
+                self.next_wake = self.timer.call_later(action.at - time.monotonic(), self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
             elif action.lost:

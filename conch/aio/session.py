@@ -110,11 +110,10 @@ class Session(SessionBase[_Keeper]):
         self.client = client
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
-        if self._keeper is not None:
-            return self
-        asked = time.monotonic()
-        granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
-        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
+        if self._keeper is None:
+            asked = time.monotonic()
+            granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
+            self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:

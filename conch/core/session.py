@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TypeAlias
 
 from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
@@ -51,7 +50,7 @@ class Expired:
     lost: bool = False
 
 
-SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired
+SessionAction = SendKeepalive | WakeAt | Expired
 
 
 class SessionMachine:

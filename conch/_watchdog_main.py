@@ -14,9 +14,8 @@ import time
 # same deadline: the two never both reach the child's cleanup. The SIGKILL is not delayed.
 TERM_LAG = 0.2
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-# Seconds the watchdog waits, after goodbye, for conch to close the pipe before it exits:
-# its exit would compete with the next holder's start for the CPU; conch closes the pipe
-# once its release is out.
+# Seconds after goodbye to wait for conch to close the pipe (once its release is out) before
+# exiting: the exit would compete with the next holder's start for the CPU.
 LINGER = 0.2
 
 
@@ -110,10 +109,8 @@ def main() -> None:
         pass
     os.write(1, b"R")  # running: conch starts no child before it reads this
     pipe = Pipe()
-    words = pipe.line(None)
-    while words and words[0] == b"p":  # probed before the child's start: answered too
+    while (words := pipe.line(None)) and words[0] == b"p":  # probed before the child's start
         say(b"A")
-        words = pipe.line(None)
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None

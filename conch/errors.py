@@ -64,8 +64,7 @@ class ConchError(Exception):
 
     def __init_subclass__(cls, outcome: Outcome | None = None) -> None:
         super().__init_subclass__()
-        if outcome is not None:
-            cls.outcome = outcome
+        cls.outcome = outcome or cls.outcome
 
     @property
     def exit_code(self) -> int:
@@ -131,9 +130,8 @@ class NoSlot(ConchError, outcome=Outcome.NO_SLOT):
 
     @classmethod
     def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
-        """The wait for ``name``[``max``] ran out; ``detail``, the waiting machine's account
-        (``no free slot in time[: <cause>]``), said once: ``no free slot of reports[2] in
-        time: <cause>``."""
+        """The wait for ``name``[``max``] ran out; ``detail`` (the waiting machine's ``no free
+        slot in time[: <cause>]``) said once: ``no free slot of reports[2] in time: <cause>``."""
         said = f"no free slot of {name}[{max}] in time"
         head, _, cause = detail.partition(": ")
         if head != "no free slot in time":

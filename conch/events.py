@@ -105,33 +105,30 @@ def _read(parse: Callable[[str], _T], value: object) -> _T | None:
     return None
 
 
-def _event(event: str, fields: dict[str, object]) -> Event | None:
-    if (revision := _read(int, fields.get("rev"))) is None:
-        return None
+def _dispatch(event: str, fields: dict[str, object]) -> None:
+    if not _callbacks or (revision := _read(int, fields.get("rev"))) is None:
+        return
     name = str(fields.get("name", ""))
     size = _read(int, fields.get("max", 0)) or 0
+    typed: Event
     if event == "queued":
         position, ahead = _read(int, fields.get("position")), _read(int, fields.get("ahead"))
-        return Queued(name, size, revision, position, ahead)
-    if event == "acquired":
+        typed = Queued(name, size, revision, position, ahead)
+    elif event == "acquired":
         lease_id = _read(functools.partial(int, base=16), fields.get("lease", "0")) or 0
         waited = _read(float, fields.get("waited", 0)) or 0.0
-        return Acquired(name, size, revision, lease_id, waited)
-    if event == "released":
+        typed = Acquired(name, size, revision, lease_id, waited)
+    elif event == "released":
         held = _read(float, fields.get("held"))
         revoked = fields.get("revoked") is True
-        return Released(name, revision, held, revoked, fields.get("after") == "loss")
-    if event == "lost":
-        return Lost(name, revision, str(fields.get("reason", "")))
-    return None
-
-
-def _dispatch(event: str, fields: dict[str, object]) -> None:
-    typed = _event(event, fields) if _callbacks else None
-    if typed is not None:
-        for callback in tuple(_callbacks.values()):
-            with contextlib.suppress(Exception):  # a hook's failure is not conch's
-                callback(typed)
+        typed = Released(name, revision, held, revoked, fields.get("after") == "loss")
+    elif event == "lost":
+        typed = Lost(name, revision, str(fields.get("reason", "")))
+    else:
+        return
+    for callback in tuple(_callbacks.values()):
+        with contextlib.suppress(Exception):  # a hook's failure is not conch's
+            callback(typed)
 
 
 log.hook = _dispatch

@@ -1,17 +1,9 @@
-"""State-transition logging: one line per transition, ``key=value`` pairs (values with
-spaces, quotes or ``=`` double-quoted), to the ``logging`` logger ``conch``: INFO for
-transitions, WARNING and ERROR for trouble (with no logging set up, Python shows those on
-stderr and drops the rest).
-
-    conch: event=acquired name=heavy-jobs max=2 rev=8812 waited=1.204s
-
-The command sends every line to stderr (``to_stderr()``); ``set_quiet(True)`` keeps only
-warnings and errors, ``set_debug(True)`` adds the DEBUG lines. Logging never raises: a
-closed stderr must not kill a supervisor. Each record also carries its fields as ``extra``
-(``conch_event``, each field by its name or as ``conch_<field>`` where a LogRecord has that
-attribute, ``conch_fields``: docs/operations.md "Logs"); every transition also goes, as a
-typed event, to the callbacks of ``conch.events``, whatever the level.
-"""
+"""State-transition logging (docs/operations.md "Logs"): one line per transition,
+``conch: event=acquired name=heavy-jobs max=2 rev=8812 waited=1.204s``, to the ``logging``
+logger ``conch`` (INFO for transitions, WARNING and ERROR for trouble), its fields also as
+``extra``; the command's goes to stderr (``to_stderr()``). Logging never raises: a closed
+stderr must not kill a supervisor. Every transition also goes, as a typed event, to the
+callbacks of ``conch.events``, whatever the level."""
 
 from __future__ import annotations
 
@@ -24,8 +16,7 @@ from collections.abc import Callable
 
 LOGGER = logging.getLogger("conch")
 _quiet = False
-# Set by conch.events when imported, and only by it: ``hook(event, fields)`` for every
-# transition, logged or not.
+# Set by conch.events when imported: ``hook(event, fields)`` for every transition.
 hook: Callable[[str, dict[str, object]], None] | None = None
 
 

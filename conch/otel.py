@@ -50,8 +50,7 @@ def instrument(tracer_provider: trace.TracerProvider | None = None) -> Callable[
                 "conch.lease": f"{event.lease_id:x}",
                 "conch.waited_s": event.waited,
             }
-            position = positions.pop(key, None)
-            queued = {} if position is None else {"conch.queue.position": position}
+            queued = {"conch.queue.position": positions.pop(key)} if key in positions else {}
             start = now - int(event.waited * 1e9)
             tracer.start_span(
                 "conch.acquire", start_time=start, attributes={**attributes, **queued}

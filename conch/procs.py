@@ -23,14 +23,10 @@ from conch import log
 from conch.flag import Mailbox, remaining
 
 _adopting = False  # adopt_orphans() worked: every child of this process is ours to reap
-# Held by the adopting reaper while it reaps; reentrant: an error path that kills a child it
-# has just spawned (holding it) also looks for what escaped.
-_reap_lock = threading.RLock()
+_reap_lock = threading.RLock()  # held while reaping; reentrant: _Job.kill under it scans too
 _spawned = threading.Event()  # a process started: the idle reaper looks again at once
 _claimed: dict[int, Callable[[int], None]] = {}  # our children's pids -> their exit callbacks
-# Our children that are no job's (watchdogs): pid -> start time, until reaped by us (one
-# reaped by Popen stays: its start time tells it from a later process with its pid).
-_beside_jobs: dict[int, int] = {}
+_beside_jobs: dict[int, int] = {}  # our children no job's (watchdogs): pid -> start time
 
 GROUP_POLL = 0.05  # seconds between checks that a process group is empty
 SHELL = "/bin/sh"  # runs a script the kernel cannot execute, as execvp(3) does
@@ -45,8 +41,7 @@ class ChildExit(NamedTuple):
     returncode: int
 
 
-# Reset to their default in the child: Python starts with them ignored, and an ignored signal
-# stays ignored across exec.
+# Reset in the child: Python starts with them ignored, and ignored stays ignored across exec.
 _RESET = tuple(
     getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ", "SIGXFZ", "SIGCHLD") if hasattr(signal, n)
 )
@@ -194,8 +189,7 @@ def _call_back(callback: Callable[[int], None], status: int) -> None:
         log.error("callback-failed", flag="child-exit", error=repr(exc))
 
 
-def _orphans() -> dict[int, _Stat]:
-    """Our children that conch did not start, zombies included (unless adopting: none)."""
+def _orphans() -> dict[int, _Stat]:  # our children conch did not start (none unless adopting)
     if not _adopting:
         return {}
     # No reaping meanwhile: a descendant is re-parented to us only as its parent dies, and
@@ -209,8 +203,7 @@ _PER_THREAD_CHILDREN = "/proc/self/task/{}/children"  # Linux with CONFIG_PROC_C
 _children_files: bool | None = None  # whether this kernel has them; None: not looked yet
 
 
-def _children() -> dict[int, _Stat]:
-    """Our children, zombies included: from our threads' ``children`` files, else /proc."""
+def _children() -> dict[int, _Stat]:  # zombies too: from our threads' children files, else /proc
     global _children_files
     if _children_files is None:
         _children_files = os.path.exists(_PER_THREAD_CHILDREN.format(threading.get_native_id()))

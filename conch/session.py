@@ -1,8 +1,6 @@
-"""A session: one lease, kept alive, and the moment it is lost (contract section 3).
-
-The keepalive thread holds only the session's keeper (the lease and its loss), never the
-Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked.
-"""
+"""A session: one lease, kept alive, and the moment it is lost (contract section 3). The
+keepalive thread holds only the session's keeper (the lease and its loss), never the
+Session, so a Session nobody references is noticed (``weakref.finalize``) and revoked."""
 
 from __future__ import annotations
 
@@ -71,17 +69,12 @@ class Keeper:
     def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
         return listen(self.expiry_listeners, listener)
 
-    def start(self) -> None:
-        """Schedule the first keepalive (RuntimeError: no keepalive thread to be had)."""
-        self.execute(self.machine.start())
-
     def execute(self, actions: list[SessionAction]) -> None:
         for action in actions:
             if isinstance(action, WakeAt):
                 if self.next_wake is not None:
                     self.next_wake.cancel()
-                delay = action.at - time.monotonic()
-                self.next_wake = self.timer.call_later(delay, self.wake)
+                self.next_wake = self.timer.call_later(action.at - time.monotonic(), self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
             elif action.lost:
@@ -109,13 +102,6 @@ class Keeper:
         self.dropped()
 
 
-def _call(listener: Callable[..., None], *args: object) -> None:
-    try:
-        listener(*args)
-    except Exception as exc:  # one embedder's bug must not end the others' calls
-        log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
-
-
 class _Keeper(Keeper):
     """On the client's keepalive thread (``lease.KeepAlives.timer``), which makes no call
     that waits on etcd: one session's slow step never holds back another's loss."""
@@ -126,8 +112,7 @@ class _Keeper(Keeper):
         self.client = client
         self.lost = Flag("session-lost")
         self.listeners: dict[object, Callable[[], None]] = {}
-        # The client's close() revokes a lease still open on it: a waiter's key or a hold
-        # left behind goes at once instead of after the TTL.
+        # The client's close() revokes a lease still open on it: its keys go now, not at TTL.
         self.forget_client = client.on_close(self.client_closing)
 
     def client_closing(self, seconds: float) -> None:
@@ -146,14 +131,18 @@ class _Keeper(Keeper):
         self.settle(sent, outcome)
         if not isinstance(outcome, EtcdError):
             for listener in tuple(self.listeners.values()):
-                _call(listener)
+                self.tell(listener)
 
     def declare_lost(self, reason: Loss) -> None:
         if not self.machine.closed:  # close() may come from another thread meanwhile
             self.keepalives.forget(self.lease_id)
             self.lost.set(reason)
 
-    tell = staticmethod(_call)
+    def tell(self, listener: Callable[..., None], *args: object) -> None:
+        try:
+            listener(*args)
+        except Exception as exc:  # one embedder's bug must not end the others' calls
+            log.error("keepalive-listener-failed", listener=repr(listener), error=repr(exc))
 
     def dropped(self) -> None:
         self.stop()  # and revoke from the client's timer thread, not the collector's
@@ -167,16 +156,13 @@ class _Keeper(Keeper):
         except EtcdError as exc:
             log.warning("revoke-failed", lease=f"{self.lease_id:x}", error=str(exc))
             return False
-        finally:
-            # After the revoke, which is what a waiter waits for. A keepalive answered
-            # meanwhile changes nothing (the machine is closed).
+        finally:  # after the revoke, which a waiter waits for (the machine is closed)
             self.keepalives.forget(self.lease_id)
         return True
 
 
 class SessionBase(Generic[KeeperT]):
-    """What the Sessions of both faces share: the lease's figures, read from its keeper,
-    and the claims (one key per semaphore on a session)."""
+    """Both faces' Sessions: the lease's figures, from its keeper, and the claims."""
 
     def __init__(self, client: object, ttl: int, kind: type = Client, face: str = "conch") -> None:
         check_client(client, kind, face)
@@ -189,9 +175,8 @@ class SessionBase(Generic[KeeperT]):
         self._claims_lock = threading.Lock()
 
     def _keep(self, keeper: KeeperT) -> None:
-        # etcd restarts the countdown when it receives a grant or keepalive, after we sent
-        # it: the keeper's lease is certainly alive until the grant's send time + TTL.
-        self._keeper = keeper
+        keeper.execute(keeper.machine.start())  # RuntimeError: no keepalive thread to be had
+        self._keeper = keeper  # etcd counts from receiving the grant: alive to its send + TTL
         self._finalizer = weakref.finalize(self, keeper.collected, self._face)
         self._finalizer.atexit = False  # at exit the lease simply expires after its TTL
         asked, self.ttl = self.ttl, keeper.machine.ttl
@@ -226,14 +211,13 @@ class SessionBase(Generic[KeeperT]):
         return self._kept.machine.alive_until
 
     def certainly_alive(self) -> bool:
-        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a
-        shared session closed under it is no longer ours), and etcd's countdown from our
-        last confirmed keepalive not run out (a process frozen past its TTL fails this)."""
+        """Whether the lease is alive for sure now: not lost, not closed (a hold left on a shared
+        session closed under it is no longer ours), and etcd's countdown from our last confirmed
+        keepalive not run out (a process frozen past its TTL fails this)."""
         return self._kept.machine.certainly_alive(time.monotonic())
 
     def _claim(self, key: bytes) -> None:
-        """Reserve ``key`` for one waiter or hold on this session; UsageError if taken (two
-        holds of one semaphore on one lease would be one key, as with etcd's Mutex)."""
+        # Two holds of one semaphore on one lease would be one key, as with etcd's Mutex.
         with self._claims_lock:
             if key in self._claims:
                 raise UsageError(
@@ -249,21 +233,18 @@ class SessionBase(Generic[KeeperT]):
 
 class Session(SessionBase[_Keeper]):
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
-    SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (as
-    etcd's ``concurrency.Session``; no thread per session). Raises Unavailable (or another
-    EtcdError) when LeaseGrant fails, Interrupted when ``interrupt`` is set while it retries.
-
-    ``lost`` (a Flag) is set when etcd says the lease is gone (a keepalive answered with
-    TTL <= 0); its ``reason`` is a ``conch.core.loss.Loss`` (LossReason.LEASE_NOT_FOUND).
-    An unanswered keepalive is sent again, with backoff, and loses nothing by itself: past
-    ``alive_until`` unconfirmed the holds on the session are lost (``on_expired``); the
-    session, and a waiter's place on it, lives on until etcd says otherwise. ``close()`` (or
-    leaving ``with``) revokes the lease: every key on it goes at once. A session dropped
-    without ``close()`` is revoked when collected, with a ResourceWarning.
-
-    Shared between holds (``Semaphore.acquire(session=...)``), a hold releases by deleting
-    its own key, and the session's loss loses every hold on it; it holds at most one key per
-    semaphore (a second acquire of it raises UsageError while the first holds or waits)::
+    SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (no
+    thread per session). Raises Unavailable (or another EtcdError) when LeaseGrant fails,
+    Interrupted when ``interrupt`` is set while it retries. ``lost`` (a Flag) is set when
+    etcd says the lease is gone (TTL <= 0; its ``reason``: a ``conch.core.loss.Loss``,
+    LossReason.LEASE_NOT_FOUND); an unanswered keepalive is sent again, with backoff, and
+    loses nothing by itself: past ``alive_until`` unconfirmed the holds on it are lost
+    (``on_expired``), the session and a waiter on it live on. ``close()`` (or leaving
+    ``with``) revokes the lease: every key on it goes at once; one dropped unclosed is
+    revoked when collected (ResourceWarning). Shared (``Semaphore.acquire(session=...)``), a
+    hold releases by deleting its own key and the session's loss loses every hold on it; one
+    key per semaphore (a second acquire of it raises UsageError while the first holds or
+    waits)::
 
         with conch.Session(client, ttl=10) as session:
             with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):
@@ -272,33 +253,28 @@ class Session(SessionBase[_Keeper]):
 
     def __init__(self, client: Client, ttl: int = 10, interrupt: Flag | None = None) -> None:
         super().__init__(client, ttl)
-        self._client = client
+        self.client = client
         asked = time.monotonic()
         granted = lease.grant(client, ttl, interrupt=interrupt)
         keeper = _Keeper(client, granted.id, granted.ttl, asked)
         self.lost = keeper.lost
         try:
-            keeper.start()
+            self._keep(keeper)
         except BaseException:  # no keepalive thread to be had: leave no lease behind
             keeper.close(None)
             raise
-        self._keep(keeper)
-
-    @property
-    def client(self) -> Client:
-        return self._client
 
     def on_expired(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost)
-        each time ``alive_until`` passes with no keepalive confirmed since, on the client's
-        keepalive thread: it must not block. Returns the function that removes it."""
+        """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost) each
+        time ``alive_until`` passes with no keepalive confirmed since, on the client's keepalive
+        thread: it must not block. Returns the function that removes it."""
         return self._kept.add_expiry_listener(listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has
-        moved, on the client's keepalive thread (shared by its sessions, and ``lost``'s
-        callbacks): it must not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``);
-        one that raises is logged. Returns the function that removes it."""
+        """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has moved, on
+        the client's keepalive thread (shared by its sessions, and ``lost``'s callbacks): it must
+        not block (a heartbeat, a flag, ``loop.call_soon_threadsafe``); one that raises is logged.
+        Returns the function that removes it."""
         return listen(self._kept.listeners, listener)
 
     def close(self, timeout: float | None = None) -> bool:

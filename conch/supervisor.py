@@ -31,9 +31,8 @@ from conch.watchdog import Watchdog, failure, without_credentials
 
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
-# Every signal whose default action ends the process, that can be caught, and that is sent to
-# ask a process to stop: each stops conch as SIGTERM does. Not those that report a fault in
-# conch itself (SIGSEGV, SIGABRT, ...), nor SIGPIPE and SIGXFSZ (docs/design.md).
+# The catchable signals whose default ends the process, sent to ask it to stop: each stops
+# conch as SIGTERM does. Not a fault's (SIGSEGV, ...), nor SIGPIPE, SIGXFSZ (docs/design.md).
 _STOPPING = "HUP INT QUIT USR1 USR2 ALRM TERM STKFLT XCPU VTALRM PROF IO PWR"
 STOP_SIGNALS: tuple[int, ...] = (
     *(getattr(signal, f"SIG{name}") for name in _STOPPING.split() if hasattr(signal, f"SIG{name}")),
@@ -42,9 +41,7 @@ STOP_SIGNALS: tuple[int, ...] = (
 # Signals that stay ignored if they are when we start (nohup's SIGHUP; a background job's
 # SIGINT and SIGQUIT). Not SIGTERM: it is how conch, and its watchdog, stop the child.
 KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
-# Carried in the environment by this child alone and what it starts: how the watchdog finds
-# them while it does not know the child's process group yet.
-_MARKS = ("CONCH_LEASE", "CONCH_REV")
+_MARKS = ("CONCH_LEASE", "CONCH_REV")  # this child's alone: the watchdog finds it by them
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
 RELEASE_AFTER_LOSS = 0.25  # seconds the release after a loss is given at most, never past E
@@ -150,9 +147,8 @@ def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str,
 
 
 def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) -> Watchdog:
-    """A Watchdog, known to the adopting reaper as no part of any job (its process is our
-    child too), started with ``environ`` (default ``os.environ``) less conch's credentials.
-    Raises OSError as Watchdog does."""
+    """A Watchdog (``environ``: as Watchdog's; OSError as it raises), known to the adopting
+    reaper as no part of any job (its process is our child too)."""
     with procs._reap_lock:  # not reaped before it is known: its pid may come back as a job's
         watchdog = Watchdog(kill_after, environ)
         procs.beside_jobs(watchdog.pid)
@@ -189,7 +185,6 @@ def run_child(
         return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
     run = _Run(hold, kill_after, stop, watchdog)
     try:  # every way out dismisses the watchdog (run.finish)
-        # Ready long since, unless the slot was free; no child starts unless it answers too.
         error = watchdog.handshake(WATCHDOG_START_TIMEOUT, stop)
         if error is not None:
             return _report(Outcome.WATCHDOG_FAILED, error=error)
@@ -231,8 +226,7 @@ def run_child(
                 return _report(Outcome.WATCHDOG_FAILED, error=str(unarmed))
             return run.supervise(pid)
         except BaseException:
-            # Fail closed: an error of ours (a bug, MemoryError) must not leave the child
-            # running with nobody watching it while the slot is released.
+            # Fail closed: an error of ours (a bug, MemoryError) must not leave the child unwatched.
             _Job(pid, run.box).kill()
             raise
     finally:
@@ -348,9 +342,7 @@ class _Run:
             )
         return str(self.hold.lost.reason)
 
-    def _slot_taken(self) -> bool:
-        # The loss seen in etcd itself (our key deleted, our lease unknown), not an unanswered
-        # keepalive: LossReason.slot_taken, never the message's words.
+    def _slot_taken(self) -> bool:  # the loss seen in etcd (key deleted, lease unknown), by kind
         reason = Loss.of(self.hold.lost.reason)
         return reason is not None and reason.slot_taken
 
@@ -413,15 +405,11 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
                 signal.signal(sig, handler)
 
 
-_suspend_refused = False  # the warning is written once: a storm of ^Z must not nest handlers
+_SUSPEND = "a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM"
+_suspend_refused: list[int] = []  # written once: a storm of ^Z must not nest handlers
 
 
 def _refuse_suspend(signum: int, frame: object) -> None:
-    global _suspend_refused
     if not _suspend_refused:
-        _suspend_refused = True
-        log.warning_from_signal_handler(
-            "suspend-refused",
-            signum=signum,
-            reason="a stopped conch cannot keep its lease; stop the job with ^C or SIGTERM",
-        )
+        _suspend_refused.append(signum)
+        log.warning_from_signal_handler("suspend-refused", signum=signum, reason=_SUSPEND)

@@ -26,19 +26,15 @@ from conch.settings import CREDENTIAL_VARIABLES
 
 # A script run with -I -S (no site, no user paths), so ``ps`` shows its path, not its source.
 _MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
-# What the watchdog writes to its stdout: it runs; it fires (terminates the group); it
-# answers a probe. What conch writes to its pipe: a probe; goodbye.
-READY, FIRED, ANSWER = b"R", b"F", b"A"
-PROBE, GOODBYE = b"p\n", b"x\n"
+READY, FIRED, ANSWER = b"R", b"F", b"A"  # it says: it runs; it fires (SIGTERM); it answers
+PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
 PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
 # Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
 _SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-
-# conch's credentials (and paths to secrets): the child and the watchdog start without them.
-CREDENTIALS = CREDENTIAL_VARIABLES
+CREDENTIALS = CREDENTIAL_VARIABLES  # conch's secrets: the child and the watchdog get none
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:

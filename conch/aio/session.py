@@ -35,11 +35,9 @@ class _Keeper(Keeper):
         self.listeners: dict[object, Callable[[Loss], None]] = {}
         self.task = self.loop.create_task(self._live())
         client._keepers.add(self)
-        self.start()
 
     async def _live(self) -> None:
-        """Parked until cancelled: the session closed or lost, or the loop ending (asyncio.run
-        cancels what is left); then the client's keepalive stream forgets the lease."""
+        # Parked until cancelled (closed, lost, or asyncio.run ending): then forget the lease.
         try:
             await self.loop.create_future()
         finally:
@@ -63,10 +61,8 @@ class _Keeper(Keeper):
         self.reason = reason
         self.lost.set()
         self.task.cancel()
-        for key in list(self.listeners):
-            listener = self.listeners.pop(key, None)
-            if listener is not None:
-                run_callback(listener, reason)
+        while self.listeners:  # each once, in order; one may remove another
+            run_callback(self.listeners.pop(next(iter(self.listeners))), reason)
 
     tell = staticmethod(run_callback)
 
@@ -75,8 +71,7 @@ class _Keeper(Keeper):
         etcd_aio.call_soon(self.loop, lambda: spawn(self.loop, self.close(None)))
 
     def add_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        """Call ``listener(reason)`` on the loop once the session is lost (soon, if it is
-        already); returns a function that removes it."""
+        """``listener(reason)`` on the loop once lost (soon, if already); returns its remover."""
         if not self.lost.is_set():
             return listen(self.listeners, listener)
         self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
@@ -107,20 +102,18 @@ class Session(SessionBase[_Keeper]):
     ttl)`` or ``session = await Session(client, ttl)``; ``await session.close()`` revokes it.
     Raises UsageError for a bad ttl or client, Unavailable (or another EtcdError) when
     LeaseGrant fails. ``lost`` (an ``asyncio.Event``) is set, and ``reason`` is a Loss
-    (LossReason.LEASE_NOT_FOUND), when etcd says the lease is gone; the loss rule,
-    ``alive_until``, sharing between holds (one key per semaphore) and a dropped session's
-    revoke are as ``conch.Session``'s."""
+    (LossReason.LEASE_NOT_FOUND), when etcd says the lease is gone; all else (the loss rule,
+    ``alive_until``, sharing, a dropped session) is as ``conch.Session``'s."""
 
     def __init__(self, client: Client, ttl: int = 10) -> None:
         super().__init__(client, ttl, Client, "conch.aio")
         self.client = client
 
     async def _open(self, interrupt: asyncio.Event | None = None) -> Session:
-        if self._keeper is not None:
-            return self
-        asked = time.monotonic()
-        granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
-        self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
+        if self._keeper is None:
+            asked = time.monotonic()
+            granted = await etcd_aio.grant(self.client.sync, self.ttl, interrupt=interrupt)
+            self._keep(_Keeper(self.client, granted.id, granted.ttl, asked))
         return self
 
     def __await__(self) -> Generator[Any, None, Session]:
@@ -138,8 +131,7 @@ class Session(SessionBase[_Keeper]):
 
     @property
     def reason(self) -> Loss | None:
-        """Why the session was lost (a Loss: its message, and its ``reason``, a
-        LossReason); None while it is not."""
+        """Why the session was lost (a Loss, its ``reason`` a LossReason); None while not."""
         return self._kept.reason
 
     async def close(self, timeout: float | None = None) -> bool:

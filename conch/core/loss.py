@@ -1,8 +1,7 @@
-"""Why a session or a hold was lost, as a type the supervisor and the library switch on: a
-``Loss`` is a ``str`` (the message: ``hold.reason``, ``session.reason``, what
-``on_lost(callback)`` is given) carrying ``reason``, a ``LossReason``, which code that
-decides by it (the supervisor's "SIGKILL at once, or a grace?") compares with a member,
-never the message's words."""
+"""Why a session or a hold was lost: a ``Loss`` is a ``str`` (the message: ``hold.reason``,
+``session.reason``, what ``on_lost(callback)`` is given) carrying ``reason``, a LossReason,
+which code deciding by it (the supervisor: SIGKILL at once, or a grace?) compares, never
+the message's words."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ import enum
 class LossReason(enum.Enum):
     """What ended a session or a hold, by what etcd (or our own clock) said."""
 
-    # E passed with no later keepalive confirmed: the lease may be gone, or may have lived
-    # through an outage of etcd. A hold is lost then; a waiter's session is not.
+    # E passed, no later keepalive confirmed: the lease may be gone, or outlived etcd's outage.
     NO_KEEPALIVE = "no-keepalive-confirmed"
     LEASE_NOT_FOUND = "lease-not-found"  # a keepalive's TTL <= 0: expired or revoked
     # Our key is gone while the lease lives (a watch event, a look at the key, a failed

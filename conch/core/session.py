@@ -1,22 +1,18 @@
 """The session as a machine: one lease's keepalive schedule, its earliest expiry E, and
 the loss decision (docs/failure-semantics.md, "The loss rule"). No I/O, no threads, no
 clock: the driver (``conch.session.Keeper``, the simulator) passes ``now``
-(``time.monotonic()`` seconds) into every step, sends each SendKeepalive at once, keeps one
-timer for the latest WakeAt, and reports Expired to the holds, or the session's loss.
-"""
+(``time.monotonic()`` seconds) into every step and executes the actions it is given."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TypeAlias
 
 from conch.core.loss import LEASE_GONE, NOT_CONFIRMED, Loss
 from conch.errors import EtcdError, LeaseNotFound
 
-# Keepalives go out up to this much (or an eighth of the interval) early, on a grid of that
-# step: a client's sessions send in bursts the keepalive thread serves in one wake-up (safe:
-# each deadline counts from its send time).
+# Keepalives go up to this much (or an eighth of the interval) early, on a grid of that step:
+# a client's sessions send in bursts served in one wake-up (each deadline counts from its send).
 SEND_GRID = 0.5  # seconds
 
 # The pause before an unanswered keepalive is sent again, doubling up to the cap.
@@ -54,14 +50,14 @@ class Expired:
     lost: bool = False
 
 
-SessionAction: TypeAlias = SendKeepalive | WakeAt | Expired
+SessionAction = SendKeepalive | WakeAt | Expired
 
 
 class SessionMachine:
     """One lease of ``ttl`` seconds, granted by a LeaseGrant sent at ``granted_at``. The
-    drivers read ``ttl``, ``interval`` (TTL/3: a keepalive is due one interval after the
-    last confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss once etcd has said
-    the lease is gone, else None) and ``closed``."""
+    drivers read ``ttl``, ``interval`` (TTL/3: a keepalive is due one interval after the last
+    confirmed one was sent), ``alive_until`` (E), ``lost`` (the Loss, once etcd says the
+    lease is gone) and ``closed``."""
 
     def __init__(self, ttl: int, granted_at: float) -> None:
         self.ttl = ttl

@@ -15,7 +15,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -30,6 +31,9 @@ from conch.flag import Flag, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold
 from conch.identity import Identity
 from conch.session import Session, check_client, check_ttl
+
+if TYPE_CHECKING:
+    from conch.etcd.aio import LoopWatch
 
 __all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_size"]
 
@@ -201,18 +205,7 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
         log.warning("withdraw-failed", name=sema.name, error=str(exc))
 
 
-class _Cancellable(Protocol):
-    def cancel(self) -> None: ...
-
-
-W = TypeVar("W", bound=_Cancellable)
-
-
-class _Lost(NamedTuple):
-    """A session's loss, as queued: fed to the machine only if it is the current session."""
-
-    lease_id: int
-    reason: str
+W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
 
 
 class Driver(Generic[W]):
@@ -259,19 +252,21 @@ class Driver(Generic[W]):
         return None
 
     def input(self, item: Any) -> messages.Input | None:
-        if isinstance(item, WatchNotice):  # the threaded face's; a cancelled watch's is dropped
+        """A ``box`` item as an input (a function's, called now; none for a cancelled watch's)."""
+        if isinstance(item, WatchNotice):
             ids = [i for i, watch in self.watches.items() if watch is item.watch]
             return codec.watch_input(ids[0], item) if ids else None
-        if isinstance(item, _Lost):
-            current = item.lease_id == self.current_lease  # else a session we left
-            return messages.SessionLost(item.reason) if current else None
-        answer: messages.Input = item  # an input already
+        answer: messages.Input | None = item() if callable(item) else item
         return answer
 
     def on_session(self, lease_id: int) -> Callable[[object], None]:
-        """Now on the session of ``lease_id``: the listener that queues its loss."""
+        """Now on the session of ``lease_id``: the listener that queues its loss (dropped if
+        by then we are on another session)."""
         self.current_lease = lease_id
-        return lambda reason: self.box.put_nowait(_Lost(lease_id, str(reason)))
+        return lambda reason: self.box.put_nowait(partial(self._lost, lease_id, str(reason)))
+
+    def _lost(self, lease_id: int, reason: str) -> messages.SessionLost | None:
+        return messages.SessionLost(reason) if lease_id == self.current_lease else None
 
     def _late(self) -> messages.DeadlineReached | None:
         if self.deadline is None or time.monotonic() < self.deadline:

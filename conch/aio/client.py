@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ from conch.aio.tasks import Entering
 from conch.etcd import client as etcd_client
 
 
-class Client:
+class Client(contextlib.AbstractAsyncContextManager["Client"]):
     """An etcd client for coroutines. ``sync`` is the ``conch.etcd.Client`` under it: its
     endpoints, token and failover, and its grpc.aio channels and streams of each loop (its
     blocking calls must not run on the loop). ``await client.close()`` (or leaving ``async
@@ -29,9 +30,6 @@ class Client:
             timeout = etcd_client.CLOSE_REVOKE_TIMEOUT
             await asyncio.gather(*(k.close(timeout) for k in keepers), return_exceptions=True)
         self.sync.close()
-
-    async def __aenter__(self) -> Client:
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()

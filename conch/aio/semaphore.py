@@ -49,11 +49,8 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
             held = self.let_go()
             # The machine closes every private session it leaves; after a failure of our
             # own (a bug, the loop shutting down), none may be left kept alive.
-            left = [
-                s for s in self.sessions.values() if held is None or s.lease_id != held.lease_id
-            ]
-            for session in left:
-                del self.sessions[session.lease_id]
+            kept = None if held is None else held.lease_id
+            left = [self.sessions.pop(lease) for lease in list(self.sessions) if lease != kept]
             await asyncio.gather(*(s.close(WITHDRAW_TIMEOUT) for s in left), return_exceptions=True)
 
     def hold(self, outcome: messages.Outcome) -> Hold:
@@ -198,10 +195,8 @@ class Semaphore(recipe.Recipe):
         self, action: messages.ReadStanding, interrupt: asyncio.Event
     ) -> messages.StandingAnswer:
         """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
-        reads = codec.standing_reads(action, self.prefix, self.max)
-        return codec.standing_answer(
-            action, await drive(self.client.sync, recipe.together(reads), interrupt)
-        )
+        read = recipe.together(codec.standing_reads(action, self.prefix, self.max))
+        return codec.standing_answer(action, await drive(self.client.sync, read, interrupt))
 
 
 async def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:

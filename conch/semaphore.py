@@ -13,8 +13,8 @@ from __future__ import annotations
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
@@ -40,11 +40,25 @@ Steps = Generator[Any, Any, T]  # an exchange: the steps a face executes, then i
 PLAN = object()  # a step: the read plan for the endpoint called now (``codec.read_plan``)
 
 
-class Bounded(NamedTuple):
-    """A step: ``call`` sent within ``timeout`` seconds, whatever interrupts the wait."""
+class Run(Generic[T]):
+    """``steps`` as a face executes them: ``for step in run`` gives each step, whose answer
+    the face sets as ``reply`` (or its EtcdError or Interrupted as ``error``, thrown back
+    into the steps); ``answer`` once they end."""
 
-    call: codec.Call
-    timeout: float
+    def __init__(self, steps: Steps[T]) -> None:
+        self.steps = steps
+        self.reply: Any = None
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            error, self.error = self.error, None
+            try:
+                step = self.steps.send(self.reply) if error is None else self.steps.throw(error)
+            except StopIteration as stop:
+                self.answer: T = stop.value
+                return
+            yield step
 
 
 class Next(NamedTuple):
@@ -182,7 +196,7 @@ def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
 def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
     """Our key deleted from a shared session, best effort: else it stays till the session ends."""
     try:
-        yield Bounded(codec.withdraw_call(action), WITHDRAW_TIMEOUT)
+        yield replace(codec.withdraw_call(action), timeout=WITHDRAW_TIMEOUT)
     except EtcdError as exc:
         log.warning("withdraw-failed", name=sema.name, error=str(exc))
 
@@ -278,7 +292,7 @@ class Driver(Generic[W]):
         return messages.Over(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
-        """``action`` as steps (a Call, ``Bounded``, PLAN, or an action of the face's own) and
+        """``action`` as steps (a Call, PLAN, or an action of the face's own) and
         its answer: ``Failed`` for an EtcdError, none after Interrupted (it is fed next)."""
         sema = self.sema
         if isinstance(action, messages.CancelWatch):
@@ -475,39 +489,30 @@ def drive(
     interrupt: Flag | None = None,
     act: Callable[[Any], Any] | None = None,
 ) -> T:
-    """``steps`` executed on this thread (a call's EtcdError or Interrupted thrown back
-    into them; PLAN by one Status per endpoint, other steps by ``act``): their answer."""
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            answer: T = stop.value
-            return answer
-        error = None
+    """``steps`` executed on this thread (PLAN by one Status per endpoint, a Call by ``send``,
+    other steps by ``act``): their answer."""
+    run = Run(steps)
+    for step in run:
         try:
             if step is PLAN:
-                reply = codec.read_plan(status.server_version(client, interrupt))
-            elif isinstance(step, Bounded):
-                reply = send(client, step.call, timeout=step.timeout)
+                run.reply = codec.read_plan(status.server_version(client, interrupt))
             elif isinstance(step, codec.Call):
-                reply = send(client, step, interrupt)
+                run.reply = send(client, step, interrupt)
             else:
                 assert act is not None
-                reply = act(step)
+                run.reply = act(step)
         except (EtcdError, Interrupted) as exc:
-            error = exc
+            run.error = exc
+    return run.answer
 
 
-def send(
-    client: Client, call: codec.Call, interrupt: Flag | None = None, timeout: float | None = None
-) -> Any:
-    """``call`` by the etcd layer's call for it (``kv.txn``, ``kv.range_``, ``client.call``)."""
-    request = call.request
+def send(client: Client, call: codec.Call, interrupt: Flag | None = None) -> Any:
+    """``call`` by the etcd layer's call for it (``kv.txn``, ``kv.range_``, ``client.call``);
+    ``interrupt`` ends it unless it has a timeout of its own."""
+    request, interrupt = call.request, interrupt if call.timeout is None else None
     if isinstance(request, rpc_pb2.TxnRequest):
         compare, success, failure = list(request.compare), list(request.success), request.failure
-        return kv.txn(client, compare, success, list(failure), timeout, interrupt)
+        return kv.txn(client, compare, success, list(failure), call.timeout, interrupt)
     if isinstance(request, rpc_pb2.RangeRequest):
-        return kv.range_(client, request, timeout, interrupt)
-    return client.call(call.service, call.method, request, timeout, interrupt=interrupt)
+        return kv.range_(client, request, call.timeout, interrupt)
+    return client.call(call.service, call.method, request, call.timeout, interrupt=interrupt)

@@ -114,31 +114,21 @@ async def drive(
 ) -> recipe.T:
     """``conch.semaphore.drive``, awaited: a call by ``Client.call_async``, PLAN with one
     Status per endpoint and loop at most."""
-    reply: Any = None
-    error: BaseException | None = None
-    while True:
-        try:
-            step = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            answer: recipe.T = stop.value
-            return answer
-        error = None
+    run = recipe.Run(steps)
+    for step in run:
         try:
             if step is recipe.PLAN:
-                reply = codec.read_plan(await status.server_version_async(client, interrupt))
-            elif isinstance(step, recipe.Bounded):
-                call = step.call
-                reply = await client.call_async(
-                    call.service, call.method, call.request, step.timeout
-                )
+                run.reply = codec.read_plan(await status.server_version_async(client, interrupt))
             elif isinstance(step, codec.Call):
-                service, method, request = step.service, step.method, step.request
-                reply = await client.call_async(service, method, request, interrupt=interrupt)
+                args = step.service, step.method, step.request, step.timeout
+                cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.send``
+                run.reply = await client.call_async(*args, interrupt=cut)
             else:
                 assert act is not None
-                reply = await act(step)
+                run.reply = await act(step)
         except (errors.EtcdError, errors.Interrupted) as exc:
-            error = exc
+            run.error = exc
+    return run.answer
 
 
 async def _release_if_granted(

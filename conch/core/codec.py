@@ -31,6 +31,7 @@ class Call:
     service: str
     method: str
     request: rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
+    timeout: float | None = None  # seconds, not cut short by an interrupt; None: the client's
 
 
 def _txn(

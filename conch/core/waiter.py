@@ -1,12 +1,10 @@
 """The waiting recipe as a pure state machine (as h11 is HTTP's): inputs in, actions out; no
-sockets, no threads, no clock, no gRPC. A ``Waiter`` is one acquire of one semaphore:
-docs/design.md ("Waiting", "The machine") draws its states, tables its inputs and actions
-and shows its driver's loop. Every request carries an ``id``: an answer to one the machine
-has moved past is ignored. Time reaches it only as inputs (``DeadlineReached``, ``Over``);
-``Pause`` says how long, from the ``Backoff`` the driver gave it. Actions are executed in the
-order given: the one on the handoff's path comes first (a read before the cancel of the watch
-that woke it); ``Note`` actions are log lines. Once a slot is held, the Hold's guard decides
-(``conch.core.guard``).
+sockets, threads, clock or gRPC. A ``Waiter`` is one acquire of one semaphore: docs/design.md
+("Waiting", "The machine") draws its states, tables its inputs and actions and shows its
+driver's loop. An answer to a request (by ``id``) the machine has moved past is ignored.
+Time reaches it only as inputs (``DeadlineReached``, ``Over``). Actions are executed in the
+order given: the one on the handoff's path comes first. Once a slot is held, the Hold's
+guard decides (``conch.core.guard``).
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def window_size(max_holders: int) -> int:
 
 
 class PauseSource(Protocol):
-    """Where a ``Pause``'s length comes from: ``conch.etcd.client.Backoff`` (capped,
-    jittered; seconds)."""
+    """A ``Pause``'s length in seconds: ``conch.etcd.client.Backoff`` (capped, jittered)."""
 
     def next(self) -> float: ...
 
@@ -120,12 +117,6 @@ class Waiter:
     def start(self) -> list[m.Action]:
         """The first actions: open a session (private) or send the enqueue (shared)."""
         return self._enqueue() if self.shared else self._open_session()
-
-    @property
-    def touch_below(self) -> int:
-        """With fewer keys than this ahead of ours, the waiter just behind us (if any)
-        belongs in the window: we owe it a touch."""
-        return window_size(self.max) - 1
 
     def feed(self, event: m.Input) -> list[m.Action]:
         """Advance on ``event``; return the actions to execute, in order."""
@@ -376,8 +367,10 @@ class Waiter:
     # -- the touch -----------------------------------------------------------------------
 
     def _maybe_touch(self) -> list[m.Action]:
+        # With fewer keys than this ahead of ours, the waiter behind us (if any) belongs in
+        # the window: we owe it a touch.
         owed = self.state == State.IN_WINDOW and not self._touched and self._touch is None
-        if not owed or len(self._ahead) >= self.touch_below:
+        if not owed or len(self._ahead) >= window_size(self.max) - 1:
             return []
         self._touch = self._new_id()
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]

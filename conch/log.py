@@ -69,9 +69,8 @@ def _emit(level: int, /, event: str, **fields: object) -> None:
             hook(event, fields)
     if not (level == logging.INFO and _quiet) and LOGGER.isEnabledFor(level):
         with contextlib.suppress(Exception):
-            extra: dict[str, object] = {"conch_event": event, "conch_fields": dict(fields)}
-            for key, value in fields.items():
-                extra[f"conch_{key}" if key in _RESERVED else key] = value
+            extra = {f"conch_{k}" if k in _RESERVED else k: v for k, v in fields.items()}
+            extra.update(conch_event=event, conch_fields=dict(fields))
             line = _line(logging.getLevelName(level).lower(), event, fields)
             LOGGER.log(level, line, extra=extra)
 

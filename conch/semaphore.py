@@ -349,8 +349,7 @@ class Driver(Generic[W]):
             watch.cancel()
 
     def let_go(self) -> messages.Held | None:
-        """Every subscription removed, every watch cancelled but those the slot held retires
-        (if it is held: then returned)."""
+        """Subscriptions removed, all watches cancelled but a held slot's (its Held, returned)."""
         for forget in self.forget:
             forget()
         outcome = self.machine.outcome

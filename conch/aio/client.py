@@ -50,7 +50,6 @@ class connect(Entering[Client]):  # a function to its callers: ``async with conn
         tls: etcd_client.TLS | None = None,
         credentials: etcd_client.Credentials | None = None,
     ) -> None:
-
         async def dial() -> Client:
             parsed = etcd_client.parse_endpoints(endpoints)
             sync = await etcd_client.Client.connect_async(

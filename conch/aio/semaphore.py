@@ -16,6 +16,7 @@ from conch.core import codec, messages
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import status
+from conch.etcd.watch import WatchNotice
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
@@ -34,11 +35,6 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
         self.client = sema.client.sync
         self.interrupted = asyncio.Event()
         self.sessions: dict[int, Session] = {}  # private sessions opened, by lease
-
-    def interrupt(self) -> None:
-        """From the awaiting coroutine's cancel: stop waiting (the machine withdraws)."""
-        self.interrupted.set()  # ends the retries of a call under way
-        self.box.put_nowait(messages.Interrupt("cancelled"))
 
     async def run(self) -> messages.Outcome:
         if self.shared is not None:
@@ -77,11 +73,9 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
             self._subscribe(session)
             return messages.SessionOpened(action.id, session.lease_id, sema._key(session.lease_id))
         if isinstance(action, messages.CheckLease):
-            if self.shared is not None and not self.shared.certainly_alive():
-                return messages.LeaseAnswer(action.id, 0)
-            ttl = await etcd_aio.time_to_live(
-                self.client, action.lease_id, WITHDRAW_TIMEOUT, interrupted
-            )
+            alive = self.shared is None or self.shared.certainly_alive()
+            args = self.client, action.lease_id, WITHDRAW_TIMEOUT, interrupted
+            ttl = await etcd_aio.time_to_live(*args) if alive else 0
             return messages.LeaseAnswer(action.id, ttl)
         if isinstance(action, messages.Withdraw):  # a private session's: revoked
             private = self.sessions.pop(action.lease_id, None)
@@ -89,17 +83,13 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
                 await private.close(WITHDRAW_TIMEOUT)
             return messages.Over(action.id)
         assert isinstance(action, messages.OpenWatch)
-        put, watch_id = self.box.put_nowait, action.id
-        key, end, only_deletes = codec.watch_range(action)
-        self.watches[watch_id] = await etcd_aio.LoopWatch.open(
-            self.client,
-            lambda notice: put(codec.watch_input(watch_id, notice)),  # on the loop
-            key,
-            0,
-            end,
-            only_deletes=only_deletes,
-            confirm=True,
-        )
+        watch_id, (key, end, deletes) = action.id, codec.watch_range(action)
+
+        def tell(notice: WatchNotice) -> None:  # on the loop
+            self.box.put_nowait(codec.watch_input(watch_id, notice))
+
+        watch = etcd_aio.LoopWatch.open(self.client, tell, key, 0, end, deletes, confirm=True)
+        self.watches[watch_id] = await watch
         return None
 
 
@@ -182,9 +172,11 @@ class Semaphore(recipe.Recipe):
         try:
             return driver.hold(await asyncio.shield(driving))
         except asyncio.CancelledError:
-            # Withdraw our key before the cancel propagates; a slot granted just now is
-            # released, run as a task of its own: a second cancel does not cut that short.
-            driver.interrupt()
+            # Withdraw our key before the cancel propagates (the set event ends the retries of
+            # a call under way); a slot granted just now is released, run as a task of its
+            # own: a second cancel does not cut that short.
+            driver.interrupted.set()
+            driver.box.put_nowait(messages.Interrupt("cancelled"))
             await outlast_cancel(loop.create_task(_release_if_granted(driver, driving, unclaim)))
             raise
         except BaseException:

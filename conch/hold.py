@@ -244,7 +244,7 @@ class GuardedHold(Generic[SessionT]):
         self._execute(actions)
 
 
-class Hold(GuardedHold[Session]):
+class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
     """A slot held: ``revision`` is the fencing token (our key's create_revision), ``lease_id``
     the session's lease. ``lost`` (a Flag) is set when the session is lost or our key is
     deleted; ``on_lost(callback)`` runs ``callback(reason)`` then, from a conch thread.
@@ -259,14 +259,11 @@ class Hold(GuardedHold[Session]):
         key: bytes,
         revision: int,
         value: bytes,
-        touch: TouchOwed | bool = False,
+        touch: TouchOwed = TouchOwed.NONE,
         retire: Sequence[Watch] = (),
         held_at: int = 0,
         shared: bool = False,
     ) -> None:
-        if isinstance(touch, bool):  # True: what a hold that waited owes, by its max
-            later = TouchOwed.LATER if sema.max == 1 else TouchOwed.AT_ONCE
-            touch = later if touch else TouchOwed.NONE
         self._client = client = sema.client
         self.lost = Flag("hold-lost")
         self._set_lost = self.lost.set
@@ -281,10 +278,6 @@ class Hold(GuardedHold[Session]):
         self._forgets.append(session.lost.add_callback(weakly(self._session_lost)))
         self._drop_with("conch", functools.partial(timer_for(client).call_later, 0), _give_back)
         self._execute(self._guard.made())
-
-    @property
-    def _guard_started(self) -> bool:
-        return self._guard.started
 
     def _call(self, action: g.GuardCall) -> None:
         # On the timer thread (or the watch's reader), as a blocking call.
@@ -371,9 +364,6 @@ class Hold(GuardedHold[Session]):
             logged, self._logged = self._logged, self._logged or log_it
         if log_it and not logged:
             self._log_released(self._revoked)
-
-    def __enter__(self) -> Hold:
-        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Release; then raise HoldLost if the hold was lost before the block ended (as

@@ -4,6 +4,7 @@ Session, so a Session nobody references is noticed (``weakref.finalize``) and re
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -231,7 +232,7 @@ class SessionBase(Generic[KeeperT]):
             self._claims.discard(key)
 
 
-class Session(SessionBase[_Keeper]):
+class Session(SessionBase[_Keeper], contextlib.AbstractContextManager["Session"]):
     """One etcd lease of ``ttl`` seconds (Lease.LeaseGrant), refreshed every TTL/3 (up to
     SEND_GRID early) on the client's one LeaseKeepAlive stream from its keepalive thread (no
     thread per session). Raises Unavailable (or another EtcdError) when LeaseGrant fails,
@@ -282,9 +283,6 @@ class Session(SessionBase[_Keeper]):
         ``timeout`` seconds (default: the client's request timeout). Returns False when the
         revoke could not be confirmed (the lease then expires after its TTL)."""
         return self._closing().close(timeout)
-
-    def __enter__(self) -> Session:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from conch.aio.semaphore import Semaphore
 
 
-class Hold(GuardedHold[Session]):
+class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"]):
     """A slot held, for coroutines: ``conch.Hold``, awaited, but ``lost`` is an
     ``asyncio.Event`` (``reason`` says why) and its guard starts at once, on the loop."""
 
@@ -112,9 +113,6 @@ class Hold(GuardedHold[Session]):
         finally:
             self._given_back()
         self._log_released(revoked)
-
-    async def __aenter__(self) -> Hold:
-        return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """As ``conch.Hold.__exit__``, awaited."""

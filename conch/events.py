@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from conch import log
+from conch.timer import listen
 
 __all__ = ["Acquired", "Event", "Lost", "Queued", "Released", "subscribe"]
 
@@ -89,13 +90,7 @@ _T = TypeVar("_T", int, float)
 def subscribe(callback: Callback) -> Callable[[], None]:
     """Call ``callback(event)`` for every event of every hold in this process, from now on.
     Returns the function that unsubscribes it (idempotent)."""
-    key = object()
-    _callbacks[key] = callback
-
-    def unsubscribe() -> None:
-        _callbacks.pop(key, None)
-
-    return unsubscribe
+    return listen(_callbacks, callback)
 
 
 def _read(parse: Callable[[str], _T], value: object) -> _T | None:

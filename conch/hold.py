@@ -28,7 +28,7 @@ from conch.etcd.client import Backoff, Client
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
 from conch.session import Session, SessionBase
-from conch.timer import Cancellable, Scheduler, timer_for, weakly
+from conch.timer import Cancellable, Scheduler, listen, timer_for, weakly
 
 if TYPE_CHECKING:
     from conch.semaphore import Recipe, Semaphore
@@ -110,7 +110,7 @@ class GuardedHold(Generic[SessionT]):
         self._fed = weakly(self._feed)
         # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_expired)
-        self._forgets: list[Callable[[], object]] = [session._kept.add_expiry_listener(expired)]
+        self._forgets: list[Callable[[], None]] = [listen(session._kept.expiry_listeners, expired)]
         self._revoked_after_loss = False
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.

@@ -14,18 +14,16 @@ from typing import Any, Generic, TypeVar
 
 from conch import log
 from conch.core.loss import Loss
-from conch.core.session import SEND_GRID as SEND_GRID  # seconds; named here too
 from conch.core.session import SendKeepalive, SessionAction, SessionMachine, WakeAt
 from conch.core.session import keepalive_margin as keepalive_margin  # named here too
 from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
-from conch.timer import Cancellable, Scheduler, timer_for
+from conch.timer import Cancellable, Scheduler, listen, timer_for
 
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 
-ListenerT = TypeVar("ListenerT")
 KeeperT = TypeVar("KeeperT", bound="Keeper")
 
 
@@ -39,16 +37,6 @@ def check_client(client: object, kind: type = Client, face: str = "conch") -> No
     """Raise UsageError unless ``client`` is a ``kind``, the Client of ``face``."""
     if not isinstance(client, kind):
         raise UsageError(f"bad client {client!r}: want a {face}.Client ({face}.connect(...))")
-
-
-def listen(listeners: dict[object, ListenerT], listener: ListenerT) -> Callable[[], None]:
-    key = object()
-    listeners[key] = listener
-
-    def remove() -> None:
-        listeners.pop(key, None)
-
-    return remove
 
 
 class Keeper:
@@ -66,9 +54,6 @@ class Keeper:
         self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
         self.timer = timer
         self.next_wake: Cancellable | None = None
-
-    def add_expiry_listener(self, listener: Callable[[Loss], None]) -> Callable[[], None]:
-        return listen(self.expiry_listeners, listener)
 
     def execute(self, actions: list[SessionAction]) -> None:
         for action in actions:
@@ -269,7 +254,7 @@ class Session(SessionBase[_Keeper], contextlib.AbstractContextManager["Session"]
         """Call ``listener(loss)`` (LossReason.NO_KEEPALIVE: a hold on the session is lost) each
         time ``alive_until`` passes with no keepalive confirmed since, on the client's keepalive
         thread: it must not block. Returns the function that removes it."""
-        return self._kept.add_expiry_listener(listener)
+        return listen(self._kept.expiry_listeners, listener)
 
     def on_keepalive(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call ``listener()`` after every confirmed keepalive, once ``alive_until`` has moved, on

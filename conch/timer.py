@@ -135,3 +135,13 @@ def weakly(method: Callable[..., Any]) -> Callable[..., None]:
             bound(*args)
 
     return call
+
+
+def listen(listeners: dict[object, ValueT], listener: ValueT) -> Callable[[], None]:
+    key = object()
+    listeners[key] = listener
+
+    def remove() -> None:
+        listeners.pop(key, None)
+
+    return remove

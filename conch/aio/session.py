@@ -14,7 +14,8 @@ from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import lease
-from conch.session import Keeper, SessionBase, listen
+from conch.session import Keeper, SessionBase
+from conch.timer import listen
 
 
 def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:

@@ -106,7 +106,6 @@ class GuardedHold(Generic[SessionT]):
         self._slot = Slot(session, held.key, held.revision, shared, list(retire))
         self._watches = self._slot.watches
         self._scheduler = scheduler
-        # Timers and subscriptions feed the guard through the Hold weakly.
         self._fed = weakly(self._feed)
         # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_expired)

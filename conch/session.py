@@ -10,7 +10,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from conch import log
 from conch.core.loss import Loss
@@ -156,7 +156,6 @@ class SessionBase(Generic[KeeperT]):
         self.ttl = ttl
         self._face = face
         self._keeper: KeeperT | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
 
@@ -171,9 +170,9 @@ class SessionBase(Generic[KeeperT]):
             log.warning("ttl-raised", asked=f"{asked}s", granted=f"{self.ttl}s", by="etcd")
 
     def _closing(self) -> KeeperT:
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        return self._kept
+        keeper = self._kept  # UsageError if never opened; else it has its finalizer
+        self._finalizer.detach()
+        return keeper
 
     @property
     def _kept(self) -> KeeperT:

@@ -20,7 +20,7 @@ from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.flag import Flag
-from conch.timer import Cancellable, Scheduler, listen, timer_for
+from conch.timer import Cancellable, Handle, Scheduler, listen, timer_for
 
 MAX_LEASE_TTL = 9_000_000_000  # seconds: etcd refuses longer leases
 
@@ -53,13 +53,12 @@ class Keeper:
         self.machine = SessionMachine(ttl, granted_at)
         self.expiry_listeners: dict[object, Callable[[Loss], None]] = {}
         self.timer = timer
-        self.next_wake: Cancellable | None = None
+        self.next_wake: Cancellable = Handle(0.0, 0, None)  # none yet: a cancel does nothing
 
     def execute(self, actions: list[SessionAction]) -> None:
         for action in actions:
             if isinstance(action, WakeAt):
-                if self.next_wake is not None:
-                    self.next_wake.cancel()
+                self.next_wake.cancel()
                 self.next_wake = self.timer.call_later(action.at - time.monotonic(), self.wake)
             elif isinstance(action, SendKeepalive):
                 self.send(action.deadline)
@@ -77,8 +76,7 @@ class Keeper:
 
     def stop(self) -> None:
         self.machine.close()
-        if self.next_wake is not None:
-            self.next_wake.cancel()
+        self.next_wake.cancel()
 
     def collected(self, face: str) -> None:
         # Its Session collected unclosed: warn, as Python does for an unclosed file.

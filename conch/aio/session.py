@@ -42,8 +42,7 @@ class _Keeper(Keeper):
         try:
             await self.loop.create_future()
         finally:
-            if self.next_wake is not None:
-                self.next_wake.cancel()
+            self.next_wake.cancel()
             etcd_aio.forget_lease(self.client.sync, self.lease_id)
 
     def send(self, deadline: float) -> None:

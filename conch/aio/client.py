@@ -26,9 +26,8 @@ class Client(contextlib.AbstractAsyncContextManager["Client"]):
 
     async def close(self) -> None:
         keepers, self._keepers = list(self._keepers), set()
-        if keepers:
-            timeout = etcd_client.CLOSE_REVOKE_TIMEOUT
-            await asyncio.gather(*(k.close(timeout) for k in keepers), return_exceptions=True)
+        timeout = etcd_client.CLOSE_REVOKE_TIMEOUT  # gather() of none is done at once
+        await asyncio.gather(*(k.close(timeout) for k in keepers), return_exceptions=True)
         self.sync.close()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -97,11 +97,6 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
 
 
-def adopting() -> bool:
-    """Whether ``adopt_orphans()`` worked: every child of this process is ours to reap."""
-    return _adopting
-
-
 def beside_jobs(pid: int) -> None:
     """Our child ``pid`` (a watchdog), just started with ``_reap_lock`` held, is no part of
     any job: the adopting reaper reaps it without taking it for a process that escaped one."""
@@ -354,28 +349,22 @@ def prepare_command_process() -> None:
 _COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")  # what PEP 538 sets LC_CTYPE to
 
 
-def started_with(name: str) -> str | None:
-    """``name``'s value in the environment this process was started with (/proc/self/environ),
-    None if it had none; ``os.environ``'s value when that cannot be read."""
-    prefix = name.encode() + b"="
-    try:
-        entries = _read("/proc/self/environ").split(b"\0")
-    except OSError:
-        return os.environ.get(name)
-    found = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
-    return os.fsdecode(found[0]) if found else None
-
-
 def undo_locale_coercion() -> None:
     """Python's own LC_CTYPE (PEP 538's coercion of the C locale) goes, the caller's, if it
     had one, comes back: the command's children (a cron job) run in the locale they would
     without conch. Only the command: a service that embeds conch may have set it itself."""
-    if os.environ.get("LC_CTYPE") in _COERCED_LC_CTYPE:
-        given = started_with("LC_CTYPE")
-        if given is None:
-            del os.environ["LC_CTYPE"]
-        else:
-            os.environ["LC_CTYPE"] = given  # LC_CTYPE=C or POSIX, coerced too
+    if os.environ.get("LC_CTYPE") not in _COERCED_LC_CTYPE:
+        return
+    try:  # the environment this process was started with
+        entries = _read("/proc/self/environ").split(b"\0")
+    except OSError:
+        return  # unknown: left as it is
+    prefix = b"LC_CTYPE="
+    given = [entry[len(prefix) :] for entry in entries if entry.startswith(prefix)]
+    if given:
+        os.environ["LC_CTYPE"] = os.fsdecode(given[0])  # LC_CTYPE=C or POSIX, coerced too
+    else:
+        del os.environ["LC_CTYPE"]
 
 
 def reopen_closed_std_fds() -> None:
@@ -385,13 +374,9 @@ def reopen_closed_std_fds() -> None:
         try:
             os.fstat(fd)
         except OSError:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)  # inheritable, as dup2 makes it
-                os.close(null)
-            else:
-                # os.open's fd is close-on-exec (PEP 446): closed again in the child, its
-                # first open() would take it (its stderr written into its output file).
-                os.set_inheritable(fd, True)
+            # Opened as the lowest free fd: this one (those below are open by now). It is
+            # close-on-exec (PEP 446): closed again in the child, its first open() would take
+            # it (its stderr written into its output file).
+            os.set_inheritable(os.open(os.devnull, os.O_RDWR), True)
             if getattr(sys, name) is None:
                 setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115

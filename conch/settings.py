@@ -107,8 +107,6 @@ class Connection(NamedTuple):
         return connect(**self._asdict())
 
 
-DEFAULT_ENDPOINTS = "127.0.0.1:2379"
-
 # Every variable a credential may come from (a path to a secret is the secret), to withhold.
 CREDENTIAL_VARIABLES = (
     *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
@@ -120,7 +118,7 @@ def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     """The connection settings from ``flags`` and ``environ`` (see the module). Reads the TLS
     and password files; logs each setting's source at debug level. Raises UsageError for a
     bad value or an unreadable file, naming the flag or variable it came from."""
-    endpoints = setting("--endpoints", flags.endpoints, "ENDPOINTS", DEFAULT_ENDPOINTS, environ)
+    endpoints = setting("--endpoints", flags.endpoints, "ENDPOINTS", "127.0.0.1:2379", environ)
     texts = [text for text in endpoints.value.split(",") if text.strip()]
     if not texts:
         raise UsageError(f"bad {endpoints.named} {shown(endpoints.value)}: no endpoint")

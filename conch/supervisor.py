@@ -129,7 +129,7 @@ def supervise(
         finally:
             # After the release (the next holder's start comes first), and before conch exits
             # (an outer conch, our subreaper, would stop it as a process escaped its job).
-            watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs.adopting())
+            watchdog.close(WATCHDOG_EXIT_TIMEOUT, reap=not procs._adopting)
         watchdog = None  # dismissed with its round
         sema.pause_before_reentry(lost, deadline, stop, backoff)
 
@@ -165,7 +165,7 @@ def run_child(
     argv: Sequence[str],
     kill_after: float,
     stop: Flag,
-    watchdog: Watchdog | None = None,
+    watchdog: Watchdog,
     environ: Mapping[str, str] | None = None,
 ) -> int:
     """Start ``argv`` in its own process group (environment: ``child_env(hold, environ)``)
@@ -178,11 +178,7 @@ def run_child(
     ``hold`` is released once nothing of the child is left in its group or, after
     ``adopt_orphans()``, outside it: what it left behind (a ``stragglers`` or ``escaped``
     warning) gets SIGTERM, SIGKILL ``kill_after`` later (on a loss or ``stop``, with the
-    child's group). ``watchdog``: started in advance, else here."""
-    try:
-        watchdog = watchdog or start_watchdog(kill_after, environ)
-    except OSError as exc:
-        return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+    child's group). ``watchdog``: ``start_watchdog()``'s, started in advance."""
     run = _Run(hold, kill_after, stop, watchdog)
     try:  # every way out dismisses the watchdog (run.finish)
         error = watchdog.handshake(WATCHDOG_START_TIMEOUT, stop)
@@ -305,7 +301,7 @@ class _Run:
             _log_child_exit(pid, returncode, started)
             return _report(Outcome.WATCHDOG_FAILED, error=error)
         log.error("lost", name=hold.name, rev=hold.revision, reason=self._loss_reason(notice))
-        if notice is hold.lost and self._slot_taken():
+        if self._hurry(notice):
             # Our key is gone in etcd itself: the slot may be someone else's already, so
             # a grace could only be spent beside its new holder. SIGKILL at once.
             kill_at = time.monotonic()
@@ -342,10 +338,6 @@ class _Run:
             )
         return str(self.hold.lost.reason)
 
-    def _slot_taken(self) -> bool:  # the loss seen in etcd (key deleted, lease unknown), by kind
-        reason = Loss.of(self.hold.lost.reason)
-        return reason is not None and reason.slot_taken
-
     def terminate(self, job: _Job, child_running: bool, kill_at: float) -> int | None:
         """``job.stop`` (sooner on a ``_hurry`` notice), the watchdog standing by (rather
         than send a second SIGTERM into the child's cleanup at the deadline) to finish it
@@ -354,13 +346,15 @@ class _Run:
         return job.stop(child_running, kill_at, self._hurry)
 
     def _hurry(self, notice: object) -> bool:
-        # SIGKILL now, during a termination: our key gone in etcd, or the watchdog gone or silent.
+        # SIGKILL now, without (or cutting short) a grace: the watchdog gone or silent, or our
+        # key gone in etcd (the loss seen there: key deleted, lease unknown, by its kind).
         error = failure(notice)
         if error is not None and not self.watchdog.fired:
             log.error(Outcome.WATCHDOG_FAILED.value, error=error)
             self.watchdog.kill()
             return True
-        return notice is self.hold.lost and self._slot_taken()
+        reason = Loss.of(self.hold.lost.reason) if notice is self.hold.lost else None
+        return reason is not None and reason.slot_taken
 
     def finish(self) -> None:
         for undo in self._undo:

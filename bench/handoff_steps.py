@@ -74,7 +74,7 @@ def traced_conch() -> None:
             stamp("event")
         on_item(hub, item)
 
-    supervisor._child_exited = before("exit-seen", supervisor._child_exited)
+    supervisor._log_child_exit = before("exit-seen", supervisor._log_child_exit)
     lease.revoke = before("revoke", lease.revoke)
     watch._Hub._on_item = on_item_stamped  # type: ignore[assignment]
     semaphore.Semaphore._acquire = after("acquired", semaphore.Semaphore._acquire)  # type: ignore[method-assign]

@@ -12,16 +12,17 @@ call is retried within its deadline. ``map_rpc_error`` is the one table from a g
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
+import grpc.aio
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import (
@@ -47,9 +48,6 @@ from conch.etcd.endpoints import (
 )
 from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.flag import Flag
-
-if TYPE_CHECKING:
-    import asyncio  # imported where used: the command never needs it
 
 # Seconds close() spends, in all, revoking the leases of sessions still open on the client.
 CLOSE_REVOKE_TIMEOUT = 1.0
@@ -373,10 +371,6 @@ class Client:
         blocking call's ``.future()`` that wakes the loop); ``interrupt`` as ``call``'s Flag.
         Cancelling cancels the attempt in flight (a write may have applied, as after a
         timeout). Raises as ``call``."""
-        import asyncio
-
-        import grpc.aio
-
         self._check_process()  # before the loop: in a forked child there may be none
         loop = asyncio.get_running_loop()
         native = loop_native()
@@ -402,7 +396,7 @@ class Client:
                 if pause > 0:
                     await asyncio.sleep(pause)
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(interrupt.wait(), pause)
             if interrupt.is_set():
                 raise Interrupted("interrupted")
@@ -410,8 +404,6 @@ class Client:
     async def token_async(self, timeout: float | None = None) -> str | None:
         """``token`` for coroutines, through ``call_async``: the coroutines of one loop that
         find no token await one Auth.Authenticate. Raises as ``token``."""
-        import asyncio
-
         credentials, token = self._credentials, self._token  # read once: others reset it
         if credentials is None or token is not None:
             return token
@@ -436,8 +428,6 @@ class Client:
         (default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop, the
         caller's token); the caller owns failover and, when it ends with TokenInvalid,
         ``invalidate_token(token)``. ``hasleader``: etcd ends it if its member loses the leader."""
-        import grpc.aio
-
         if loop is None:
             token = token or self.token(timeout)
         metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
@@ -482,10 +472,7 @@ def connect(
 def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> EtcdError:
     """Turn a gRPC error from etcd into the conch exception that says what happened."""
     # A grpc.aio call's error (AioRpcError) is no grpc.Call, but has its code() and details().
-    aio = sys.modules.get("grpc.aio")  # loaded by whoever made an aio call
-    status = isinstance(error, grpc.Call) or (
-        aio is not None and isinstance(error, aio.AioRpcError)
-    )
+    status = isinstance(error, grpc.Call | grpc.aio.AioRpcError)
     code = error.code() if status else grpc.StatusCode.UNKNOWN
     details = (error.details() if status else None) or str(error)
     message = f"{details} ({endpoint})" if endpoint else details

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
+import grpc.aio
 from conchpb.etcdserverpb import rpc_pb2_grpc as pb
 
 from conch.errors import Unavailable, UsageError
@@ -157,9 +158,7 @@ class Stubs(NamedTuple):
         """Raises Unavailable when skip_verify cannot fetch the endpoint's certificate."""
         global _dialled_in
         _dialled_in = os.getpid()
-        stack: Any = grpc
-        if loop_native:
-            from grpc import aio as stack  # only for coroutines: the command never loads it
+        stack: Any = grpc.aio if loop_native else grpc
         if endpoint.tls or tls is not None:
             creds, options = (tls or TLS()).credentials(endpoint)
             channel = stack.secure_channel(endpoint.target, creds, options=options)

@@ -5,24 +5,17 @@ when the stream ends."""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.client import map_rpc_error
-
-if TYPE_CHECKING:
-    import asyncio
-
-    from conch.etcd.client import Client
-    from conch.etcd.endpoints import Endpoint
-
-
-Deliver = Callable[["StreamItem"], None]
+from conch.etcd.client import Client, Endpoint, map_rpc_error
 
 
 class BidiStream:
@@ -39,7 +32,7 @@ class BidiStream:
         client: Client,
         service: str,
         method: str,
-        deliver: Deliver,
+        deliver: Callable[[StreamItem], None],
         token: str | None,
         endpoint: Endpoint | None = None,
     ) -> None:
@@ -53,8 +46,6 @@ class BidiStream:
 
     def _queue(self) -> tuple[Any, asyncio.AbstractEventLoop | None]:
         """The requests' iterator for the call, and the loop it runs on (None: blocking)."""
-        import queue
-
         self._requests = queue.SimpleQueue()
         return iter(self._requests.get, None), None
 
@@ -103,14 +94,10 @@ class LoopStream(BidiStream):
     logged, the stream reads on), ``send()`` and ``close()`` too. Opening waits for nothing."""
 
     def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
-        import asyncio
-
         self._requests = asyncio.Queue()
         return self._outgoing(), asyncio.get_running_loop()
 
     def _start(self, method: str) -> asyncio.Task[None]:
-        import asyncio
-
         return asyncio.get_running_loop().create_task(self._read())
 
     async def _outgoing(self) -> AsyncIterator[Any]:
@@ -118,8 +105,6 @@ class LoopStream(BidiStream):
             yield request
 
     async def _read(self) -> None:
-        import asyncio
-
         try:
             async for response in self._call:
                 if self._closed:

@@ -19,7 +19,6 @@ from conch.errors import LeaseNotFound
 from conch.etcd import kv, lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
-from conch.etcd.lease import KEEPALIVE_SLACK as KEEPALIVE_SLACK
 from conch.etcd.lease import Grant, LoopKeepAlives
 from conch.etcd.loop import call_soon as call_soon
 from conch.etcd.loop import resolve
@@ -139,15 +138,10 @@ class LoopWatch:
         confirm: bool = False,
     ) -> None:
         self._on_notice = on_notice
-        self._cancelled = False
-        deliver: Callable[[WatchNotice], None] = self._deliver
+        deliver: Callable[[WatchNotice], None] = on_notice  # by the loop's hub, on the loop
         hub = _hub(client)
         if not isinstance(hub, LoopHub):  # the threaded stream's reader hands each notice over
-            loop = asyncio.get_running_loop()
-
-            def deliver(notice: WatchNotice) -> None:
-                call_soon(loop, self._deliver, notice)
-
+            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._deliver)
         self.watch = Watch(
             client, key, start_revision, deliver, range_end, only_deletes, confirm, hub=hub
         )
@@ -162,13 +156,12 @@ class LoopWatch:
         await client.token_async()
         return cls(client, *args, **kwargs)
 
-    def _deliver(self, notice: WatchNotice) -> None:  # on the loop
-        if not self._cancelled:
+    def _deliver(self, notice: WatchNotice) -> None:  # on the loop, once handed over
+        if not self.watch._cancelled:
             self._on_notice(notice)
 
     def cancel(self) -> None:
         """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""
-        self._cancelled = True
         self.watch.cancel()
 
 
@@ -186,10 +179,8 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
         keepalives.refresh(lease_id, deadline, functools.partial(resolve, answer))
         return lease.ttl_of(await answer)
 
-    def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
-        call_soon(loop, resolve, answer, outcome)
-
-    keepalives.refresh(lease_id, deadline, done)
+    # Resolved from the keepalives' timer thread, whose lateness the wait bounds.
+    keepalives.refresh(lease_id, deadline, functools.partial(call_soon, loop, resolve, answer))
     with contextlib.suppress(TimeoutError):
         return lease.ttl_of(await asyncio.wait_for(answer, lease.wait_for(deadline)))
     return lease.ttl_of(None)

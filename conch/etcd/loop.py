@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -88,14 +89,11 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> bool:
-    """Schedule ``callback(*args)`` on ``loop`` from any thread; False when the loop is
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:
+    """Schedule ``callback(*args)`` on ``loop`` from any thread; nothing when the loop is
     closed (asyncio.run is over, or the service stopped without waiting for us)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        return False
-    return True
 
 
 def resolve(future: asyncio.Future[T], result: T) -> None:

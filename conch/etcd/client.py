@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 
-class Client:
+class Client(contextlib.AbstractContextManager["Client"]):
     """A connection to one etcd cluster through a list of endpoints.
 
     ``request_timeout`` (seconds) is the default deadline of each unary call, failover
@@ -158,9 +158,6 @@ class Client:
         with cls(endpoints, request_timeout, tls, credentials)._dialling(dial_timeout) as client:
             await client._dial_async(dial_timeout)
         return client
-
-    def __enter__(self) -> Client:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -35,9 +35,8 @@ def range_(
 ) -> rpc_pb2.RangeResponse:
     """KV.Range, linearizable unless the request says serializable; ``interrupt`` as in
     ``Client.call``."""
-    return cast(
-        rpc_pb2.RangeResponse, client.call("kv", "Range", request, timeout, interrupt=interrupt)
-    )
+    response = client.call("kv", "Range", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.RangeResponse, response)
 
 
 def range_prefix(
@@ -85,9 +84,8 @@ def txn(
     """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically;
     ``interrupt`` as in ``Client.call``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    return cast(
-        rpc_pb2.TxnResponse, client.call("kv", "Txn", request, timeout, interrupt=interrupt)
-    )
+    response = client.call("kv", "Txn", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.TxnResponse, response)
 
 
 def create_revision_is(key: bytes, revision: int) -> rpc_pb2.Compare:

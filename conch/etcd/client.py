@@ -444,8 +444,7 @@ def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
     close_loop_channel(loop, channel) if loop else channel.close()
 
 
-def _closed_error() -> EtcdError:
-    """What a call or stream on a closed Client raises."""
+def _closed_error() -> EtcdError:  # a call's or a stream's on a closed Client
     return EtcdError("client is closed", "CANCELLED")
 
 

@@ -53,11 +53,8 @@ class Endpoint:
     def parse(cls, text: str) -> Endpoint:
         """Parse one endpoint; UsageError naming it when it is not ``[scheme://]host:port``."""
         raw = text.strip()
-        tls = False
-        for scheme, is_tls in (("http://", False), ("https://", True)):
-            if raw.startswith(scheme):
-                raw, tls = raw[len(scheme) :], is_tls
-        raw = raw.rstrip("/")
+        tls = raw.startswith("https://")
+        raw = raw.removeprefix("https://" if tls else "http://").rstrip("/")
         host, sep, port = raw.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         bad_host = not host or any(c in host for c in "[]/ ") or not host.isprintable()

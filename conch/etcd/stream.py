@@ -23,7 +23,8 @@ class BidiStream:
     carries ``token`` (from ``Client.token``; None without credentials). ``send()`` queues a
     request; a reader thread hands ``deliver`` one ``StreamItem`` per response, then one with
     ``error`` set when the stream ends (TokenInvalid also invalidates ``token``, so the
-    owner's next stream carries a fresh one). ``close()`` cancels it; nothing comes after."""
+    owner's next stream carries a fresh one); an exception ``deliver`` raises is logged, the
+    stream reads on. ``close()`` cancels it; nothing comes after."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
@@ -74,7 +75,10 @@ class BidiStream:
             self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
-        self._deliver(item)
+        try:
+            self._deliver(item)
+        except Exception as exc:  # a bug (or a listener's) must not stop the stream
+            log.error("stream-answer-failed", error=repr(exc))
 
     def _ended(self, rpc_error: grpc.RpcError | None) -> None:
         """The responses ended: by the server (``rpc_error`` None) or with ``rpc_error``."""
@@ -90,8 +94,8 @@ class BidiStream:
 
 class LoopStream(BidiStream):
     """A BidiStream on the running event loop (grpc.aio; ``token`` from ``token_async``),
-    read by a task of it: ``deliver`` is called on the loop (an exception it raises is
-    logged, the stream reads on), ``send()`` and ``close()`` too. Opening waits for nothing."""
+    read by a task of it: ``deliver`` is called on the loop, ``send()`` and ``close()`` too.
+    Opening waits for nothing."""
 
     def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
         self._requests = asyncio.Queue()
@@ -116,12 +120,6 @@ class LoopStream(BidiStream):
             self._ended(rpc_error)
         else:
             self._ended(None)
-
-    def _hand_over(self, item: StreamItem) -> None:
-        try:
-            self._deliver(item)
-        except Exception as exc:  # a bug (or a listener's) must not stop the stream
-            log.error("stream-answer-failed", error=repr(exc))
 
 
 Stream = BidiStream  # either kind (a LoopStream is one): what the keepalives and the hub hold

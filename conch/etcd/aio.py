@@ -29,15 +29,9 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-async def range_(
-    client: Client,
-    request: rpc_pb2.RangeRequest,
-    timeout: float | None = None,
-    interrupt: asyncio.Event | None = None,
-) -> rpc_pb2.RangeResponse:
-    """KV.Range (``kv.range_``), awaited; ``interrupt`` as in ``Client.call_async``."""
-    response = await client.call_async("kv", "Range", request, timeout, interrupt=interrupt)
-    return cast(rpc_pb2.RangeResponse, response)
+async def range_(client: Client, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
+    """KV.Range (``kv.range_``), awaited."""
+    return cast(rpc_pb2.RangeResponse, await client.call_async("kv", "Range", request))
 
 
 async def txn(
@@ -46,12 +40,10 @@ async def txn(
     success: list[rpc_pb2.RequestOp],
     failure: list[rpc_pb2.RequestOp],
     timeout: float | None = None,
-    interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.TxnResponse:
-    """KV.Txn (``kv.txn``), awaited; ``interrupt`` as in ``Client.call_async``."""
+    """KV.Txn (``kv.txn``), awaited."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response = await client.call_async("kv", "Txn", request, timeout, interrupt=interrupt)
-    return cast(rpc_pb2.TxnResponse, response)
+    return cast(rpc_pb2.TxnResponse, await client.call_async("kv", "Txn", request, timeout))
 
 
 async def delete_own_key(

@@ -39,16 +39,10 @@ def range_(
     return cast(rpc_pb2.RangeResponse, response)
 
 
-def range_prefix(
-    client: Client,
-    prefix: bytes,
-    timeout: float | None = None,
-    interrupt: Flag | None = None,
-    **fields: Any,
-) -> rpc_pb2.RangeResponse:
+def range_prefix(client: Client, prefix: bytes, **fields: Any) -> rpc_pb2.RangeResponse:
     """KV.Range over every key under ``prefix``; ``fields`` are further RangeRequest fields
     (``limit``, ``revision``, ``keys_only``, ``max_create_revision``, ``sort_target``, ...)."""
-    return range_(client, prefix_request(prefix, **fields), timeout, interrupt)
+    return range_(client, prefix_request(prefix, **fields))
 
 
 def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:
@@ -65,12 +59,10 @@ def put(
     return cast(rpc_pb2.PutResponse, client.call("kv", "Put", request, timeout))
 
 
-def delete(
-    client: Client, key: bytes, range_end: bytes = b"", timeout: float | None = None
-) -> rpc_pb2.DeleteRangeResponse:
+def delete(client: Client, key: bytes, range_end: bytes = b"") -> rpc_pb2.DeleteRangeResponse:
     """KV.DeleteRange of one key, or of ``[key, range_end)``."""
     request = rpc_pb2.DeleteRangeRequest(key=key, range_end=range_end)
-    return cast(rpc_pb2.DeleteRangeResponse, client.call("kv", "DeleteRange", request, timeout))
+    return cast(rpc_pb2.DeleteRangeResponse, client.call("kv", "DeleteRange", request))
 
 
 def txn(

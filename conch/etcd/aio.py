@@ -55,12 +55,10 @@ async def delete_own_key(
     return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 
 
-async def grant(
-    client: Client, ttl: int, timeout: float | None = None, interrupt: asyncio.Event | None = None
-) -> Grant:
+async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    response = await client.call_async("lease", "LeaseGrant", request, interrupt=interrupt)
     return lease.granted(response)
 
 

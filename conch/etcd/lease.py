@@ -30,13 +30,11 @@ class Grant(NamedTuple):
     ttl: int
 
 
-def grant(
-    client: Client, ttl: int, timeout: float | None = None, interrupt: Flag | None = None
-) -> Grant:
+def grant(client: Client, ttl: int, interrupt: Flag | None = None) -> Grant:
     """Lease.LeaseGrant for ``ttl`` seconds (etcd may raise it to its minimum); ``interrupt``
     as in ``Client.call``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    return granted(client.call("lease", "LeaseGrant", request, timeout, interrupt=interrupt))
+    return granted(client.call("lease", "LeaseGrant", request, interrupt=interrupt))
 
 
 def granted(response: rpc_pb2.LeaseGrantResponse) -> Grant:

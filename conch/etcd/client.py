@@ -427,7 +427,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         ``invalidate_token(token)``. ``hasleader``: etcd ends it if its member loses the leader."""
         if loop is None:
             token = token or self.token(timeout)
-        metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
+        metadata = (*_metadata(token), ("hasleader", "true"))
         endpoint = self.endpoint if endpoint is None else endpoint
         stub = getattr(self._stubs_for(endpoint, loop), service)
         try:  # the call: the handle to cancel and the iterator of responses

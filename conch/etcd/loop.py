@@ -109,10 +109,8 @@ async def settled(call: grpc.Future[Any]) -> Any:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
-    def wake(_call: grpc.Future[Any]) -> None:
-        call_soon(loop, resolve, done, None)  # a loop closed meanwhile: nobody waits
-
-    call.add_done_callback(wake)
+    # A loop closed meanwhile: nobody waits.
+    call.add_done_callback(lambda _call: call_soon(loop, resolve, done, None))
     try:
         await done
     except asyncio.CancelledError:

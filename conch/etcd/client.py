@@ -263,7 +263,6 @@ class Client(contextlib.AbstractContextManager["Client"]):
             self._dial(timeout)
 
     def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
-        """``call``'s arguments to dial: Auth.Authenticate with credentials, else Status."""
         if self._credentials is None:
             return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
         user, password = self._credentials.user, self._credentials.password
@@ -335,8 +334,6 @@ class Client(contextlib.AbstractContextManager["Client"]):
             except (grpc.RpcError, Unavailable, ValueError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
-            if pause <= 0:
-                continue
             if interrupt is None:
                 time.sleep(pause)
             elif interrupt.wait(pause):
@@ -385,13 +382,11 @@ class Client(contextlib.AbstractContextManager["Client"]):
                 rpc = getattr(stub, method) if native else getattr(stub, method).future
                 answer = rpc(request, timeout=attempt, metadata=_metadata(token))
                 return await (answer if native else settled(answer))
-            # grpc.aio refuses a call on a closed channel with its own UsageError.
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
             if interrupt is None:
-                if pause > 0:
-                    await asyncio.sleep(pause)
+                await asyncio.sleep(pause)
                 continue
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(interrupt.wait(), pause)

@@ -78,10 +78,8 @@ async def time_to_live(
     """Lease.LeaseTimeToLive (``lease.time_to_live``), awaited: seconds left, -1 when gone;
     ``interrupt`` as in ``Client.call_async``."""
     request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
-    response = await client.call_async(
-        "lease", "LeaseTimeToLive", request, timeout, interrupt=interrupt
-    )
-    return int(response.TTL)
+    call = client.call_async("lease", "LeaseTimeToLive", request, timeout, interrupt=interrupt)
+    return int((await call).TTL)
 
 
 def _per_loop(

@@ -111,9 +111,8 @@ def _presented_certificate(
         try:
             if cert is not None and key is not None:
                 context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
-            address = (endpoint.host, endpoint.port)
             with (
-                socket.create_connection(address, timeout=5.0) as sock,
+                socket.create_connection((endpoint.host, endpoint.port), timeout=5.0) as sock,
                 context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
             ):
                 der = tls.getpeercert(binary_form=True)

@@ -81,7 +81,6 @@ class BidiStream:
             log.error("stream-answer-failed", error=repr(exc))
 
     def _ended(self, rpc_error: grpc.RpcError | None) -> None:
-        """The responses ended: by the server (``rpc_error`` None) or with ``rpc_error``."""
         error: EtcdError = Unavailable(f"stream closed by server ({self.endpoint})")
         if rpc_error is not None:
             error = map_rpc_error(rpc_error, self.endpoint)

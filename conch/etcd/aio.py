@@ -19,7 +19,6 @@ from conch.errors import LeaseNotFound
 from conch.etcd import kv, lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
-from conch.etcd.lease import KEEPALIVE_SLACK as KEEPALIVE_SLACK
 from conch.etcd.lease import Grant, LoopKeepAlives
 from conch.etcd.loop import call_soon as call_soon
 from conch.etcd.loop import resolve
@@ -30,15 +29,9 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
-async def range_(
-    client: Client,
-    request: rpc_pb2.RangeRequest,
-    timeout: float | None = None,
-    interrupt: asyncio.Event | None = None,
-) -> rpc_pb2.RangeResponse:
-    """KV.Range (``kv.range_``), awaited; ``interrupt`` as in ``Client.call_async``."""
-    response = await client.call_async("kv", "Range", request, timeout, interrupt=interrupt)
-    return cast(rpc_pb2.RangeResponse, response)
+async def range_(client: Client, request: rpc_pb2.RangeRequest) -> rpc_pb2.RangeResponse:
+    """KV.Range (``kv.range_``), awaited."""
+    return cast(rpc_pb2.RangeResponse, await client.call_async("kv", "Range", request))
 
 
 async def txn(
@@ -47,12 +40,10 @@ async def txn(
     success: list[rpc_pb2.RequestOp],
     failure: list[rpc_pb2.RequestOp],
     timeout: float | None = None,
-    interrupt: asyncio.Event | None = None,
 ) -> rpc_pb2.TxnResponse:
-    """KV.Txn (``kv.txn``), awaited; ``interrupt`` as in ``Client.call_async``."""
+    """KV.Txn (``kv.txn``), awaited."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    response = await client.call_async("kv", "Txn", request, timeout, interrupt=interrupt)
-    return cast(rpc_pb2.TxnResponse, response)
+    return cast(rpc_pb2.TxnResponse, await client.call_async("kv", "Txn", request, timeout))
 
 
 async def delete_own_key(
@@ -64,12 +55,10 @@ async def delete_own_key(
     return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 
 
-async def grant(
-    client: Client, ttl: int, timeout: float | None = None, interrupt: asyncio.Event | None = None
-) -> Grant:
+async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    response = await client.call_async("lease", "LeaseGrant", request, timeout, interrupt=interrupt)
+    response = await client.call_async("lease", "LeaseGrant", request, interrupt=interrupt)
     return lease.granted(response)
 
 
@@ -89,10 +78,8 @@ async def time_to_live(
     """Lease.LeaseTimeToLive (``lease.time_to_live``), awaited: seconds left, -1 when gone;
     ``interrupt`` as in ``Client.call_async``."""
     request = rpc_pb2.LeaseTimeToLiveRequest(ID=lease_id)
-    response = await client.call_async(
-        "lease", "LeaseTimeToLive", request, timeout, interrupt=interrupt
-    )
-    return int(response.TTL)
+    call = client.call_async("lease", "LeaseTimeToLive", request, timeout, interrupt=interrupt)
+    return int((await call).TTL)
 
 
 def _per_loop(
@@ -139,15 +126,10 @@ class LoopWatch:
         confirm: bool = False,
     ) -> None:
         self._on_notice = on_notice
-        self._cancelled = False
-        deliver: Callable[[WatchNotice], None] = self._deliver
+        deliver: Callable[[WatchNotice], None] = on_notice  # by the loop's hub, on the loop
         hub = _hub(client)
         if not isinstance(hub, LoopHub):  # the threaded stream's reader hands each notice over
-            loop = asyncio.get_running_loop()
-
-            def deliver(notice: WatchNotice) -> None:
-                call_soon(loop, self._deliver, notice)
-
+            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._deliver)
         self.watch = Watch(
             client, key, start_revision, deliver, range_end, only_deletes, confirm, hub=hub
         )
@@ -162,13 +144,12 @@ class LoopWatch:
         await client.token_async()
         return cls(client, *args, **kwargs)
 
-    def _deliver(self, notice: WatchNotice) -> None:  # on the loop
-        if not self._cancelled:
+    def _deliver(self, notice: WatchNotice) -> None:  # on the loop, once handed over
+        if not self.watch._cancelled:
             self._on_notice(notice)
 
     def cancel(self) -> None:
         """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""
-        self._cancelled = True
         self.watch.cancel()
 
 
@@ -186,10 +167,8 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
         keepalives.refresh(lease_id, deadline, functools.partial(resolve, answer))
         return lease.ttl_of(await answer)
 
-    def done(outcome: lease.Outcome) -> None:  # the keepalives' timer thread
-        call_soon(loop, resolve, answer, outcome)
-
-    keepalives.refresh(lease_id, deadline, done)
+    # Resolved from the keepalives' timer thread, whose lateness the wait bounds.
+    keepalives.refresh(lease_id, deadline, functools.partial(call_soon, loop, resolve, answer))
     with contextlib.suppress(TimeoutError):
         return lease.ttl_of(await asyncio.wait_for(answer, lease.wait_for(deadline)))
     return lease.ttl_of(None)

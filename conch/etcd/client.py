@@ -12,16 +12,17 @@ call is retried within its deadline. ``map_rpc_error`` is the one table from a g
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
+import grpc.aio
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import (
@@ -48,9 +49,6 @@ from conch.etcd.endpoints import (
 from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.flag import Flag
 
-if TYPE_CHECKING:
-    import asyncio  # imported where used: the command never needs it
-
 # Seconds close() spends, in all, revoking the leases of sessions still open on the client.
 CLOSE_REVOKE_TIMEOUT = 1.0
 BACKOFF_FIRST = 0.05  # seconds
@@ -71,7 +69,7 @@ __all__ = [
 ]
 
 
-class Client:
+class Client(contextlib.AbstractContextManager["Client"]):
     """A connection to one etcd cluster through a list of endpoints.
 
     ``request_timeout`` (seconds) is the default deadline of each unary call, failover
@@ -160,9 +158,6 @@ class Client:
         with cls(endpoints, request_timeout, tls, credentials)._dialling(dial_timeout) as client:
             await client._dial_async(dial_timeout)
         return client
-
-    def __enter__(self) -> Client:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -268,7 +263,6 @@ class Client:
             self._dial(timeout)
 
     def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
-        """``call``'s arguments to dial: Auth.Authenticate with credentials, else Status."""
         if self._credentials is None:
             return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
         user, password = self._credentials.user, self._credentials.password
@@ -340,8 +334,6 @@ class Client:
             except (grpc.RpcError, Unavailable, ValueError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
-            if pause <= 0:
-                continue
             if interrupt is None:
                 time.sleep(pause)
             elif interrupt.wait(pause):
@@ -373,10 +365,6 @@ class Client:
         blocking call's ``.future()`` that wakes the loop); ``interrupt`` as ``call``'s Flag.
         Cancelling cancels the attempt in flight (a write may have applied, as after a
         timeout). Raises as ``call``."""
-        import asyncio
-
-        import grpc.aio
-
         self._check_process()  # before the loop: in a forked child there may be none
         loop = asyncio.get_running_loop()
         native = loop_native()
@@ -394,15 +382,13 @@ class Client:
                 rpc = getattr(stub, method) if native else getattr(stub, method).future
                 answer = rpc(request, timeout=attempt, metadata=_metadata(token))
                 return await (answer if native else settled(answer))
-            # grpc.aio refuses a call on a closed channel with its own UsageError.
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
             if interrupt is None:
-                if pause > 0:
-                    await asyncio.sleep(pause)
+                await asyncio.sleep(pause)
                 continue
-            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(interrupt.wait(), pause)
             if interrupt.is_set():
                 raise Interrupted("interrupted")
@@ -410,8 +396,6 @@ class Client:
     async def token_async(self, timeout: float | None = None) -> str | None:
         """``token`` for coroutines, through ``call_async``: the coroutines of one loop that
         find no token await one Auth.Authenticate. Raises as ``token``."""
-        import asyncio
-
         credentials, token = self._credentials, self._token  # read once: others reset it
         if credentials is None or token is not None:
             return token
@@ -436,11 +420,9 @@ class Client:
         (default ``token(timeout)``; with ``loop``, a grpc.aio stream on that running loop, the
         caller's token); the caller owns failover and, when it ends with TokenInvalid,
         ``invalidate_token(token)``. ``hasleader``: etcd ends it if its member loses the leader."""
-        import grpc.aio
-
         if loop is None:
             token = token or self.token(timeout)
-        metadata = (*((("token", token),) if token else ()), ("hasleader", "true"))
+        metadata = (*_metadata(token), ("hasleader", "true"))
         endpoint = self.endpoint if endpoint is None else endpoint
         stub = getattr(self._stubs_for(endpoint, loop), service)
         try:  # the call: the handle to cancel and the iterator of responses
@@ -457,8 +439,7 @@ def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
     close_loop_channel(loop, channel) if loop else channel.close()
 
 
-def _closed_error() -> EtcdError:
-    """What a call or stream on a closed Client raises."""
+def _closed_error() -> EtcdError:  # a call's or a stream's on a closed Client
     return EtcdError("client is closed", "CANCELLED")
 
 
@@ -482,10 +463,7 @@ def connect(
 def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> EtcdError:
     """Turn a gRPC error from etcd into the conch exception that says what happened."""
     # A grpc.aio call's error (AioRpcError) is no grpc.Call, but has its code() and details().
-    aio = sys.modules.get("grpc.aio")  # loaded by whoever made an aio call
-    status = isinstance(error, grpc.Call) or (
-        aio is not None and isinstance(error, aio.AioRpcError)
-    )
+    status = isinstance(error, grpc.Call | grpc.aio.AioRpcError)
     code = error.code() if status else grpc.StatusCode.UNKNOWN
     details = (error.details() if status else None) or str(error)
     message = f"{details} ({endpoint})" if endpoint else details

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import grpc
+import grpc.aio
 from conchpb.etcdserverpb import rpc_pb2_grpc as pb
 
 from conch.errors import Unavailable, UsageError
@@ -52,11 +53,8 @@ class Endpoint:
     def parse(cls, text: str) -> Endpoint:
         """Parse one endpoint; UsageError naming it when it is not ``[scheme://]host:port``."""
         raw = text.strip()
-        tls = False
-        for scheme, is_tls in (("http://", False), ("https://", True)):
-            if raw.startswith(scheme):
-                raw, tls = raw[len(scheme) :], is_tls
-        raw = raw.rstrip("/")
+        tls = raw.startswith("https://")
+        raw = raw.removeprefix("https://" if tls else "http://").rstrip("/")
         host, sep, port = raw.rpartition(":")
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         bad_host = not host or any(c in host for c in "[]/ ") or not host.isprintable()
@@ -113,9 +111,8 @@ def _presented_certificate(
         try:
             if cert is not None and key is not None:
                 context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
-            address = (endpoint.host, endpoint.port)
             with (
-                socket.create_connection(address, timeout=5.0) as sock,
+                socket.create_connection((endpoint.host, endpoint.port), timeout=5.0) as sock,
                 context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
             ):
                 der = tls.getpeercert(binary_form=True)
@@ -157,9 +154,7 @@ class Stubs(NamedTuple):
         """Raises Unavailable when skip_verify cannot fetch the endpoint's certificate."""
         global _dialled_in
         _dialled_in = os.getpid()
-        stack: Any = grpc
-        if loop_native:
-            from grpc import aio as stack  # only for coroutines: the command never loads it
+        stack: Any = grpc.aio if loop_native else grpc
         if endpoint.tls or tls is not None:
             creds, options = (tls or TLS()).credentials(endpoint)
             channel = stack.secure_channel(endpoint.target, creds, options=options)

@@ -35,21 +35,14 @@ def range_(
 ) -> rpc_pb2.RangeResponse:
     """KV.Range, linearizable unless the request says serializable; ``interrupt`` as in
     ``Client.call``."""
-    return cast(
-        rpc_pb2.RangeResponse, client.call("kv", "Range", request, timeout, interrupt=interrupt)
-    )
+    response = client.call("kv", "Range", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.RangeResponse, response)
 
 
-def range_prefix(
-    client: Client,
-    prefix: bytes,
-    timeout: float | None = None,
-    interrupt: Flag | None = None,
-    **fields: Any,
-) -> rpc_pb2.RangeResponse:
+def range_prefix(client: Client, prefix: bytes, **fields: Any) -> rpc_pb2.RangeResponse:
     """KV.Range over every key under ``prefix``; ``fields`` are further RangeRequest fields
     (``limit``, ``revision``, ``keys_only``, ``max_create_revision``, ``sort_target``, ...)."""
-    return range_(client, prefix_request(prefix, **fields), timeout, interrupt)
+    return range_(client, prefix_request(prefix, **fields))
 
 
 def get(client: Client, key: bytes, timeout: float | None = None) -> kv_pb2.KeyValue | None:
@@ -66,12 +59,10 @@ def put(
     return cast(rpc_pb2.PutResponse, client.call("kv", "Put", request, timeout))
 
 
-def delete(
-    client: Client, key: bytes, range_end: bytes = b"", timeout: float | None = None
-) -> rpc_pb2.DeleteRangeResponse:
+def delete(client: Client, key: bytes, range_end: bytes = b"") -> rpc_pb2.DeleteRangeResponse:
     """KV.DeleteRange of one key, or of ``[key, range_end)``."""
     request = rpc_pb2.DeleteRangeRequest(key=key, range_end=range_end)
-    return cast(rpc_pb2.DeleteRangeResponse, client.call("kv", "DeleteRange", request, timeout))
+    return cast(rpc_pb2.DeleteRangeResponse, client.call("kv", "DeleteRange", request))
 
 
 def txn(
@@ -85,9 +76,8 @@ def txn(
     """KV.Txn: if every compare holds, run ``success``, else ``failure``, atomically;
     ``interrupt`` as in ``Client.call``."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
-    return cast(
-        rpc_pb2.TxnResponse, client.call("kv", "Txn", request, timeout, interrupt=interrupt)
-    )
+    response = client.call("kv", "Txn", request, timeout, interrupt=interrupt)
+    return cast(rpc_pb2.TxnResponse, response)
 
 
 def create_revision_is(key: bytes, revision: int) -> rpc_pb2.Compare:

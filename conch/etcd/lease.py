@@ -30,13 +30,11 @@ class Grant(NamedTuple):
     ttl: int
 
 
-def grant(
-    client: Client, ttl: int, timeout: float | None = None, interrupt: Flag | None = None
-) -> Grant:
+def grant(client: Client, ttl: int, interrupt: Flag | None = None) -> Grant:
     """Lease.LeaseGrant for ``ttl`` seconds (etcd may raise it to its minimum); ``interrupt``
     as in ``Client.call``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
-    return granted(client.call("lease", "LeaseGrant", request, timeout, interrupt=interrupt))
+    return granted(client.call("lease", "LeaseGrant", request, interrupt=interrupt))
 
 
 def granted(response: rpc_pb2.LeaseGrantResponse) -> Grant:
@@ -182,12 +180,14 @@ class KeepAlives:
         except RuntimeError as exc:  # no thread to open it on: retried after a backoff
             self._opened(endpoint, Unavailable(f"cannot open a keepalive stream: {exc}"))
 
-    def _opened(self, endpoint: Endpoint, opened: Stream | EtcdError) -> None:
+    def _opened(self, endpoint: Endpoint, opened: Stream | Exception) -> None:
         waiting = self._opening.pop(endpoint, [])
         if isinstance(opened, Stream) and opened.error is not None:
             # Refused at once (our token forgotten), before it was ours: a failed open (kept,
             # its keepalives would go unanswered until the deadline declared the session lost).
             opened = opened.error
+        if not isinstance(opened, Stream | EtcdError):  # e.g. gRPC refusing a closed channel
+            opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {opened!r}")
         if isinstance(opened, Stream):
             if not self._leases:
                 opened.close()
@@ -275,13 +275,13 @@ class KeepAlives:
         # On the opener thread (RuntimeError when it cannot be started): Auth.Authenticate
         # within ``timeout`` seconds if the token is missing; the stream to the timer thread.
         def dial() -> None:
-            opened: Stream | EtcdError
+            opened: Stream | Exception
             try:
                 client = live(self._client_ref)
                 token = client.token(timeout)
                 opened = BidiStream(client, *_LEASE, self._deliver, token, endpoint)
             except Exception as exc:
-                opened = _open_failed(endpoint, exc)
+                opened = exc
             self._steps.call_later(0, lambda: self._opened(endpoint, opened))
 
         self._opener.call_later(0, dial)
@@ -339,13 +339,6 @@ def live(client_ref: weakref.ref[Client]) -> Client:
     return client
 
 
-def _open_failed(endpoint: Endpoint, exc: Exception) -> EtcdError:
-    if isinstance(exc, EtcdError):
-        return exc
-    # e.g. gRPC refusing a closed channel: no stream, all the same
-    return EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {exc!r}")
-
-
 class LoopKeepAlives(KeepAlives):
     """``KeepAlives`` for the coroutines of one loop: the same decisions, on the loop's
     timers and grpc.aio streams read by the loop. ``refresh``, ``forget`` and ``done`` run
@@ -360,13 +353,13 @@ class LoopKeepAlives(KeepAlives):
 
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
         async def dial() -> None:
-            opened: Stream | EtcdError
+            opened: Stream | Exception
             try:
                 client = live(self._client_ref)
                 token = await client.token_async(timeout)
                 opened = LoopStream(client, *_LEASE, self._deliver, token, endpoint)
             except Exception as exc:
-                opened = _open_failed(endpoint, exc)
+                opened = exc
             self._opened(endpoint, opened)
 
         task = self._loop.create_task(dial())

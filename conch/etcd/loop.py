@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -88,14 +89,11 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> bool:
-    """Schedule ``callback(*args)`` on ``loop`` from any thread; False when the loop is
+def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:
+    """Schedule ``callback(*args)`` on ``loop`` from any thread; nothing when the loop is
     closed (asyncio.run is over, or the service stopped without waiting for us)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:
-        return False
-    return True
 
 
 def resolve(future: asyncio.Future[T], result: T) -> None:
@@ -111,10 +109,8 @@ async def settled(call: grpc.Future[Any]) -> Any:
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
 
-    def wake(_call: grpc.Future[Any]) -> None:
-        call_soon(loop, resolve, done, None)  # a loop closed meanwhile: nobody waits
-
-    call.add_done_callback(wake)
+    # A loop closed meanwhile: nobody waits.
+    call.add_done_callback(lambda _call: call_soon(loop, resolve, done, None))
     try:
         await done
     except asyncio.CancelledError:

@@ -5,24 +5,17 @@ when the stream ends."""
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
 from conch import log
 from conch.errors import EtcdError, TokenInvalid, Unavailable
-from conch.etcd.client import map_rpc_error
-
-if TYPE_CHECKING:
-    import asyncio
-
-    from conch.etcd.client import Client
-    from conch.etcd.endpoints import Endpoint
-
-
-Deliver = Callable[["StreamItem"], None]
+from conch.etcd.client import Client, Endpoint, map_rpc_error
 
 
 class BidiStream:
@@ -30,7 +23,8 @@ class BidiStream:
     carries ``token`` (from ``Client.token``; None without credentials). ``send()`` queues a
     request; a reader thread hands ``deliver`` one ``StreamItem`` per response, then one with
     ``error`` set when the stream ends (TokenInvalid also invalidates ``token``, so the
-    owner's next stream carries a fresh one). ``close()`` cancels it; nothing comes after."""
+    owner's next stream carries a fresh one); an exception ``deliver`` raises is logged, the
+    stream reads on. ``close()`` cancels it; nothing comes after."""
 
     _requests: Any  # a queue.SimpleQueue, or an asyncio.Queue: both have put_nowait
 
@@ -39,7 +33,7 @@ class BidiStream:
         client: Client,
         service: str,
         method: str,
-        deliver: Deliver,
+        deliver: Callable[[StreamItem], None],
         token: str | None,
         endpoint: Endpoint | None = None,
     ) -> None:
@@ -53,8 +47,6 @@ class BidiStream:
 
     def _queue(self) -> tuple[Any, asyncio.AbstractEventLoop | None]:
         """The requests' iterator for the call, and the loop it runs on (None: blocking)."""
-        import queue
-
         self._requests = queue.SimpleQueue()
         return iter(self._requests.get, None), None
 
@@ -83,10 +75,12 @@ class BidiStream:
             self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
-        self._deliver(item)
+        try:
+            self._deliver(item)
+        except Exception as exc:  # a bug (or a listener's) must not stop the stream
+            log.error("stream-answer-failed", error=repr(exc))
 
     def _ended(self, rpc_error: grpc.RpcError | None) -> None:
-        """The responses ended: by the server (``rpc_error`` None) or with ``rpc_error``."""
         error: EtcdError = Unavailable(f"stream closed by server ({self.endpoint})")
         if rpc_error is not None:
             error = map_rpc_error(rpc_error, self.endpoint)
@@ -99,18 +93,14 @@ class BidiStream:
 
 class LoopStream(BidiStream):
     """A BidiStream on the running event loop (grpc.aio; ``token`` from ``token_async``),
-    read by a task of it: ``deliver`` is called on the loop (an exception it raises is
-    logged, the stream reads on), ``send()`` and ``close()`` too. Opening waits for nothing."""
+    read by a task of it: ``deliver`` is called on the loop, ``send()`` and ``close()`` too.
+    Opening waits for nothing."""
 
     def _queue(self) -> tuple[AsyncIterator[Any], asyncio.AbstractEventLoop]:
-        import asyncio
-
         self._requests = asyncio.Queue()
         return self._outgoing(), asyncio.get_running_loop()
 
     def _start(self, method: str) -> asyncio.Task[None]:
-        import asyncio
-
         return asyncio.get_running_loop().create_task(self._read())
 
     async def _outgoing(self) -> AsyncIterator[Any]:
@@ -118,8 +108,6 @@ class LoopStream(BidiStream):
             yield request
 
     async def _read(self) -> None:
-        import asyncio
-
         try:
             async for response in self._call:
                 if self._closed:
@@ -131,12 +119,6 @@ class LoopStream(BidiStream):
             self._ended(rpc_error)
         else:
             self._ended(None)
-
-    def _hand_over(self, item: StreamItem) -> None:
-        try:
-            self._deliver(item)
-        except Exception as exc:  # a bug (or a listener's) must not stop the stream
-            log.error("stream-answer-failed", error=repr(exc))
 
 
 Stream = BidiStream  # either kind (a LoopStream is one): what the keepalives and the hub hold

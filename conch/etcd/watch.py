@@ -55,7 +55,7 @@ class Watch:
     ``confirm``: a ``created`` notice once etcd set the watch up. Raises EtcdError when the
     client's stream is not open and cannot be opened.
 
-    A stream that breaks, stays silent through a progress request (``probe_after``
+    A stream that breaks, stays silent through a progress request (PROBE_AFTER
     seconds), or whose endpoint calls failed over from, moves to the next endpoint; every
     watch resumes just after the last revision it delivered (no event lost or repeated).
     The error is delivered only after ``MAX_RESUMES`` failed attempts in a row."""
@@ -71,7 +71,6 @@ class Watch:
         range_end: bytes = b"",
         only_deletes: bool = False,
         confirm: bool = False,
-        probe_after: float = PROBE_AFTER,
         hub: _Hub | None = None,
     ) -> None:
         self._confirm = confirm
@@ -79,7 +78,6 @@ class Watch:
         filters = [rpc_pb2.WatchCreateRequest.NOPUT] if only_deletes else []
         self._create = rpc_pb2.WatchCreateRequest(key=key, range_end=range_end, filters=filters)
         self._next = start_revision  # first revision still owed; 0 until etcd says "now"
-        self._probe_after = probe_after
         self._id: int | None = None  # etcd's watch_id on the current stream
         self._cancelled = False
         # Held while a notice is handed over, and by cancel(), so that none is on its way
@@ -326,8 +324,7 @@ class _Hub:
         if self._probing or not self._watches:
             return
         self._probing = True
-        after = min(w._probe_after for w in self._watches)
-        self._timer.call_later(max(0.0, self._heard + after - time.monotonic()), self._probe)
+        self._timer.call_later(max(0.0, self._heard + PROBE_AFTER - time.monotonic()), self._probe)
 
     def _probe(self) -> None:
         with self._lock:
@@ -336,7 +333,7 @@ class _Hub:
             if stream is None or not self._watches:
                 return
             asked = time.monotonic()
-            if asked - self._heard < min(w._probe_after for w in self._watches):
+            if asked - self._heard < PROBE_AFTER:
                 self._schedule_probe()
                 return
             stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))

@@ -292,10 +292,8 @@ class Driver(Generic[W]):
         sema = self.sema
         if isinstance(action, messages.CancelWatch):
             self.cancel(action.id)
-        elif isinstance(action, messages.Pause):
-            left = remaining(self.deadline)
-            seconds = action.seconds if left is None else min(action.seconds, left)
-            self.pauses[action.id] = time.monotonic() + seconds
+        elif isinstance(action, messages.Pause):  # the deadline, which comes first, cuts it
+            self.pauses[action.id] = time.monotonic() + action.seconds
         elif isinstance(action, messages.Note):
             yield from self.noting(action)
         if isinstance(action, messages.CancelWatch | messages.Pause | messages.Note):

@@ -205,13 +205,12 @@ class ReadTogether:
 
     def answer(self, response: rpc_pb2.TxnResponse | rpc_pb2.RangeResponse) -> None:
         """The response to the last ``next_call``."""
+        if not self._answers:  # the first read fixes the revision the others are pinned to
+            self._revision = int(response.header.revision)
         if isinstance(response, rpc_pb2.TxnResponse):
-            self._revision = int(response.header.revision)
             self._answers = [r.response_range for r in response.responses]
-            return
-        if not self._answers:
-            self._revision = int(response.header.revision)
-        self._answers.append(response)
+        else:
+            self._answers.append(response)
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
@@ -313,9 +312,6 @@ _FAILURES: tuple[tuple[type[EtcdError], messages.Failure], ...] = (
     (Compacted, messages.Failure.UNREACHABLE),
     (LeaseNotFound, messages.Failure.LEASE_NOT_FOUND),
 )
-# etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
-_NO_SPACE_CODE = "RESOURCE_EXHAUSTED"
-_NO_SPACE_TEXT = "database space exceeded"
 
 
 def failure(error: EtcdError) -> messages.Failure:
@@ -323,7 +319,8 @@ def failure(error: EtcdError) -> messages.Failure:
     for kind, named in _FAILURES:
         if isinstance(error, kind):
             return named
-    if error.code == _NO_SPACE_CODE or _NO_SPACE_TEXT in str(error):
+    # etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
+    if error.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(error):
         return messages.Failure.NO_SPACE
     return messages.Failure.OTHER
 

@@ -10,6 +10,7 @@ the withdraw, the log lines, what an outcome means to the caller).
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import keys, log
 from conch.core import codec, messages, waiter
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
-from conch.errors import Compacted, EtcdError, Interrupted, NoSlot, SessionLost, UsageError
+from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
 from conch.etcd.client import Backoff, Client, check_timeout
 from conch.etcd.watch import Watch, WatchNotice
@@ -93,6 +94,10 @@ class Recipe:
 
     def _check_client(self) -> None:
         check_client(self.client)
+
+    def _standing(self, action: messages.ReadStanding) -> Steps[codec.Together]:
+        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
+        return together(codec.standing_reads(action, self.prefix, self.max))
 
     def _key(self, lease_id: int) -> bytes:
         if self.spread:
@@ -179,11 +184,6 @@ class Semaphore(Recipe):
         pause = backoff.next()
         left = remaining(deadline)
         interrupt.wait(pause if left is None else min(pause, left))
-
-    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> codec.Together:
-        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
-        reads = codec.standing_reads(messages.ReadStanding(0, key, revision), self.prefix, self.max)
-        return drive(self.client, together(reads), interrupt)
 
 
 def together(reads: list[rpc_pb2.RangeRequest]) -> Steps[codec.Together]:
@@ -292,10 +292,8 @@ class Driver(Generic[W]):
         sema = self.sema
         if isinstance(action, messages.CancelWatch):
             self.cancel(action.id)
-        elif isinstance(action, messages.Pause):
-            left = remaining(self.deadline)
-            seconds = action.seconds if left is None else min(action.seconds, left)
-            self.pauses[action.id] = time.monotonic() + seconds
+        elif isinstance(action, messages.Pause):  # the deadline, which comes first, cuts it
+            self.pauses[action.id] = time.monotonic() + action.seconds
         elif isinstance(action, messages.Note):
             yield from self.noting(action)
         if isinstance(action, messages.CancelWatch | messages.Pause | messages.Note):
@@ -305,6 +303,8 @@ class Driver(Generic[W]):
                 value = sema.identity.entering().to_json()
                 txn = codec.enqueue_call(action, sema.prefix, sema.max, value)
                 return codec.enqueue_answer(action, (yield txn), value)
+            if isinstance(action, messages.ReadStanding):
+                return codec.standing_answer(action, (yield from sema._standing(action)))
             if isinstance(action, messages.ReadKeys):
                 return codec.keys_answer(action, (yield from together(codec.keys_reads(action))))
             if isinstance(action, messages.Touch):
@@ -321,23 +321,14 @@ class Driver(Generic[W]):
             return codec.failed(action.id, exc)
 
     def noting(self, note: messages.Note) -> Steps[None]:
-        """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead_request``)."""
+        """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead``)."""
         sema, fields = self.sema, dict(note.fields)
         if note.event == "queued":
             fields = {"max": sema.max, **fields}
             if "ahead" not in note.fields:
-                revision = int(str(note.fields["rev"]))
-                try:
-                    try:
-                        request = codec.count_ahead_request(sema.prefix, revision)
-                        ahead = codec.count_ahead((yield codec.Call("kv", "Range", request)))
-                    except Compacted:
-                        request = codec.count_ahead_request(sema.prefix, revision, compacted=True)
-                        answer = yield codec.Call("kv", "Range", request)
-                        ahead = codec.count_ahead(answer, compacted=True)
+                with contextlib.suppress(EtcdError, Interrupted):  # said without the count, then
+                    ahead = yield from codec.count_ahead(sema.prefix, int(str(note.fields["rev"])))
                     fields.update(position=ahead + 1, ahead=ahead)
-                except (EtcdError, Interrupted):
-                    pass
         if note.event == "spread-busy":
             fields = {"host": sema.identity.host, **fields}
         emit = log.warning if note.warning else log.info
@@ -426,20 +417,14 @@ class _Wait(Driver[Watch]):
         lost = self.on_session(session.lease_id)
         self.forget.append(session.lost.add_callback(lambda flag: lost(flag.reason)))
 
-    def _next_input(self, timeout: float | None) -> messages.Input | None:
-        try:
-            item = self.box.get(timeout=3600.0 if timeout is None else min(timeout, 3600.0))
-        except queue.Empty:
-            return None
-        return self.input(item)
-
     def _act(self, action: Any) -> messages.Input | None:
         sema, interrupt = self.sema, self.interrupt
         if isinstance(action, Next):
-            return self._next_input(action.timeout)
-        if isinstance(action, messages.ReadStanding):
-            read = sema._standing(action.key, action.revision, interrupt)
-            return codec.standing_answer(action, read)
+            wait = 3600.0 if action.timeout is None else min(action.timeout, 3600.0)
+            try:
+                return self.input(self.box.get(timeout=wait))
+            except queue.Empty:
+                return None
         if isinstance(action, messages.OpenSession):
             session = self.session = Session(self.client, sema.ttl, interrupt)
             self._subscribe(session)
@@ -501,12 +486,10 @@ def drive(
 
 
 def send(client: Client, call: codec.Call, interrupt: Flag | None = None) -> Any:
-    """``call`` by the etcd layer's call for it (``kv.txn``, ``kv.range_``, ``client.call``);
+    """``call`` by the etcd layer's call for it (``kv.txn`` or ``kv.range_``);
     ``interrupt`` ends it unless it has a timeout of its own."""
     request, interrupt = call.request, interrupt if call.timeout is None else None
     if isinstance(request, rpc_pb2.TxnRequest):
         compare, success, failure = list(request.compare), list(request.success), request.failure
         return kv.txn(client, compare, success, list(failure), call.timeout, interrupt)
-    if isinstance(request, rpc_pb2.RangeRequest):
-        return kv.range_(client, request, call.timeout, interrupt)
-    return client.call(call.service, call.method, request, call.timeout, interrupt=interrupt)
+    return kv.range_(client, request, call.timeout, interrupt)

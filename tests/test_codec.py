@@ -128,13 +128,21 @@ def test_a_pinned_standing_read_whose_window_holds_our_key_reads_one_range() -> 
 
 
 def test_the_keys_ahead_are_counted_by_etcd_and_read_only_when_that_revision_is_compacted() -> None:
-    counted = codec.count_ahead_request(PREFIX, 9)
+    counting = codec.count_ahead(PREFIX, 9)
+    counted = next(counting).request
+    assert isinstance(counted, rpc_pb2.RangeRequest)
     assert counted.count_only and counted.revision == 8 and not counted.max_create_revision
-    assert codec.count_ahead(rpc_pb2.RangeResponse(count=4)) == 4
-    read = codec.count_ahead_request(PREFIX, 9, compacted=True)
+    with pytest.raises(StopIteration) as stop:
+        counting.send(rpc_pb2.RangeResponse(count=4))
+    assert stop.value.value == 4
+    counting = codec.count_ahead(PREFIX, 9)
+    next(counting)
+    read = counting.throw(Compacted("compacted", 9)).request
+    assert isinstance(read, rpc_pb2.RangeRequest)
     assert read.keys_only and read.max_create_revision == 8 and not read.revision
-    found = rpc_pb2.RangeResponse(count=7, kvs=[kv_pb2.KeyValue(key=KEY)] * 2)
-    assert codec.count_ahead(found, compacted=True) == 2
+    with pytest.raises(StopIteration) as stop:
+        counting.send(rpc_pb2.RangeResponse(count=7, kvs=[kv_pb2.KeyValue(key=KEY)] * 2))
+    assert stop.value.value == 2
 
 
 def test_the_standing_reads_are_the_window_and_our_key_with_the_one_ahead() -> None:
@@ -215,7 +223,7 @@ def test_the_touch_re_puts_our_key_if_it_is_still_ours() -> None:
     assert (txn.compare[0].target, txn.compare[0].create_revision) == (rpc_pb2.Compare.CREATE, 7)
     assert txn.success[0].request_put == rpc_pb2.PutRequest(key=KEY, value=b"v", lease=0x51)
     refused = rpc_pb2.TxnResponse(header=header(8), succeeded=False)
-    assert codec.touch_answer(m.Touch(2, KEY, 7, b"v", 0x51), refused) == m.TouchAnswer(2, 8, False)
+    assert codec.touch_answer(m.Touch(2, KEY, 7, b"v", 0x51), refused) == m.TouchAnswer(2, False)
 
 
 class Notice(NamedTuple):
@@ -230,10 +238,10 @@ def test_watch_notices_become_the_machine_s_inputs() -> None:
         3, revision=9, created=True
     )
     broken = codec.watch_input(3, Notice(error=Compacted("compacted", 4)))
-    assert broken.ended and broken.compacted
+    assert broken.ended and broken.detail == str(Compacted("compacted", 4))
     deleted = kv_pb2.Event(type=kv_pb2.Event.DELETE, kv=kv_pb2.KeyValue(key=KEY, mod_revision=11))
     assert codec.watch_input(3, Notice(revision=11, events=(deleted,))) == m.Watched(
-        3, [m.Event(m.EventType.DELETE, m.KeyRev(KEY, 0, 11))], 11
+        3, [m.Event(True, m.KeyRev(KEY, 0, 11))], 11
     )
     key, end, only_deletes = codec.watch_range(m.OpenWatch(4, PREFIX, prefix=True))
     assert (key, end, only_deletes) == (PREFIX, b"/conch/v1/sema/x/10", True)

@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
+from conch.core import codec
+from conch.core import messages as m
 from conch.etcd import Client, Endpoint, kv
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
-from conch.semaphore import Semaphore
+from conch.semaphore import Semaphore, Steps
 from tests.conftest import (
     DEADLINE,
     Conch,
@@ -710,8 +712,8 @@ class CompactingSemaphore(Semaphore):
 
     compactions = 0
 
-    def _standing(self, key: bytes, revision: int, interrupt: Flag) -> kv.TxnResponse:
-        standing = super()._standing(key, revision, interrupt)
+    def _standing(self, action: m.ReadStanding) -> Steps[codec.Together]:
+        standing = yield from super()._standing(action)
         if self.compactions == 0:  # its first read: it waits behind the holder
             self.compactions += 1
             for i in range(3):

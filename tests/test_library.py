@@ -153,7 +153,7 @@ def _acquire_in_thread(
 
 def _idle(thread_name: str, boxes: list[Any]) -> bool:
     """The thread named ``thread_name`` is blocked on its acquire's mailbox (in
-    ``_next_input``), and nothing is in ``boxes``: it has made every request its last input
+    ``_act``), and nothing is in ``boxes``: it has made every request its last input
     called for and makes none until the next one comes. Under a loaded machine a waiter can
     still be on its way there (a gap check after its watch was confirmed) when the events a
     test waits for have all happened."""
@@ -163,7 +163,7 @@ def _idle(thread_name: str, boxes: list[Any]) -> bool:
     frame = sys._current_frames().get(idents[0])
     return (
         frame is not None
-        and frame.f_code.co_name == "_next_input"
+        and frame.f_code.co_name == "_act"
         and "box.get(" in (linecache.getline(frame.f_code.co_filename, frame.f_lineno))
         and all(box.empty() for box in boxes)
     )

@@ -43,7 +43,7 @@ def mine(create: int) -> m.KeyRev:
 
 
 def deleted(key: m.KeyRev, at: int) -> m.Event:
-    return m.Event(m.EventType.DELETE, m.KeyRev(key.key, key.create_revision, at))
+    return m.Event(True, m.KeyRev(key.key, key.create_revision, at))
 
 
 A = TypeVar("A")
@@ -114,7 +114,7 @@ def test_in_the_window_it_watches_deletions_under_the_prefix_and_touches_once() 
     watch, touch = only(actions, m.OpenWatch), only(actions, m.Touch)
     assert isinstance(watch, m.OpenWatch) and watch.key == PREFIX and watch.prefix
     assert isinstance(touch, m.Touch) and (touch.key, touch.revision, touch.value) == (ME, 10, b"v")
-    assert waiter.feed(m.TouchAnswer(touch.id, 11, True)) == []
+    assert waiter.feed(m.TouchAnswer(touch.id, True)) == []
 
 
 def test_the_release_event_itself_hands_the_slot_over_with_no_request() -> None:
@@ -146,7 +146,7 @@ def test_deletions_behind_us_and_puts_do_not_move_us_up() -> None:
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     behind = kr("z", 20)
-    put = m.Event(m.EventType.PUT, kr("h", 3, 30))
+    put = m.Event(False, kr("h", 3, 30))
     assert waiter.feed(m.Watched(watch.id, [deleted(behind, 21), put], 30)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
 
@@ -159,7 +159,7 @@ def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() 
     watch = only(actions, m.OpenWatch)
     assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
     assert not any(isinstance(a, m.Touch) for a in actions)
-    (read,) = waiter.feed(m.Watched(watch.id, [m.Event(m.EventType.PUT, kr("w3", 6, 11))], 11))
+    (read,) = waiter.feed(m.Watched(watch.id, [m.Event(False, kr("w3", 6, 11))], 11))
     assert isinstance(read, m.ReadStanding)  # the read first, the cancel after it
     window = [*ahead[1:3], ahead[3], mine(10)]
     actions = waiter.feed(m.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
@@ -190,7 +190,7 @@ def test_a_watch_created_after_a_change_is_caught_by_the_gap_check() -> None:
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     (check,) = waiter.feed(m.Watched(watch.id, revision=15, created=True))
     assert isinstance(check, m.ReadKeys) and list(check.keys) == [holder.key, ME]
-    actions = waiter.feed(m.KeysAnswer(check.id, 15, [None, mine(10)]))  # the holder left
+    actions = waiter.feed(m.KeysAnswer(check.id, [None, mine(10)]))  # the holder left
     assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
 
 
@@ -199,14 +199,14 @@ def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
-    assert waiter.feed(m.KeysAnswer(check.id, 15, [holder, mine(10)])) == []
+    assert waiter.feed(m.KeysAnswer(check.id, [holder, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW
 
 
 def test_a_broken_watch_reads_the_standing_again() -> None:
     waiter, enqueue = private(1)
     watch = only(queued(waiter, enqueue, [kr("h", 3)]), m.OpenWatch)
-    actions = waiter.feed(m.Watched(watch.id, ended=True, compacted=True, detail="compacted"))
+    actions = waiter.feed(m.Watched(watch.id, ended=True, detail="compacted"))
     assert kinds(actions) == [m.ReadStanding]
 
 
@@ -463,7 +463,7 @@ def test_a_gap_check_answered_after_an_event_moved_us_up_judges_the_keys_still_w
     watch = only(queued(waiter, enqueue, [a, b, c]), m.OpenWatch)
     check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
     assert waiter.feed(m.Watched(watch.id, [deleted(a, 16)], 16)) == []
-    assert waiter.feed(m.KeysAnswer(check.id, 16, [None, b, c, mine(10)])) == []
+    assert waiter.feed(m.KeysAnswer(check.id, [None, b, c, mine(10)])) == []
     assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
 
 
@@ -478,7 +478,7 @@ def test_a_release_before_the_gap_check_answers_never_holds_a_key_gone_in_the_ga
     check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
     assert waiter.feed(m.Watched(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
-    actions = waiter.feed(m.KeysAnswer(check.id, 16, [None, None]))  # both gone: ours in the gap
+    actions = waiter.feed(m.KeysAnswer(check.id, [None, None]))  # both gone: ours in the gap
     assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
     assert waiter.outcome is None
     read = only(actions, m.ReadStanding)
@@ -495,7 +495,7 @@ def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answer
     check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
     assert waiter.feed(m.Watched(watch.id, [deleted(holder, 16)], 16)) == []
     assert waiter.outcome is None
-    assert waiter.feed(m.KeysAnswer(check.id, 16, [None, mine(10)])) == []
+    assert waiter.feed(m.KeysAnswer(check.id, [None, mine(10)])) == []
     held = waiter.outcome
     assert isinstance(held, m.Held)
     assert (held.held_at, held.retire) == (16, (watch.id,))
@@ -546,9 +546,9 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
         me = [mine(action.revision)] if rng.random() < 0.9 else []
         return m.StandingAnswer(action.id, revision, [*ahead, *me][:5], [*me, *ahead[-1:]])
     if isinstance(action, m.ReadKeys):
-        return m.KeysAnswer(action.id, revision, [rng.choice([None, *keys]) for _ in action.keys])
+        return m.KeysAnswer(action.id, [rng.choice([None, *keys]) for _ in action.keys])
     if isinstance(action, m.Touch):
-        return m.TouchAnswer(action.id, revision, rng.random() < 0.8)
+        return m.TouchAnswer(action.id, rng.random() < 0.8)
     if isinstance(action, m.CheckLease):
         return m.LeaseAnswer(action.id, rng.choice([-1, 5]))
     if isinstance(action, m.Withdraw):
@@ -561,8 +561,7 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
         if rng.random() < 0.1:
             return m.Watched(action.id, ended=True)
         key = rng.choice([*keys, mine(10)])
-        kind = rng.choice(list(m.EventType))
-        return m.Watched(action.id, [m.Event(kind, key)], revision)
+        return m.Watched(action.id, [m.Event(rng.random() < 0.5, key)], revision)
     raise AssertionError(action)
 
 
@@ -590,7 +589,7 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
                     m.DeadlineReached(),
                     m.Over(rng.randint(1, 40)),
                     m.Over(rng.randint(1, 40)),
-                    m.Watched(rng.randint(1, 40), [m.Event(m.EventType.DELETE, mine(10))], 9),
+                    m.Watched(rng.randint(1, 40), [m.Event(True, mine(10))], 9),
                     m.Failed(rng.randint(1, 40), m.Failure.UNREACHABLE),
                     None,
                 ]

@@ -65,8 +65,6 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
                 return self.input(await asyncio.wait_for(self.box.get(), action.timeout))
             except TimeoutError:
                 return None
-        if isinstance(action, messages.ReadStanding):
-            return await sema._read_standing(action, interrupted)
         if isinstance(action, messages.OpenSession):
             session = await Session(sema.client, sema.ttl)._open(interrupted)
             self.sessions[session.lease_id] = session
@@ -182,13 +180,6 @@ class Semaphore(recipe.Recipe):
         except BaseException:
             unclaim()
             raise
-
-    async def _read_standing(
-        self, action: messages.ReadStanding, interrupt: asyncio.Event
-    ) -> messages.StandingAnswer:
-        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
-        read = recipe.together(codec.standing_reads(action, self.prefix, self.max))
-        return codec.standing_answer(action, await drive(self.client.sync, read, interrupt))
 
 
 async def who(client: Client, name: str, max_holders: int | None = None) -> list[Record]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,7 +129,7 @@ def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
 def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
     """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
     kvs = [key_rev(r.kvs[0]) if r.kvs else None for r in read.responses]
-    return messages.KeysAnswer(action.id, read.revision, kvs)
+    return messages.KeysAnswer(action.id, kvs)
 
 
 class ReadPlan(enum.Enum):
@@ -205,13 +205,12 @@ class ReadTogether:
 
     def answer(self, response: rpc_pb2.TxnResponse | rpc_pb2.RangeResponse) -> None:
         """The response to the last ``next_call``."""
+        if not self._answers:  # the first read fixes the revision the others are pinned to
+            self._revision = int(response.header.revision)
         if isinstance(response, rpc_pb2.TxnResponse):
-            self._revision = int(response.header.revision)
             self._answers = [r.response_range for r in response.responses]
-            return
-        if not self._answers:
-            self._revision = int(response.header.revision)
-        self._answers.append(response)
+        else:
+            self._answers.append(response)
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
@@ -241,7 +240,7 @@ def touch_call(key: bytes, revision: int, value: bytes, lease_id: int) -> Call:
 
 def touch_answer(action: messages.Touch, response: rpc_pb2.TxnResponse) -> messages.TouchAnswer:
     """The TxnResponse to ``touch_call`` as TouchAnswer."""
-    return messages.TouchAnswer(action.id, int(response.header.revision), bool(response.succeeded))
+    return messages.TouchAnswer(action.id, bool(response.succeeded))
 
 
 def withdraw_call(action: messages.Withdraw) -> Call:
@@ -259,22 +258,18 @@ def withdraw_call(action: messages.Withdraw) -> Call:
     return _txn([compare], [kv.op_delete(action.key)])
 
 
-def count_ahead_request(
-    prefix: bytes, revision: int, compacted: bool = False
-) -> rpc_pb2.RangeRequest:
-    """A Range for the ``queued`` log line's count of the keys ahead of ours (created at
-    ``revision``): the count under ``prefix`` just before it (count_only at ``revision - 1``),
-    one number however long the queue. ``compacted``, that revision being compacted: the keys
-    created before ours that are still there, keys only (etcd's count ignores the
-    max_create_revision filter). Decode it with ``count_ahead``."""
-    if compacted:
-        return kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
-    return kv.prefix_request(prefix, count_only=True, revision=revision - 1)
-
-
-def count_ahead(response: rpc_pb2.RangeResponse, compacted: bool = False) -> int:
-    """The keys ahead, from the answer to ``count_ahead_request``."""
-    return len(response.kvs) if compacted else int(response.count)
+def count_ahead(prefix: bytes, revision: int) -> Generator[Call, rpc_pb2.RangeResponse, int]:
+    """The ``queued`` log line's count of the keys ahead of ours (created at ``revision``),
+    as steps: yields each KV.Range, is sent its response (or thrown its error). The count
+    under ``prefix`` just before ours (count_only at ``revision - 1``), one number however
+    long the queue; that revision compacted, the keys created before ours that are still
+    there, keys only (etcd's count ignores the max_create_revision filter)."""
+    try:
+        counted = kv.prefix_request(prefix, count_only=True, revision=revision - 1)
+        return int((yield Call("kv", "Range", counted)).count)
+    except Compacted:
+        found = kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
+        return len((yield Call("kv", "Range", found)).kvs)
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:
@@ -302,15 +297,10 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Watched:
     """A notice of watch ``watch_id`` as the machine's input: ended (compacted, or given
     up), created, or its events."""
     if notice.error is not None:
-        compacted = isinstance(notice.error, Compacted)
-        return messages.Watched(watch_id, ended=True, compacted=compacted, detail=str(notice.error))
+        return messages.Watched(watch_id, ended=True, detail=str(notice.error))
     if notice.created:
         return messages.Watched(watch_id, revision=notice.revision, created=True)
-    delete, put = messages.EventType.DELETE, messages.EventType.PUT
-    events = [
-        messages.Event(delete if e.type == kv_pb2.Event.DELETE else put, key_rev(e.kv))
-        for e in notice.events
-    ]
+    events = [messages.Event(e.type == kv_pb2.Event.DELETE, key_rev(e.kv)) for e in notice.events]
     return messages.Watched(watch_id, events, notice.revision)
 
 
@@ -322,9 +312,6 @@ _FAILURES: tuple[tuple[type[EtcdError], messages.Failure], ...] = (
     (Compacted, messages.Failure.UNREACHABLE),
     (LeaseNotFound, messages.Failure.LEASE_NOT_FOUND),
 )
-# etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
-_NO_SPACE_CODE = "RESOURCE_EXHAUSTED"
-_NO_SPACE_TEXT = "database space exceeded"
 
 
 def failure(error: EtcdError) -> messages.Failure:
@@ -332,7 +319,8 @@ def failure(error: EtcdError) -> messages.Failure:
     for kind, named in _FAILURES:
         if isinstance(error, kind):
             return named
-    if error.code == _NO_SPACE_CODE or _NO_SPACE_TEXT in str(error):
+    # etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
+    if error.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(error):
         return messages.Failure.NO_SPACE
     return messages.Failure.OTHER
 

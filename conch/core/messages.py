@@ -24,16 +24,12 @@ class KeyRev:
     mod_revision: int  # changes with every put (a touch)
 
 
-class EventType(enum.Enum):
-    PUT = "put"
-    DELETE = "delete"
-
-
 @dataclass(frozen=True)
 class Event:
-    """A put or a deletion of ``kv.key`` at ``kv.mod_revision`` (a deletion's own revision)."""
+    """A put (or, ``deleted``, a deletion) of ``kv.key`` at ``kv.mod_revision`` (a
+    deletion's own revision)."""
 
-    type: EventType
+    deleted: bool
     kv: KeyRev
 
 
@@ -53,7 +49,7 @@ class Tagged:
     id: int
 
 
-# -- inputs: the action an answer answers names it; its ``revision`` is the header's -------
+# -- inputs: the action an answer answers names it; a ``revision`` is the header's ---------
 
 
 @dataclass(frozen=True)
@@ -82,13 +78,11 @@ class StandingAnswer(Tagged):
 
 @dataclass(frozen=True)
 class KeysAnswer(Tagged):
-    revision: int
     kvs: Sequence[KeyRev | None]  # each key in the order asked, None when absent
 
 
 @dataclass(frozen=True)
 class TouchAnswer(Tagged):
-    revision: int
     succeeded: bool  # false when our key is gone (the compare failed)
 
 
@@ -114,13 +108,12 @@ class Failed(Tagged):
 class Watched(Tagged):
     """A notice of watch ``id``: its ``events`` (in revision order), or ``created``: etcd
     confirmed it (it covers the revisions after ``revision``), or ``ended``: its start
-    revision was ``compacted``, or its stream gave up (``detail``)."""
+    revision was compacted, or its stream gave up (``detail`` says which)."""
 
     events: Sequence[Event] = ()
     revision: int = 0
     created: bool = False
     ended: bool = False
-    compacted: bool = False
     detail: str = ""
 
 

@@ -317,7 +317,7 @@ class Waiter:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us
         up; the one that leaves fewer than N ahead means we hold at its revision. A deletion
         of our own key (in the same ordered stream) before that is a lost place."""
-        deletions = [e.kv for e in event.events if e.type == m.EventType.DELETE]
+        deletions = [e.kv for e in event.events if e.deleted]
         if any(kv.key == self.key for kv in deletions):
             return self._place_lost("our key was deleted while queued")
         for deleted in deletions:
@@ -344,7 +344,7 @@ class Waiter:
             e.kv.key
             for held in held_back
             for e in held.events
-            if e.type == m.EventType.DELETE and e.kv.key != self.key
+            if e.deleted and e.kv.key != self.key
         }
         if not any(
             then.key in still

@@ -1,7 +1,11 @@
 """The key schema (contract section 5): the only module that knows ``/conch/v1``.
 
 /conch/v1/sema/<name>/<max>/<lease-id>   one leased key per holder or waiter
+/conch/v1/sema/<name>/<max>/<lease-id>-<n>  more holds of one semaphore on one session
 /conch/v1/sema/<name>/<max>/<host>       the same with --spread
+
+Every reader ranks the keys under ``<name>/<max>/`` by create_revision and takes the lease
+from the key's own lease field, never from its name: the ``-<n>`` form reads as any other.
 """
 
 from __future__ import annotations

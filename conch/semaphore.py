@@ -104,18 +104,20 @@ class Recipe:
             return keys.spread_key(self.name, self.max, self.identity.host)
         return keys.holder_key(self.name, self.max, lease_id)
 
-    def _claim(self, session: Any, timeout: float | None) -> Callable[[], None]:
-        """The checks before any etcd call, and our key claimed on a shared ``session``: the
-        function that lets go of it (a wait that ends without a hold calls it)."""
+    def _claim(
+        self, session: Any, timeout: float | None
+    ) -> tuple[bytes | None, Callable[[], None]]:
+        """The checks before any etcd call, and our key claimed on a shared ``session`` (None
+        without one): the key, and the function that lets go of it (a wait that ends without
+        a hold calls it)."""
         if timeout is not None:
             check_timeout("timeout", timeout, zero=True)
         if session is None:
-            return lambda: None
+            return None, lambda: None
         if session.client is not self.client:
             raise UsageError("session: belongs to another client than the semaphore")
-        key = self._key(session.lease_id)
-        session._claim(key)
-        return lambda: session._unclaim(key)
+        key = session._claim(self._key(session.lease_id), many=not self.spread)
+        return key, lambda: session._unclaim(key)
 
 
 @dataclass(frozen=True)
@@ -154,17 +156,19 @@ class Semaphore(Recipe):
         ``session``: a ``conch.Session`` of this client to hold the slot on, shared with
         other holds (``ttl`` is then the session's). Without it the hold gets a lease of
         its own. On a shared session a loss while queued raises SessionLost (a new lease
-        is the caller's call, not ours); a second wait for this semaphore on the same
-        session raises UsageError while the first waits or holds.
+        is the caller's call, not ours). Any number of waits for this semaphore may share
+        one session, each its own key on the lease (``<lease-id>``, ``<lease-id>-1``, ...),
+        one Txn to queue and one delete to release; with ``spread`` (one key per host) a
+        second raises UsageError while the first waits or holds.
 
         ``guard=False`` returns the Hold with its guard (the watch on our key, the touch that
         moves the next waiter up) not yet started: the caller must call
         ``hold.start_guard()`` at once (the supervisor does, just after the child's spawn).
         Until then a loss of the session is noticed, a deletion of our key only later.
         """
-        unclaim = self._claim(session, timeout)
+        key, unclaim = self._claim(session, timeout)
         try:
-            hold = _Wait(self, timeout, interrupt or Flag("interrupt"), session).run()
+            hold = _Wait(self, timeout, interrupt or Flag("interrupt"), session, key).run()
         except BaseException:
             unclaim()
             raise
@@ -209,12 +213,14 @@ W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
 
 
 class Driver(Generic[W]):
-    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (on a
-    ``shared`` session's lease, else on private sessions), its watches, deadline and pauses,
-    the queue ``box`` of what arrives from elsewhere (drained before each step: no event
-    waits behind a slow call), the ``steps`` that drive it and what its outcome means."""
+    """What both faces' drivers of one ``waiter.Waiter`` share: the machine (as our claimed
+    ``key`` on a ``shared`` session's lease, else on private sessions), its watches, deadline
+    and pauses, the queue ``box`` of what arrives from elsewhere (drained before each step: no
+    event waits behind a slow call), the ``steps`` that drive it and what its outcome means."""
 
-    def __init__(self, sema: Recipe, shared: Any, timeout: float | None, box: Any) -> None:
+    def __init__(
+        self, sema: Recipe, shared: Any, key: bytes | None, timeout: float | None, box: Any
+    ) -> None:
         self.sema = sema
         self.shared = shared
         self.box = box
@@ -225,7 +231,6 @@ class Driver(Generic[W]):
         self.forget: list[Callable[[], None]] = []  # subscriptions to remove at the end
         lease_id = None if shared is None else shared.lease_id
         self.current_lease = lease_id or 0
-        key = None if lease_id is None else sema._key(lease_id)
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
 
@@ -383,9 +388,14 @@ class _Wait(Driver[Watch]):
     box: queue.SimpleQueue[Any]
 
     def __init__(
-        self, sema: Semaphore, timeout: float | None, interrupt: Flag, shared: Session | None
+        self,
+        sema: Semaphore,
+        timeout: float | None,
+        interrupt: Flag,
+        shared: Session | None,
+        key: bytes | None,
     ) -> None:
-        super().__init__(sema, shared, timeout, queue.SimpleQueue())
+        super().__init__(sema, shared, key, timeout, queue.SimpleQueue())
         self.client = sema.client
         self.interrupt = interrupt
         self.session = shared  # the session our key is on (a private one once opened)

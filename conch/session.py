@@ -156,6 +156,7 @@ class SessionBase(Generic[KeeperT]):
         self._keeper: KeeperT | None = None
         self._claims: set[bytes] = set()
         self._claims_lock = threading.Lock()
+        self._suffix = 0  # the last suffix given to a second key of one semaphore
 
     def _keep(self, keeper: KeeperT) -> None:
         keeper.execute(keeper.machine.start())  # RuntimeError: no keepalive thread to be had
@@ -199,15 +200,22 @@ class SessionBase(Generic[KeeperT]):
         keepalive not run out (a process frozen past its TTL fails this)."""
         return self._kept.machine.certainly_alive(time.monotonic())
 
-    def _claim(self, key: bytes) -> None:
-        # Two holds of one semaphore on one lease would be one key, as with etcd's Mutex.
+    def _claim(self, key: bytes, many: bool) -> bytes:
+        """Our key on this lease: ``key``, or with ``many`` (a key named by the lease, so any
+        number of holds of one semaphore fit on one session) the first free of ``key``,
+        ``key-1``, ``key-2``, ... Raises UsageError for a second ``key`` without ``many``."""
         with self._claims_lock:
-            if key in self._claims:
-                raise UsageError(
-                    f"session {self.lease_id:x} already waits for or holds {key.decode()!r}: "
-                    "one hold per semaphore per session; use another session"
-                )
-            self._claims.add(key)
+            claimed = key
+            while claimed in self._claims:
+                if not many:  # --spread: one key per host, so one hold per session
+                    raise UsageError(
+                        f"session {self.lease_id:x} already waits for or holds "
+                        f"{key.decode()!r}: one spread hold per semaphore per session"
+                    )
+                self._suffix += 1
+                claimed = key + b"-%d" % self._suffix
+            self._claims.add(claimed)
+            return claimed
 
     def _unclaim(self, key: bytes) -> None:
         with self._claims_lock:
@@ -225,9 +233,8 @@ class Session(SessionBase[_Keeper], contextlib.AbstractContextManager["Session"]
     (``on_expired``), the session and a waiter on it live on. ``close()`` (or leaving
     ``with``) revokes the lease: every key on it goes at once; one dropped unclosed is
     revoked when collected (ResourceWarning). Shared (``Semaphore.acquire(session=...)``), a
-    hold releases by deleting its own key and the session's loss loses every hold on it; one
-    key per semaphore (a second acquire of it raises UsageError while the first holds or
-    waits)::
+    hold releases by deleting its own key and the session's loss loses every hold on it, of
+    every semaphore at once; holds of one semaphore are keys of their own on the lease::
 
         with conch.Session(client, ttl=10) as session:
             with sema_a.acquire(timeout=5, session=session), sema_b.acquire(session=session):

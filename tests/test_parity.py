@@ -465,14 +465,42 @@ def test_holds_share_one_session_lease_and_release_only_their_own_key(
             first = await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
             second = await face.acquire(face.semaphore(fclient, other, max=2), 10, session)
             assert first.lease_id == second.lease_id == session.lease_id
-            with pytest.raises(conch.UsageError):  # one key per semaphore per session
-                await face.acquire(face.semaphore(fclient, name, max=1), 10, session)
             await face.release(first)
             assert sema_keys(client, name) == []
             assert [k.lease for k in sema_keys(client, other)] == [session.lease_id]
             await face.check(second)
         # Closing the session revokes its lease: the hold left on it goes too.
         assert sema_keys(client, other) == []
+
+    run(face, scenario)
+
+
+def test_waiters_of_one_semaphore_on_one_session_queue_as_keys_of_its_lease_in_order(
+    face: Face, client: Client, name: str
+) -> None:
+    """Three acquires of one semaphore at max 2 on one session: three keys on its one lease;
+    the third holds once the first releases, and each release deletes its own key only."""
+
+    async def scenario(fclient: Any) -> None:
+        async with face.session(fclient) as session:
+            sema = face.semaphore(fclient, name, max=2)
+            first = await face.acquire(sema, 10, session)
+            second = await face.acquire(sema, 10, session)
+            third = asyncio.ensure_future(face.acquire(sema, 30, session))
+            await _poll(lambda: len(sema_keys(client, name)) == 3, "the third key queued")
+            queued = sema_keys(client, name)
+            assert {k.lease for k in queued} == {session.lease_id}
+            assert len({k.key for k in queued}) == 3
+            assert not third.done(), "a third hold at max 2"
+            await face.release(first)
+            last = await asyncio.wait_for(third, DEADLINE)
+            assert first.revision < second.revision < last.revision
+            await face.check(second)
+            await face.release(second)
+            assert [k.create_revision for k in sema_keys(client, name)] == [last.revision]
+            await face.release(last)
+            assert sema_keys(client, name) == []
+        assert lease.time_to_live(client, session.lease_id) == -1
 
     run(face, scenario)
 

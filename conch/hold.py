@@ -21,10 +21,10 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.core import guard as g
 from conch.core.loss import Loss, LossReason
-from conch.core.messages import Held, KeyRev, Note, TouchOwed
+from conch.core.messages import Held, KeyRev, Note
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
-from conch.etcd.client import Backoff, Client
+from conch.etcd.client import Backoff
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
 from conch.session import Session, SessionBase
@@ -39,13 +39,6 @@ WITHDRAW_TIMEOUT = 1.0
 
 SessionT = TypeVar("SessionT", bound=SessionBase[Any])
 Soon = Callable[[Callable[[], None]], object]  # runs a function soon, on the face's thread
-
-
-def delete_own_key(client: Client, key: bytes, revision: int, timeout: float | None = None) -> bool:
-    """Delete ``key`` if its create_revision is still ``revision`` (one KV.Txn: a key made
-    since by someone else is left alone); whether it was ours. Raises EtcdError."""
-    compare = [kv.create_revision_is(key, revision)]
-    return bool(kv.txn(client, compare, [kv.op_delete(key)], [], timeout=timeout).succeeded)
 
 
 @dataclass(frozen=True)
@@ -108,7 +101,7 @@ class GuardedHold(Generic[SessionT]):
         self._scheduler = scheduler
         self._fed = weakly(self._feed)
         # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
-        expired = functools.partial(self._fed, self._guard.session_expired)
+        expired = functools.partial(self._fed, self._guard.session_ended)
         self._forgets: list[Callable[[], None]] = [listen(session._kept.expiry_listeners, expired)]
         self._revoked_after_loss = False
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
@@ -193,7 +186,7 @@ class GuardedHold(Generic[SessionT]):
         reason = said.reason if isinstance(said, Flag) else said
         if not isinstance(reason, Loss):
             reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
-        self._execute(self._guard.session_lost(reason))
+        self._execute(self._guard.session_ended(reason, lost=True))
 
     def _feed(self, input: Callable[..., list[g.GuardAction]], *args: Any) -> None:
         self._execute(input(*args))
@@ -203,14 +196,13 @@ class GuardedHold(Generic[SessionT]):
             if isinstance(action, g.GuardAfter):
                 due = functools.partial(self._fed, self._guard.step, action.step)
                 self._scheduler.call_later(action.seconds, due)
-            elif isinstance(action, g.GuardLost):
-                loss = action.loss
+            elif isinstance(action, Loss):
                 if self._warn_on_loss:
-                    log.warning("lost", name=self.name, rev=self.revision, reason=str(loss))
+                    log.warning("lost", name=self.name, rev=self.revision, reason=str(action))
                 # A lost hold has nothing left to watch, released or not (the watch would
                 # otherwise stay on the client's stream for as long as the Hold is kept).
                 _cancel_all(self._watches)
-                self._set_lost(loss)
+                self._set_lost(action)
             elif isinstance(action, Note):
                 emit = log.warning if action.warning else log.info
                 emit(action.event, name=self.name, **action.fields)
@@ -237,7 +229,7 @@ class GuardedHold(Generic[SessionT]):
         elif not failed:
             actions = guard.touched(step, int(answer.header.revision), bool(answer.succeeded))
         elif step in (g.GuardStep.WATCH_OWN_KEY, g.GuardStep.LOOK):
-            actions = guard.watch_failed()  # look_failed, the same input
+            actions = guard.watch_failed()
         else:
             actions = guard.touch_failed(step, str(answer))
         self._execute(actions)
@@ -252,21 +244,11 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
     dropped without release is released when collected, with a ResourceWarning."""
 
     def __init__(
-        self,
-        sema: Semaphore,
-        session: Session,
-        key: bytes,
-        revision: int,
-        value: bytes,
-        touch: TouchOwed = TouchOwed.NONE,
-        retire: Sequence[Watch] = (),
-        held_at: int = 0,
-        shared: bool = False,
+        self, sema: Semaphore, session: Session, held: Held, retire: Sequence[Watch], shared: bool
     ) -> None:
         self._client = client = sema.client
         self.lost = Flag("hold-lost")
         self._set_lost = self.lost.set
-        held = Held(key, session.lease_id, revision, held_at, value, touch)
         super().__init__(sema, session, held, shared, retire, timer_for(client))
         self._released = Flag("released")
         self._release_lock = threading.Lock()
@@ -386,7 +368,9 @@ def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     if not slot.shared:
         return slot.session.close(timeout=timeout)
     with deleting_own_key(slot):
-        delete_own_key(slot.session.client, slot.key, slot.revision, timeout)
+        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
+        ours = [kv.create_revision_is(slot.key, slot.revision)]
+        kv.txn(slot.session.client, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False
 

@@ -409,17 +409,7 @@ class _Wait(Driver[Watch]):
             held, retire = self.held(drive(self.client, self.steps(), self.interrupt, self._act))
             session, self.session = self.session, None  # the hold's now
             assert session is not None and session.lease_id == held.lease_id
-            return Hold(
-                self.sema,
-                session,
-                held.key,
-                held.revision,
-                held.value,
-                touch=held.touch,
-                retire=retire,
-                held_at=held.held_at,
-                shared=self.shared is not None,
-            )
+            return Hold(self.sema, session, held, retire, self.shared is not None)
         finally:
             self._clean_up()
 

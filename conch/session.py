@@ -15,7 +15,6 @@ from typing import Generic, TypeVar
 from conch import log
 from conch.core.loss import Loss
 from conch.core.session import SendKeepalive, SessionAction, SessionMachine, WakeAt
-from conch.core.session import keepalive_margin as keepalive_margin  # named here too
 from conch.errors import EtcdError, UsageError
 from conch.etcd import lease
 from conch.etcd.client import Client

@@ -20,13 +20,13 @@ from functools import partial
 
 from conch import etcd, hints, log, procs
 from conch.core.loss import Loss
+from conch.core.session import keepalive_margin
 from conch.errors import HoldLost, Interrupted, Outcome, UsageError, exit_code, exit_status
 from conch.etcd.client import Backoff
 from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
 from conch.procs import ChildExit, _Job, _on_exit, adopt_orphans, spawn
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
-from conch.session import keepalive_margin
 from conch.watchdog import Watchdog, failure, without_credentials
 
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]

@@ -10,11 +10,10 @@ from conch.core.guard import (
     GuardAction,
     GuardAfter,
     GuardCall,
-    GuardLost,
     GuardMachine,
     GuardStep,
 )
-from conch.core.loss import NOT_CONFIRMED, LossReason
+from conch.core.loss import NOT_CONFIRMED, Loss, LossReason
 from conch.core.messages import KeyRev, Note, TouchOwed
 
 
@@ -66,21 +65,21 @@ def test_a_notice_of_our_key_s_deletion_loses_the_hold_an_ended_watch_looks() ->
         GuardCall(GuardStep.WATCH_OWN_KEY, 32)
     ]
     (lost,) = guard.notice(ended=False)
-    assert isinstance(lost, GuardLost) and lost.loss.reason is LossReason.KEY_DELETED
+    assert isinstance(lost, Loss) and lost.reason is LossReason.KEY_DELETED
     assert guard.done and guard.notice(ended=False) == [] and guard.step(GuardStep.LOOK) == []
 
 
 def test_a_look_that_finds_another_key_in_our_place_loses_the_hold() -> None:
     (lost,) = machine().looked(KeyRev(b"k", 44, 44), revision=50)
-    assert isinstance(lost, GuardLost) and lost.loss.reason.slot_taken
+    assert isinstance(lost, Loss) and lost.reason.slot_taken
 
 
 def test_a_release_makes_the_deletion_no_loss_and_the_session_s_loss_is_kept_as_it_came() -> None:
     guard = machine()
     guard.release()
     assert guard.notice(ended=False) == [] and guard.looked(None, 5) == []
-    assert guard.session_expired(NOT_CONFIRMED) == []
+    assert guard.session_ended(NOT_CONFIRMED) == []
     other = machine()
-    (lost,) = other.session_expired(NOT_CONFIRMED)
-    assert isinstance(lost, GuardLost) and lost.loss.reason is LossReason.NO_KEEPALIVE
+    (lost,) = other.session_ended(NOT_CONFIRMED)
+    assert isinstance(lost, Loss) and lost.reason is LossReason.NO_KEEPALIVE
     assert other.write_refused() == []  # lost already: said once

@@ -14,6 +14,7 @@ import pytest
 from conch.core import guard as g
 from conch.core import messages as m
 from conch.core import waiter as r
+from conch.core.loss import Loss
 from conch.etcd.client import Backoff
 
 PREFIX = b"/p/"
@@ -411,7 +412,7 @@ def guard(owed: m.TouchOwed = m.TouchOwed.NONE) -> g.GuardMachine:
 
 
 def lost(actions: Sequence[g.GuardAction]) -> bool:
-    return [type(a) for a in actions] == [g.GuardLost]
+    return [type(a) for a in actions] == [Loss]
 
 
 def test_the_guard_plan_follows_what_the_hold_owes() -> None:

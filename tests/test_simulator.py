@@ -140,7 +140,7 @@ def test_the_schedules_explore_every_input_and_fault() -> None:
         "Lost",
         "GuardCall.TOUCH_DUE",
         "GuardCall.LOOK",
-        "GuardLost",
+        "Loss",
     ):
         assert counts[needed] >= 3, f"{needed}: {counts[needed]} in 200 schedules"
 

@@ -43,7 +43,7 @@ class GuardCall:
     """A call to etcd, by ``step``. A touch: re-put our key if its create_revision is still
     ours (one KV.Txn, the value on our lease); answer ``touched(step, revision, succeeded)``
     or ``touch_failed(step, detail)``. LOOK: Range our key; answer ``looked(found,
-    revision)`` (found None when absent; the header's revision), ``look_failed()`` without
+    revision)`` (found None when absent; the header's revision), ``watch_failed()`` without
     one. WATCH_OWN_KEY: cancel the guard's watches, watch our key's deletions from revision
     ``start``; ``watch_failed()`` if it cannot be opened, its notices to ``notice(ended)``."""
 
@@ -51,14 +51,8 @@ class GuardCall:
     start: int = 0
 
 
-@dataclass(frozen=True)
-class GuardLost:
-    """The hold is lost with ``loss``: set the Hold's loss (cancel its watches)."""
-
-    loss: Loss
-
-
-GuardAction: TypeAlias = GuardAfter | GuardCall | GuardLost | Note
+# A Loss: the hold is lost with it (the Hold sets its loss, cancels its watches).
+GuardAction: TypeAlias = GuardAfter | GuardCall | Loss | Note
 
 
 class GuardMachine:
@@ -105,13 +99,11 @@ class GuardMachine:
         """The hold is being released: the deletion that follows is no loss."""
         self.releasing = True
 
-    def session_lost(self, loss: Loss) -> list[GuardAction]:
-        """The session said its lease is gone (or the session ended): the hold is lost."""
-        return self._lose(loss.within("session lost: "))
-
-    def session_expired(self, loss: Loss) -> list[GuardAction]:
-        """E passed with no keepalive confirmed: the hold can no longer promise it is ours."""
-        return self._lose(loss)
+    def session_ended(self, loss: Loss, lost: bool = False) -> list[GuardAction]:
+        """E passed with no keepalive confirmed (the hold can no longer promise it is ours),
+        or, ``lost``, the session said its lease is gone (or the session ended): the hold is
+        lost with ``loss`` (the two as the session machine's ``Expired`` carries them)."""
+        return self._lose(loss.within("session lost: ") if lost else loss)
 
     def write_refused(self) -> list[GuardAction]:
         """A guarded write's compare on our create_revision failed: our key is gone."""
@@ -130,11 +122,9 @@ class GuardMachine:
         return [GuardAfter(TOUCH_DELAY - GUARD_WATCH_DELAY, GuardStep.TOUCH_DUE), watch]
 
     def watch_failed(self) -> list[GuardAction]:
-        """The watch on our key could not be opened (or, as ``look_failed``, a Range of it
-        had no answer): look at the key after a pause."""
+        """The watch on our key could not be opened (or a Range of it had no answer): look
+        at the key after a pause."""
         return [] if self.done else [GuardAfter(self._pauses(), GuardStep.LOOK)]
-
-    look_failed = watch_failed
 
     def notice(self, ended: bool) -> list[GuardAction]:
         """A notice of the watch on our key (deletions only): an event is our key's deletion
@@ -171,4 +161,4 @@ class GuardMachine:
         if self.done:
             return []
         self.lost = loss
-        return [GuardLost(loss)]
+        return [loss]

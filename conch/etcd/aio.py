@@ -49,8 +49,8 @@ async def txn(
 async def delete_own_key(
     client: Client, key: bytes, revision: int, timeout: float | None = None
 ) -> bool:
-    """``hold.delete_own_key``, awaited: delete ``key`` if its create_revision is still
-    ``revision`` (one KV.Txn); whether it was ours to delete."""
+    """Delete ``key`` if its create_revision is still ``revision`` (one KV.Txn: a key made
+    since by someone else is left alone); whether it was ours to delete. Raises EtcdError."""
     compare = [kv.create_revision_is(key, revision)]
     return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 

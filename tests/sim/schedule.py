@@ -476,8 +476,7 @@ class World:
             if lease_id != session.lease_id or proc.done:
                 continue
             if proc.holding and proc.guard is not None:
-                tell = proc.guard.session_lost if lost else proc.guard.session_expired
-                self._guard(proc, tell(reason))
+                self._guard(proc, proc.guard.session_ended(reason, lost))
             elif lost and proc.waiter.outcome is None:
                 self.feed(proc, m.SessionLost(reason))
 
@@ -517,7 +516,7 @@ class World:
         if not session.machine.certainly_alive(self.etcd.now):
             # Held on a lease past its E (etcd away meanwhile): the supervisor's deadline
             # is already due, its child stopped before it could run.
-            self._guard(proc, proc.guard.session_expired(loss.NOT_CONFIRMED))
+            self._guard(proc, proc.guard.session_ended(loss.NOT_CONFIRMED))
         self._check_expiries()
         if self.auto_release:
             hold_for = self.rng.expovariate(0.7)
@@ -553,8 +552,8 @@ class World:
                     self._guard_look(proc)
                 else:
                     self._guard_touch(proc, action.step)
-            elif isinstance(action, g.GuardLost):
-                self._hold_lost(proc, action.loss)
+            elif isinstance(action, loss.Loss):
+                self._hold_lost(proc, action)
 
     def _guard_later(self, proc: Proc, step: Callable[[], list[g.GuardAction]]) -> None:
         self._guard(proc, step())
@@ -626,7 +625,7 @@ class World:
 
         def deliver(answer: Any) -> None:
             if isinstance(answer, ModelError):
-                self._guard(proc, guard.look_failed())
+                self._guard(proc, guard.watch_failed())
                 return
             found = codec.key_rev(answer.kvs[0]) if answer.kvs else None
             self._guard(proc, guard.looked(found, int(answer.header.revision)))

@@ -107,7 +107,7 @@ async def drive(
             if step is recipe.PLAN:
                 run.reply = codec.read_plan(await status.server_version_async(client, interrupt))
             elif isinstance(step, codec.Call):
-                args = step.service, step.method, step.request, step.timeout
+                args = "kv", step.method, step.request, step.timeout
                 cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.send``
                 run.reply = await client.call_async(*args, interrupt=cut)
             else:

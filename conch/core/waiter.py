@@ -107,7 +107,6 @@ class Waiter:
         self._held_back: list[m.Watched] = []  # window events awaiting the gap check
         self._said: set[str] = set()  # "queued" for our key; warnings of a run of failures
         self._late = False  # the deadline passed: give up before the next wait
-        self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
         self._orphan: int | None = None  # a request in flight when we gave up
         self._after_pause: Step = self._enqueue
@@ -160,7 +159,7 @@ class Waiter:
         self._said.discard("etcd-away")  # etcd answered
         if isinstance(event, m.SessionOpened):
             self.key, self.lease_id = event.key, event.lease_id
-            self._entered = self._session_open = True
+            self._session_open = True
             return self._enqueue()
         if isinstance(event, m.EnqueueAnswer):
             return self._enqueued(event)
@@ -267,13 +266,12 @@ class Waiter:
         touch = TouchOwed.AT_ONCE if self.max > 1 else TouchOwed.LATER
         if self._touched or not owes:
             touch = TouchOwed.NONE
-        actions: list[m.Action] = [m.CancelWatch(w) for w in self._woke if w not in retire]
-        self._woke, self._watch = [], None
+        self._woke, self._watch = [], None  # every watch that woke us is among ``retire``
         self.state = State.HELD
         self.outcome = m.Held(
             self.key, self.lease_id, self.revision, held_at, self.value, touch, tuple(retire)
         )
-        return actions
+        return []
 
     # -- the watch -----------------------------------------------------------------------
 
@@ -299,7 +297,7 @@ class Waiter:
                 return []
             return self._window_events(event)
         assert self._watched is not None
-        if not any(e.kv.key == self._watched.key for e in event.events):
+        if not any(e.key == self._watched.key for e in event.events):
             return []
         self._watch = None
         if self.state == State.SPREAD_BUSY:
@@ -317,7 +315,7 @@ class Waiter:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us
         up; the one that leaves fewer than N ahead means we hold at its revision. A deletion
         of our own key (in the same ordered stream) before that is a lost place."""
-        deletions = [e.kv for e in event.events if e.deleted]
+        deletions = [e for e in event.events if e.deleted]
         if any(kv.key == self.key for kv in deletions):
             return self._place_lost("our key was deleted while queued")
         for deleted in deletions:
@@ -341,10 +339,7 @@ class Waiter:
         # back is gone whenever it went (the check reads at or after the watch's start):
         # that event counts it below. Our own key absent is always a change.
         still = {k.key for k in self._watched_keys()} - {
-            e.kv.key
-            for held in held_back
-            for e in held.events
-            if e.deleted and e.kv.key != self.key
+            e.key for held in held_back for e in held.events if e.deleted and e.key != self.key
         }
         if not any(
             then.key in still
@@ -398,7 +393,7 @@ class Waiter:
         if failure.failure == Failure.OTHER:
             return self._give_up(Reason.REFUSED, failure.detail, failure)
         if asked is m.OpenSession:
-            if not self._entered:
+            if not self.lease_id:  # no session was ever ours
                 return self._give_up(Reason.UNAVAILABLE, failure.detail, failure)
             return self._pause_then(self._open_session, failure.detail, requeue=True)
         if failure.failure == Failure.LEASE_NOT_FOUND:

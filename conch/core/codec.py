@@ -193,12 +193,9 @@ class ReadTogether:
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
-        read = self.reads[len(self._answers)]
-        if self._answers:
-            pinned = rpc_pb2.RangeRequest()
-            pinned.CopyFrom(read)
-            pinned.revision = self._revision
-            read = pinned
+        read = rpc_pb2.RangeRequest()
+        read.CopyFrom(self.reads[len(self._answers)])
+        read.revision = self._revision  # the first's (the first: 0, now; no read sets its own)
         return Call("Range", read)
 
     def answer(self, response: rpc_pb2.TxnResponse | rpc_pb2.RangeResponse) -> None:
@@ -301,21 +298,15 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Watched:
     return messages.Watched(watch_id, events, notice.revision)
 
 
-# The one table from what etcd said (the etcd layer's exception, which names the gRPC status:
-# conch.etcd.client.map_rpc_error) to what the recipe does about it.
-_FAILURES: tuple[tuple[type[EtcdError], messages.Failure], ...] = (
-    (Unavailable, messages.Failure.UNREACHABLE),
-    # A read pinned to a revision that compaction just passed: read again.
-    (Compacted, messages.Failure.UNREACHABLE),
-    (LeaseNotFound, messages.Failure.LEASE_NOT_FOUND),
-)
-
-
 def failure(error: EtcdError) -> messages.Failure:
-    """The recipe's name for how a request failed with ``error``."""
-    for kind, named in _FAILURES:
-        if isinstance(error, kind):
-            return named
+    """The recipe's name for how a request failed with ``error``: the one table from what
+    etcd said (the etcd layer's exception, which names the gRPC status:
+    conch.etcd.client.map_rpc_error) to what the recipe does about it."""
+    # Compacted: a read pinned to a revision that compaction just passed: read again.
+    if isinstance(error, Unavailable | Compacted):
+        return messages.Failure.UNREACHABLE
+    if isinstance(error, LeaseNotFound):
+        return messages.Failure.LEASE_NOT_FOUND
     # etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
     if error.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(error):
         return messages.Failure.NO_SPACE

@@ -257,12 +257,13 @@ class Driver(Generic[W]):
         return None
 
     def input(self, item: Any) -> messages.Input | None:
-        """A ``box`` item as an input (a function's, called now; none for a cancelled watch's)."""
-        if isinstance(item, WatchNotice):
-            ids = [i for i, watch in self.watches.items() if watch is item.watch]
-            return codec.watch_input(ids[0], item) if ids else None
+        """A ``box`` item as an input (a function's, called now)."""
         answer: messages.Input | None = item() if callable(item) else item
         return answer
+
+    def tell(self, watch_id: int, notice: WatchNotice) -> None:
+        """Watch ``watch_id``'s ``notice`` queued on ``box`` as an input (each face's watch's)."""
+        self.box.put_nowait(codec.watch_input(watch_id, notice))
 
     def on_session(self, lease_id: int) -> Callable[[object], None]:
         """Now on the session of ``lease_id``: the listener that queues its loss (dropped if
@@ -453,8 +454,9 @@ class _Wait(Driver[Watch]):
         # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
         # slow a handoff. The machine closes the gap once etcd confirms the watch.
         key, end, deletes = codec.watch_range(action)
+        tell = partial(self.tell, action.id)
         self.watches[action.id] = Watch(
-            self.client, key, 0, self.box.put, range_end=end, only_deletes=deletes, confirm=True
+            self.client, key, 0, tell, range_end=end, only_deletes=deletes, confirm=True
         )
         return None
 

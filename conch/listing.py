@@ -158,7 +158,7 @@ def listing(
                 notes.append("bad-key")
             if not item.lease:
                 notes.append("no-lease")
-            state = "HELD" if capacity is not None and rank < capacity else "WAIT"
+            state = "HELD" if rank < held else "WAIT"
             rev = int(item.create_revision)
             from_creation = None
             if state == "HELD" and capacity is not None and reads_left > 0:

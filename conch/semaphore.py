@@ -480,28 +480,24 @@ def drive(
     interrupt: Flag | None = None,
     act: Callable[[Any], Any] | None = None,
 ) -> T:
-    """``steps`` executed on this thread (PLAN by one Status per endpoint, a Call by ``send``,
-    other steps by ``act``): their answer."""
+    """``steps`` executed on this thread (PLAN by one Status per endpoint, a Call by the etcd
+    layer's call for it, ``kv.txn`` or ``kv.range_``, which ``interrupt`` ends unless the
+    Call has a timeout of its own; other steps by ``act``): their answer."""
     run = Run(steps)
     for step in run:
         try:
             if step is PLAN:
                 run.reply = codec.read_plan(status.server_version(client, interrupt))
             elif isinstance(step, codec.Call):
-                run.reply = send(client, step, interrupt)
+                request, cut = step.request, interrupt if step.timeout is None else None
+                if isinstance(request, rpc_pb2.TxnRequest):
+                    ops = list(request.compare), list(request.success), list(request.failure)
+                    run.reply = kv.txn(client, *ops, step.timeout, cut)
+                else:
+                    run.reply = kv.range_(client, request, step.timeout, cut)
             else:
                 assert act is not None
                 run.reply = act(step)
         except (EtcdError, Interrupted) as exc:
             run.error = exc
     return run.answer
-
-
-def send(client: Client, call: codec.Call, interrupt: Flag | None = None) -> Any:
-    """``call`` by the etcd layer's call for it (``kv.txn`` or ``kv.range_``);
-    ``interrupt`` ends it unless it has a timeout of its own."""
-    request, interrupt = call.request, interrupt if call.timeout is None else None
-    if isinstance(request, rpc_pb2.TxnRequest):
-        compare, success, failure = list(request.compare), list(request.success), request.failure
-        return kv.txn(client, compare, success, list(failure), call.timeout, interrupt)
-    return kv.range_(client, request, call.timeout, interrupt)

@@ -105,7 +105,7 @@ async def drive(
                 run.reply = codec.read_plan(await status.server_version_async(client, interrupt))
             elif isinstance(step, codec.Call):
                 args = "kv", step.method, step.request, step.timeout
-                cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.send``
+                cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.drive``
                 run.reply = await client.call_async(*args, interrupt=cut)
             else:
                 assert act is not None

@@ -142,7 +142,7 @@ def listing(
     now = time.time()
     prefix = keys.name_prefix(name)
     request = kv.prefix_request(prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
-    response = yield codec.Call("kv", "Range", request)
+    response = yield codec.Call("Range", request)
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:
         groups.setdefault(keys.capacity_of(name, item.key), []).append(item)  # None: a bad key
@@ -158,7 +158,7 @@ def listing(
                 notes.append("bad-key")
             if not item.lease:
                 notes.append("no-lease")
-            state = "HELD" if capacity is not None and rank < capacity else "WAIT"
+            state = "HELD" if rank < held else "WAIT"
             rev = int(item.create_revision)
             from_creation = None
             if state == "HELD" and capacity is not None and reads_left > 0:
@@ -169,7 +169,7 @@ def listing(
                     sema, revision=rev, limit=capacity, keys_only=True, max_create_revision=rev - 1
                 )
                 with contextlib.suppress(Compacted):  # unknown, then
-                    history = yield codec.Call("kv", "Range", request)
+                    history = yield codec.Call("Range", request)
                     from_creation = len(history.kvs) < capacity
             queued = _age(started, now)
             times: tuple[int | None, int | None, int | None] = (queued, queued, None)

@@ -257,12 +257,13 @@ class Driver(Generic[W]):
         return None
 
     def input(self, item: Any) -> messages.Input | None:
-        """A ``box`` item as an input (a function's, called now; none for a cancelled watch's)."""
-        if isinstance(item, WatchNotice):
-            ids = [i for i, watch in self.watches.items() if watch is item.watch]
-            return codec.watch_input(ids[0], item) if ids else None
+        """A ``box`` item as an input (a function's, called now)."""
         answer: messages.Input | None = item() if callable(item) else item
         return answer
+
+    def tell(self, watch_id: int, notice: WatchNotice) -> None:
+        """Watch ``watch_id``'s ``notice`` queued on ``box`` as an input (each face's watch's)."""
+        self.box.put_nowait(codec.watch_input(watch_id, notice))
 
     def on_session(self, lease_id: int) -> Callable[[object], None]:
         """Now on the session of ``lease_id``: the listener that queues its loss (dropped if
@@ -443,8 +444,9 @@ class _Wait(Driver[Watch]):
         # From "now": etcd serves a watch from the past by a 100 ms catch-up loop, which would
         # slow a handoff. The machine closes the gap once etcd confirms the watch.
         key, end, deletes = codec.watch_range(action)
+        tell = partial(self.tell, action.id)
         self.watches[action.id] = Watch(
-            self.client, key, 0, self.box.put, range_end=end, only_deletes=deletes, confirm=True
+            self.client, key, 0, tell, range_end=end, only_deletes=deletes, confirm=True
         )
         return None
 
@@ -468,28 +470,24 @@ def drive(
     interrupt: Flag | None = None,
     act: Callable[[Any], Any] | None = None,
 ) -> T:
-    """``steps`` executed on this thread (PLAN by one Status per endpoint, a Call by ``send``,
-    other steps by ``act``): their answer."""
+    """``steps`` executed on this thread (PLAN by one Status per endpoint, a Call by the etcd
+    layer's call for it, ``kv.txn`` or ``kv.range_``, which ``interrupt`` ends unless the
+    Call has a timeout of its own; other steps by ``act``): their answer."""
     run = Run(steps)
     for step in run:
         try:
             if step is PLAN:
                 run.reply = codec.read_plan(status.server_version(client, interrupt))
             elif isinstance(step, codec.Call):
-                run.reply = send(client, step, interrupt)
+                request, cut = step.request, interrupt if step.timeout is None else None
+                if isinstance(request, rpc_pb2.TxnRequest):
+                    ops = list(request.compare), list(request.success), list(request.failure)
+                    run.reply = kv.txn(client, *ops, step.timeout, cut)
+                else:
+                    run.reply = kv.range_(client, request, step.timeout, cut)
             else:
                 assert act is not None
                 run.reply = act(step)
         except (EtcdError, Interrupted) as exc:
             run.error = exc
     return run.answer
-
-
-def send(client: Client, call: codec.Call, interrupt: Flag | None = None) -> Any:
-    """``call`` by the etcd layer's call for it (``kv.txn`` or ``kv.range_``);
-    ``interrupt`` ends it unless it has a timeout of its own."""
-    request, interrupt = call.request, interrupt if call.timeout is None else None
-    if isinstance(request, rpc_pb2.TxnRequest):
-        compare, success, failure = list(request.compare), list(request.success), request.failure
-        return kv.txn(client, compare, success, list(failure), call.timeout, interrupt)
-    return kv.range_(client, request, call.timeout, interrupt)

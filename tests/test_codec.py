@@ -51,7 +51,7 @@ def two_reads() -> list[rpc_pb2.RangeRequest]:
 def test_ranges_read_together_are_one_read_only_txn() -> None:
     read = codec.ReadTogether(two_reads(), codec.ReadPlan.TXN)
     call = read.next_call()
-    assert call is not None and (call.service, call.method) == ("kv", "Txn")
+    assert call is not None and call.method == "Txn"
     assert isinstance(call.request, rpc_pb2.TxnRequest)
     assert not call.request.compare and not call.request.failure
     assert [op.request_range for op in call.request.success] == two_reads()
@@ -70,7 +70,7 @@ def test_a_read_only_txn_refused_under_the_space_alarm_is_read_as_pinned_ranges(
     read = codec.ReadTogether(two_reads(), codec.ReadPlan.TXN)
     assert read.next_call() is not None
     read.refused(NO_SPACE)  # does not raise: read another way
-    assert read.fell_back
+    assert read.plan == codec.ReadPlan.PINNED_RANGES
     first = read.next_call()
     assert first is not None and first.method == "Range"
     assert first.request == two_reads()[0]  # at the current revision
@@ -241,7 +241,7 @@ def test_watch_notices_become_the_machine_s_inputs() -> None:
     assert broken.ended and broken.detail == str(Compacted("compacted", 4))
     deleted = kv_pb2.Event(type=kv_pb2.Event.DELETE, kv=kv_pb2.KeyValue(key=KEY, mod_revision=11))
     assert codec.watch_input(3, Notice(revision=11, events=(deleted,))) == m.Watched(
-        3, [m.Event(True, m.KeyRev(KEY, 0, 11))], 11
+        3, [m.KeyRev(KEY, 0, 11, deleted=True)], 11
     )
     key, end, only_deletes = codec.watch_range(m.OpenWatch(4, PREFIX, prefix=True))
     assert (key, end, only_deletes) == (PREFIX, b"/conch/v1/sema/x/10", True)

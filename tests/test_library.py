@@ -254,7 +254,7 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     def watch(client: Client, key: bytes, start: int, deliver: Any, **kwargs: Any) -> Watch:
         if threading.current_thread().name == "second" and kwargs.get("range_end"):
             inner = deliver
-            boxes.append(inner.__self__)
+            boxes.append(inner.func.__self__.box)
 
             def deliver(notice: WatchNotice) -> None:
                 inner(notice)
@@ -314,7 +314,7 @@ class _Looks:
             me = threading.current_thread().name
             self.reads[me] += 1  # a new watch on the way is a request too
             created = self.watching.setdefault(me, threading.Event())
-            self.boxes.setdefault(me, []).append(deliver.__self__)
+            self.boxes.setdefault(me, []).append(deliver.func.__self__.box)
             self.unconfirmed[me] += 1
 
             def tell(notice: WatchNotice) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import pytest
@@ -43,8 +44,8 @@ def mine(create: int) -> m.KeyRev:
     return m.KeyRev(ME, create, create)
 
 
-def deleted(key: m.KeyRev, at: int) -> m.Event:
-    return m.Event(True, m.KeyRev(key.key, key.create_revision, at))
+def deleted(key: m.KeyRev, at: int) -> m.KeyRev:
+    return m.KeyRev(key.key, key.create_revision, at, deleted=True)
 
 
 A = TypeVar("A")
@@ -147,7 +148,7 @@ def test_deletions_behind_us_and_puts_do_not_move_us_up() -> None:
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     behind = kr("z", 20)
-    put = m.Event(False, kr("h", 3, 30))
+    put = kr("h", 3, 30)
     assert waiter.feed(m.Watched(watch.id, [deleted(behind, 21), put], 30)) == []
     assert waiter.outcome is None and waiter.state == r.State.IN_WINDOW
 
@@ -160,7 +161,7 @@ def test_behind_the_window_it_watches_its_predecessor_then_reads_then_cancels() 
     watch = only(actions, m.OpenWatch)
     assert isinstance(watch, m.OpenWatch) and (watch.key, watch.prefix) == (ahead[-1].key, False)
     assert not any(isinstance(a, m.Touch) for a in actions)
-    (read,) = waiter.feed(m.Watched(watch.id, [m.Event(False, kr("w3", 6, 11))], 11))
+    (read,) = waiter.feed(m.Watched(watch.id, [kr("w3", 6, 11)], 11))
     assert isinstance(read, m.ReadStanding)  # the read first, the cancel after it
     window = [*ahead[1:3], ahead[3], mine(10)]
     actions = waiter.feed(m.StandingAnswer(read.id, 11, window, [mine(10), ahead[3]]))
@@ -562,7 +563,7 @@ def _answer(action: m.Action, rng: random.Random, keys: list[m.KeyRev]) -> m.Inp
         if rng.random() < 0.1:
             return m.Watched(action.id, ended=True)
         key = rng.choice([*keys, mine(10)])
-        return m.Watched(action.id, [m.Event(rng.random() < 0.5, key)], revision)
+        return m.Watched(action.id, [replace(key, deleted=rng.random() < 0.5)], revision)
     raise AssertionError(action)
 
 
@@ -590,7 +591,7 @@ def test_any_input_at_any_moment_leaves_the_machine_consistent(seed: int) -> Non
                     m.DeadlineReached(),
                     m.Over(rng.randint(1, 40)),
                     m.Over(rng.randint(1, 40)),
-                    m.Watched(rng.randint(1, 40), [m.Event(True, mine(10))], 9),
+                    m.Watched(rng.randint(1, 40), [replace(mine(10), deleted=True)], 9),
                     m.Failed(rng.randint(1, 40), m.Failure.UNREACHABLE),
                     None,
                 ]

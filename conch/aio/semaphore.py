@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from conch import errors
@@ -16,7 +17,6 @@ from conch.core import codec, messages
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import status
-from conch.etcd.watch import WatchNotice
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
@@ -83,13 +83,10 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
                 await private.close(WITHDRAW_TIMEOUT)
             return messages.Over(action.id)
         assert isinstance(action, messages.OpenWatch)
-        watch_id, (key, end, deletes) = action.id, codec.watch_range(action)
-
-        def tell(notice: WatchNotice) -> None:  # on the loop
-            self.box.put_nowait(codec.watch_input(watch_id, notice))
-
+        key, end, deletes = codec.watch_range(action)
+        tell = partial(self.tell, action.id)  # on the loop
         watch = etcd_aio.LoopWatch.open(self.client, tell, key, 0, end, deletes, confirm=True)
-        self.watches[watch_id] = await watch
+        self.watches[action.id] = await watch
         return None
 
 
@@ -107,8 +104,8 @@ async def drive(
             if step is recipe.PLAN:
                 run.reply = codec.read_plan(await status.server_version_async(client, interrupt))
             elif isinstance(step, codec.Call):
-                args = step.service, step.method, step.request, step.timeout
-                cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.send``
+                args = "kv", step.method, step.request, step.timeout
+                cut = interrupt if step.timeout is None else None  # as ``conch.semaphore.drive``
                 run.reply = await client.call_async(*args, interrupt=cut)
             else:
                 assert act is not None

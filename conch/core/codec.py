@@ -25,10 +25,9 @@ from conch.etcd import kv  # its request builders only: pure functions of protob
 
 @dataclass(frozen=True)
 class Call:
-    """One unary etcd RPC to send: ``service`` ("kv"), ``method`` ("Txn", "Range") and its
+    """One unary etcd RPC of the KV service to send: ``method`` ("Txn", "Range") and its
     protobuf ``request``."""
 
-    service: str
     method: str
     request: rpc_pb2.TxnRequest | rpc_pb2.RangeRequest
     timeout: float | None = None  # seconds, not cut short by an interrupt; None: the client's
@@ -39,11 +38,11 @@ def _txn(
     success: Iterable[rpc_pb2.RequestOp],
     failure: Iterable[rpc_pb2.RequestOp] = (),
 ) -> Call:
-    return Call("kv", "Txn", rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure))
+    return Call("Txn", rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure))
 
 
-def key_rev(item: kv_pb2.KeyValue) -> messages.KeyRev:
-    return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision))
+def key_rev(item: kv_pb2.KeyValue, deleted: bool = False) -> messages.KeyRev:
+    return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision), deleted)
 
 
 def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.RangeRequest]:
@@ -185,7 +184,6 @@ class ReadTogether:
         self.reads = list(reads)
         self.enough = reads.enough if isinstance(reads, Reads) else None
         self.plan = plan
-        self.fell_back = False  # the Txn was refused under the space alarm
         self._answers: list[rpc_pb2.RangeResponse] = []
         self._revision = 0
 
@@ -195,13 +193,10 @@ class ReadTogether:
             return None
         if self.plan == ReadPlan.TXN:
             return _txn([], [kv.op_range(r) for r in self.reads])
-        read = self.reads[len(self._answers)]
-        if self._answers:
-            pinned = rpc_pb2.RangeRequest()
-            pinned.CopyFrom(read)
-            pinned.revision = self._revision
-            read = pinned
-        return Call("kv", "Range", read)
+        read = rpc_pb2.RangeRequest()
+        read.CopyFrom(self.reads[len(self._answers)])
+        read.revision = self._revision  # the first's (the first: 0, now; no read sets its own)
+        return Call("Range", read)
 
     def answer(self, response: rpc_pb2.TxnResponse | rpc_pb2.RangeResponse) -> None:
         """The response to the last ``next_call``."""
@@ -216,7 +211,6 @@ class ReadTogether:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
         if self.plan == ReadPlan.TXN and failure(error) == messages.Failure.NO_SPACE:
             self.plan = ReadPlan.PINNED_RANGES
-            self.fell_back = True
             return
         raise error
 
@@ -266,10 +260,10 @@ def count_ahead(prefix: bytes, revision: int) -> Generator[Call, rpc_pb2.RangeRe
     there, keys only (etcd's count ignores the max_create_revision filter)."""
     try:
         counted = kv.prefix_request(prefix, count_only=True, revision=revision - 1)
-        return int((yield Call("kv", "Range", counted)).count)
+        return int((yield Call("Range", counted)).count)
     except Compacted:
         found = kv.prefix_request(prefix, keys_only=True, max_create_revision=revision - 1)
-        return len((yield Call("kv", "Range", found)).kvs)
+        return len((yield Call("Range", found)).kvs)
 
 
 def watch_range(action: messages.OpenWatch) -> tuple[bytes, bytes, bool]:
@@ -300,25 +294,19 @@ def watch_input(watch_id: int, notice: Notice) -> messages.Watched:
         return messages.Watched(watch_id, ended=True, detail=str(notice.error))
     if notice.created:
         return messages.Watched(watch_id, revision=notice.revision, created=True)
-    events = [messages.Event(e.type == kv_pb2.Event.DELETE, key_rev(e.kv)) for e in notice.events]
+    events = [key_rev(e.kv, e.type == kv_pb2.Event.DELETE) for e in notice.events]
     return messages.Watched(watch_id, events, notice.revision)
 
 
-# The one table from what etcd said (the etcd layer's exception, which names the gRPC status:
-# conch.etcd.client.map_rpc_error) to what the recipe does about it.
-_FAILURES: tuple[tuple[type[EtcdError], messages.Failure], ...] = (
-    (Unavailable, messages.Failure.UNREACHABLE),
-    # A read pinned to a revision that compaction just passed: read again.
-    (Compacted, messages.Failure.UNREACHABLE),
-    (LeaseNotFound, messages.Failure.LEASE_NOT_FOUND),
-)
-
-
 def failure(error: EtcdError) -> messages.Failure:
-    """The recipe's name for how a request failed with ``error``."""
-    for kind, named in _FAILURES:
-        if isinstance(error, kind):
-            return named
+    """The recipe's name for how a request failed with ``error``: the one table from what
+    etcd said (the etcd layer's exception, which names the gRPC status:
+    conch.etcd.client.map_rpc_error) to what the recipe does about it."""
+    # Compacted: a read pinned to a revision that compaction just passed: read again.
+    if isinstance(error, Unavailable | Compacted):
+        return messages.Failure.UNREACHABLE
+    if isinstance(error, LeaseNotFound):
+        return messages.Failure.LEASE_NOT_FOUND
     # etcd's space alarm: RESOURCE_EXHAUSTED "etcdserver: mvcc: database space exceeded".
     if error.code == "RESOURCE_EXHAUSTED" or "database space exceeded" in str(error):
         return messages.Failure.NO_SPACE

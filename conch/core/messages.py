@@ -17,20 +17,13 @@ from typing import TypeAlias
 
 @dataclass(frozen=True)
 class KeyRev:
-    """One key as a Range (keys only) or a watch event shows it."""
+    """One key as a Range (keys only) or a watch event shows it: an event is a put (or,
+    ``deleted``, a deletion) of ``key`` at ``mod_revision`` (a deletion's own revision)."""
 
     key: bytes
     create_revision: int  # ranks it in the queue
     mod_revision: int  # changes with every put (a touch)
-
-
-@dataclass(frozen=True)
-class Event:
-    """A put (or, ``deleted``, a deletion) of ``kv.key`` at ``kv.mod_revision`` (a
-    deletion's own revision)."""
-
-    deleted: bool
-    kv: KeyRev
+    deleted: bool = False
 
 
 class Failure(enum.Enum):
@@ -110,7 +103,7 @@ class Watched(Tagged):
     confirmed it (it covers the revisions after ``revision``), or ``ended``: its start
     revision was compacted, or its stream gave up (``detail`` says which)."""
 
-    events: Sequence[Event] = ()
+    events: Sequence[KeyRev] = ()
     revision: int = 0
     created: bool = False
     ended: bool = False

@@ -10,6 +10,7 @@ guard decides (``conch.core.guard``).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -92,7 +93,7 @@ class Waiter:
         self.revision = 0  # our key's create_revision; 0 while unknown
         self.value = b""
         self._backoff = backoff
-        self._ids = 0
+        self._ids = itertools.count(1)  # every action's id, never reused
         self._request: int | None = None  # the one unary request on the main line
         self._asked: type[m.Request] | None = None  # its kind
         self._watch: int | None = None  # the watch we wait on
@@ -107,7 +108,6 @@ class Waiter:
         self._held_back: list[m.Watched] = []  # window events awaiting the gap check
         self._said: set[str] = set()  # "queued" for our key; warnings of a run of failures
         self._late = False  # the deadline passed: give up before the next wait
-        self._entered = self.shared  # a session was ever ours
         self._session_open = self.shared  # a private session to close when we give up
         self._orphan: int | None = None  # a request in flight when we gave up
         self._after_pause: Step = self._enqueue
@@ -160,7 +160,7 @@ class Waiter:
         self._said.discard("etcd-away")  # etcd answered
         if isinstance(event, m.SessionOpened):
             self.key, self.lease_id = event.key, event.lease_id
-            self._entered = self._session_open = True
+            self._session_open = True
             return self._enqueue()
         if isinstance(event, m.EnqueueAnswer):
             return self._enqueued(event)
@@ -176,27 +176,23 @@ class Waiter:
 
     # -- the main line -------------------------------------------------------------------
 
-    def _new_id(self) -> int:
-        self._ids += 1
-        return self._ids
-
     def _send(self, action: m.Request) -> list[m.Action]:
         self._request, self._asked = action.id, type(action)
         return [action]
 
     def _open_session(self) -> list[m.Action]:
         self.state = State.OPENING
-        return self._send(m.OpenSession(self._new_id()))
+        return self._send(m.OpenSession(next(self._ids)))
 
     def _enqueue(self) -> list[m.Action]:
         self.state = State.ENQUEUEING
         self.revision = 0
         self._touched = False
-        return self._send(m.SendEnqueue(self._new_id(), self.key, self.lease_id))
+        return self._send(m.SendEnqueue(next(self._ids), self.key, self.lease_id))
 
     def _read_standing(self) -> list[m.Action]:
         self.state = State.READING
-        return self._send(m.ReadStanding(self._new_id(), self.key, self.revision))
+        return self._send(m.ReadStanding(next(self._ids), self.key, self.revision))
 
     def _reread(self) -> Step:
         """How to look again once what we watch may have changed unseen."""
@@ -257,7 +253,7 @@ class Waiter:
         if self._late:
             return self._give_up(Reason.NO_SLOT, "no free slot in time")
         self.state = state
-        self._watch = self._new_id()
+        self._watch = next(self._ids)
         self._held_back = []
         watch = m.OpenWatch(self._watch, key, prefix=state == State.IN_WINDOW)
         return [watch, *self._maybe_touch()]
@@ -267,13 +263,12 @@ class Waiter:
         touch = TouchOwed.AT_ONCE if self.max > 1 else TouchOwed.LATER
         if self._touched or not owes:
             touch = TouchOwed.NONE
-        actions: list[m.Action] = [m.CancelWatch(w) for w in self._woke if w not in retire]
-        self._woke, self._watch = [], None
+        self._woke, self._watch = [], None  # every watch that woke us is among ``retire``
         self.state = State.HELD
         self.outcome = m.Held(
             self.key, self.lease_id, self.revision, held_at, self.value, touch, tuple(retire)
         )
-        return actions
+        return []
 
     # -- the watch -----------------------------------------------------------------------
 
@@ -289,7 +284,7 @@ class Waiter:
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
             self._gap_asked = self._watched_keys()
-            return self._send(m.ReadKeys(self._new_id(), [k.key for k in self._gap_asked]))
+            return self._send(m.ReadKeys(next(self._ids), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
             if self._request is not None and self._asked is m.ReadKeys:
                 # The gap check is unanswered: our own key may have been deleted between
@@ -299,7 +294,7 @@ class Waiter:
                 return []
             return self._window_events(event)
         assert self._watched is not None
-        if not any(e.kv.key == self._watched.key for e in event.events):
+        if not any(e.key == self._watched.key for e in event.events):
             return []
         self._watch = None
         if self.state == State.SPREAD_BUSY:
@@ -317,7 +312,7 @@ class Waiter:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us
         up; the one that leaves fewer than N ahead means we hold at its revision. A deletion
         of our own key (in the same ordered stream) before that is a lost place."""
-        deletions = [e.kv for e in event.events if e.deleted]
+        deletions = [e for e in event.events if e.deleted]
         if any(kv.key == self.key for kv in deletions):
             return self._place_lost("our key was deleted while queued")
         for deleted in deletions:
@@ -341,10 +336,7 @@ class Waiter:
         # back is gone whenever it went (the check reads at or after the watch's start):
         # that event counts it below. Our own key absent is always a change.
         still = {k.key for k in self._watched_keys()} - {
-            e.kv.key
-            for held in held_back
-            for e in held.events
-            if e.deleted and e.kv.key != self.key
+            e.key for held in held_back for e in held.events if e.deleted and e.key != self.key
         }
         if not any(
             then.key in still
@@ -372,7 +364,7 @@ class Waiter:
         owed = self.state == State.IN_WINDOW and not self._touched and self._touch is None
         if not owed or len(self._ahead) >= window_size(self.max) - 1:
             return []
-        self._touch = self._new_id()
+        self._touch = next(self._ids)
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]
 
     def _on_touch(self, answer: m.TouchAnswer | m.Failed) -> list[m.Action]:
@@ -384,7 +376,7 @@ class Waiter:
         if answer.failure in (Failure.UNREACHABLE, Failure.NO_SPACE):
             # Keep our place; the waiter behind still wakes when our key goes. The alarm
             # may last hours: said once per run of failures.
-            self._touch = self._new_id()  # the retry's pause: its Over touches again
+            self._touch = next(self._ids)  # the retry's pause: its Over touches again
             note = m.Note("touch-failed", {"error": answer.detail}, warning=True)
             return [*self._once(note), m.Pause(self._touch, self._backoff.next())]
         if answer.failure == Failure.LEASE_NOT_FOUND:
@@ -398,7 +390,7 @@ class Waiter:
         if failure.failure == Failure.OTHER:
             return self._give_up(Reason.REFUSED, failure.detail, failure)
         if asked is m.OpenSession:
-            if not self._entered:
+            if not self.lease_id:  # no session was ever ours
                 return self._give_up(Reason.UNAVAILABLE, failure.detail, failure)
             return self._pause_then(self._open_session, failure.detail, requeue=True)
         if failure.failure == Failure.LEASE_NOT_FOUND:
@@ -424,7 +416,7 @@ class Waiter:
             return self._give_up(Reason.NO_SLOT, f"no free slot in time: {cause}")
         self.state = State.PAUSED
         self._after_pause = after
-        self._pause = self._new_id()
+        self._pause = next(self._ids)
         pause = m.Pause(self._pause, self._backoff.next())
         if requeue:
             self._said.discard("etcd-away")
@@ -447,7 +439,7 @@ class Waiter:
             return [*actions, *self._withdraw()]
         self.state = State.READING
         self.revision = 0
-        check = self._send(m.CheckLease(self._new_id(), self.lease_id))
+        check = self._send(m.CheckLease(next(self._ids), self.lease_id))
         return [*actions, m.Note("lease-check", {"reason": reason}), *check]
 
     def _session_lost(self, reason: str) -> list[m.Action]:
@@ -477,9 +469,8 @@ class Waiter:
     def _withdraw(self) -> list[m.Action]:
         self.state = State.WITHDRAWING
         revoke = not self.shared
-        if revoke:
-            self._session_open = False
-        withdraw = m.Withdraw(self._new_id(), self.key, self.revision, self.lease_id, revoke)
+        self._session_open = not revoke  # a private session is closed by the revoke
+        withdraw = m.Withdraw(next(self._ids), self.key, self.revision, self.lease_id, revoke)
         return self._send(withdraw)
 
     def _withdrawing(self, event: m.Input) -> list[m.Action]:
@@ -505,9 +496,9 @@ class Waiter:
             return []
         self._orphan = None
         if isinstance(event, m.SessionOpened):
-            return [m.Withdraw(self._new_id(), event.key, 0, event.lease_id, revoke=True)]
+            return [m.Withdraw(next(self._ids), event.key, 0, event.lease_id, revoke=True)]
         if isinstance(event, m.EnqueueAnswer) and event.created and self.shared:
-            return [m.Withdraw(self._new_id(), self.key, event.revision, self.lease_id, False)]
+            return [m.Withdraw(next(self._ids), self.key, event.revision, self.lease_id, False)]
         return []
 
 

@@ -34,12 +34,11 @@ PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the ch
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
 _SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-CREDENTIALS = CREDENTIAL_VARIABLES  # conch's secrets: the child and the watchdog get none
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``environ`` less every entry of CREDENTIALS."""
-    return {name: value for name, value in environ.items() if name not in CREDENTIALS}
+    """A copy of ``environ`` less CREDENTIAL_VARIABLES: the child and the watchdog get none."""
+    return {name: value for name, value in environ.items() if name not in CREDENTIAL_VARIABLES}
 
 
 class WatchdogNotice(NamedTuple):
@@ -61,7 +60,7 @@ class Watchdog:
     keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
     conch is done with the child (or never had one), ``close()`` to see it gone. Every
     instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
-    ``os.environ``), less CREDENTIALS. Raises OSError when the process cannot be started."""
+    ``os.environ``), ``without_credentials``. Raises OSError when the process cannot be started."""
 
     def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(

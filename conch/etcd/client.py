@@ -454,8 +454,6 @@ def connect(
     ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises Unavailable
     when none answers in time, AuthenticationFailed for wrong credentials, UsageError for a
     bad endpoint or a timeout not above 0 or over 10 years (gRPC would wait forever)."""
-    check_timeout("dial_timeout", dial_timeout)
-    check_timeout("request_timeout", request_timeout)
     parsed = parse_endpoints(endpoints)
     return Client.connect(parsed, dial_timeout, request_timeout, tls, credentials)
 

@@ -60,7 +60,8 @@ class Watchdog:
     keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
     conch is done with the child (or never had one), ``close()`` to see it gone. Every
     instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
-    ``os.environ``), ``without_credentials``. Raises OSError when the process cannot be started."""
+    ``os.environ``) less conch's credentials (``without_credentials``). Raises OSError when
+    the process cannot be started."""
 
     def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(

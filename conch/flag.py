@@ -70,12 +70,8 @@ class Flag:
 
     def _run(self, key: object) -> None:
         callback = self._callbacks.pop(key, None)
-        if callback is None:
-            return  # another thread ran it
-        try:
-            callback(self)
-        except Exception as exc:  # one embedder's bug must not silence the others
-            log.error("callback-failed", flag=self.name, error=repr(exc))
+        if callback is not None:  # else another thread ran it
+            log.call_back(callback, self, flag=self.name)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until set or ``timeout`` seconds pass; return whether it is set."""

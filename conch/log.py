@@ -13,7 +13,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
+T = TypeVar("T")
 LOGGER = logging.getLogger("conch")
 _quiet = False
 # Set by conch.events when imported: ``hook(event, fields)`` for every transition.
@@ -80,6 +82,15 @@ debug = functools.partial(_emit, logging.DEBUG)
 info = functools.partial(_emit, logging.INFO)
 warning = functools.partial(_emit, logging.WARNING)
 error = functools.partial(_emit, logging.ERROR)
+
+
+def call_back(callback: Callable[[T], object], argument: T, **fields: object) -> None:
+    """``callback(argument)``; an exception it raises is logged (``callback-failed``, with
+    ``fields``), not raised: one embedder's bug must not silence the others."""
+    try:
+        callback(argument)
+    except Exception as exc:
+        error("callback-failed", **fields, error=repr(exc))
 
 
 def warning_from_signal_handler(event: str, **fields: object) -> None:

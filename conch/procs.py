@@ -150,7 +150,7 @@ def _on_exit(pid: int, callback: Callable[[int], None]) -> None:
             # child is gone and its status lost. 0, as subprocess reports it then.
             log.warning("child-status-lost", pid=pid)
             status = 0
-        _call_back(callback, status)
+        log.call_back(callback, status, flag="child-exit")
 
     threading.Thread(target=wait, name="conch-reap", daemon=True).start()
 
@@ -174,14 +174,7 @@ def _reap_all() -> None:
                 if (callback := _claimed.pop(reaped[0], None)) is not None:
                     done.append((callback, reaped[1]))
         for callback, status in done:
-            _call_back(callback, status)
-
-
-def _call_back(callback: Callable[[int], None], status: int) -> None:
-    try:  # one that raises is logged, and the reaper reaps on
-        callback(status)
-    except Exception as exc:
-        log.error("callback-failed", flag="child-exit", error=repr(exc))
+            log.call_back(callback, status, flag="child-exit")  # the reaper reaps on
 
 
 def _orphans() -> dict[int, _Stat]:  # our children conch did not start (none unless adopting)

@@ -136,8 +136,8 @@ def supervise(
 
 def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``environ`` (default ``os.environ``) less conch's credentials
-    (``conch.watchdog.CREDENTIALS``) and our GRPC_ENABLE_FORK_SUPPORT, plus CONCH_NAME,
-    CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
+    (``conch.settings.CREDENTIAL_VARIABLES``) and our GRPC_ENABLE_FORK_SUPPORT, plus
+    CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
     env = without_credentials(os.environ if environ is None else environ)
     if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
         env.pop("GRPC_ENABLE_FORK_SUPPORT", None)

@@ -34,12 +34,11 @@ PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the ch
 # child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
 ANSWER_TIMEOUT = 0.1
 _SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
-CREDENTIALS = CREDENTIAL_VARIABLES  # conch's secrets: the child and the watchdog get none
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
-    """A copy of ``environ`` less every entry of CREDENTIALS."""
-    return {name: value for name, value in environ.items() if name not in CREDENTIALS}
+    """A copy of ``environ`` less CREDENTIAL_VARIABLES: the child and the watchdog get none."""
+    return {name: value for name, value in environ.items() if name not in CREDENTIAL_VARIABLES}
 
 
 class WatchdogNotice(NamedTuple):
@@ -61,7 +60,8 @@ class Watchdog:
     keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
     conch is done with the child (or never had one), ``close()`` to see it gone. Every
     instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
-    ``os.environ``), less CREDENTIALS. Raises OSError when the process cannot be started."""
+    ``os.environ``) less conch's credentials (``without_credentials``). Raises OSError when
+    the process cannot be started."""
 
     def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
@@ -81,24 +81,17 @@ class Watchdog:
         os.set_blocking(self._stdin.fileno(), False)
         self._lock = threading.Lock()
         self._dismissed = False
-        self._ready = False
         self._fired = False
         self._reader: threading.Thread | None = None
         self._exited = threading.Event()  # its stdout closed: the process has ended
 
-    def ready(self, timeout: float, stop: Flag | None = None) -> bool:
-        """Whether the watchdog runs: it has said so (waiting up to ``timeout`` seconds for
-        that, or until ``stop`` is set) and has not exited since (killed while conch queued)."""
-        if not self._ready:
-            self._ready = self._read_for(READY, time.monotonic() + timeout, stop)
-        return self._ready and not self.ended
-
     def handshake(self, timeout: float, stop: Flag) -> str | None:
-        """None if the watchdog is ``ready(timeout, stop)`` and, not watched yet, answers a
-        probe within ANSWER_TIMEOUT (one stopped while conch queued fails, as a dead one
-        does); else what is wrong, the watchdog SIGKILLed (stopped, it would never see its
-        pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
-        ready = self.ready(timeout, stop)
+        """None if the watchdog runs (it says so within ``timeout`` seconds, or before
+        ``stop`` is set, and has not exited since: killed while conch queued) and, not watched
+        yet, answers a probe within ANSWER_TIMEOUT (one stopped while conch queued fails, as
+        a dead one does); else what is wrong, the watchdog SIGKILLed (stopped, it would never
+        see its pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
+        ready = self._read_for(READY, time.monotonic() + timeout, stop) and not self.ended
         if ready:
             self._send(PROBE)
             if self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
@@ -149,7 +142,7 @@ class Watchdog:
         return chunk
 
     def watch(self, box: Mailbox) -> None:
-        """From now on (after ``ready()``), from a thread of its own, probe the watchdog
+        """From now on (after ``handshake()``), from a thread of its own, probe the watchdog
         every PROBE_INTERVAL and put into ``box`` a WatchdogNotice the first time it does not
         answer within ANSWER_TIMEOUT and the moment its stdout ends (however it dies), unless
         it was dismissed first."""
@@ -250,7 +243,7 @@ class Watchdog:
 
     @property
     def fired(self) -> bool:
-        """Whether the watchdog has terminated the group (after ``ready()``). What it wrote
+        """Whether the watchdog has terminated the group (after ``handshake()``). What it wrote
         is read first: a conch frozen while it fired finds the byte and the child's death
         both waiting as it wakes, in whichever order its threads run."""
         deadline = time.monotonic() + FIRED_READ_TIMEOUT

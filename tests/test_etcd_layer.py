@@ -46,16 +46,27 @@ def test_keys_bound_to_a_revoked_lease_vanish(client: Client, name: str) -> None
     lease.revoke(client, granted.id)  # revoking twice is not an error
 
 
+def keepalive(client: Client, lease_id: int, deadline: float) -> int:
+    """One keepalive of ``lease_id`` on the client's keepalive stream, waited for here: the
+    TTL; raises its LeaseNotFound or Unavailable (no answer by ``deadline``)."""
+    answers: queue.SimpleQueue[lease.Outcome] = queue.SimpleQueue()
+    lease.keepalives_for(client).refresh(lease_id, deadline, answers.put)
+    try:
+        outcome = answers.get(timeout=lease.wait_for(deadline))
+    except queue.Empty:
+        outcome = None
+    return lease.ttl_of(outcome)
+
+
 def test_keepalive_refreshes_and_reports_a_revoked_lease(client: Client) -> None:
     granted = lease.grant(client, 5)
-    keepalive = lease.KeepAlive(client, granted.id)
     try:
-        assert keepalive.refresh(time.monotonic() + 5) == granted.ttl
+        assert keepalive(client, granted.id, time.monotonic() + 5) == granted.ttl
         lease.revoke(client, granted.id)
         with pytest.raises(LeaseNotFound):
-            keepalive.refresh(time.monotonic() + 5)
+            keepalive(client, granted.id, time.monotonic() + 5)
     finally:
-        keepalive.close()
+        lease.keepalives_for(client).forget(granted.id)
 
 
 def test_session_declares_loss_when_its_lease_is_revoked_from_outside(client: Client) -> None:
@@ -292,12 +303,11 @@ def test_a_late_keepalive_answer_does_not_confirm_a_later_keepalive_of_its_lease
     proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay)
     slow = Client.connect([Endpoint("127.0.0.1", proxy.port, False)], 10.0, 10.0)
     a, b = lease.grant(client, 30), lease.grant(client, 30)
-    keepalive = lease.KeepAlive(slow, a.id)
     try:
-        assert keepalive.refresh(time.monotonic() + DEADLINE) == a.ttl  # the stream is open
+        assert keepalive(slow, a.id, time.monotonic() + DEADLINE) == a.ttl  # the stream is open
         began = time.monotonic()
         with pytest.raises(Unavailable):
-            keepalive.refresh(began + 0.3)
+            keepalive(slow, a.id, began + 0.3)
         lease.revoke(client, a.id)
         b_answer: queue.SimpleQueue[lease.Outcome] = queue.SimpleQueue()
         sent = time.monotonic()
@@ -305,10 +315,10 @@ def test_a_late_keepalive_answer_does_not_confirm_a_later_keepalive_of_its_lease
         # Otherwise the late answer may have come in first, and this would prove nothing.
         assert sent < began + delay - 0.3, f"sent {sent - began:.2f}s after the first"
         with pytest.raises(LeaseNotFound):
-            keepalive.refresh(time.monotonic() + DEADLINE)
+            keepalive(slow, a.id, time.monotonic() + DEADLINE)
         assert b_answer.get(timeout=DEADLINE) == b.ttl
     finally:
-        keepalive.close()
+        lease.keepalives_for(slow).forget(a.id)
         lease.keepalives_for(slow).forget(b.id)
         lease.revoke(client, b.id)
         slow.close()

@@ -780,10 +780,10 @@ def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
     hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
 
     class SlowStart(Watchdog):
-        def ready(self, timeout: float, stop: Flag | None = None) -> bool:
+        def handshake(self, timeout: float, stop: Flag) -> str | None:
             lease.revoke(client, hold.lease_id)  # the hold goes while we wait
             hold.lost.wait(DEADLINE)
-            return super().ready(timeout, stop)
+            return super().handshake(timeout, stop)
 
     caplog.set_level(logging.INFO, logger="conch")
     marker = tmp_path / "ran"
@@ -795,13 +795,14 @@ def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
 
 
 def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
+    from conch.flag import Flag
     from conch.watchdog import Watchdog
 
     watchdog = Watchdog(1.0)
-    assert watchdog.ready(DEADLINE)
+    assert watchdog._readable(DEADLINE)  # it has said it runs
     watchdog._process.kill()
     watchdog._process.wait(DEADLINE)
-    assert not watchdog.ready(0)
+    assert watchdog.handshake(0, Flag("stop")) == "the watchdog exited before the child"
 
 
 def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(
@@ -817,9 +818,9 @@ def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(
     stop = Flag("stop")
 
     class SlowStart(Watchdog):
-        def ready(self, timeout: float, stop_flag: Flag | None = None) -> bool:
+        def handshake(self, timeout: float, stop_flag: Flag) -> str | None:
             stop.set(15)  # the signal comes while the watchdog is still starting
-            return super().ready(timeout, stop_flag)
+            return super().handshake(timeout, stop_flag)
 
     monkeypatch.setattr(supervisor, "Watchdog", SlowStart)
     marker = tmp_path / "ran"

@@ -20,6 +20,7 @@ from conch.etcd import status
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
+from conch.session import check_client
 
 
 class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
@@ -144,10 +145,7 @@ class Semaphore(recipe.Recipe):
         super().__init__(client, name, max, ttl, spread, identity or Identity.current())
 
     def _check_client(self) -> None:
-        if not isinstance(self.client, Client):
-            raise errors.UsageError(
-                f"bad client {self.client!r}: want a conch.aio.Client (conch.aio.connect(...))"
-            )
+        check_client(self.client, Client, "conch.aio")
 
     def acquire(
         self, timeout: float | None = None, session: Session | None = None

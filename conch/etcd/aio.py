@@ -156,9 +156,9 @@ class LoopWatch:
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     """One LeaseKeepAlive of ``lease_id`` on the client's keepalive stream of the running
     loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``),
-    awaited: as ``lease.KeepAlive.refresh`` (the TTL; LeaseNotFound, Unavailable by
-    ``deadline``). A cancel of the awaiting task leaves the keepalive to run out on its
-    own (its answer is dropped)."""
+    awaited: as ``lease.KeepAlives.refresh`` ends (the TTL in seconds; LeaseNotFound,
+    Unavailable by ``deadline``). A cancel of the awaiting task leaves the keepalive to run
+    out on its own (its answer is dropped)."""
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[lease.Outcome] = loop.create_future()
     keepalives = _keepalives(client)

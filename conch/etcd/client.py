@@ -36,16 +36,14 @@ from conch.errors import (
     Unavailable,
     UsageError,
 )
-from conch.etcd.endpoints import (
-    TLS,
-    Credentials,
-    Endpoint,
-    Stubs,
-    check_fork_support,
-    check_timeout,
-    loop_native,
-    parse_endpoints,
-)
+
+# "X as X": re-exported, where callers of this module have always found them.
+from conch.etcd.endpoints import TLS as TLS
+from conch.etcd.endpoints import Credentials as Credentials
+from conch.etcd.endpoints import Endpoint as Endpoint
+from conch.etcd.endpoints import Stubs, check_fork_support, loop_native
+from conch.etcd.endpoints import check_timeout as check_timeout
+from conch.etcd.endpoints import parse_endpoints as parse_endpoints
 from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.flag import Flag
 
@@ -56,17 +54,6 @@ BACKOFF_CAP = 1.0  # seconds
 ATTEMPT_FIRST = 1.0  # seconds; see Attempts.next
 
 _JITTER = random.Random()
-
-# With what callers of this module have always found here (re-exported).
-__all__ = [
-    "TLS",
-    "Client",
-    "Credentials",
-    "Endpoint",
-    "check_timeout",
-    "connect",
-    "parse_endpoints",
-]
 
 
 class Client(contextlib.AbstractContextManager["Client"]):
@@ -454,8 +441,6 @@ def connect(
     ``http(s)://host:port``), dialled within ``dial_timeout`` seconds. Raises Unavailable
     when none answers in time, AuthenticationFailed for wrong credentials, UsageError for a
     bad endpoint or a timeout not above 0 or over 10 years (gRPC would wait forever)."""
-    check_timeout("dial_timeout", dial_timeout)
-    check_timeout("request_timeout", request_timeout)
     parsed = parse_endpoints(endpoints)
     return Client.connect(parsed, dial_timeout, request_timeout, tls, credentials)
 

@@ -161,7 +161,7 @@ class Stubs(NamedTuple):
         else:
             channel = stack.insecure_channel(endpoint.target, options=CHANNEL_OPTIONS)
         if loop_native:
-            _loop_channels.add(channel)
+            loop_channels.add(channel)
         services = (pb.KVStub, pb.LeaseStub, pb.WatchStub, pb.MaintenanceStub, pb.AuthStub)
         return cls(channel, *(stub(channel) for stub in services))
 
@@ -207,7 +207,7 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
 # grpc.aio channels open. gRPC's asyncio stack does not survive a fork while any is (its
 # poller thread stays in the parent; a child's calls hung past their deadlines): a child
 # forked then uses the blocking stack for its coroutines too (``loop_native``).
-_loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
+loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
 _loop_native_lost_in: int | None = None
 # The child keeps those referenced for good: gRPC's destructor, run there, hung the child or
 # wrote into the connection it shares with the parent (which then lost its keepalives).
@@ -216,9 +216,9 @@ _parents_channels: list[Any] = []
 
 def _after_fork_in_child() -> None:
     global _loop_native_lost_in
-    if _loop_channels:
+    if loop_channels:
         _loop_native_lost_in = os.getpid()
-        _parents_channels.extend(_loop_channels)
+        _parents_channels.extend(loop_channels)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -228,8 +228,3 @@ def loop_native() -> bool:
     """Whether coroutines may use gRPC's asyncio stack here: not in a process forked (at any
     depth) while grpc.aio channels were open."""
     return _loop_native_lost_in is None
-
-
-def closed_loop_channel(channel: Any) -> None:
-    """``channel`` (a grpc.aio channel of ``Stubs.dial``) is closed."""
-    _loop_channels.discard(channel)

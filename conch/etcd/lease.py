@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import queue
 import threading
 import time
 import weakref
@@ -382,25 +381,3 @@ class LoopKeepAlives(KeepAlives):
 
 # ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.
 keepalives_for: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)
-
-
-class KeepAlive:
-    """The keepalives of one lease, waited for in the calling thread (on the client's
-    ``KeepAlives``)."""
-
-    def __init__(self, client: Client, lease_id: int) -> None:
-        self._keepalives = keepalives_for(client)
-        self._lease_id = lease_id
-
-    def refresh(self, deadline: float) -> int:
-        """The lease's TTL in seconds after this keepalive (LeaseKeepAlive). Raises
-        LeaseNotFound when etcd answers TTL <= 0 (expired or revoked), Unavailable when no
-        answer comes by ``deadline`` (``time.monotonic()``)."""
-        answers: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        self._keepalives.refresh(self._lease_id, deadline, answers.put)
-        with contextlib.suppress(queue.Empty):
-            return ttl_of(answers.get(timeout=wait_for(deadline)))
-        return ttl_of(None)
-
-    def close(self) -> None:
-        self._keepalives.forget(self._lease_id)

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from conch.etcd.endpoints import closed_loop_channel
+from conch.etcd.endpoints import loop_channels
 from conch.timer import PerOwner
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ def close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:
     it can without it; gRPC destroys a channel left open when it is collected."""
 
     def close() -> None:
-        closed_loop_channel(channel)
+        loop_channels.discard(channel)
         closing = channel.close()  # a coroutine that awaits nothing without a grace
         try:
             closing.send(None)

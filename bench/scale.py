@@ -27,8 +27,9 @@ waiter), their PSS over what they took before the first acquire (MiB, and KiB a 
 etcd's own CPU over the same window and its RSS over its start (/proc of the etcd process,
 per 1,000 waiters), then the drain: handoff p50/p99 (gaps between successive acquisitions,
 the first from the holder's delete; at max 1 each turn gives the slot back at once, so the
-longest gap is the longest a free slot sat unclaimed with waiters queued), the whole drain, and etcd's requests (RPCs started) and
-bytes (both ways) per release, from its /metrics between the delete and the last release.
+longest gap is the longest a free slot sat unclaimed with waiters queued), the whole drain,
+and etcd's requests (RPCs started) and bytes (both ways) per release, from its /metrics
+between the delete and the last release.
 
 **S semaphores held through one session** (conch.aio, one process, one ``conch.aio.Session``):
 S different semaphores acquired at once on it, held over the window, released at once: the

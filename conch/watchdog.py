@@ -31,9 +31,16 @@ PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
 PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
 # Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
-# child SIGKILLed at once, exit 70); well under the deadline's margin (0.25 s).
+# child SIGKILLed at once, exit 70) if it cannot run (``_halted``); well under the deadline's
+# margin (0.25 s). Its state is looked at again every ANSWER_TIMEOUT while it stays silent.
 ANSWER_TIMEOUT = 0.1
-_SILENT = f"the watchdog did not answer within {ANSWER_TIMEOUT:g}s (stopped?)"
+# Seconds a watchdog that can run (runnable or asleep) may leave a probe unanswered: on a
+# loaded host it is often not scheduled within ANSWER_TIMEOUT (2 cores, load 7: seen), yet it
+# keeps its own timers and fires when due, starved no worse than conch itself.
+SLOW_ANSWER_TIMEOUT = 1.0
+# /proc/PID/stat states of a process that cannot run until something else acts: it would not
+# keep the deadline should conch freeze next. D is also how a cgroup (v1) freezer shows it.
+_HALTED = {"T": "stopped", "t": "traced", "D": "frozen", "Z": "exited", "X": "exited"}
 
 
 def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
@@ -41,10 +48,22 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in environ.items() if name not in CREDENTIAL_VARIABLES}
 
 
+def _halted(pid: int) -> str | None:
+    """Why process ``pid`` cannot run by itself: "stopped" (state T in /proc/PID/stat: SIGSTOP),
+    "traced" (t: a debugger), "frozen" (D: a cgroup freezer, or waiting on a disk), "exited"
+    (Z, X, or no /proc/PID/stat); None if it can (R, S, ...)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return "exited"
+    state = stat.rsplit(b")", 1)[-1].split()[:1]
+    return _HALTED.get(state[0].decode()) if state else "exited"
+
+
 class WatchdogNotice(NamedTuple):
     """Put into the supervisor's mailbox when the watchdog process ends before conch dismissed
-    it, or first fails to answer a probe within ANSWER_TIMEOUT (stopped, or too starved to keep
-    the deadline): ``error`` says which, None if it had terminated the child's group first."""
+    it, or leaves a probe unanswered too long (``Watchdog._silent``): ``error`` says which,
+    None if it had terminated the child's group first."""
 
     error: str | None
 
@@ -88,13 +107,15 @@ class Watchdog:
     def handshake(self, timeout: float, stop: Flag) -> str | None:
         """None if the watchdog runs (it says so within ``timeout`` seconds, or before
         ``stop`` is set, and has not exited since: killed while conch queued) and, not watched
-        yet, answers a probe within ANSWER_TIMEOUT (one stopped while conch queued fails, as
-        a dead one does); else what is wrong, the watchdog SIGKILLed (stopped, it would never
+        yet, answers a probe in time (``_silent``: one stopped while conch queued fails, as a
+        dead one does); else what is wrong, the watchdog SIGKILLed (stopped, it would never
         see its pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
         ready = self._read_for(READY, time.monotonic() + timeout, stop) and not self.ended
+        silent = None
         if ready:
             self._send(PROBE)
-            if self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
+            silent = self._unanswered()
+            if silent is None:
                 return None
         ended = self.ended  # killed while conch queued, or could not start
         self.kill()
@@ -102,7 +123,30 @@ class Watchdog:
             raise Interrupted(stop.reason)
         if ended:
             return "the watchdog exited before the child"
-        return _SILENT if ready else f"not running after {timeout:g}s"
+        return silent if ready else f"not running after {timeout:g}s"
+
+    def _unanswered(self) -> str | None:
+        # Wait for the answer to the probe just sent (no reader thread yet): None once it
+        # comes, else why the watchdog is failed, decided every ANSWER_TIMEOUT meanwhile.
+        sent = time.monotonic()
+        while not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
+            if self.ended:  # handshake() says so
+                return "the watchdog exited"
+            error = self._silent(time.monotonic() - sent)
+            if error is not None:
+                return error
+        return None
+
+    def _silent(self, waited: float) -> str | None:
+        """Why a probe unanswered for ``waited`` seconds fails the watchdog, None if it does
+        not yet: at once if the watchdog cannot run (``_halted``: nothing would keep the
+        deadline should conch freeze next); at SLOW_ANSWER_TIMEOUT if it can (runnable or
+        asleep, only starved of CPU: its own timers still fire)."""
+        halted = _halted(self.pid)
+        if halted is None and waited < SLOW_ANSWER_TIMEOUT:
+            return None
+        why = halted or "running, but not scheduled"
+        return f"the watchdog did not answer within {waited:.1f}s ({why})"
 
     def _read_for(self, want: bytes | None, deadline: float, stop: Flag | None = None) -> bool:
         # Read its stdout (no reader thread yet) until ``want`` is in it (None: its end); False
@@ -143,9 +187,9 @@ class Watchdog:
 
     def watch(self, box: Mailbox) -> None:
         """From now on (after ``handshake()``), from a thread of its own, probe the watchdog
-        every PROBE_INTERVAL and put into ``box`` a WatchdogNotice the first time it does not
-        answer within ANSWER_TIMEOUT and the moment its stdout ends (however it dies), unless
-        it was dismissed first."""
+        every PROBE_INTERVAL and put into ``box`` a WatchdogNotice the first time a probe's
+        silence fails it (``_silent``, asked every ANSWER_TIMEOUT while it lasts) and the
+        moment its stdout ends (however it dies), unless it was dismissed first."""
         self._reader = threading.Thread(
             target=self._probe_and_read, args=(box,), name="conch-watchdog", daemon=True
         )
@@ -153,25 +197,27 @@ class Watchdog:
 
     def _probe_and_read(self, box: Mailbox) -> None:
         sent: float | None = None  # when the probe not answered yet went out
-        next_probe = time.monotonic()
+        due = time.monotonic()  # the next probe; while one is unanswered, the next look at it
         silent = False
         while True:
             wait = None
             if not silent and not self._dismissed:
-                if sent is None and time.monotonic() >= next_probe:
+                if sent is None and time.monotonic() >= due:
                     self._send(PROBE)  # dropped if the pipe is full: then unanswered
                     sent = time.monotonic()
-                until = next_probe if sent is None else sent + ANSWER_TIMEOUT
-                wait = until - time.monotonic()
+                    due = sent + ANSWER_TIMEOUT
+                wait = due - time.monotonic()
             if not self._readable(wait):
-                if sent is not None and time.monotonic() - sent >= ANSWER_TIMEOUT:
-                    silent = True
-                    if not self._dismissed:
-                        box.put(WatchdogNotice(_SILENT))
+                if sent is not None and time.monotonic() >= due:
+                    error = self._silent(time.monotonic() - sent)
+                    due = time.monotonic() + ANSWER_TIMEOUT
+                    silent = error is not None
+                    if error is not None and not self._dismissed:
+                        box.put(WatchdogNotice(error))
                 continue
             chunk = self._take()
             if ANSWER in chunk and sent is not None:
-                sent, next_probe = None, time.monotonic() + PROBE_INTERVAL
+                sent, due = None, time.monotonic() + PROBE_INTERVAL
             if not chunk:
                 break
         error = None if self._fired else "the watchdog exited while the child ran"

@@ -15,6 +15,7 @@ import os
 import re
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -271,6 +272,82 @@ def test_a_watchdog_stopped_or_killed_while_conch_queues_fails_before_the_child_
     assert sema_keys(client, name) == []
     # Killed by conch, or (never ready) woken by conch's exit to find its pipe's end.
     poll(lambda: not alive(watchdog), what="the stopped watchdog gone")
+
+
+# Spins on one CPU as a real-time task (SCHED_FIFO): nothing else gets that CPU for the
+# seconds it is given (argv: the CPU, the seconds), short of the kernel's RT throttling
+# (0.95 s of each second, sched_rt_runtime_us). It says "hogging" once it spins; exit 3:
+# SCHED_FIFO refused (not root, no CAP_SYS_NICE, no RT runtime in its cgroup).
+CPU_HOG = (
+    "import os, sys, time\n"
+    "os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+    "try: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))\n"
+    "except OSError: sys.exit(3)\n"
+    "print('hogging', flush=True)\n"
+    "end = time.monotonic() + float(sys.argv[2])\n"
+    "while time.monotonic() < end: pass\n"
+)
+STARVED_FOR = 0.5  # seconds the hog takes the watchdog's CPU: well under SLOW_ANSWER_TIMEOUT
+
+
+def hog(cpu: int, seconds: float) -> subprocess.Popen[str]:
+    """CPU_HOG on ``cpu`` for ``seconds``, once it spins; skips the test if it is refused."""
+    argv = [sys.executable, "-c", CPU_HOG, str(cpu), str(seconds)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline() != "hogging\n":
+        proc.wait()
+        pytest.skip(f"SCHED_FIFO refused (exit {proc.returncode})")
+    return proc
+
+
+def pinned_to(cpus: set[int]) -> list[str]:
+    """A launcher (``Runner.start``) that runs conch, and what it starts, on ``cpus`` only."""
+    pin = f"import os, sys; os.sched_setaffinity(0, {sorted(cpus)}); "
+    return [sys.executable, "-c", pin + "os.execv(sys.argv[1], sys.argv[1:])"]
+
+
+@pytest.mark.alone
+def test_a_watchdog_runnable_but_starved_of_cpu_does_not_fail_the_hold(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """The holder's watchdog pinned to one CPU and a SCHED_FIFO hog spinning there for
+    STARVED_FOR (0.5 s), twice while the child runs, conch on the other CPUs: the watchdog,
+    runnable (state R) but not scheduled, answers its probes late, and the child runs to its
+    end (exit 0). Before, any probe unanswered within 0.1 s failed it as a stopped one: the
+    child SIGKILLed, exit 70, ``watchdog-failed`` (seen on a loaded 2-core host)."""
+    if os.geteuid() != 0:
+        pytest.skip("SCHED_FIFO needs root")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs: one to starve the watchdog on, one for conch")
+    starved, others = cpus[-1], set(cpus[:-1])
+    hog(starved, 0).wait()  # skips before anything starts if SCHED_FIFO is refused
+    gate = tmp_path / "release"
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, others)  # this thread too: it looks at the watchdog meanwhile
+    try:
+        holder = conch.start(
+            "sema", name, "--max", "1", "--",
+            "sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.05; done",
+            launcher=pinned_to(others),
+        )  # fmt: skip
+        poll(lambda: "event=child-start" in holder.log(), what="the holder's child")
+        watchdog = watchdog_of(holder)
+        os.sched_setaffinity(watchdog, {starved})
+        states: list[str] = []
+        for _ in range(2):
+            spinning = hog(starved, STARVED_FOR)
+            time.sleep(0.3)  # a probe (every 0.1 s) has woken it since
+            states.append((stat_fields(watchdog) or ["gone"])[0])
+            spinning.wait()
+            time.sleep(0.3)
+        gate.touch()
+        assert holder.wait() == 0, holder.log()
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert states == ["R", "R"], f"the watchdog was not kept runnable and unscheduled: {states}"
+    assert "watchdog-failed" not in holder.events()
 
 
 def test_our_key_deleted_from_outside_sigkills_the_child_at_once(

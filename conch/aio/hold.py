@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.aio.session import Session, run_callback
+from conch import log
+from conch.aio.session import Session
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core import messages
 from conch.core.guard import GuardCall, GuardStep
@@ -55,12 +56,12 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         self.lost.set()
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:
-            run_callback(callback, reason)
+            log.call_back(callback, reason)
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost)."""
         if self.lost.is_set():
-            self._loop.call_soon(run_callback, callback, self.reason or CLOSED)
+            self._loop.call_soon(log.call_back, callback, self.reason or CLOSED)
         else:
             self._callbacks.append(callback)
 

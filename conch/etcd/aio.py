@@ -16,7 +16,7 @@ from typing import Concatenate, ParamSpec, TypeVar, cast
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import LeaseNotFound
-from conch.etcd import kv, lease
+from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
 from conch.etcd.lease import Grant, LoopKeepAlives
@@ -44,15 +44,6 @@ async def txn(
     """KV.Txn (``kv.txn``), awaited."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
     return cast(rpc_pb2.TxnResponse, await client.call_async("kv", "Txn", request, timeout))
-
-
-async def delete_own_key(
-    client: Client, key: bytes, revision: int, timeout: float | None = None
-) -> bool:
-    """Delete ``key`` if its create_revision is still ``revision`` (one KV.Txn: a key made
-    since by someone else is left alone); whether it was ours to delete. Raises EtcdError."""
-    compare = [kv.create_revision_is(key, revision)]
-    return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 
 
 async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> Grant:

@@ -99,12 +99,12 @@ _hub = _per_loop(LoopHub, _hub_for)
 _keepalives = _per_loop(LoopKeepAlives, lease.keepalives_for)
 
 
-class LoopWatch:
+class LoopWatch(Watch):
     """A ``Watch`` on the client's Watch stream of the running loop, whose notices reach
     ``on_notice`` on that loop, in order. Arguments as ``Watch``; ``on_notice`` must not
-    block. Once ``cancel()`` returns, ``on_notice`` is not called again. Open it with
-    ``await LoopWatch.open(...)``: the stream's auth token is fetched first, without
-    blocking the loop. Raises EtcdError as ``Watch``."""
+    block. Once ``cancel()`` (a WatchCancelRequest, no wait) returns, ``on_notice`` is not
+    called again. Open it with ``await LoopWatch.open(...)``: the stream's auth token is
+    fetched first, without blocking the loop. Raises EtcdError as ``Watch``."""
 
     def __init__(
         self,
@@ -120,9 +120,9 @@ class LoopWatch:
         deliver: Callable[[WatchNotice], None] = on_notice  # by the loop's hub, on the loop
         hub = _hub(client)
         if not isinstance(hub, LoopHub):  # the threaded stream's reader hands each notice over
-            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._deliver)
-        self.watch = Watch(
-            client, key, start_revision, deliver, range_end, only_deletes, confirm, hub=hub
+            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._handed)
+        super().__init__(
+            client, key, start_revision, deliver, range_end, only_deletes, confirm, hub
         )
 
     @classmethod
@@ -135,13 +135,9 @@ class LoopWatch:
         await client.token_async()
         return cls(client, *args, **kwargs)
 
-    def _deliver(self, notice: WatchNotice) -> None:  # on the loop, once handed over
-        if not self.watch._cancelled:
+    def _handed(self, notice: WatchNotice) -> None:  # on the loop, once handed over
+        if not self._cancelled:
             self._on_notice(notice)
-
-    def cancel(self) -> None:
-        """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""
-        self.watch.cancel()
 
 
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:

@@ -54,9 +54,8 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
     def _set_lost(self, reason: Loss) -> None:
         self.reason = reason
         self.lost.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            log.call_back(callback, reason)
+        while self._callbacks:  # each once, in order
+            log.call_back(self._callbacks.pop(0), reason)
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost)."""

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.aio.session import Session, run_callback
+from conch import log
+from conch.aio.session import Session
 from conch.aio.tasks import outlast_cancel, spawn
 from conch.core import messages
 from conch.core.guard import GuardCall, GuardStep
@@ -53,14 +54,13 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
     def _set_lost(self, reason: Loss) -> None:
         self.reason = reason
         self.lost.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            run_callback(callback, reason)
+        while self._callbacks:  # each once, in order
+            log.call_back(self._callbacks.pop(0), reason)
 
     def on_lost(self, callback: Callable[[Loss], object]) -> None:
         """``conch.Hold.on_lost``, on the loop (soon, if the hold is already lost)."""
         if self.lost.is_set():
-            self._loop.call_soon(run_callback, callback, self.reason or CLOSED)
+            self._loop.call_soon(log.call_back, callback, self.reason or CLOSED)
         else:
             self._callbacks.append(callback)
 
@@ -126,6 +126,8 @@ async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     if not slot.shared:
         return await slot.session.close(timeout)
     with deleting_own_key(slot):
-        await etcd_aio.delete_own_key(slot.session.client.sync, slot.key, slot.revision, timeout)
+        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
+        ours = [kv.create_revision_is(slot.key, slot.revision)]
+        await etcd_aio.txn(slot.session.client.sync, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False

@@ -18,13 +18,6 @@ from conch.session import Keeper, SessionBase
 from conch.timer import listen
 
 
-def run_callback(callback: Callable[[Loss], object], reason: Loss) -> None:
-    try:
-        callback(reason)
-    except Exception as exc:  # one embedder's bug must not silence the others
-        log.error("callback-failed", error=repr(exc))
-
-
 class _Keeper(Keeper):
     def __init__(self, client: Client, lease_id: int, ttl: int, granted_at: float) -> None:
         self.loop = asyncio.get_running_loop()
@@ -62,9 +55,9 @@ class _Keeper(Keeper):
         self.lost.set()
         self.task.cancel()
         while self.listeners:  # each once, in order; one may remove another
-            run_callback(self.listeners.pop(next(iter(self.listeners))), reason)
+            log.call_back(self.listeners.pop(next(iter(self.listeners))), reason)
 
-    tell = staticmethod(run_callback)
+    tell = staticmethod(log.call_back)
 
     def dropped(self) -> None:
         """On its loop, if the loop still runs (else the lease expires by its TTL)."""
@@ -74,7 +67,7 @@ class _Keeper(Keeper):
         """``listener(reason)`` on the loop once lost (soon, if already); returns its remover."""
         if not self.lost.is_set():
             return listen(self.listeners, listener)
-        self.loop.call_soon(run_callback, listener, self.reason or CLOSED)
+        self.loop.call_soon(log.call_back, listener, self.reason or CLOSED)
         return lambda: None
 
     async def close(self, timeout: float | None) -> bool:

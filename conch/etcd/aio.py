@@ -16,7 +16,7 @@ from typing import Concatenate, ParamSpec, TypeVar, cast
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.errors import LeaseNotFound
-from conch.etcd import kv, lease
+from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
 from conch.etcd.lease import Grant, LoopKeepAlives
@@ -44,15 +44,6 @@ async def txn(
     """KV.Txn (``kv.txn``), awaited."""
     request = rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure)
     return cast(rpc_pb2.TxnResponse, await client.call_async("kv", "Txn", request, timeout))
-
-
-async def delete_own_key(
-    client: Client, key: bytes, revision: int, timeout: float | None = None
-) -> bool:
-    """Delete ``key`` if its create_revision is still ``revision`` (one KV.Txn: a key made
-    since by someone else is left alone); whether it was ours to delete. Raises EtcdError."""
-    compare = [kv.create_revision_is(key, revision)]
-    return bool((await txn(client, compare, [kv.op_delete(key)], [], timeout)).succeeded)
 
 
 async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> Grant:
@@ -108,12 +99,12 @@ _hub = _per_loop(LoopHub, _hub_for)
 _keepalives = _per_loop(LoopKeepAlives, lease.keepalives_for)
 
 
-class LoopWatch:
+class LoopWatch(Watch):
     """A ``Watch`` on the client's Watch stream of the running loop, whose notices reach
     ``on_notice`` on that loop, in order. Arguments as ``Watch``; ``on_notice`` must not
-    block. Once ``cancel()`` returns, ``on_notice`` is not called again. Open it with
-    ``await LoopWatch.open(...)``: the stream's auth token is fetched first, without
-    blocking the loop. Raises EtcdError as ``Watch``."""
+    block. Once ``cancel()`` (a WatchCancelRequest, no wait) returns, ``on_notice`` is not
+    called again. Open it with ``await LoopWatch.open(...)``: the stream's auth token is
+    fetched first, without blocking the loop. Raises EtcdError as ``Watch``."""
 
     def __init__(
         self,
@@ -129,9 +120,9 @@ class LoopWatch:
         deliver: Callable[[WatchNotice], None] = on_notice  # by the loop's hub, on the loop
         hub = _hub(client)
         if not isinstance(hub, LoopHub):  # the threaded stream's reader hands each notice over
-            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._deliver)
-        self.watch = Watch(
-            client, key, start_revision, deliver, range_end, only_deletes, confirm, hub=hub
+            deliver = functools.partial(call_soon, asyncio.get_running_loop(), self._handed)
+        super().__init__(
+            client, key, start_revision, deliver, range_end, only_deletes, confirm, hub
         )
 
     @classmethod
@@ -144,13 +135,9 @@ class LoopWatch:
         await client.token_async()
         return cls(client, *args, **kwargs)
 
-    def _deliver(self, notice: WatchNotice) -> None:  # on the loop, once handed over
-        if not self.watch._cancelled:
+    def _handed(self, notice: WatchNotice) -> None:  # on the loop, once handed over
+        if not self._cancelled:
             self._on_notice(notice)
-
-    def cancel(self) -> None:
-        """Stop the watch (Watch.cancel: a WatchCancelRequest on the stream, no wait)."""
-        self.watch.cancel()
 
 
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:

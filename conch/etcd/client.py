@@ -46,6 +46,7 @@ from conch.etcd.endpoints import check_timeout as check_timeout
 from conch.etcd.endpoints import parse_endpoints as parse_endpoints
 from conch.etcd.loop import admission, close_loop_channel, settled
 from conch.flag import Flag
+from conch.timer import listen
 
 # Seconds close() spends, in all, revoking the leases of sessions still open on the client.
 CLOSE_REVOKE_TIMEOUT = 1.0
@@ -88,8 +89,8 @@ class Client(contextlib.AbstractContextManager["Client"]):
         self._stubs: dict[asyncio.AbstractEventLoop | None, dict[Endpoint, Stubs]] = {None: {}}
         self._current = 0
         self._lock = threading.Lock()
-        self._close_hooks: list[Callable[[float], None]] = []
-        self._failover_listeners: list[Callable[[Endpoint], None]] = []
+        self._close_hooks: dict[object, Callable[[float], None]] = {}
+        self._failover_listeners: dict[object, Callable[[Endpoint], None]] = {}
         self._closed = False
         self.pid = os.getpid()  # gRPC channels do not survive fork(): a child connects its own
 
@@ -155,7 +156,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         drop the channels; in a forked process only forget them (they are the parent's)."""
         if os.getpid() == self.pid:
             with self._lock:
-                hooks, self._close_hooks = list(self._close_hooks), []
+                hooks, self._close_hooks = list(self._close_hooks.values()), {}
             deadline = time.monotonic() + CLOSE_REVOKE_TIMEOUT
             for hook in hooks:
                 hook(max(0.05, deadline - time.monotonic()))
@@ -218,29 +219,21 @@ class Client(contextlib.AbstractContextManager["Client"]):
             moved = self.endpoints[self._current] == failed
             if moved:
                 self._current = (self._current + 1) % len(self.endpoints)
-            listeners = tuple(self._failover_listeners) if moved else ()
+            listeners = tuple(self._failover_listeners.values()) if moved else ()
         for listener in listeners:
             listener(failed)
 
     def on_close(self, hook: Callable[[float], None]) -> Callable[[], None]:
         """Call ``hook(seconds it may take)`` from ``close()`` before the channels go (a
         session revokes its lease). Returns a function that removes it."""
-        return self._add(self._close_hooks, hook)
+        with self._lock:
+            return listen(self._close_hooks, hook)
 
     def on_failover(self, listener: Callable[[Endpoint], None]) -> Callable[[], None]:
         """Call ``listener(failed_endpoint)`` (from the thread that failed over) each time calls
         move away from an endpoint, so streams still on it can move too. Returns its remover."""
-        return self._add(self._failover_listeners, listener)
-
-    def _add(self, callbacks: list[Any], callback: Any) -> Callable[[], None]:
         with self._lock:
-            callbacks.append(callback)
-
-        def remove() -> None:
-            with self._lock, contextlib.suppress(ValueError):
-                callbacks.remove(callback)
-
-        return remove
+            return listen(self._failover_listeners, listener)
 
     def authenticate(self, timeout: float | None = None) -> None:
         """Auth.Authenticate with our credentials within ``timeout`` seconds (default

@@ -82,17 +82,15 @@ class TLS:
         roots = self.cacert
         options: list[tuple[str, Any]] = list(CHANNEL_OPTIONS)
         if self.skip_verify:  # gRPC cannot skip verifying: trust the one presented, by its name
-            roots, name = _presented_certificate(endpoint, self.cert, self.key)
+            roots, name = _presented_certificate(endpoint, self)
             options.append(("grpc.ssl_target_name_override", name))
         return grpc.ssl_channel_credentials(roots, self.key, self.cert), options
 
 
-def _presented_certificate(
-    endpoint: Endpoint, cert: bytes | None, key: bytes | None
-) -> tuple[bytes, str]:
+def _presented_certificate(endpoint: Endpoint, tls: TLS) -> tuple[bytes, str]:
     """The PEM certificate ``endpoint`` presents, and a host name it is valid for, from one
-    unverified TLS handshake (at most 5 s) showing our client certificate (``cert``,
-    ``key``: PEM) if any (an etcd that requires one ends it without)."""
+    unverified TLS handshake (at most 5 s) showing our client certificate (``tls``'s ``cert``
+    and ``key``) if any (an etcd that requires one ends it without)."""
     import socket
     import ssl
     import tempfile
@@ -109,13 +107,13 @@ def _presented_certificate(
             return path
 
         try:
-            if cert is not None and key is not None:
-                context.load_cert_chain(write("cert.pem", cert), write("key.pem", key))
+            if tls.cert is not None and tls.key is not None:
+                context.load_cert_chain(write("cert.pem", tls.cert), write("key.pem", tls.key))
             with (
                 socket.create_connection((endpoint.host, endpoint.port), timeout=5.0) as sock,
-                context.wrap_socket(sock, server_hostname=endpoint.host) as tls,
+                context.wrap_socket(sock, server_hostname=endpoint.host) as secured,
             ):
-                der = tls.getpeercert(binary_form=True)
+                der = secured.getpeercert(binary_form=True)
         except (OSError, ValueError) as exc:
             raise Unavailable(f"cannot fetch the TLS certificate of {endpoint}: {exc}") from None
         if der is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -10,7 +10,6 @@ from conchpb.mvccpb import kv_pb2
 from conch.etcd.client import Client
 from conch.flag import Flag
 
-TxnResponse: TypeAlias = rpc_pb2.TxnResponse
 CREATE = rpc_pb2.RangeRequest.CREATE  # sort_target: by create_revision
 ASCEND = rpc_pb2.RangeRequest.ASCEND
 DESCEND = rpc_pb2.RangeRequest.DESCEND

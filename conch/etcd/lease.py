@@ -91,10 +91,10 @@ class KeepAlives:
     use. Steps run on one timer thread (``timer``, conch-keepalive) that never waits on etcd,
     streams open on another (conch-keepalive-open). No stream stays open once no lease is left."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, steps: Scheduler | None = None) -> None:
         self._client_ref = weakref.ref(client)  # kept in a map keyed by the client
         self.timer = Timer("conch-keepalive")  # the threaded sessions' timers run here too
-        self._steps: Scheduler = self.timer
+        self._steps: Scheduler = self.timer if steps is None else steps
         self._opener = Timer("conch-keepalive-open")
         # All on the timer thread: no lock. The stream in use first; per lease on each, the
         # keepalives sent and the answers received (etcd answers in order).
@@ -345,8 +345,7 @@ class LoopKeepAlives(KeepAlives):
     (``Client.token_async``), then waits for nothing."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(client)
-        self._steps = loop
+        super().__init__(client, loop)
         self._loop = loop
         self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
 

@@ -116,9 +116,9 @@ class _Hub:
     ``_lock``, never held across a call that waits on etcd, nor while notices are delivered
     (so a ``deliver`` may cancel or open watches)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, timer: Scheduler | None = None) -> None:
         self._client_ref = weakref.ref(client)  # the hub lives in a map keyed by the client
-        self._timer: Scheduler = timer_for(client)
+        self._timer: Scheduler = timer_for(client) if timer is None else timer
         self._lock = threading.RLock()
         self._stream: Stream | None = None
         self._watches: set[Watch] = set()
@@ -357,8 +357,7 @@ class LoopHub(_Hub):
     while a task of the loop fetches it (``Client.token_async``)."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(client)
-        self._timer = loop
+        super().__init__(client, loop)
         self._loop = loop
         self._authenticating: asyncio.Task[str | None] | None = None
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
@@ -23,6 +25,7 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import keys, log
 from conch.core import codec, messages, waiter
+from conch.core.line import Line
 from conch.core.waiter import WINDOW_WAITERS_CAP, window_size
 from conch.errors import EtcdError, Interrupted, NoSlot, SessionLost, UsageError
 from conch.etcd import kv, lease, status
@@ -210,6 +213,10 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
+# Each client's Lines (conch.core.line) by semaphore prefix; the lock: a threaded face's
+# drivers share a line across threads.
+_lines: weakref.WeakKeyDictionary[Any, dict[bytes, Line[Any]]] = weakref.WeakKeyDictionary()
+_lines_lock = threading.Lock()
 
 
 class Driver(Generic[W]):
@@ -233,12 +240,19 @@ class Driver(Generic[W]):
         self.current_lease = lease_id or 0
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
+        self.todo: deque[messages.Action] = deque()  # the machine's actions not yet executed
+        self.parked: messages.ReadStanding | None = None  # behind a waiter of this process
+        self.placed = 0  # our key's revision as our process's line has it
+        self.overdue = False  # past the deadline
+        with _lines_lock:
+            lines = _lines.setdefault(sema.client, {})
+            self.line = lines.setdefault(sema.prefix, Line(window_size(sema.max) - sema.max))
 
     def steps(self) -> Steps[messages.Outcome]:
         """The machine driven to its outcome: each action's steps, and ``Next`` when there is
         nothing to do but wait (a pause over first: a stream of notices must not starve it)."""
-        machine = self.machine
-        todo = deque(machine.start())
+        machine, todo = self.machine, self.todo
+        todo.extend(machine.start())
         while machine.outcome is None or todo:
             answer = self.arrived() or self._late()
             if answer is None and todo:
@@ -247,7 +261,32 @@ class Driver(Generic[W]):
                 answer = self._pause_over() or (yield Next(self._wake()))
             if answer is not None:
                 todo.extend(machine.feed(answer))
+                self._in_line()
         return machine.outcome
+
+    def _in_line(self, leave: bool = False) -> None:
+        """Our process's line told where our key stands now, or (``leave``, or an outcome)
+        that we wait no more."""
+        revision = self.machine.revision
+        leave = leave or self.machine.outcome is not None
+        if not leave and revision == self.placed:
+            return
+        with _lines_lock:
+            if leave:
+                woken = self.line.leave(self)
+                if not len(self.line):
+                    _lines.get(self.sema.client, {}).pop(self.sema.prefix, None)
+            else:
+                woken = self.line.placed(self, revision)
+        self.placed = revision
+        for driver in woken:
+            driver.box.put_nowait(driver.unparked)  # from this driver's thread or task
+
+    def unparked(self) -> None:
+        """On our ``box``: the parked standing read may go now."""
+        if self.parked is not None:
+            self.todo.append(self.parked)
+            self.parked = None
 
     def arrived(self) -> messages.Input | None:
         while not self.box.empty():
@@ -278,6 +317,11 @@ class Driver(Generic[W]):
         if self.deadline is None or time.monotonic() < self.deadline:
             return None
         self.deadline = None
+        with _lines_lock:
+            parked = self.line.unpark(self)
+        if parked:  # the machine gives up once the read it waits for is answered
+            self.unparked()
+        self.overdue = True  # no read parks any more
         return messages.DeadlineReached()
 
     def _wake(self) -> float | None:
@@ -307,10 +351,19 @@ class Driver(Generic[W]):
         try:
             if isinstance(action, messages.SendEnqueue):  # step 1
                 value = sema.identity.entering().to_json()
-                txn = codec.enqueue_call(action, sema.prefix, sema.max, value)
+                with _lines_lock:
+                    alone = self.line.joined(self)
+                txn = codec.enqueue_call(action, sema.prefix, sema.max, value, read=alone)
                 return codec.enqueue_answer(action, (yield txn), value)
             if isinstance(action, messages.ReadStanding):
-                return codec.standing_answer(action, (yield from sema._standing(action)))
+                with _lines_lock:
+                    parked = not self.overdue and self.line.park(self, action.revision)
+                if not parked:
+                    return codec.standing_answer(action, (yield from sema._standing(action)))
+                self.parked = action
+                if self.machine.queued_said_elsewhere():
+                    yield from self.noting(messages.Note("queued", {"rev": action.revision}))
+                return None
             if isinstance(action, messages.ReadKeys):
                 return codec.keys_answer(action, (yield from together(codec.keys_reads(action))))
             if isinstance(action, messages.Touch):
@@ -349,6 +402,7 @@ class Driver(Generic[W]):
         """Subscriptions removed, all watches cancelled but a held slot's (its Held, returned)."""
         for forget in self.forget:
             forget()
+        self._in_line(leave=True)
         outcome = self.machine.outcome
         held = outcome if isinstance(outcome, messages.Held) else None
         for watch_id in [w for w in self.watches if held is None or w not in held.retire]:

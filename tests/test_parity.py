@@ -505,6 +505,43 @@ def test_waiters_of_one_semaphore_on_one_session_queue_as_keys_of_its_lease_in_o
     run(face, scenario)
 
 
+def test_a_burst_of_waiters_of_one_process_keeps_a_window_of_watches_and_holds_in_order(
+    face: Face, own_etcd: EtcdCluster, name: str
+) -> None:
+    """30 acquires of one semaphore at max 1, created at once on one session behind a
+    holder: only as many waiters as the window holds read and watch (conch.core.line; each
+    watched the key ahead of it before, 30 watches and 30 reads of every key); the rest are
+    queued in etcd all the same, and all 30 hold in the order of their keys (the threaded
+    face: one thread each, of run_at's 32)."""
+    count = 30
+
+    async def scenario(fclient: Any) -> None:
+        with own_etcd.client() as client:
+            sema = face.semaphore(fclient, name, max=1)
+            holder = await face.acquire(sema, 10)
+            async with face.session(fclient, ttl=10) as session:
+                held: list[int] = []
+
+                async def turn() -> None:
+                    hold = await face.acquire(sema, 60, session)
+                    held.append(hold.revision)
+                    await face.release(hold)
+
+                turns = [asyncio.ensure_future(turn()) for _ in range(count)]
+                await _poll(lambda: len(sema_keys(client, name)) == count + 1, "all queued")
+                watching = etcd_watchers(own_etcd)
+                # the holder's guard, the window's two waiters, and a margin for one
+                # settling: never a watch per waiter
+                assert watching <= 4, watching
+                queued = revisions(client, name)[1:]
+                await face.release(holder)
+                await asyncio.wait_for(asyncio.gather(*turns), DEADLINE)
+                assert held == queued
+                assert sema_keys(client, name) == []
+
+    run_at(face.at(own_etcd), scenario)
+
+
 def test_a_shared_session_lost_while_queued_raises_session_lost(
     face: Face, client: Client, name: str
 ) -> None:

@@ -54,13 +54,18 @@ def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.Ran
     ]
 
 
-def enqueue_call(action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes) -> Call:
+def enqueue_call(
+    action: messages.SendEnqueue, prefix: bytes, max: int, value: bytes, read: bool = True
+) -> Call:
     """``action`` as one KV.Txn: if our key's create_revision is 0, put it (``value``, bound
-    to the lease) and read our standing in the same Txn (the Ranges of ``standing_reads``,
-    and a count_only Range under ``prefix``: the keys ahead, and ours); else Range our key.
-    Not read-only, so no release's read-only Txn bug applies. Decode with ``enqueue_answer``."""
+    to the lease) and, with ``read``, read our standing in the same Txn (the Ranges of
+    ``standing_reads``, and a count_only Range under ``prefix``: the keys ahead, and ours);
+    else Range our key. Not read-only, so no release's read-only Txn bug applies. The reads
+    cost etcd's apply loop every key of the prefix: ``conch.core.line`` says when to skip
+    them. Decode with ``enqueue_answer``."""
     key = action.key
-    ranges = [*_standing_ranges(prefix, max), kv.prefix_request(prefix, count_only=True)]
+    count = kv.prefix_request(prefix, count_only=True)
+    ranges = [*_standing_ranges(prefix, max), count] if read else []
     return _txn(
         [kv.create_revision_is(key, 0)],
         [kv.op_put(key, value, action.lease_id), *map(kv.op_range, ranges)],
@@ -73,6 +78,8 @@ def enqueue_answer(
 ) -> messages.EnqueueAnswer:
     """The TxnResponse to ``enqueue_call`` (``sent``: the value put) as EnqueueAnswer."""
     revision = int(response.header.revision)
+    if response.succeeded and len(response.responses) == 1:  # put without the reads
+        return messages.EnqueueAnswer(action.id, revision, True, sent)
     if response.succeeded:
         window, mine_and_prev, counted = (r.response_range for r in response.responses[1:])
         standing = messages.StandingAnswer(

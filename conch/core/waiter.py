@@ -118,6 +118,13 @@ class Waiter:
         """The first actions: open a session (private) or send the enqueue (shared)."""
         return self._enqueue() if self.shared else self._open_session()
 
+    def queued_said_elsewhere(self) -> bool:
+        """Whether ``queued`` was still to be said for our key: the driver says it now, its
+        standing read parked behind a waiter of its own process (``conch.core.line``)."""
+        said = "queued" in self._said
+        self._said.add("queued")
+        return not said
+
     def feed(self, event: m.Input) -> list[m.Action]:
         """Advance on ``event``; return the actions to execute, in order."""
         if self.state == State.HELD:

@@ -1,0 +1,94 @@
+"""The waiters of one semaphore in one process (on one client), ranked by their keys'
+create_revision, as the queue in etcd ranks them.
+
+A waiter behind other waiters of its own process that still wait cannot hold before them:
+each has ``max`` keys or more ahead of it, so this one has more. Past the first ``limit`` of
+them (as many waiters as the window holds beyond its holders, so that each of those still
+takes its slot straight from a deletion event) a waiter's standing read (the window, sorted
+by create_revision: etcd reads every key of the prefix for it) is parked until enough of
+those ahead have held or gone, and a new key's reads go into its enqueue's Txn only while
+fewer than ``limit`` others are in line. A burst of W acquires of one semaphore in one
+process costs etcd ``limit`` standing reads at a time, not W reads of W keys each (at
+W = 3,000 on etcd 3.5.1, those reads outlasted the session's TTL inside etcd's apply loop,
+and the lease was lost). Parking only delays a read: the order and every decision stay
+etcd's and the Waiter's.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+M = TypeVar("M", bound=Hashable)  # a member: a face's driver
+
+
+class Line(Generic[M]):
+    """Members (a face's drivers) with their key's create_revision, 0 while unknown; the
+    first ``limit`` of them read freely. ``joined``, ``placed``, ``park``, ``unpark`` and
+    ``leave`` keep it; those that can change who may read return the parked members that
+    may read now."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._members: dict[M, int] = {}
+        self._waiting: list[int] = []  # the members' known revisions, ascending
+        self._parked: dict[int, M] = {}  # a parked member by its revision
+        self._parked_order: list[int] = []  # their revisions, ascending
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def joined(self, member: M) -> bool:
+        """``member`` is enqueueing; whether fewer than ``limit`` others are in line (its
+        Txn may read)."""
+        self._members.setdefault(member, 0)
+        return len(self._members) <= self.limit
+
+    def placed(self, member: M, revision: int) -> list[M]:
+        """``member``'s key is at ``revision`` now (0: it has none, re-entering)."""
+        self._forget(member)
+        self._members[member] = revision
+        if revision:
+            bisect.insort(self._waiting, revision)
+        return self._next()
+
+    def park(self, member: M, revision: int) -> bool:
+        """Whether ``member``, whose key is at ``revision``, must wait to read its standing:
+        ``limit`` earlier members still wait. If so it is parked until ``leave`` or
+        ``placed`` say."""
+        if bisect.bisect_left(self._waiting, revision) < self.limit:
+            return False
+        self._parked[revision] = member
+        bisect.insort(self._parked_order, revision)
+        return True
+
+    def unpark(self, member: M) -> bool:
+        """Whether ``member`` was parked (it reads now: its deadline came)."""
+        revision = self._members.get(member, 0)
+        if self._parked.get(revision) is not member:
+            return False
+        del self._parked[revision]
+        self._parked_order.remove(revision)
+        return True
+
+    def leave(self, member: M) -> list[M]:
+        """``member`` holds a slot or has given up: it waits no more."""
+        self._forget(member)
+        self._members.pop(member, None)
+        return self._next()
+
+    def _forget(self, member: M) -> None:
+        self.unpark(member)
+        revision = self._members.get(member, 0)
+        if revision:
+            del self._waiting[bisect.bisect_left(self._waiting, revision)]
+
+    def _next(self) -> list[M]:
+        # The earliest parked members first: none behind one that must wait may read.
+        woken = []
+        while self._parked_order:
+            if bisect.bisect_left(self._waiting, self._parked_order[0]) >= self.limit:
+                break
+            woken.append(self._parked.pop(self._parked_order.pop(0)))
+        return woken

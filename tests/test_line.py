@@ -1,0 +1,41 @@
+"""conch.core.line: which waiters of one process read their standing, and when the parked
+ones may (pure: no etcd)."""
+
+from __future__ import annotations
+
+from conch.core.line import Line
+
+
+def test_past_the_limit_a_waiter_parks_until_one_ahead_leaves() -> None:
+    line: Line[str] = Line(limit=2)
+    assert [line.joined(m) for m in "abcd"] == [True, True, False, False]
+    for member, revision in zip("abcd", (10, 11, 12, 13), strict=True):
+        assert line.placed(member, revision) == []
+    assert not line.park("a", 10) and not line.park("b", 11)
+    assert line.park("c", 12) and line.park("d", 13)
+    assert line.leave("a") == ["c"]  # b and c are the two first now; d stays parked
+    assert line.leave("c") == ["d"]
+    assert line.leave("b") == [] and line.leave("d") == [] and len(line) == 0
+
+
+def test_the_parked_ones_read_in_their_keys_order_whoever_leaves() -> None:
+    line: Line[str] = Line(limit=1)
+    for member, revision in zip("abc", (5, 7, 9), strict=True):
+        line.joined(member)
+        line.placed(member, revision)
+    assert line.park("c", 9) and line.park("b", 7)
+    assert line.leave("c") == []  # c was behind b: a still waits, b stays parked
+    assert line.leave("a") == ["b"]
+
+
+def test_a_key_placed_again_moves_its_waiter_and_a_deadline_unparks_it() -> None:
+    line: Line[str] = Line(limit=1)
+    for member, revision in zip("ab", (5, 7), strict=True):
+        line.joined(member)
+        line.placed(member, revision)
+    assert line.park("b", 7)
+    assert line.placed("a", 0) == ["b"]  # a lost its key and re-enters: b is first now
+    assert line.placed("a", 8) == []
+    assert line.park("a", 8)
+    assert line.unpark("a") and not line.unpark("a")
+    assert line.leave("a") == [] and line.leave("b") == []

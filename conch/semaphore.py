@@ -213,8 +213,8 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
-# Each client's Lines (conch.core.line) by semaphore prefix; the lock: a threaded face's
-# drivers share a line across threads.
+# Each client's Lines (conch.core.line) by semaphore prefix, while any waiter is in one; the
+# lock: a threaded face's drivers share a line across threads.
 _lines: weakref.WeakKeyDictionary[Any, dict[bytes, Line[Any]]] = weakref.WeakKeyDictionary()
 _lines_lock = threading.Lock()
 
@@ -242,11 +242,9 @@ class Driver(Generic[W]):
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
         self.todo: deque[messages.Action] = deque()  # the machine's actions not yet executed
         self.parked: messages.ReadStanding | None = None  # behind a waiter of this process
-        self.placed = 0  # our key's revision as our process's line has it
+        self.line: Line[Any] | None = None  # our process's, once we enqueue
+        self.placed = 0  # our key's revision as the line has it
         self.overdue = False  # past the deadline
-        with _lines_lock:
-            lines = _lines.setdefault(sema.client, {})
-            self.line = lines.setdefault(sema.prefix, Line(window_size(sema.max) - sema.max))
 
     def steps(self) -> Steps[messages.Outcome]:
         """The machine driven to its outcome: each action's steps, and ``Next`` when there is
@@ -267,17 +265,17 @@ class Driver(Generic[W]):
     def _in_line(self, leave: bool = False) -> None:
         """Our process's line told where our key stands now, or (``leave``, or an outcome)
         that we wait no more."""
-        revision = self.machine.revision
+        revision, line = self.machine.revision, self.line
         leave = leave or self.machine.outcome is not None
-        if not leave and revision == self.placed:
+        if line is None or (not leave and revision == self.placed):
             return
         with _lines_lock:
             if leave:
-                woken = self.line.leave(self)
-                if not len(self.line):
+                woken = line.leave(self)
+                if not len(line):
                     _lines.get(self.sema.client, {}).pop(self.sema.prefix, None)
             else:
-                woken = self.line.placed(self, revision)
+                woken = line.placed(self, revision)
         self.placed = revision
         for driver in woken:
             driver.box.put_nowait(driver.unparked)  # from this driver's thread or task
@@ -318,7 +316,7 @@ class Driver(Generic[W]):
             return None
         self.deadline = None
         with _lines_lock:
-            parked = self.line.unpark(self)
+            parked = self.line is not None and self.line.unpark(self)
         if parked:  # the machine gives up once the read it waits for is answered
             self.unparked()
         self.overdue = True  # no read parks any more
@@ -352,12 +350,17 @@ class Driver(Generic[W]):
             if isinstance(action, messages.SendEnqueue):  # step 1
                 value = sema.identity.entering().to_json()
                 with _lines_lock:
+                    lines = _lines.setdefault(sema.client, {})
+                    self.line = lines.setdefault(
+                        sema.prefix, Line(window_size(sema.max) - sema.max)
+                    )
                     alone = self.line.joined(self)
                 txn = codec.enqueue_call(action, sema.prefix, sema.max, value, read=alone)
                 return codec.enqueue_answer(action, (yield txn), value)
             if isinstance(action, messages.ReadStanding):
                 with _lines_lock:
-                    parked = not self.overdue and self.line.park(self, action.revision)
+                    line = None if self.overdue else self.line
+                    parked = line is not None and line.park(self, action.revision)
                 if not parked:
                     return codec.standing_answer(action, (yield from sema._standing(action)))
                 self.parked = action

@@ -136,7 +136,6 @@ def main() -> None:
     # Between the child's start and the arm line (conch killed right there) only the marks
     # tell which processes are the child's.
     pgids = {pgid} if pgid is not None else marked(marks)
-    kill_at = expiry - margin
     if standby is not None:  # conch frozen or dead while it stopped the group itself
         terminate(pgids, min(kill_at, standby), term=False)
     # conch died (the pipe closed): the grace it would have given, within the deadline.

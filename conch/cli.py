@@ -303,7 +303,7 @@ def _parse_words(
     return args
 
 
-def _parse(words: list[str], has_cmd: bool = False) -> argparse.Namespace:
+def _parse(words: list[str], has_cmd: bool) -> argparse.Namespace:
     """The arguments before ``--`` (``has_cmd``: a ``--`` followed), with the connection
     options given before the subcommand (and not after it too). A NAME that starts with a
     single ``-`` is the NAME if it comes right after ``sema``, is not our switches (``-n``,

@@ -28,22 +28,21 @@ _HABITS = {
     for option in options.split()
 }
 
-# Characters that make a word a shell line rather than a program's name.
 _SHELL_CHARACTERS = frozenset(" \t\n;&|<>()$`\\\"'*?[]{}~#=")
 
 
-def shown(value: str, limit: int = SHOWN_MAX) -> str:
-    """``value`` as a message quotes it (``repr``), its first ``limit`` characters only when
+def shown(value: str) -> str:
+    """``value`` as a message quotes it (``repr``), its first SHOWN_MAX characters only when
     it is longer, with its length: a 10,000-character name is not echoed whole."""
-    if len(value) <= limit:
+    if len(value) <= SHOWN_MAX:
         return repr(value)
-    return f"{value[:limit]!r}... ({len(value)} characters)"
+    return f"{value[:SHOWN_MAX]!r}... ({len(value)} characters)"
 
 
-def cut_quoted(message: str, limit: int = SHOWN_MAX) -> str:
+def cut_quoted(message: str) -> str:
     """``message`` (argparse's, which quotes what it was given) with each quoted value longer
-    than ``limit`` characters cut as ``shown`` cuts it."""
-    return re.sub(f"'([^']{{{limit + 1},}})'", lambda m: shown(m.group(1), limit), message)
+    than SHOWN_MAX characters cut as ``shown`` cuts it."""
+    return re.sub(f"'([^']{{{SHOWN_MAX + 1},}})'", lambda m: shown(m.group(1)), message)
 
 
 def unknown_option(word: str, options: Iterable[str], before_subcommand: bool = False) -> str:

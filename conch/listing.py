@@ -118,7 +118,6 @@ def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, list[str]
 
 
 def _as_text(value: object, missing: str) -> str:
-    """A field of a key's JSON value as text: a string as it is, anything else as JSON."""
     if value is None:
         return missing
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -122,13 +122,11 @@ def adopt_orphans() -> bool:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             except ValueError:  # not the main thread: waitpid() per child copes
                 return False
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             import ctypes
 
             prctl = ctypes.CDLL(None, use_errno=True).prctl
             _adopting = prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        except (OSError, AttributeError):
-            _adopting = False
         if _adopting:
             threading.Thread(target=_reap_all, name="conch-reap", daemon=True).start()
         return _adopting

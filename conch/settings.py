@@ -5,7 +5,6 @@ came from; a password is never shown."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -33,11 +32,10 @@ def parse_duration(flag: str, text: str) -> float:
         raise UsageError(f"bad {flag} {shown(text)}: a duration is not negative; {_EXAMPLES}")
     if re.fullmatch(_NUMBER, value):
         total = float(value)
+    elif re.fullmatch(f"(?:{_PART.pattern})+", value):  # then findall() is linear
+        total = sum(float(n) * _UNITS[u] for n, u in _PART.findall(value))
     else:
-        whole = re.fullmatch(f"(?:{_PART.pattern})+", value)  # then findall() is linear
-        total = sum(float(n) * _UNITS[u] for n, u in _PART.findall(value)) if whole else math.nan
-        if not math.isfinite(total):
-            raise UsageError(f"bad {flag} {shown(text)}: {_EXAMPLES}")
+        raise UsageError(f"bad {flag} {shown(text)}: {_EXAMPLES}")
     if total > MAX_DURATION:
         raise UsageError(f"bad {flag} {shown(text)}: longer than 10 years")
     return total

@@ -203,8 +203,7 @@ def run_child(
             except (FileNotFoundError, ValueError):  # ValueError: an empty command name
                 return _report(Outcome.NOT_FOUND, cmd=argv[0], **hints.not_found(argv[0]))
             except OSError as exc:
-                error = exc.strerror or str(exc)
-                return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=error)
+                return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))
             try:
                 try:
                     watchdog.arm(pid)

@@ -1,17 +1,8 @@
 """The waiters of one semaphore in one process (on one client), ranked by their keys'
-create_revision, as the queue in etcd ranks them.
-
-A waiter behind other waiters of its own process that still wait cannot hold before them:
-each has ``max`` keys or more ahead of it, so this one has more. Past the first ``limit`` of
-them (as many waiters as the window holds beyond its holders, so that each of those still
-takes its slot straight from a deletion event) a waiter's standing read (the window, sorted
-by create_revision: etcd reads every key of the prefix for it) is parked until enough of
-those ahead have held or gone, and a new key's reads go into its enqueue's Txn only while
-fewer than ``limit`` others are in line. A burst of W acquires of one semaphore in one
-process costs etcd ``limit`` standing reads at a time, not W reads of W keys each (at
-W = 3,000 on etcd 3.5.1, those reads outlasted the session's TTL inside etcd's apply loop,
-and the lease was lost). Parking only delays a read: the order and every decision stay
-etcd's and the Waiter's.
+create_revision: a waiter behind others of its process that still wait cannot hold before
+them, so past the first ``limit`` (the window's waiters) its standing read is parked until
+enough of those ahead have held or gone. Why, and what it saved: docs/design.md, "Many
+waiters in one process". Parking only delays a read: every decision stays the Waiter's.
 """
 
 from __future__ import annotations

@@ -121,9 +121,7 @@ class Waiter:
     def queued_said_elsewhere(self) -> bool:
         """Whether ``queued`` was still to be said for our key: the driver says it now, its
         standing read parked behind a waiter of its own process (``conch.core.line``)."""
-        said = "queued" in self._said
-        self._said.add("queued")
-        return not said
+        return bool(self._once(m.Note("queued")))
 
     def feed(self, event: m.Input) -> list[m.Action]:
         """Advance on ``event``; return the actions to execute, in order."""
@@ -414,11 +412,9 @@ class Waiter:
         return self._retry(failure.detail)  # a standing read or a gap check
 
     def _retry(self, cause: str) -> list[m.Action]:
-        """A read or a watch failed: drop the watches, look again after a pause."""
         return [*self._cancel_watches(), *self._pause_then(self._reread(), cause)]
 
     def _pause_then(self, after: Step, cause: str, requeue: bool = False) -> list[m.Action]:
-        """Pause, then ``after``; "etcd-away" is said once per run of failures."""
         if self._late:
             return self._give_up(Reason.NO_SLOT, f"no free slot in time: {cause}")
         self.state = State.PAUSED
@@ -465,12 +461,11 @@ class Waiter:
 
     def _give_up(self, reason: Reason, detail: str, cause: object = None) -> list[m.Action]:
         actions = self._cancel_watches()
-        outcome = m.GaveUp(reason, detail, cause)
+        self._gave_up = m.GaveUp(reason, detail, cause)
         self._orphan, self._request = self._request, None
         if not self._session_open:
-            self.state, self.outcome = State.DONE, outcome
+            self.state, self.outcome = State.DONE, self._gave_up
             return actions
-        self._gave_up = outcome
         return [*actions, *self._withdraw()]
 
     def _withdraw(self) -> list[m.Action]:
@@ -485,20 +480,15 @@ class Waiter:
             self._gave_up = m.GaveUp(*_interrupted(event))  # to re-enter: stop there instead
         elif isinstance(event, m.DeadlineReached):
             self._late = True
-        elif isinstance(event, m.Over) and event.id == self._request:
+        elif isinstance(event, m.Over) and event.id == self._request:  # our key is out
             self._request = None
-            return self._withdrawn()
+            if self._gave_up is None:  # a private session's: re-enter with a new one
+                return self._pause_then(self._open_session, self._reentry, requeue=True)
+            self.state, self.outcome = State.DONE, self._gave_up
+            return []
         return self._late_answer(event)
 
-    def _withdrawn(self) -> list[m.Action]:
-        """Our key is out: end as given up, or pause and re-enter (a private session)."""
-        if self._gave_up is None:
-            return self._pause_then(self._open_session, self._reentry, requeue=True)
-        self.state, self.outcome = State.DONE, self._gave_up
-        return []
-
     def _late_answer(self, event: m.Input) -> list[m.Action]:
-        """What a request in flight when we gave up created is withdrawn again."""
         if self._orphan is None or getattr(event, "id", None) != self._orphan:
             return []
         self._orphan = None

@@ -63,13 +63,12 @@ def enqueue_call(
     else Range our key. Not read-only, so no release's read-only Txn bug applies. The reads
     cost etcd's apply loop every key of the prefix: ``conch.core.line`` says when to skip
     them. Decode with ``enqueue_answer``."""
-    key = action.key
     count = kv.prefix_request(prefix, count_only=True)
     ranges = [*_standing_ranges(prefix, max), count] if read else []
     return _txn(
-        [kv.create_revision_is(key, 0)],
-        [kv.op_put(key, value, action.lease_id), *map(kv.op_range, ranges)],
-        [kv.op_get(key)],
+        [kv.create_revision_is(action.key, 0)],
+        [kv.op_put(action.key, value, action.lease_id), *map(kv.op_range, ranges)],
+        [kv.op_get(action.key)],
     )
 
 
@@ -158,9 +157,7 @@ def read_plan(server_version: str | None) -> ReadPlan:
     can crash it, or one not known, else one read-only Txn."""
     match = _VERSION.match(server_version or "")
     version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
-    if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
-        return ReadPlan.PINNED_RANGES
-    return ReadPlan.TXN
+    return ReadPlan.PINNED_RANGES if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED else ReadPlan.TXN
 
 
 @dataclass(frozen=True)
@@ -216,10 +213,9 @@ class ReadTogether:
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
-        if self.plan == ReadPlan.TXN and failure(error) == messages.Failure.NO_SPACE:
-            self.plan = ReadPlan.PINNED_RANGES
-            return
-        raise error
+        if self.plan != ReadPlan.TXN or failure(error) != messages.Failure.NO_SPACE:
+            raise error
+        self.plan = ReadPlan.PINNED_RANGES
 
     def _done(self) -> bool:
         if len(self._answers) == len(self.reads):

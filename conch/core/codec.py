@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from conchpb.etcdserverpb import rpc_pb2
@@ -81,13 +81,8 @@ def enqueue_answer(
         return messages.EnqueueAnswer(action.id, revision, True, sent)
     if response.succeeded:
         window, mine_and_prev, counted = (r.response_range for r in response.responses[1:])
-        standing = messages.StandingAnswer(
-            action.id,
-            revision,
-            [key_rev(k) for k in window.kvs],
-            [key_rev(k) for k in mine_and_prev.kvs],
-            int(counted.count),
-        )
+        read = standing_answer(action, Together(revision, [window, mine_and_prev]))
+        standing = replace(read, keys=int(counted.count))
         return messages.EnqueueAnswer(action.id, revision, True, sent, standing=standing)
     found = response.responses[0].response_range.kvs
     if not found:
@@ -116,8 +111,10 @@ def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Re
     return reads
 
 
-def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
-    """What ``standing_reads`` read together, as StandingAnswer."""
+def standing_answer(
+    action: messages.ReadStanding | messages.SendEnqueue, read: Together
+) -> messages.StandingAnswer:
+    """What ``standing_reads`` (or ``enqueue_call``'s Txn) read together, as StandingAnswer."""
     window = list(read.responses[0].kvs)
     # The window alone (``Reads.enough``): its last two keys are ours and the one ahead.
     mine_and_prev = read.responses[1].kvs if len(read.responses) > 1 else window[-2:][::-1]

@@ -147,16 +147,13 @@ class Waiter:
             return self._retry(event.detail)
         if isinstance(event, m.Watched):
             return self._on_watch(event)
+        if isinstance(event, m.TouchAnswer | m.Failed | m.Over) and event.id == self._touch:
+            return self._on_touch(event)
         if isinstance(event, m.Over):
-            if event.id == self._touch:  # ids are never reused: this is the touch's retry
-                self._touch = None
-                return self._maybe_touch()
             if event.id != self._pause or self.state != State.PAUSED:
                 return []
             self._pause = None
             return self._after_pause()
-        if isinstance(event, (m.TouchAnswer, m.Failed)) and event.id == self._touch:
-            return self._on_touch(event)
         if not isinstance(event, m.Tagged) or event.id != self._request:
             return []  # a stale answer
         self._request = None
@@ -372,8 +369,10 @@ class Waiter:
         self._touch = next(self._ids)
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]
 
-    def _on_touch(self, answer: m.TouchAnswer | m.Failed) -> list[m.Action]:
+    def _on_touch(self, answer: m.TouchAnswer | m.Failed | m.Over) -> list[m.Action]:
         self._touch = None
+        if isinstance(answer, m.Over):  # the pause before its retry ran its length
+            return self._maybe_touch()
         if isinstance(answer, m.TouchAnswer):
             self._said.discard("touch-failed")
             self._touched = answer.succeeded

@@ -1,10 +1,9 @@
 """The waiting recipe as a pure state machine (as h11 is HTTP's): inputs in, actions out; no
 sockets, threads, clock or gRPC. A ``Waiter`` is one acquire of one semaphore: docs/design.md
 ("Waiting", "The machine") draws its states, tables its inputs and actions and shows its
-driver's loop. An answer to a request (by ``id``) the machine has moved past is ignored.
-Time reaches it only as inputs (``DeadlineReached``, ``Over``). Actions are executed in the
-order given: the one on the handoff's path comes first. Once a slot is held, the Hold's
-guard decides (``conch.core.guard``).
+driver's loop. Time reaches it only as inputs (``DeadlineReached``, ``Over``). Actions are
+executed in the order given: the one on the handoff's path comes first. Once a slot is held,
+the Hold's guard decides (``conch.core.guard``).
 """
 
 from __future__ import annotations
@@ -125,9 +124,7 @@ class Waiter:
 
     def feed(self, event: m.Input) -> list[m.Action]:
         """Advance on ``event``; return the actions to execute, in order."""
-        if self.state == State.HELD:
-            return []
-        if self.state == State.DONE:
+        if self.outcome is not None:
             return self._late_answer(event)
         if self.state == State.WITHDRAWING:
             return self._withdrawing(event)

@@ -97,11 +97,10 @@ class SessionMachine:
         return [*actions, *self._wake_after()]
 
     def settle(self, sent: float, now: float, outcome: float | EtcdError) -> list[SessionAction]:
-        """What the keepalive sent at ``sent`` came to, at ``now``. A TTL (> 0): E moves to
-        ``sent + ttl``; the next keepalive is due one interval after ``sent``. LeaseNotFound:
-        etcd said the lease is gone (TTL <= 0), the session is lost. Another EtcdError (no
-        answer by its deadline, or a refusal): nothing is lost for that; send again after a
-        pause."""
+        """What the keepalive sent at ``sent`` came to, at ``now``: a TTL (> 0) moves E to
+        ``sent + ttl`` and the next keepalive to one interval after ``sent``; LeaseNotFound
+        (etcd said TTL <= 0) loses the session; another EtcdError (no answer by its deadline,
+        a refusal) loses nothing: the keepalive is sent again after a pause."""
         self._in_flight = False
         if self.done:
             return []

@@ -111,10 +111,9 @@ def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Re
     return reads
 
 
-def standing_answer(
-    action: messages.ReadStanding | messages.SendEnqueue, read: Together
-) -> messages.StandingAnswer:
-    """What ``standing_reads`` (or ``enqueue_call``'s Txn) read together, as StandingAnswer."""
+def standing_answer(action: messages.Tagged, read: Together) -> messages.StandingAnswer:
+    """What ``standing_reads`` (or ``enqueue_call``'s Txn) read together, as StandingAnswer
+    to ``action`` (a ReadStanding, or the SendEnqueue)."""
     window = list(read.responses[0].kvs)
     # The window alone (``Reads.enough``): its last two keys are ours and the one ahead.
     mine_and_prev = read.responses[1].kvs if len(read.responses) > 1 else window[-2:][::-1]

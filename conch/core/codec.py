@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from conchpb.etcdserverpb import rpc_pb2
@@ -63,13 +63,12 @@ def enqueue_call(
     else Range our key. Not read-only, so no release's read-only Txn bug applies. The reads
     cost etcd's apply loop every key of the prefix: ``conch.core.line`` says when to skip
     them. Decode with ``enqueue_answer``."""
-    key = action.key
     count = kv.prefix_request(prefix, count_only=True)
     ranges = [*_standing_ranges(prefix, max), count] if read else []
     return _txn(
-        [kv.create_revision_is(key, 0)],
-        [kv.op_put(key, value, action.lease_id), *map(kv.op_range, ranges)],
-        [kv.op_get(key)],
+        [kv.create_revision_is(action.key, 0)],
+        [kv.op_put(action.key, value, action.lease_id), *map(kv.op_range, ranges)],
+        [kv.op_get(action.key)],
     )
 
 
@@ -82,13 +81,8 @@ def enqueue_answer(
         return messages.EnqueueAnswer(action.id, revision, True, sent)
     if response.succeeded:
         window, mine_and_prev, counted = (r.response_range for r in response.responses[1:])
-        standing = messages.StandingAnswer(
-            action.id,
-            revision,
-            [key_rev(k) for k in window.kvs],
-            [key_rev(k) for k in mine_and_prev.kvs],
-            int(counted.count),
-        )
+        read = standing_answer(action, Together(revision, [window, mine_and_prev]))
+        standing = replace(read, keys=int(counted.count))
         return messages.EnqueueAnswer(action.id, revision, True, sent, standing=standing)
     found = response.responses[0].response_range.kvs
     if not found:
@@ -117,8 +111,9 @@ def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Re
     return reads
 
 
-def standing_answer(action: messages.ReadStanding, read: Together) -> messages.StandingAnswer:
-    """What ``standing_reads`` read together, as StandingAnswer."""
+def standing_answer(action: messages.Tagged, read: Together) -> messages.StandingAnswer:
+    """What ``standing_reads`` (or ``enqueue_call``'s Txn) read together, as StandingAnswer
+    to ``action`` (a ReadStanding, or the SendEnqueue)."""
     window = list(read.responses[0].kvs)
     # The window alone (``Reads.enough``): its last two keys are ours and the one ahead.
     mine_and_prev = read.responses[1].kvs if len(read.responses) > 1 else window[-2:][::-1]
@@ -158,9 +153,7 @@ def read_plan(server_version: str | None) -> ReadPlan:
     can crash it, or one not known, else one read-only Txn."""
     match = _VERSION.match(server_version or "")
     version = tuple(int(part) for part in match.groups()) if match else TXN_PANIC_FROM
-    if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED:
-        return ReadPlan.PINNED_RANGES
-    return ReadPlan.TXN
+    return ReadPlan.PINNED_RANGES if TXN_PANIC_FROM <= version < TXN_PANIC_FIXED else ReadPlan.TXN
 
 
 @dataclass(frozen=True)
@@ -216,10 +209,9 @@ class ReadTogether:
 
     def refused(self, error: EtcdError) -> None:
         """The last ``next_call`` failed with ``error``: go on another way, or raise it."""
-        if self.plan == ReadPlan.TXN and failure(error) == messages.Failure.NO_SPACE:
-            self.plan = ReadPlan.PINNED_RANGES
-            return
-        raise error
+        if self.plan != ReadPlan.TXN or failure(error) != messages.Failure.NO_SPACE:
+            raise error
+        self.plan = ReadPlan.PINNED_RANGES
 
     def _done(self) -> bool:
         if len(self._answers) == len(self.reads):

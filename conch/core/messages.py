@@ -99,9 +99,8 @@ class Failed(Tagged):
 
 @dataclass(frozen=True)
 class Watched(Tagged):
-    """A notice of watch ``id``: its ``events`` (in revision order), or ``created``: etcd
-    confirmed it (it covers the revisions after ``revision``), or ``ended``: its start
-    revision was compacted, or its stream gave up (``detail`` says which)."""
+    """A notice of watch ``id`` (docs/design.md): its ``events`` (in revision order),
+    ``created`` (etcd confirmed it at ``revision``) or ``ended`` (``detail`` says why)."""
 
     events: Sequence[KeyRev] = ()
     revision: int = 0

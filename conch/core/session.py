@@ -96,45 +96,27 @@ class SessionMachine:
             actions.append(SendKeepalive(now + self.interval + keepalive_margin(self.ttl)))
         return [*actions, *self._wake_after()]
 
-    def answered(self, sent: float, ttl: float) -> list[SessionAction]:
-        """etcd answered the keepalive sent at ``sent`` with ``ttl`` seconds (> 0): E moves
-        to ``sent + ttl``; the next keepalive is due one interval after ``sent``."""
+    def settle(self, sent: float, now: float, outcome: float | EtcdError) -> list[SessionAction]:
+        """What the keepalive sent at ``sent`` came to, at ``now``: a TTL (> 0) moves E to
+        ``sent + ttl`` and the next keepalive to one interval after ``sent``; LeaseNotFound
+        (etcd said TTL <= 0) loses the session; another EtcdError (no answer by its deadline,
+        a refusal) loses nothing: the keepalive is sent again after a pause."""
         self._in_flight = False
         if self.done:
             return []
+        if isinstance(outcome, LeaseNotFound):
+            self.lost = LEASE_GONE
+            return [Expired(LEASE_GONE, lost=True)]
+        if isinstance(outcome, EtcdError):
+            self._send = now + self._retry
+            self._retry = min(self._retry * 2, KEEPALIVE_RETRY_CAP)
+            return self._wake_after()
         self._retry = KEEPALIVE_RETRY
-        if sent + ttl > self.alive_until:
-            self.alive_until = sent + ttl
+        if sent + outcome > self.alive_until:
+            self.alive_until = sent + outcome
             self._expiry_told = False
         self._send = self._on_grid(sent + self.interval)
         return self._wake_after()
-
-    def unanswered(self, now: float) -> list[SessionAction]:
-        """The keepalive under way got no answer by its deadline, or a refusal other than
-        LeaseNotFound: nothing is lost for that; send again after a pause."""
-        self._in_flight = False
-        if self.done:
-            return []
-        self._send = now + self._retry
-        self._retry = min(self._retry * 2, KEEPALIVE_RETRY_CAP)
-        return self._wake_after()
-
-    def settle(self, sent: float, now: float, outcome: float | EtcdError) -> list[SessionAction]:
-        """What the keepalive sent at ``sent`` came to, at ``now``: a TTL (``answered``),
-        LeaseNotFound (``lease_gone``) or another EtcdError (``unanswered``)."""
-        if isinstance(outcome, LeaseNotFound):
-            return self.lease_gone()
-        if isinstance(outcome, EtcdError):
-            return self.unanswered(now)
-        return self.answered(sent, outcome)
-
-    def lease_gone(self) -> list[SessionAction]:
-        """etcd answered that the lease is gone (TTL <= 0): the session is lost."""
-        self._in_flight = False
-        if self.done:
-            return []
-        self.lost = LEASE_GONE
-        return [Expired(LEASE_GONE, lost=True)]
 
     def close(self) -> None:
         """The session is being closed (its lease revoked): ask for nothing more."""

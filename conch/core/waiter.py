@@ -1,10 +1,9 @@
 """The waiting recipe as a pure state machine (as h11 is HTTP's): inputs in, actions out; no
 sockets, threads, clock or gRPC. A ``Waiter`` is one acquire of one semaphore: docs/design.md
 ("Waiting", "The machine") draws its states, tables its inputs and actions and shows its
-driver's loop. An answer to a request (by ``id``) the machine has moved past is ignored.
-Time reaches it only as inputs (``DeadlineReached``, ``Over``). Actions are executed in the
-order given: the one on the handoff's path comes first. Once a slot is held, the Hold's
-guard decides (``conch.core.guard``).
+driver's loop. Time reaches it only as inputs (``DeadlineReached``, ``Over``). Actions are
+executed in the order given: the one on the handoff's path comes first. Once a slot is held,
+the Hold's guard decides (``conch.core.guard``).
 """
 
 from __future__ import annotations
@@ -121,15 +120,11 @@ class Waiter:
     def queued_said_elsewhere(self) -> bool:
         """Whether ``queued`` was still to be said for our key: the driver says it now, its
         standing read parked behind a waiter of its own process (``conch.core.line``)."""
-        said = "queued" in self._said
-        self._said.add("queued")
-        return not said
+        return bool(self._once(m.Note("queued")))
 
     def feed(self, event: m.Input) -> list[m.Action]:
         """Advance on ``event``; return the actions to execute, in order."""
-        if self.state == State.HELD:
-            return []
-        if self.state == State.DONE:
+        if self.outcome is not None:
             return self._late_answer(event)
         if self.state == State.WITHDRAWING:
             return self._withdrawing(event)
@@ -149,16 +144,13 @@ class Waiter:
             return self._retry(event.detail)
         if isinstance(event, m.Watched):
             return self._on_watch(event)
+        if isinstance(event, m.TouchAnswer | m.Failed | m.Over) and event.id == self._touch:
+            return self._on_touch(event)
         if isinstance(event, m.Over):
-            if event.id == self._touch:  # ids are never reused: this is the touch's retry
-                self._touch = None
-                return self._maybe_touch()
             if event.id != self._pause or self.state != State.PAUSED:
                 return []
             self._pause = None
             return self._after_pause()
-        if isinstance(event, (m.TouchAnswer, m.Failed)) and event.id == self._touch:
-            return self._on_touch(event)
         if not isinstance(event, m.Tagged) or event.id != self._request:
             return []  # a stale answer
         self._request = None
@@ -374,8 +366,10 @@ class Waiter:
         self._touch = next(self._ids)
         return [m.Touch(self._touch, self.key, self.revision, self.value, self.lease_id)]
 
-    def _on_touch(self, answer: m.TouchAnswer | m.Failed) -> list[m.Action]:
+    def _on_touch(self, answer: m.TouchAnswer | m.Failed | m.Over) -> list[m.Action]:
         self._touch = None
+        if isinstance(answer, m.Over):  # the pause before its retry ran its length
+            return self._maybe_touch()
         if isinstance(answer, m.TouchAnswer):
             self._said.discard("touch-failed")
             self._touched = answer.succeeded
@@ -414,11 +408,9 @@ class Waiter:
         return self._retry(failure.detail)  # a standing read or a gap check
 
     def _retry(self, cause: str) -> list[m.Action]:
-        """A read or a watch failed: drop the watches, look again after a pause."""
         return [*self._cancel_watches(), *self._pause_then(self._reread(), cause)]
 
     def _pause_then(self, after: Step, cause: str, requeue: bool = False) -> list[m.Action]:
-        """Pause, then ``after``; "etcd-away" is said once per run of failures."""
         if self._late:
             return self._give_up(Reason.NO_SLOT, f"no free slot in time: {cause}")
         self.state = State.PAUSED
@@ -465,12 +457,11 @@ class Waiter:
 
     def _give_up(self, reason: Reason, detail: str, cause: object = None) -> list[m.Action]:
         actions = self._cancel_watches()
-        outcome = m.GaveUp(reason, detail, cause)
+        self._gave_up = m.GaveUp(reason, detail, cause)
         self._orphan, self._request = self._request, None
         if not self._session_open:
-            self.state, self.outcome = State.DONE, outcome
+            self.state, self.outcome = State.DONE, self._gave_up
             return actions
-        self._gave_up = outcome
         return [*actions, *self._withdraw()]
 
     def _withdraw(self) -> list[m.Action]:
@@ -485,20 +476,15 @@ class Waiter:
             self._gave_up = m.GaveUp(*_interrupted(event))  # to re-enter: stop there instead
         elif isinstance(event, m.DeadlineReached):
             self._late = True
-        elif isinstance(event, m.Over) and event.id == self._request:
+        elif isinstance(event, m.Over) and event.id == self._request:  # our key is out
             self._request = None
-            return self._withdrawn()
+            if self._gave_up is None:  # a private session's: re-enter with a new one
+                return self._pause_then(self._open_session, self._reentry, requeue=True)
+            self.state, self.outcome = State.DONE, self._gave_up
+            return []
         return self._late_answer(event)
 
-    def _withdrawn(self) -> list[m.Action]:
-        """Our key is out: end as given up, or pause and re-enter (a private session)."""
-        if self._gave_up is None:
-            return self._pause_then(self._open_session, self._reentry, requeue=True)
-        self.state, self.outcome = State.DONE, self._gave_up
-        return []
-
     def _late_answer(self, event: m.Input) -> list[m.Action]:
-        """What a request in flight when we gave up created is withdrawn again."""
         if self._orphan is None or getattr(event, "id", None) != self._orphan:
             return []
         self._orphan = None

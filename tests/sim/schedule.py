@@ -48,7 +48,7 @@ from conch.core import guard as g
 from conch.core import messages as m
 from conch.core import session as sm
 from conch.core import waiter as r
-from conch.errors import Compacted, EtcdError, Unavailable
+from conch.errors import Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import map_rpc_error
 from tests.sim.model import ModelError, SimEtcd
 
@@ -454,14 +454,14 @@ class World:
             unanswered = functools.partial(self._keepalive_unanswered, session, deadline)
             self._timer(deadline - sent, None, "keepalive", unanswered)
             return
-        if answer.TTL <= 0:
-            self._session_do(session, session.machine.lease_gone())
-        else:
-            self._session_do(session, session.machine.answered(sent, answer.TTL))
+        gone = LeaseNotFound(f"lease {session.lease_id:x} expired or was revoked")
+        outcome = gone if answer.TTL <= 0 else answer.TTL
+        self._session_do(session, session.machine.settle(sent, self.etcd.now, outcome))
 
     def _keepalive_unanswered(self, session: Session, deadline: float) -> None:
         self.counts["keepalive.unanswered"] += 1
-        self._session_do(session, session.machine.unanswered(deadline))
+        no_answer = Unavailable("keepalive: no answer by its deadline")
+        self._session_do(session, session.machine.settle(deadline, deadline, no_answer))
 
     def _session_ended(self, session: Session, reason: loss.Loss, lost: bool) -> None:
         """The session's E passed unconfirmed (``lost`` False: its holds are lost, its

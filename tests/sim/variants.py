@@ -61,7 +61,8 @@ class NoWithdraw(r.Waiter):
 
     def _withdraw(self) -> list[m.Action]:
         self.state = r.State.WITHDRAWING
-        return self._withdrawn()
+        self._request = next(self._ids)
+        return self._withdrawing(m.Over(self._request))  # withdrawn at once
 
 
 class NoSpaceFallback(codec.ReadTogether):

@@ -19,7 +19,7 @@ from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-from conch.timer import Cancellable, PerOwner, Scheduler, Timer
+from conch.timer import Cancellable, Handle, PerOwner, Scheduler, Timer
 
 
 class Grant(NamedTuple):
@@ -133,10 +133,9 @@ class KeepAlives:
         # On the stream in use, else to the member after the last one asked.
         if self._asks.get(ask.lease_id) is not ask or ask.left() <= 0:
             return
-        current = next(iter(self._streams), None)
         client = self._client_ref()
-        if not ask.asked and current is not None:
-            self._send(ask, current)
+        if not ask.asked and self._streams:
+            self._send(ask, next(iter(self._streams)))
         elif client is not None:
             asked = [stream.endpoint for stream in ask.asked]
             endpoints = client.endpoints
@@ -158,13 +157,8 @@ class KeepAlives:
         if client is not None and len(client.endpoints) > 1:  # another member to ask
             self._ask_again(ask, min(ASK_ANOTHER_AFTER, ask.left() / 2))
 
-    def _ask_again(self, ask: _Ask, delay: float, error: EtcdError | None = None) -> None:
-        # ``error``: a stream broke or would not open, retried after a backoff.
-        if error is not None:
-            ask.last_error = error
-            delay = ask.backoff.next()
-        if ask.next is not None:
-            ask.next.cancel()
+    def _ask_again(self, ask: _Ask, delay: float) -> None:
+        ask.next.cancel()
         ask.next = self._steps.call_later(delay, lambda: self._ask(ask))
 
     def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
@@ -195,8 +189,9 @@ class KeepAlives:
         for ask in [ask for ask in waiting if self._asks.get(ask.lease_id) is ask]:
             if isinstance(opened, Stream):
                 self._send(ask, opened)
-            else:
-                self._ask_again(ask, 0, opened)
+            else:  # retried after a backoff
+                ask.last_error = opened
+                self._ask_again(ask, ask.backoff.next())
 
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
@@ -207,10 +202,9 @@ class KeepAlives:
             self._failover(item.stream)
             for waiting in list(self._asks.values()):
                 if waiting.asked.pop(item.stream, None) is not None:
-                    if waiting.asked:
-                        waiting.last_error = item.error
-                    else:
-                        self._ask_again(waiting, 0, item.error)
+                    waiting.last_error = item.error
+                    if not waiting.asked:  # retried after a backoff
+                        self._ask_again(waiting, waiting.backoff.next())
             return
         lease_id = int(item.response.ID)
         lease_counts = counts.get(lease_id)
@@ -246,9 +240,8 @@ class KeepAlives:
         if ask is not None:
             if self._asks.get(ask.lease_id) is ask:
                 del self._asks[ask.lease_id]
-            for handle in (ask.next, ask.expiry):
-                if handle is not None:
-                    handle.cancel()
+            ask.next.cancel()
+            ask.expiry.cancel()
         # Every stream but the one in use that no keepalive waits on; all with no lease.
         if len(self._streams) > 1 or not self._leases:  # else (at every answer) none
             waited_on = {stream for other in self._asks.values() for stream in other.asked}
@@ -323,8 +316,9 @@ class _Ask:
     asked: dict[Stream, int] = dataclasses.field(default_factory=dict)
     backoff: Backoff = dataclasses.field(default_factory=Backoff)
     last_error: EtcdError = dataclasses.field(default_factory=lambda: Unavailable(NO_ANSWER))
-    next: Cancellable | None = None  # the next stream asked, or the retry
-    expiry: Cancellable | None = None
+    # The next stream asked, or the retry; when it gives up (none yet: a cancel does nothing).
+    next: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
+    expiry: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
 
     def left(self) -> float:
         return self.deadline - time.monotonic()

@@ -271,8 +271,7 @@ class _Hub:
 
     def _end(self, watch: Watch, error: EtcdError, notices: list[WatchNotice]) -> None:
         self._watches.discard(watch)
-        if not watch._cancelled:
-            notices.append(WatchNotice(watch, (), 0, error))
+        notices.append(WatchNotice(watch, (), 0, error))  # none if cancelled (_hand_over_all)
 
     def _broken(self, stream: Stream, error: EtcdError) -> None:
         self._detach()

@@ -325,28 +325,24 @@ class _Hub:
         self._probing = True
         self._timer.call_later(max(0.0, self._heard + PROBE_AFTER - time.monotonic()), self._probe)
 
-    def _probe(self) -> None:
+    def _probe(self, asked: tuple[Stream, float] | None = None) -> None:
+        # ``asked``: the stream a progress request went out on, and when; silent since, it moves.
         with self._lock:
             self._probing = False
             stream = self._stream
             if stream is None or not self._watches:
                 return
-            asked = time.monotonic()
-            if asked - self._heard < PROBE_AFTER:
+            if asked is not None and asked[0] is stream and self._heard < asked[1]:
+                silent = f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
+                self._broken(stream, Unavailable(silent))
+                return
+            now = time.monotonic()
+            if now - self._heard < PROBE_AFTER:
                 self._schedule_probe()
                 return
             stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
             self._probing = True
-        self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe_answered(stream, asked))
-
-    def _probe_answered(self, stream: Stream, asked: float) -> None:
-        with self._lock:
-            self._probing = False
-            if stream is self._stream and self._heard < asked:
-                silent = f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
-                self._broken(stream, Unavailable(silent))
-            elif stream is self._stream:
-                self._schedule_probe()
+        self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe((stream, now)))
 
 
 class LoopHub(_Hub):

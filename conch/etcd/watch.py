@@ -348,19 +348,16 @@ class _Hub:
 class LoopHub(_Hub):
     """The ``_Hub`` of one Client's watches on one event loop (``Watch(..., hub=)``, on the
     loop's thread only): the same decisions, on the loop's timers and a grpc.aio stream read
-    by the loop. Opened only with the auth token at hand; without one it is a failed open
-    while a task of the loop fetches it (``Client.token_async``)."""
+    by the loop. Opened only with the auth token at hand; without one it is a failed open,
+    and the resume after it fetches one first (``Client.token_async``)."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client, loop)
         self._loop = loop
-        self._authenticating: asyncio.Task[str | None] | None = None
 
     def _open(self) -> Stream:
         client = live(self._client_ref)
         if not client.token_at_hand():
-            if self._authenticating is None or self._authenticating.done():
-                self._authenticating = self._loop.create_task(client.token_async())
             raise Unavailable("watch: no auth token at hand yet")
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 

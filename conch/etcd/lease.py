@@ -116,8 +116,7 @@ class KeepAlives:
 
     def forget(self, lease_id: int) -> None:
         """Stop keeping ``lease_id`` alive (from any thread): a keepalive under way is dropped
-        (no ``done``); the last lease closes the streams. The other steps run on the timer
-        thread."""
+        (no ``done``); the last lease closes the streams."""
         self._steps.call_later(0, lambda: self._forget(lease_id))
 
     def _start(self, ask: _Ask) -> None:
@@ -251,13 +250,11 @@ class KeepAlives:
         if ask is not None and outcome is not None:
             ask.done(outcome)
 
-    def _forget(self, lease_id: int) -> _Ask | None:
+    def _forget(self, lease_id: int, outcome: Outcome | None = None) -> None:
         self._leases.discard(lease_id)
         for counts in self._streams.values():
             counts.pop(lease_id, None)
-        ask = self._asks.get(lease_id)
-        self._finish(ask)
-        return ask
+        self._finish(self._asks.get(lease_id), outcome)
 
     def _drop(self, stream: Stream) -> None:
         self._streams.pop(stream, None)
@@ -364,9 +361,7 @@ class LoopKeepAlives(KeepAlives):
     def forget(self, lease_id: int) -> None:
         """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
         coroutine awaits no timer of its own)."""
-        ask = self._forget(lease_id)
-        if ask is not None:
-            ask.done(Unavailable("keepalive: the lease is no longer kept alive here"))
+        self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
 
     def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over
         self._on_item(item)

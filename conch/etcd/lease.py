@@ -152,8 +152,7 @@ class KeepAlives:
         ask.asked[stream] = counts[0]  # the index its answer will have
         counts[0] += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
-        client = self._client_ref()
-        if client is not None and len(client.endpoints) > 1:  # another member to ask
+        if len(live(self._client_ref).endpoints) > 1:  # another member to ask
             self._ask_again(ask, min(ASK_ANOTHER_AFTER, ask.left() / 2))
 
     def _ask_again(self, ask: _Ask, delay: float) -> None:
@@ -198,7 +197,7 @@ class KeepAlives:
             return  # a stream we already left, or one not registered yet (``_opened``)
         if item.error is not None:
             self._drop(item.stream)
-            self._failover(item.stream)
+            live(self._client_ref).failover(item.stream.endpoint)
             for waiting in list(self._asks.values()):
                 if waiting.asked.pop(item.stream, None) is not None:
                     waiting.last_error = item.error
@@ -219,16 +218,11 @@ class KeepAlives:
         if next(iter(self._streams)) is not item.stream:
             self._streams = {item.stream: counts, **self._streams}
         if next(iter(ask.asked)) is not item.stream:
-            self._failover(next(iter(ask.asked)))
+            live(self._client_ref).failover(next(iter(ask.asked)).endpoint)
         if item.response.TTL <= 0:
             self._finish(ask, LeaseNotFound(f"lease {lease_id:x} expired or was revoked"))
         else:
             self._finish(ask, int(item.response.TTL))
-
-    def _failover(self, stream: Stream) -> None:
-        client = self._client_ref()
-        if client is not None:
-            client.failover(stream.endpoint)
 
     def _expire(self, ask: _Ask) -> None:
         if self._asks.get(ask.lease_id) is ask:
@@ -322,7 +316,8 @@ class _Ask:
 
 
 def live(client_ref: weakref.ref[Client]) -> Client:
-    """The client a stream is opened for; raises EtcdError (CANCELLED) once it is gone."""
+    """The client a stream is opened for (always there while one of its streams is: each
+    holds it); raises EtcdError (CANCELLED) once it is gone."""
     client = client_ref()
     if client is None:
         raise EtcdError("client is closed", "CANCELLED")

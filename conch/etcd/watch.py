@@ -250,9 +250,7 @@ class _Hub:
             # etcd refuses a stale token (an auth change, expired, a restarted member) by
             # cancelling the create, in 3.5 as "permission denied": resume with a fresh
             # token; a real refusal is delivered after MAX_RESUMES attempts.
-            client = self._client_ref()
-            if client is not None:
-                client.invalidate_token(item.stream.token)
+            live(self._client_ref).invalidate_token(item.stream.token)
             self._broken(item.stream, TokenInvalid(response.cancel_reason))
         elif response.canceled:  # refused (permission denied, bad range)
             self._end(watch, _cancel_error(response), notices)

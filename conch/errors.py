@@ -132,11 +132,8 @@ class NoSlot(ConchError, outcome=Outcome.NO_SLOT):
     def in_time(cls, name: str, max: int, detail: str) -> NoSlot:
         """The wait for ``name``[``max``] ran out; ``detail`` (the waiting machine's ``no free
         slot in time[: <cause>]``) said once: ``no free slot of reports[2] in time: <cause>``."""
-        said = f"no free slot of {name}[{max}] in time"
-        head, _, cause = detail.partition(": ")
-        if head != "no free slot in time":
-            cause = detail
-        return cls(f"{said}: {cause}" if cause else said)
+        cause = detail.removeprefix("no free slot in time")  # "" or ": <cause>"
+        return cls(f"no free slot of {name}[{max}] in time{cause}")
 
 
 class Interrupted(ConchError, outcome=Outcome.INTERRUPTED):

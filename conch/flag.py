@@ -75,8 +75,6 @@ class Flag:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until set or ``timeout`` seconds pass; return whether it is set."""
-        if self._set:
-            return True
         box: Mailbox = queue.SimpleQueue()
         self.subscribe(box)
         try:

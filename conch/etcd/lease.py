@@ -19,7 +19,7 @@ from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
-from conch.timer import Cancellable, PerOwner, Scheduler, Timer
+from conch.timer import Cancellable, Handle, PerOwner, Scheduler, Timer
 
 
 class Grant(NamedTuple):
@@ -116,8 +116,7 @@ class KeepAlives:
 
     def forget(self, lease_id: int) -> None:
         """Stop keeping ``lease_id`` alive (from any thread): a keepalive under way is dropped
-        (no ``done``); the last lease closes the streams. The other steps run on the timer
-        thread."""
+        (no ``done``); the last lease closes the streams."""
         self._steps.call_later(0, lambda: self._forget(lease_id))
 
     def _start(self, ask: _Ask) -> None:
@@ -133,10 +132,9 @@ class KeepAlives:
         # On the stream in use, else to the member after the last one asked.
         if self._asks.get(ask.lease_id) is not ask or ask.left() <= 0:
             return
-        current = next(iter(self._streams), None)
         client = self._client_ref()
-        if not ask.asked and current is not None:
-            self._send(ask, current)
+        if not ask.asked and self._streams:
+            self._send(ask, next(iter(self._streams)))
         elif client is not None:
             asked = [stream.endpoint for stream in ask.asked]
             endpoints = client.endpoints
@@ -154,17 +152,11 @@ class KeepAlives:
         ask.asked[stream] = counts[0]  # the index its answer will have
         counts[0] += 1
         stream.send(rpc_pb2.LeaseKeepAliveRequest(ID=ask.lease_id))
-        client = self._client_ref()
-        if client is not None and len(client.endpoints) > 1:  # another member to ask
+        if len(live(self._client_ref).endpoints) > 1:  # another member to ask
             self._ask_again(ask, min(ASK_ANOTHER_AFTER, ask.left() / 2))
 
-    def _ask_again(self, ask: _Ask, delay: float, error: EtcdError | None = None) -> None:
-        # ``error``: a stream broke or would not open, retried after a backoff.
-        if error is not None:
-            ask.last_error = error
-            delay = ask.backoff.next()
-        if ask.next is not None:
-            ask.next.cancel()
+    def _ask_again(self, ask: _Ask, delay: float) -> None:
+        ask.next.cancel()
         ask.next = self._steps.call_later(delay, lambda: self._ask(ask))
 
     def _open(self, endpoint: Endpoint, ask: _Ask) -> None:
@@ -195,8 +187,9 @@ class KeepAlives:
         for ask in [ask for ask in waiting if self._asks.get(ask.lease_id) is ask]:
             if isinstance(opened, Stream):
                 self._send(ask, opened)
-            else:
-                self._ask_again(ask, 0, opened)
+            else:  # retried after a backoff
+                ask.last_error = opened
+                self._ask_again(ask, ask.backoff.next())
 
     def _on_item(self, item: StreamItem) -> None:
         counts = self._streams.get(item.stream)
@@ -204,13 +197,12 @@ class KeepAlives:
             return  # a stream we already left, or one not registered yet (``_opened``)
         if item.error is not None:
             self._drop(item.stream)
-            self._failover(item.stream)
+            live(self._client_ref).failover(item.stream.endpoint)
             for waiting in list(self._asks.values()):
                 if waiting.asked.pop(item.stream, None) is not None:
-                    if waiting.asked:
-                        waiting.last_error = item.error
-                    else:
-                        self._ask_again(waiting, 0, item.error)
+                    waiting.last_error = item.error
+                    if not waiting.asked:  # retried after a backoff
+                        self._ask_again(waiting, waiting.backoff.next())
             return
         lease_id = int(item.response.ID)
         lease_counts = counts.get(lease_id)
@@ -226,16 +218,11 @@ class KeepAlives:
         if next(iter(self._streams)) is not item.stream:
             self._streams = {item.stream: counts, **self._streams}
         if next(iter(ask.asked)) is not item.stream:
-            self._failover(next(iter(ask.asked)))
+            live(self._client_ref).failover(next(iter(ask.asked)).endpoint)
         if item.response.TTL <= 0:
             self._finish(ask, LeaseNotFound(f"lease {lease_id:x} expired or was revoked"))
         else:
             self._finish(ask, int(item.response.TTL))
-
-    def _failover(self, stream: Stream) -> None:
-        client = self._client_ref()
-        if client is not None:
-            client.failover(stream.endpoint)
 
     def _expire(self, ask: _Ask) -> None:
         if self._asks.get(ask.lease_id) is ask:
@@ -246,9 +233,8 @@ class KeepAlives:
         if ask is not None:
             if self._asks.get(ask.lease_id) is ask:
                 del self._asks[ask.lease_id]
-            for handle in (ask.next, ask.expiry):
-                if handle is not None:
-                    handle.cancel()
+            ask.next.cancel()
+            ask.expiry.cancel()
         # Every stream but the one in use that no keepalive waits on; all with no lease.
         if len(self._streams) > 1 or not self._leases:  # else (at every answer) none
             waited_on = {stream for other in self._asks.values() for stream in other.asked}
@@ -258,13 +244,11 @@ class KeepAlives:
         if ask is not None and outcome is not None:
             ask.done(outcome)
 
-    def _forget(self, lease_id: int) -> _Ask | None:
+    def _forget(self, lease_id: int, outcome: Outcome | None = None) -> None:
         self._leases.discard(lease_id)
         for counts in self._streams.values():
             counts.pop(lease_id, None)
-        ask = self._asks.get(lease_id)
-        self._finish(ask)
-        return ask
+        self._finish(self._asks.get(lease_id), outcome)
 
     def _drop(self, stream: Stream) -> None:
         self._streams.pop(stream, None)
@@ -323,15 +307,17 @@ class _Ask:
     asked: dict[Stream, int] = dataclasses.field(default_factory=dict)
     backoff: Backoff = dataclasses.field(default_factory=Backoff)
     last_error: EtcdError = dataclasses.field(default_factory=lambda: Unavailable(NO_ANSWER))
-    next: Cancellable | None = None  # the next stream asked, or the retry
-    expiry: Cancellable | None = None
+    # The next stream asked, or the retry; when it gives up (none yet: a cancel does nothing).
+    next: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
+    expiry: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
 
 def live(client_ref: weakref.ref[Client]) -> Client:
-    """The client a stream is opened for; raises EtcdError (CANCELLED) once it is gone."""
+    """The client a stream is opened for (always there while one of its streams is: each
+    holds it); raises EtcdError (CANCELLED) once it is gone."""
     client = client_ref()
     if client is None:
         raise EtcdError("client is closed", "CANCELLED")
@@ -370,9 +356,7 @@ class LoopKeepAlives(KeepAlives):
     def forget(self, lease_id: int) -> None:
         """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
         coroutine awaits no timer of its own)."""
-        ask = self._forget(lease_id)
-        if ask is not None:
-            ask.done(Unavailable("keepalive: the lease is no longer kept alive here"))
+        self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
 
     def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over
         self._on_item(item)

@@ -250,9 +250,7 @@ class _Hub:
             # etcd refuses a stale token (an auth change, expired, a restarted member) by
             # cancelling the create, in 3.5 as "permission denied": resume with a fresh
             # token; a real refusal is delivered after MAX_RESUMES attempts.
-            client = self._client_ref()
-            if client is not None:
-                client.invalidate_token(item.stream.token)
+            live(self._client_ref).invalidate_token(item.stream.token)
             self._broken(item.stream, TokenInvalid(response.cancel_reason))
         elif response.canceled:  # refused (permission denied, bad range)
             self._end(watch, _cancel_error(response), notices)
@@ -271,8 +269,7 @@ class _Hub:
 
     def _end(self, watch: Watch, error: EtcdError, notices: list[WatchNotice]) -> None:
         self._watches.discard(watch)
-        if not watch._cancelled:
-            notices.append(WatchNotice(watch, (), 0, error))
+        notices.append(WatchNotice(watch, (), 0, error))  # none if cancelled (_hand_over_all)
 
     def _broken(self, stream: Stream, error: EtcdError) -> None:
         self._detach()
@@ -326,46 +323,39 @@ class _Hub:
         self._probing = True
         self._timer.call_later(max(0.0, self._heard + PROBE_AFTER - time.monotonic()), self._probe)
 
-    def _probe(self) -> None:
+    def _probe(self, asked: tuple[Stream, float] | None = None) -> None:
+        # ``asked``: the stream a progress request went out on, and when; silent since, it moves.
         with self._lock:
             self._probing = False
             stream = self._stream
             if stream is None or not self._watches:
                 return
-            asked = time.monotonic()
-            if asked - self._heard < PROBE_AFTER:
+            if asked is not None and asked[0] is stream and self._heard < asked[1]:
+                silent = f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
+                self._broken(stream, Unavailable(silent))
+                return
+            now = time.monotonic()
+            if now - self._heard < PROBE_AFTER:
                 self._schedule_probe()
                 return
             stream.send(rpc_pb2.WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
             self._probing = True
-        self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe_answered(stream, asked))
-
-    def _probe_answered(self, stream: Stream, asked: float) -> None:
-        with self._lock:
-            self._probing = False
-            if stream is self._stream and self._heard < asked:
-                silent = f"watch: {stream.endpoint} did not answer in {PROBE_TIMEOUT:g}s"
-                self._broken(stream, Unavailable(silent))
-            elif stream is self._stream:
-                self._schedule_probe()
+        self._timer.call_later(PROBE_TIMEOUT, lambda: self._probe((stream, now)))
 
 
 class LoopHub(_Hub):
     """The ``_Hub`` of one Client's watches on one event loop (``Watch(..., hub=)``, on the
     loop's thread only): the same decisions, on the loop's timers and a grpc.aio stream read
-    by the loop. Opened only with the auth token at hand; without one it is a failed open
-    while a task of the loop fetches it (``Client.token_async``)."""
+    by the loop. Opened only with the auth token at hand; without one it is a failed open,
+    and the resume after it fetches one first (``Client.token_async``)."""
 
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client, loop)
         self._loop = loop
-        self._authenticating: asyncio.Task[str | None] | None = None
 
     def _open(self) -> Stream:
         client = live(self._client_ref)
         if not client.token_at_hand():
-            if self._authenticating is None or self._authenticating.done():
-                self._authenticating = self._loop.create_task(client.token_async())
             raise Unavailable("watch: no auth token at hand yet")
         return LoopStream(client, "watch", "Watch", self._on_item, client._token)
 

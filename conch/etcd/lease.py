@@ -176,6 +176,7 @@ class KeepAlives:
         if isinstance(opened, Stream) and opened.error is not None:
             # Refused at once (our token forgotten), before it was ours: a failed open (kept,
             # its keepalives would go unanswered until the deadline declared the session lost).
+            opened.close()  # else gRPC's thread that takes its requests waits for one forever
             opened = opened.error
         if not isinstance(opened, Stream | EtcdError):  # e.g. gRPC refusing a closed channel
             opened = EtcdError(f"cannot open a LeaseKeepAlive stream to {endpoint}: {opened!r}")

@@ -54,11 +54,12 @@ class Slot(Generic[SessionT]):
 
 
 @contextlib.contextmanager
-def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
-    # Around the delete of our key from a shared session: an EtcdError is logged and
-    # suppressed; the session's claim on the key goes either way.
+def deleting_own_key(slot: Slot[Any]) -> Iterator[list[rpc_pb2.Compare]]:
+    # Around the delete of our key from a shared session, one KV.Txn on the compare given (its
+    # create_revision: a key made since by someone else is left alone): an EtcdError is logged
+    # and suppressed; the session's claim on the key goes either way.
     try:
-        yield
+        yield [kv.create_revision_is(slot.key, slot.revision)]
     except EtcdError as exc:
         log.warning("delete-failed", key=slot.key.decode(errors="replace"), error=str(exc))
     finally:
@@ -103,7 +104,6 @@ class GuardedHold(Generic[SessionT]):
         # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_ended)
         self._forgets: list[Callable[[], None]] = [listen(session._kept.expiry_listeners, expired)]
-        self._revoked_after_loss = False
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
         self._warn_on_loss = True
@@ -158,18 +158,16 @@ class GuardedHold(Generic[SessionT]):
 
     def _loss_at_exit(self) -> HoldLost | None:
         # Judged before the release: none if the block released the hold before any loss.
-        was_released = self._guard.releasing
         try:
             self._check()
         except HoldLost as lost:
-            return None if was_released and not self._revoked_after_loss else lost
+            return None if self._guard.releasing and self._guard.lost is None else lost
         return None
 
     def _withdraw_timeout(self) -> float | None:
         # The release is under way: no finalizer left; WITHDRAW_TIMEOUT after a loss.
         self._finalizer.detach()
-        self._revoked_after_loss = self._guard.lost is not None
-        return WITHDRAW_TIMEOUT if self._revoked_after_loss else None
+        return WITHDRAW_TIMEOUT if self._guard.lost is not None else None
 
     def _given_back(self) -> None:
         # The watches go only after the revoke: it is what the next holder waits for.
@@ -178,7 +176,7 @@ class GuardedHold(Generic[SessionT]):
             forget()
 
     def _log_released(self, revoked: bool) -> None:
-        extra = {"after": "loss"} if self._revoked_after_loss else {}
+        extra = {"after": "loss"} if self._guard.lost is not None else {}
         held = f"{time.monotonic() - self._since:.3f}s"
         log.info("released", name=self.name, rev=self.revision, **extra, held=held, revoked=revoked)
 
@@ -367,9 +365,7 @@ def to_bytes(text: bytes | str) -> bytes:
 def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     if not slot.shared:
         return slot.session.close(timeout=timeout)
-    with deleting_own_key(slot):
-        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
-        ours = [kv.create_revision_is(slot.key, slot.revision)]
+    with deleting_own_key(slot) as ours:
         kv.txn(slot.session.client, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False

@@ -125,9 +125,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
 async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
     if not slot.shared:
         return await slot.session.close(timeout)
-    with deleting_own_key(slot):
-        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
-        ours = [kv.create_revision_is(slot.key, slot.revision)]
+    with deleting_own_key(slot) as ours:
         await etcd_aio.txn(slot.session.client.sync, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False

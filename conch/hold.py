@@ -14,13 +14,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.core import guard as g
-from conch.core.loss import Loss, LossReason
+from conch.core.loss import Loss
 from conch.core.messages import Held, KeyRev, Note
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
@@ -98,7 +98,6 @@ class GuardedHold(Generic[SessionT]):
         self._touch = [kv.op_put(held.key, held.value, held.lease_id)]
         self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff().next)
         self._slot = Slot(session, held.key, held.revision, shared, list(retire))
-        self._watches = self._slot.watches
         self._scheduler = scheduler
         self._fed = weakly(self._feed)
         # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
@@ -171,7 +170,7 @@ class GuardedHold(Generic[SessionT]):
 
     def _given_back(self) -> None:
         # The watches go only after the revoke: it is what the next holder waits for.
-        _cancel_all(self._watches)
+        _cancel_all(self._slot.watches)
         for forget in self._forgets:
             forget()
 
@@ -180,11 +179,10 @@ class GuardedHold(Generic[SessionT]):
         held = f"{time.monotonic() - self._since:.3f}s"
         log.info("released", name=self.name, rev=self.revision, **extra, held=held, revoked=revoked)
 
-    def _session_lost(self, said: object) -> None:
-        reason = said.reason if isinstance(said, Flag) else said
-        if not isinstance(reason, Loss):
-            reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
-        self._execute(self._guard.session_ended(reason, lost=True))
+    def _session_lost(self, said: Flag | Loss) -> None:
+        # A threaded session's lost Flag, which only its declare_lost sets, with the Loss.
+        loss = said.reason if isinstance(said, Flag) else said
+        self._execute(self._guard.session_ended(cast(Loss, loss), lost=True))
 
     def _feed(self, input: Callable[..., list[g.GuardAction]], *args: Any) -> None:
         self._execute(input(*args))
@@ -199,14 +197,14 @@ class GuardedHold(Generic[SessionT]):
                     log.warning("lost", name=self.name, rev=self.revision, reason=str(action))
                 # A lost hold has nothing left to watch, released or not (the watch would
                 # otherwise stay on the client's stream for as long as the Hold is kept).
-                _cancel_all(self._watches)
+                _cancel_all(self._slot.watches)
                 self._set_lost(action)
             elif isinstance(action, Note):
                 emit = log.warning if action.warning else log.info
                 emit(action.event, name=self.name, **action.fields)
             else:
                 if action.step is g.GuardStep.WATCH_OWN_KEY:
-                    _cancel_all(self._watches)
+                    _cancel_all(self._slot.watches)
                 self._call(action)
 
     def _on_notice(self, notice: WatchNotice) -> None:
@@ -216,9 +214,9 @@ class GuardedHold(Generic[SessionT]):
         # Its response (for a watch, the watch opened), or the EtcdError it raised.
         guard, step, failed = self._guard, action.step, isinstance(answer, EtcdError)
         if step is g.GuardStep.WATCH_OWN_KEY and not failed:
-            self._watches.append(answer)
+            self._slot.watches.append(answer)
             if guard.done:  # released or lost while it opened
-                _cancel_all(self._watches)
+                _cancel_all(self._slot.watches)
             return
         if step is g.GuardStep.LOOK and not failed:
             found = answer.kvs[0] if answer.kvs else None
@@ -294,8 +292,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
-            why = flag.reason  # the Loss itself: str() of it would drop its reason
-            callback(why if isinstance(why, Loss) else Loss(LossReason.SESSION_CLOSED, str(why)))
+            callback(cast(Loss, flag.reason))  # the Loss itself: only _set_lost sets lost
 
         self.lost.add_callback(call)
 

@@ -246,7 +246,6 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         self.lost = Flag("hold-lost")
         self._set_lost = self.lost.set
         super().__init__(sema, session, held, shared, retire, timer_for(client))
-        self._released = Flag("released")
         self._release_lock = threading.Lock()
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._logged = False
@@ -321,22 +320,17 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         most WITHDRAW_TIMEOUT seconds. Thread-safe; returns once the revoke is over, whoever
         sent it. Logs ``released`` once (``log_it=False``: left to a later ``release()``).
         ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
-        with self._release_lock:
-            releasing = self._guard.releasing
-            self._guard.release()
-        if releasing:
-            self._released.wait()  # the revoke another call sent
-        else:
-            try:
-                timeout = self._withdraw_timeout()
-                if until is not None:
-                    left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
-                    timeout = left if timeout is None else min(timeout, left)
-                self._revoked = _give_back(self._slot, timeout)
-            finally:
-                self._given_back()
-                self._released.set()
-        with self._release_lock:
+        with self._release_lock:  # held through the revoke: a second call waits for it
+            if not self._guard.releasing:
+                self._guard.release()
+                try:
+                    timeout = self._withdraw_timeout()
+                    if until is not None:
+                        left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
+                        timeout = left if timeout is None else min(timeout, left)
+                    self._revoked = _give_back(self._slot, timeout)
+                finally:
+                    self._given_back()
             logged, self._logged = self._logged, self._logged or log_it
         if log_it and not logged:
             self._log_released(self._revoked)

@@ -163,8 +163,9 @@ class GuardedHold(Generic[SessionT]):
             return None if self._guard.releasing and self._guard.lost is None else lost
         return None
 
-    def _withdraw_timeout(self) -> float | None:
-        # The release is under way: no finalizer left; WITHDRAW_TIMEOUT after a loss.
+    def _releasing(self) -> float | None:
+        # The release begins: the guard stops, the finalizer goes; WITHDRAW_TIMEOUT after a loss.
+        self._guard.release()
         self._finalizer.detach()
         return WITHDRAW_TIMEOUT if self._guard.lost is not None else None
 
@@ -322,9 +323,8 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
         with self._release_lock:  # held through the revoke: a second call waits for it
             if not self._guard.releasing:
-                self._guard.release()
                 try:
-                    timeout = self._withdraw_timeout()
+                    timeout = self._releasing()
                     if until is not None:
                         left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
                         timeout = left if timeout is None else min(timeout, left)

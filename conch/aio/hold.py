@@ -13,12 +13,13 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.aio.session import Session
 from conch.aio.tasks import outlast_cancel, spawn
-from conch.core import messages
 from conch.core.guard import GuardCall, GuardStep
 from conch.core.loss import CLOSED, Loss
+from conch.core.messages import Held
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
+from conch.etcd.aio import LoopWatch
 from conch.hold import GuardedHold, Slot, deleting_own_key, to_bytes
 from conch.timer import weakly
 
@@ -31,12 +32,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
     ``asyncio.Event`` (``reason`` says why) and its guard starts at once, on the loop."""
 
     def __init__(
-        self,
-        sema: Semaphore,
-        session: Session,
-        held: messages.Held,
-        retire: list[etcd_aio.LoopWatch],
-        shared: bool,
+        self, sema: Semaphore, session: Session, held: Held, retire: list[LoopWatch], shared: bool
     ) -> None:
         self._loop = loop = asyncio.get_running_loop()
         super().__init__(sema, session, held, shared, retire, loop)
@@ -88,8 +84,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         try:
             if action.step is GuardStep.WATCH_OWN_KEY:
                 notice = weakly(self._on_notice)
-                open_ = etcd_aio.LoopWatch.open
-                answer = await open_(client, notice, key, action.start, only_deletes=True)
+                answer = await LoopWatch.open(client, notice, key, action.start, only_deletes=True)
             elif action.step is GuardStep.LOOK:
                 answer = await etcd_aio.range_(client, rpc_pb2.RangeRequest(key=key))
             else:

@@ -38,32 +38,38 @@ if TYPE_CHECKING:
 WITHDRAW_TIMEOUT = 1.0
 
 SessionT = TypeVar("SessionT", bound=SessionBase[Any])
-Soon = Callable[[Callable[[], None]], object]  # runs a function soon, on the face's thread
+Soon = Callable[[Callable[[], object]], object]  # runs a function soon, on the face's thread
 
 
 @dataclass(frozen=True)
 class Slot(Generic[SessionT]):
     """What giving a slot back takes (apart from the Hold, for its finalizer): our key at
-    create_revision ``revision`` on ``session`` (its own unless ``shared``), the watches."""
+    create_revision ``revision`` on ``session`` (its own unless ``shared``), the watches, the
+    session subscriptions' removers."""
 
     session: SessionT
     key: bytes
     revision: int
     shared: bool
     watches: list[Cancellable]
+    forgets: list[Callable[[], None]]
 
 
 @contextlib.contextmanager
-def deleting_own_key(slot: Slot[Any]) -> Iterator[list[rpc_pb2.Compare]]:
-    # Around the delete of our key from a shared session, one KV.Txn on the compare given (its
-    # create_revision: a key made since by someone else is left alone): an EtcdError is logged
-    # and suppressed; the session's claim on the key goes either way.
+def giving_back(slot: Slot[Any]) -> Iterator[list[rpc_pb2.Compare]]:
+    # Around a give-back, whose delete of our key from a shared session is one KV.Txn on the
+    # compare given (its create_revision: a key made since by someone else is left alone): an
+    # EtcdError is logged and suppressed. Either way the session's claim on the key goes, then
+    # the watches and subscriptions: only after the revoke, what the next holder waits for.
     try:
         yield [kv.create_revision_is(slot.key, slot.revision)]
     except EtcdError as exc:
         log.warning("delete-failed", key=slot.key.decode(errors="replace"), error=str(exc))
     finally:
         slot.session._unclaim(slot.key)
+        _cancel_all(slot.watches)
+        for forget in slot.forgets:
+            forget()
 
 
 class GuardedHold(Generic[SessionT]):
@@ -97,12 +103,12 @@ class GuardedHold(Generic[SessionT]):
         self._ours = [kv.create_revision_is(held.key, held.revision)]
         self._touch = [kv.op_put(held.key, held.value, held.lease_id)]
         self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff().next)
-        self._slot = Slot(session, held.key, held.revision, shared, list(retire))
+        self._slot = Slot(session, held.key, held.revision, shared, list(retire), forgets=[])
         self._scheduler = scheduler
         self._fed = weakly(self._feed)
-        # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
+        # E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_ended)
-        self._forgets: list[Callable[[], None]] = [listen(session._kept.expiry_listeners, expired)]
+        self._slot.forgets.append(listen(session._kept.expiry_listeners, expired))
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
         self._warn_on_loss = True
@@ -168,12 +174,6 @@ class GuardedHold(Generic[SessionT]):
         self._guard.release()
         self._finalizer.detach()
         return WITHDRAW_TIMEOUT if self._guard.lost is not None else None
-
-    def _given_back(self) -> None:
-        # The watches go only after the revoke: it is what the next holder waits for.
-        _cancel_all(self._slot.watches)
-        for forget in self._forgets:
-            forget()
 
     def _log_released(self, revoked: bool) -> None:
         extra = {"after": "loss"} if self._guard.lost is not None else {}
@@ -252,7 +252,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         self._logged = False
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        self._forgets.append(session.lost.add_callback(weakly(self._session_lost)))
+        self._slot.forgets.append(session.lost.add_callback(weakly(self._session_lost)))
         self._drop_with("conch", functools.partial(timer_for(client).call_later, 0), _give_back)
         self._execute(self._guard.made())
 
@@ -323,14 +323,11 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
         with self._release_lock:  # held through the revoke: a second call waits for it
             if not self._guard.releasing:
-                try:
-                    timeout = self._releasing()
-                    if until is not None:
-                        left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
-                        timeout = left if timeout is None else min(timeout, left)
-                    self._revoked = _give_back(self._slot, timeout)
-                finally:
-                    self._given_back()
+                timeout = self._releasing()
+                if until is not None:
+                    left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
+                    timeout = left if timeout is None else min(timeout, left)
+                self._revoked = _give_back(self._slot, timeout)
             logged, self._logged = self._logged, self._logged or log_it
         if log_it and not logged:
             self._log_released(self._revoked)
@@ -354,9 +351,9 @@ def to_bytes(text: bytes | str) -> bytes:
 
 
 def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
-    if not slot.shared:
-        return slot.session.close(timeout=timeout)
-    with deleting_own_key(slot) as ours:
+    with giving_back(slot) as ours:
+        if not slot.shared:
+            return slot.session.close(timeout=timeout)
         kv.txn(slot.session.client, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False
@@ -364,17 +361,12 @@ def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
 
 def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., object]) -> None:
     """A Hold of ``face`` collected unreleased: warn (ResourceWarning, as for an unclosed file)
-    and log; then, on the face's thread (``soon``), cancel its watches and give it back."""
+    and log; then, on the face's thread (``soon``), give it back."""
     key = slot.key.decode(errors="replace")
     message = f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it"
     warnings.warn(message, ResourceWarning, stacklevel=2)
     log.warning("hold-dropped", key=key, rev=slot.revision)
-
-    def release() -> None:
-        _cancel_all(slot.watches)
-        give_back(slot, None)
-
-    soon(release)
+    soon(lambda: give_back(slot, None))
 
 
 def _cancel_all(watches: list[Cancellable]) -> None:

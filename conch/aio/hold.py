@@ -20,7 +20,7 @@ from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
 from conch.etcd.aio import LoopWatch
-from conch.hold import GuardedHold, Slot, deleting_own_key, to_bytes
+from conch.hold import GuardedHold, Slot, giving_back, to_bytes
 from conch.timer import weakly
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         self._client = sema.client.sync
         self._released: asyncio.Future[None] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
-        self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
+        self._slot.forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
         self._execute(self._guard.made())
@@ -102,11 +102,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         await outlast_cancel(self._released)
 
     async def _give_back(self, timeout: float | None) -> None:
-        try:
-            revoked = await _give_back(self._slot, timeout)
-        finally:
-            self._given_back()
-        self._log_released(revoked)
+        self._log_released(await _give_back(self._slot, timeout))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """As ``conch.Hold.__exit__``, awaited."""
@@ -117,9 +113,9 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
 
 
 async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
-    if not slot.shared:
-        return await slot.session.close(timeout)
-    with deleting_own_key(slot) as ours:
+    with giving_back(slot) as ours:
+        if not slot.shared:
+            return await slot.session.close(timeout)
         await etcd_aio.txn(slot.session.client.sync, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False

@@ -44,8 +44,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         self._slot.forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
-        self._execute(self._guard.made())
-        self._execute(self._guard.start())
+        self._execute(self._guard.made() + self._guard.start())
 
     def _set_lost(self, reason: Loss) -> None:
         self.reason = reason

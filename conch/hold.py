@@ -14,13 +14,13 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.core import guard as g
-from conch.core.loss import Loss, LossReason
+from conch.core.loss import Loss
 from conch.core.messages import Held, KeyRev, Note
 from conch.errors import EtcdError, HoldLost
 from conch.etcd import kv
@@ -38,31 +38,38 @@ if TYPE_CHECKING:
 WITHDRAW_TIMEOUT = 1.0
 
 SessionT = TypeVar("SessionT", bound=SessionBase[Any])
-Soon = Callable[[Callable[[], None]], object]  # runs a function soon, on the face's thread
+Soon = Callable[[Callable[[], object]], object]  # runs a function soon, on the face's thread
 
 
 @dataclass(frozen=True)
 class Slot(Generic[SessionT]):
     """What giving a slot back takes (apart from the Hold, for its finalizer): our key at
-    create_revision ``revision`` on ``session`` (its own unless ``shared``), the watches."""
+    create_revision ``revision`` on ``session`` (its own unless ``shared``), the watches, the
+    session subscriptions' removers."""
 
     session: SessionT
     key: bytes
     revision: int
     shared: bool
     watches: list[Cancellable]
+    forgets: list[Callable[[], None]]
 
 
 @contextlib.contextmanager
-def deleting_own_key(slot: Slot[Any]) -> Iterator[None]:
-    # Around the delete of our key from a shared session: an EtcdError is logged and
-    # suppressed; the session's claim on the key goes either way.
+def giving_back(slot: Slot[Any]) -> Iterator[list[rpc_pb2.Compare]]:
+    # Around a give-back, whose delete of our key from a shared session is one KV.Txn on the
+    # compare given (its create_revision: a key made since by someone else is left alone): an
+    # EtcdError is logged and suppressed. Either way the session's claim on the key goes, then
+    # the watches and subscriptions: only after the revoke, what the next holder waits for.
     try:
-        yield
+        yield [kv.create_revision_is(slot.key, slot.revision)]
     except EtcdError as exc:
         log.warning("delete-failed", key=slot.key.decode(errors="replace"), error=str(exc))
     finally:
         slot.session._unclaim(slot.key)
+        _cancel_all(slot.watches)
+        for forget in slot.forgets:
+            forget()
 
 
 class GuardedHold(Generic[SessionT]):
@@ -96,14 +103,12 @@ class GuardedHold(Generic[SessionT]):
         self._ours = [kv.create_revision_is(held.key, held.revision)]
         self._touch = [kv.op_put(held.key, held.value, held.lease_id)]
         self._guard = g.GuardMachine(held.touch, held.revision, held.held_at, Backoff().next)
-        self._slot = Slot(session, held.key, held.revision, shared, list(retire))
-        self._watches = self._slot.watches
+        self._slot = Slot(session, held.key, held.revision, shared, list(retire), forgets=[])
         self._scheduler = scheduler
         self._fed = weakly(self._feed)
-        # The session subscriptions' removers; E passed with no keepalive confirmed is a loss.
+        # E passed with no keepalive confirmed is a loss.
         expired = functools.partial(self._fed, self._guard.session_ended)
-        self._forgets: list[Callable[[], None]] = [listen(session._kept.expiry_listeners, expired)]
-        self._revoked_after_loss = False
+        self._slot.forgets.append(listen(session._kept.expiry_listeners, expired))
         # A loss is a WARNING in library mode too; the supervisor, which reports it as an
         # error with what it did to the child, turns this off.
         self._warn_on_loss = True
@@ -158,35 +163,27 @@ class GuardedHold(Generic[SessionT]):
 
     def _loss_at_exit(self) -> HoldLost | None:
         # Judged before the release: none if the block released the hold before any loss.
-        was_released = self._guard.releasing
         try:
             self._check()
         except HoldLost as lost:
-            return None if was_released and not self._revoked_after_loss else lost
+            return None if self._guard.releasing and self._guard.lost is None else lost
         return None
 
-    def _withdraw_timeout(self) -> float | None:
-        # The release is under way: no finalizer left; WITHDRAW_TIMEOUT after a loss.
+    def _releasing(self) -> float | None:
+        # The release begins: the guard stops, the finalizer goes; WITHDRAW_TIMEOUT after a loss.
+        self._guard.release()
         self._finalizer.detach()
-        self._revoked_after_loss = self._guard.lost is not None
-        return WITHDRAW_TIMEOUT if self._revoked_after_loss else None
-
-    def _given_back(self) -> None:
-        # The watches go only after the revoke: it is what the next holder waits for.
-        _cancel_all(self._watches)
-        for forget in self._forgets:
-            forget()
+        return WITHDRAW_TIMEOUT if self._guard.lost is not None else None
 
     def _log_released(self, revoked: bool) -> None:
-        extra = {"after": "loss"} if self._revoked_after_loss else {}
+        extra = {"after": "loss"} if self._guard.lost is not None else {}
         held = f"{time.monotonic() - self._since:.3f}s"
         log.info("released", name=self.name, rev=self.revision, **extra, held=held, revoked=revoked)
 
-    def _session_lost(self, said: object) -> None:
-        reason = said.reason if isinstance(said, Flag) else said
-        if not isinstance(reason, Loss):
-            reason = Loss(LossReason.NO_KEEPALIVE, str(reason))
-        self._execute(self._guard.session_ended(reason, lost=True))
+    def _session_lost(self, said: Flag | Loss) -> None:
+        # A threaded session's lost Flag, which only its declare_lost sets, with the Loss.
+        loss = said.reason if isinstance(said, Flag) else said
+        self._execute(self._guard.session_ended(cast(Loss, loss), lost=True))
 
     def _feed(self, input: Callable[..., list[g.GuardAction]], *args: Any) -> None:
         self._execute(input(*args))
@@ -201,14 +198,14 @@ class GuardedHold(Generic[SessionT]):
                     log.warning("lost", name=self.name, rev=self.revision, reason=str(action))
                 # A lost hold has nothing left to watch, released or not (the watch would
                 # otherwise stay on the client's stream for as long as the Hold is kept).
-                _cancel_all(self._watches)
+                _cancel_all(self._slot.watches)
                 self._set_lost(action)
             elif isinstance(action, Note):
                 emit = log.warning if action.warning else log.info
                 emit(action.event, name=self.name, **action.fields)
             else:
                 if action.step is g.GuardStep.WATCH_OWN_KEY:
-                    _cancel_all(self._watches)
+                    _cancel_all(self._slot.watches)
                 self._call(action)
 
     def _on_notice(self, notice: WatchNotice) -> None:
@@ -218,9 +215,9 @@ class GuardedHold(Generic[SessionT]):
         # Its response (for a watch, the watch opened), or the EtcdError it raised.
         guard, step, failed = self._guard, action.step, isinstance(answer, EtcdError)
         if step is g.GuardStep.WATCH_OWN_KEY and not failed:
-            self._watches.append(answer)
+            self._slot.watches.append(answer)
             if guard.done:  # released or lost while it opened
-                _cancel_all(self._watches)
+                _cancel_all(self._slot.watches)
             return
         if step is g.GuardStep.LOOK and not failed:
             found = answer.kvs[0] if answer.kvs else None
@@ -250,13 +247,12 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         self.lost = Flag("hold-lost")
         self._set_lost = self.lost.set
         super().__init__(sema, session, held, shared, retire, timer_for(client))
-        self._released = Flag("released")
         self._release_lock = threading.Lock()
         self._revoked = False  # whether the release's revoke (or delete) was confirmed
         self._logged = False
         # Straight from the keepalive thread: a guard step may be inside a call to etcd for
         # seconds (a touch or a Range while etcd hangs) when the session is lost.
-        self._forgets.append(session.lost.add_callback(weakly(self._session_lost)))
+        self._slot.forgets.append(session.lost.add_callback(weakly(self._session_lost)))
         self._drop_with("conch", functools.partial(timer_for(client).call_later, 0), _give_back)
         self._execute(self._guard.made())
 
@@ -296,8 +292,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         loop.call_soon_threadsafe(...)`` fits."""
 
         def call(flag: Flag) -> None:
-            why = flag.reason  # the Loss itself: str() of it would drop its reason
-            callback(why if isinstance(why, Loss) else Loss(LossReason.SESSION_CLOSED, str(why)))
+            callback(cast(Loss, flag.reason))  # the Loss itself: only _set_lost sets lost
 
         self.lost.add_callback(call)
 
@@ -326,22 +321,13 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         most WITHDRAW_TIMEOUT seconds. Thread-safe; returns once the revoke is over, whoever
         sent it. Logs ``released`` once (``log_it=False``: left to a later ``release()``).
         ``until``: a ``time.monotonic()`` instant past which the revoke is not waited for."""
-        with self._release_lock:
-            releasing = self._guard.releasing
-            self._guard.release()
-        if releasing:
-            self._released.wait()  # the revoke another call sent
-        else:
-            try:
-                timeout = self._withdraw_timeout()
+        with self._release_lock:  # held through the revoke: a second call waits for it
+            if not self._guard.releasing:
+                timeout = self._releasing()
                 if until is not None:
                     left = max(0.001, until - time.monotonic())  # the etcd layer takes no 0
                     timeout = left if timeout is None else min(timeout, left)
                 self._revoked = _give_back(self._slot, timeout)
-            finally:
-                self._given_back()
-                self._released.set()
-        with self._release_lock:
             logged, self._logged = self._logged, self._logged or log_it
         if log_it and not logged:
             self._log_released(self._revoked)
@@ -365,11 +351,9 @@ def to_bytes(text: bytes | str) -> bytes:
 
 
 def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
-    if not slot.shared:
-        return slot.session.close(timeout=timeout)
-    with deleting_own_key(slot):
-        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
-        ours = [kv.create_revision_is(slot.key, slot.revision)]
+    with giving_back(slot) as ours:
+        if not slot.shared:
+            return slot.session.close(timeout=timeout)
         kv.txn(slot.session.client, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False
@@ -377,17 +361,12 @@ def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
 
 def _dropped(face: str, slot: Slot[Any], soon: Soon, give_back: Callable[..., object]) -> None:
     """A Hold of ``face`` collected unreleased: warn (ResourceWarning, as for an unclosed file)
-    and log; then, on the face's thread (``soon``), cancel its watches and give it back."""
+    and log; then, on the face's thread (``soon``), give it back."""
     key = slot.key.decode(errors="replace")
     message = f"{face} hold of {key} (rev {slot.revision}) dropped without release(); releasing it"
     warnings.warn(message, ResourceWarning, stacklevel=2)
     log.warning("hold-dropped", key=key, rev=slot.revision)
-
-    def release() -> None:
-        _cancel_all(slot.watches)
-        give_back(slot, None)
-
-    soon(release)
+    soon(lambda: give_back(slot, None))
 
 
 def _cancel_all(watches: list[Cancellable]) -> None:

@@ -29,8 +29,6 @@ on asyncio's own loop); ``async with hold:`` releases a hold from ``await sema.a
 How, and why: docs/embedding.md, "asyncio".
 """
 
-from __future__ import annotations
-
 from conch.aio.client import Client, connect
 from conch.aio.hold import Hold
 from conch.aio.semaphore import Semaphore, who

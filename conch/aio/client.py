@@ -34,26 +34,24 @@ class Client(contextlib.AbstractAsyncContextManager["Client"]):
         await self.close()
 
 
-class connect(Entering[Client]):  # a function to its callers: ``async with connect(...)``
+def connect(
+    endpoints: str | Sequence[str],
+    dial_timeout: float = 5.0,
+    request_timeout: float = 5.0,
+    tls: etcd_client.TLS | None = None,
+    credentials: etcd_client.Credentials | None = None,
+) -> Entering[Client]:
     """``async with connect(endpoints, ...) as client`` (or ``client = await connect(...)``):
     a Client dialled within ``dial_timeout`` seconds, closed when the block ends. Arguments
     and errors as ``conch.connect`` (UsageError, Unavailable, AuthenticationFailed); the
     dial (Maintenance.Status, or Auth.Authenticate with credentials) is awaited, and a
     cancel ends it at once."""
 
-    def __init__(
-        self,
-        endpoints: str | Sequence[str],
-        dial_timeout: float = 5.0,
-        request_timeout: float = 5.0,
-        tls: etcd_client.TLS | None = None,
-        credentials: etcd_client.Credentials | None = None,
-    ) -> None:
-        async def dial() -> Client:
-            parsed = etcd_client.parse_endpoints(endpoints)
-            sync = await etcd_client.Client.connect_async(
-                parsed, dial_timeout, request_timeout, tls, credentials
-            )
-            return Client(sync)
+    async def dial() -> Client:
+        parsed = etcd_client.parse_endpoints(endpoints)
+        sync = await etcd_client.Client.connect_async(
+            parsed, dial_timeout, request_timeout, tls, credentials
+        )
+        return Client(sync)
 
-        super().__init__(dial)
+    return Entering(dial)

@@ -13,13 +13,14 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.aio.session import Session
 from conch.aio.tasks import outlast_cancel, spawn
-from conch.core import messages
 from conch.core.guard import GuardCall, GuardStep
 from conch.core.loss import CLOSED, Loss
+from conch.core.messages import Held
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
-from conch.hold import GuardedHold, Slot, deleting_own_key, to_bytes
+from conch.etcd.aio import LoopWatch
+from conch.hold import GuardedHold, Slot, giving_back, to_bytes
 from conch.timer import weakly
 
 if TYPE_CHECKING:
@@ -31,12 +32,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
     ``asyncio.Event`` (``reason`` says why) and its guard starts at once, on the loop."""
 
     def __init__(
-        self,
-        sema: Semaphore,
-        session: Session,
-        held: messages.Held,
-        retire: list[etcd_aio.LoopWatch],
-        shared: bool,
+        self, sema: Semaphore, session: Session, held: Held, retire: list[LoopWatch], shared: bool
     ) -> None:
         self._loop = loop = asyncio.get_running_loop()
         super().__init__(sema, session, held, shared, retire, loop)
@@ -45,11 +41,10 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         self._client = sema.client.sync
         self._released: asyncio.Future[None] | None = None
         self._callbacks: list[Callable[[Loss], object]] = []
-        self._forgets.append(session._kept.add_listener(weakly(self._session_lost)))
+        self._slot.forgets.append(session._kept.add_listener(weakly(self._session_lost)))
         soon = functools.partial(etcd_aio.call_soon, loop)
         self._drop_with("conch.aio", soon, lambda slot, _: spawn(loop, _give_back(slot, None)))
-        self._execute(self._guard.made())
-        self._execute(self._guard.start())
+        self._execute(self._guard.made() + self._guard.start())
 
     def _set_lost(self, reason: Loss) -> None:
         self.reason = reason
@@ -88,8 +83,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         try:
             if action.step is GuardStep.WATCH_OWN_KEY:
                 notice = weakly(self._on_notice)
-                open_ = etcd_aio.LoopWatch.open
-                answer = await open_(client, notice, key, action.start, only_deletes=True)
+                answer = await LoopWatch.open(client, notice, key, action.start, only_deletes=True)
             elif action.step is GuardStep.LOOK:
                 answer = await etcd_aio.range_(client, rpc_pb2.RangeRequest(key=key))
             else:
@@ -102,17 +96,12 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         """``conch.Hold.release``, awaited (Lease.LeaseRevoke, or a KV.Txn from a shared
         session). A second call waits for the first; a cancel waits for it, then propagates."""
         if self._released is None:
-            self._guard.release()
-            timeout = self._withdraw_timeout()
+            timeout = self._releasing()
             self._released = self._loop.create_task(self._give_back(timeout))
         await outlast_cancel(self._released)
 
     async def _give_back(self, timeout: float | None) -> None:
-        try:
-            revoked = await _give_back(self._slot, timeout)
-        finally:
-            self._given_back()
-        self._log_released(revoked)
+        self._log_released(await _give_back(self._slot, timeout))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """As ``conch.Hold.__exit__``, awaited."""
@@ -123,11 +112,9 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
 
 
 async def _give_back(slot: Slot[Session], timeout: float | None) -> bool:
-    if not slot.shared:
-        return await slot.session.close(timeout)
-    with deleting_own_key(slot):
-        # One KV.Txn on its create_revision: a key made since by someone else is left alone.
-        ours = [kv.create_revision_is(slot.key, slot.revision)]
+    with giving_back(slot) as ours:
+        if not slot.shared:
+            return await slot.session.close(timeout)
         await etcd_aio.txn(slot.session.client.sync, ours, [kv.op_delete(slot.key)], [], timeout)
         return True
     return False

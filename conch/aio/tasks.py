@@ -33,8 +33,7 @@ async def outlast_cancel(awaitable: asyncio.Future[T]) -> T:
         try:
             await asyncio.shield(awaitable)
         except asyncio.CancelledError as exc:
-            if not awaitable.done():
-                cancelled = exc
+            cancelled = exc
     result = awaitable.result()  # its own error, or CancelledError if it was cancelled
     if cancelled is not None:
         raise cancelled

@@ -30,16 +30,12 @@ READY, FIRED, ANSWER = b"R", b"F", b"A"  # it says: it runs; it fires (SIGTERM);
 PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
 PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
-# Seconds within which the watchdog must answer a probe, else it is failed as a dead one (the
-# child SIGKILLed at once, exit 70) if it cannot run (``_halted``); well under the deadline's
-# margin (0.25 s). Its state is looked at again every ANSWER_TIMEOUT while it stays silent.
+# Seconds a probe may go unanswered by a watchdog that cannot run (``_halted``; well under the
+# deadline's 0.25 s margin), and by one that can (only starved: its own timers still fire), at
+# which it is failed as a dead one: the child SIGKILLed at once, exit 70. docs/design.md.
 ANSWER_TIMEOUT = 0.1
-# Seconds a watchdog that can run (runnable or asleep) may leave a probe unanswered: on a
-# loaded host it is often not scheduled within ANSWER_TIMEOUT (2 cores, load 7: seen), yet it
-# keeps its own timers and fires when due, starved no worse than conch itself.
 SLOW_ANSWER_TIMEOUT = 1.0
-# /proc/PID/stat states of a process that cannot run until something else acts: it would not
-# keep the deadline should conch freeze next. D is also how a cgroup (v1) freezer shows it.
+# /proc/PID/stat states of a process that cannot run by itself (D: a cgroup v1 freezer too).
 _HALTED = {"T": "stopped", "t": "traced", "D": "frozen", "Z": "exited", "X": "exited"}
 
 

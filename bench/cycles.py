@@ -12,6 +12,8 @@ peers register etcd's protos under the same names: one per process), measures on
                   ``--seconds``: cycles per second
 
 Variants: ``aio`` (conch.aio, on each ``--checkout``, as bench/waiting.py takes it),
+``aio-shared`` (the same, every acquire on one live ``conch.aio.Session``: no LeaseGrant or
+LeaseRevoke a cycle, as a service that shares one session pays),
 ``threads`` (conch.Semaphore: uncontended only, for reference), ``aetcd`` and ``etcd3aio``
 (bench/peers.py's queue recipe: grant a lease, put prefix/lease-id on it, range the
 prefix by create_revision, watch the key ahead for its delete; release deletes the key and
@@ -39,23 +41,36 @@ sys.path.insert(0, str(HERE))
 
 from waiting import checkout_label, median, pct, worker_env  # noqa: E402
 
-VARIANTS = ("aio", "threads", "aetcd", "etcd3aio")
+VARIANTS = ("aio", "aio-shared", "threads", "aetcd", "etcd3aio")
 
 Cycle = Callable[[str], Awaitable[None]]
 
 
-async def conch_aio(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
+async def conch_aio(
+    endpoint: str, shared: bool = False
+) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
     import conch.aio
     from conch import log
 
     log.set_quiet(True)
     client = await conch.aio.connect(endpoint, dial_timeout=10.0, request_timeout=10.0)
+    session = await conch.aio.Session(client, ttl=10) if shared else None
 
     async def cycle(name: str) -> None:
-        hold = await conch.aio.Semaphore(client, name, max=1, ttl=10).acquire(timeout=30)
+        sema = conch.aio.Semaphore(client, name, max=1, ttl=10)
+        hold = await sema.acquire(timeout=30, session=session)
         await hold.release()
 
-    return cycle, client.close
+    async def close() -> None:
+        if session is not None:
+            await session.close()
+        await client.close()
+
+    return cycle, close
+
+
+async def conch_aio_shared(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
+    return await conch_aio(endpoint, shared=True)
 
 
 async def aetcd_(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]]:
@@ -89,7 +104,8 @@ async def etcd3aio_(endpoint: str) -> tuple[Cycle, Callable[[], Awaitable[None]]
 
 
 async def run_async(args: argparse.Namespace) -> dict[str, Any]:
-    make = {"aio": conch_aio, "aetcd": aetcd_, "etcd3aio": etcd3aio_}[args.worker]
+    makers = {"aio": conch_aio, "aio-shared": conch_aio_shared, "aetcd": aetcd_}
+    make = {**makers, "etcd3aio": etcd3aio_}[args.worker]
     cycle, close = await make(args.endpoint)
     try:
         for _ in range(5):  # warm: channels, streams, caches
@@ -150,7 +166,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     checkouts = [(path, label or checkout_label(path)) for path, label in checkouts]
     rows: list[tuple[str, str, Path | None]] = []
     for variant in args.variants.split(","):
-        if variant in ("aio", "threads"):
+        if variant in ("aio", "aio-shared", "threads"):
             for path, label in checkouts:
                 rows.append(
                     (variant if len(checkouts) == 1 else f"{variant} @{label}", variant, path)

@@ -66,8 +66,6 @@ class BidiStream:
     def _read(self) -> Any:
         try:
             for response in self._call:
-                if self._closed:
-                    return
                 self._hand_over(StreamItem(self, response, None))
         except grpc.RpcError as rpc_error:
             self._ended(rpc_error)
@@ -75,6 +73,8 @@ class BidiStream:
             self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
+        if self._closed:  # nothing comes after close()
+            return
         try:
             self._deliver(item)
         except Exception as exc:  # a bug (or a listener's) must not stop the stream
@@ -87,8 +87,7 @@ class BidiStream:
         if isinstance(error, TokenInvalid):
             self._client.invalidate_token(self.token)
         self.error = error
-        if not self._closed:
-            self._hand_over(StreamItem(self, None, error))
+        self._hand_over(StreamItem(self, None, error))
 
 
 class LoopStream(BidiStream):
@@ -110,8 +109,6 @@ class LoopStream(BidiStream):
     async def _read(self) -> None:
         try:
             async for response in self._call:
-                if self._closed:
-                    return
                 self._hand_over(StreamItem(self, response, None))
         except asyncio.CancelledError:  # close(), or the loop's end
             return

@@ -44,7 +44,7 @@ from conch.etcd.endpoints import Endpoint as Endpoint
 from conch.etcd.endpoints import Stubs, check_fork_support, loop_native
 from conch.etcd.endpoints import check_timeout as check_timeout
 from conch.etcd.endpoints import parse_endpoints as parse_endpoints
-from conch.etcd.loop import admission, close_loop_channel, settled
+from conch.etcd.loop import admission, close_channel, settled
 from conch.flag import Flag
 from conch.timer import listen
 
@@ -166,7 +166,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if os.getpid() == self.pid:
             for loop, table in by_loop.items():
                 for s in table.values():
-                    _close(loop, s.channel)
+                    close_channel(loop, s.channel)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -189,7 +189,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
             with self._lock:
                 stubs = None if self._closed else self._table(loop).setdefault(endpoint, dialled)
             if stubs is not dialled:
-                _close(loop, dialled.channel)
+                close_channel(loop, dialled.channel)
             if stubs is None:
                 raise _closed_error()
         return stubs
@@ -208,7 +208,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if table is None:
             for ended in [other for other in self._stubs if other and other.is_closed()]:
                 for s in self._stubs.pop(ended).values():
-                    close_loop_channel(ended, s.channel)
+                    close_channel(ended, s.channel)
             table = self._stubs[loop] = {}
         return table
 
@@ -413,10 +413,6 @@ class Client(contextlib.AbstractContextManager["Client"]):
 
 def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("token", token),)
-
-
-def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
-    close_loop_channel(loop, channel) if loop else channel.close()
 
 
 def _closed_error() -> EtcdError:  # a call's or a stream's on a closed Client

@@ -242,18 +242,17 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if self._credentials is not None:
             self._dial(timeout)
 
-    def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
+    def _dial_call(self) -> tuple[str, str, Any]:  # called without a token: none is needed
         if self._credentials is None:
-            return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
+            return "maintenance", "Status", rpc_pb2.StatusRequest()
         user, password = self._credentials.user, self._credentials.password
-        request = rpc_pb2.AuthenticateRequest(name=user, password=password)
-        return "auth", "Authenticate", request, timeout, True
+        return "auth", "Authenticate", rpc_pb2.AuthenticateRequest(name=user, password=password)
 
     def _dial(self, timeout: float | None) -> str | None:
-        return self._keep(self.call(*self._dial_call(timeout)))
+        return self._keep(self.call(*self._dial_call(), timeout, True))
 
     async def _dial_async(self, timeout: float | None) -> str | None:
-        return self._keep(await self.call_async(*self._dial_call(timeout)))
+        return self._keep(await self.call_async(*self._dial_call(), timeout, True))
 
     def _keep(self, response: Any) -> str | None:
         token: str | None = getattr(response, "token", None)  # a StatusResponse has none

@@ -348,6 +348,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         loop = asyncio.get_running_loop()
         native = loop_native()
         attempts = Attempts(self, timeout)
+        stop = asyncio.Event() if interrupt is None else interrupt  # never set without one
         turn = admission(loop).admit()
         if turn is not None:
             await turn
@@ -364,12 +365,9 @@ class Client(contextlib.AbstractContextManager["Client"]):
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
-            if interrupt is None:
-                await asyncio.sleep(pause)
-                continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(interrupt.wait(), pause)
-            if interrupt.is_set():
+                await asyncio.wait_for(stop.wait(), pause)
+            if stop.is_set():
                 raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:

@@ -256,8 +256,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
 
     def _keep(self, response: Any) -> str | None:
         token: str | None = getattr(response, "token", None)  # a StatusResponse has none
-        if token is not None:
-            self._token = token
+        self._token = token
         return token
 
     def invalidate_token(self, stale: str | None = None) -> None:
@@ -283,8 +282,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if not self._auth_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise Unavailable("timed out waiting for another thread's Auth.Authenticate")
         try:
-            token = self._token
-            return self._dial(max(0.001, deadline - time.monotonic())) if token is None else token
+            return self._token or self._dial(max(0.001, deadline - time.monotonic()))
         finally:
             self._auth_lock.release()
 

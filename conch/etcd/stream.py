@@ -51,9 +51,7 @@ class BidiStream:
         return iter(self._requests.get, None), None
 
     def _start(self, method: str) -> Any:
-        reader = threading.Thread(target=self._read, name=f"conch-{method}", daemon=True)
-        reader.start()
-        return reader
+        threading.Thread(target=self._read, name=f"conch-{method}", daemon=True).start()
 
     def send(self, request: Any) -> None:
         self._requests.put_nowait(request)

@@ -440,10 +440,9 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     # retryable as our timeout; gRPC's "Stream removed" (an RST_STREAM from a busy server: etcd
     # 3.4, a LeaseRevoke in a burst of auth changes) as a broken connection (every conch call
     # is safe to repeat).
+    retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     timed_out = ("context deadline exceeded", "request timed out", "Stream removed")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or any(
-        words in details for words in timed_out
-    ):
+    if code in retryable or any(words in details for words in timed_out):
         return Unavailable(message, code.name)
     # Permissions changed since the token was issued (etcd's apply path's words, or 3.4's
     # gRPC error's): authenticate again.
@@ -476,9 +475,8 @@ class Backoff:
         cap: float = BACKOFF_CAP,
         rng: random.Random | None = None,
     ) -> None:
-        self._first = first
+        self._first = self._last = first
         self._cap = cap
-        self._last = first
         # One generator for all: seeding one (os.urandom) costs tens of microseconds, and a
         # Hold makes its Backoff on the handoff's path.
         self._rng = rng or _JITTER

@@ -54,8 +54,6 @@ BACKOFF_FIRST = 0.05  # seconds
 BACKOFF_CAP = 1.0  # seconds
 ATTEMPT_FIRST = 1.0  # seconds; see Attempts.next
 
-_JITTER = random.Random()
-
 
 class Client(contextlib.AbstractContextManager["Client"]):
     """A connection to one etcd cluster through a list of endpoints.
@@ -477,12 +475,12 @@ class Backoff:
     ) -> None:
         self._first = self._last = first
         self._cap = cap
-        # One generator for all: seeding one (os.urandom) costs tens of microseconds, and a
-        # Hold makes its Backoff on the handoff's path.
-        self._rng = rng or _JITTER
+        # Else the random module's one generator: seeding one (os.urandom) costs tens of
+        # microseconds, and a Hold makes its Backoff on the handoff's path.
+        self._uniform = (rng or random).uniform
 
     def next(self) -> float:
-        self._last = min(self._cap, self._rng.uniform(self._first, self._last * 3))
+        self._last = min(self._cap, self._uniform(self._first, self._last * 3))
         return self._last
 
     def reset(self) -> None:

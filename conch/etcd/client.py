@@ -82,8 +82,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._auth_flight: asyncio.Task[str | None] | None = None  # call_async's Authenticate
-        # By the event loop their grpc.aio channel serves (only the one it was dialled on), or
-        # None: the blocking ones.
+        # By the event loop their grpc.aio channels are bound to (None: the blocking ones).
         self._stubs: dict[asyncio.AbstractEventLoop | None, dict[Endpoint, Stubs]] = {None: {}}
         self._current = 0
         self._lock = threading.Lock()
@@ -94,9 +93,8 @@ class Client(contextlib.AbstractContextManager["Client"]):
 
     @contextlib.contextmanager
     def _dialling(self, dial_timeout: float) -> Iterator[Client]:
-        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client to
-        ``_dial``, closed if that fails: an EtcdError but AuthenticationFailed becomes
-        Unavailable naming the endpoints."""
+        """``connect``'s checks (UsageError), then the client to dial, closed if that fails: an
+        EtcdError but AuthenticationFailed becomes Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
         check_timeout("request_timeout", self.request_timeout)
         check_fork_support()

@@ -105,7 +105,6 @@ async def settled(call: grpc.Future[Any]) -> Any:
     raises its grpc.RpcError; a cancel of the awaiting task cancels the call."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-
     # A loop closed meanwhile: nobody waits.
     call.add_done_callback(lambda _call: call_soon(loop, resolve, done, None))
     try:

@@ -44,7 +44,7 @@ from conch.etcd.endpoints import Endpoint as Endpoint
 from conch.etcd.endpoints import Stubs, check_fork_support, loop_native
 from conch.etcd.endpoints import check_timeout as check_timeout
 from conch.etcd.endpoints import parse_endpoints as parse_endpoints
-from conch.etcd.loop import admission, close_loop_channel, settled
+from conch.etcd.loop import admission, close_channel, settled
 from conch.flag import Flag
 from conch.timer import listen
 
@@ -53,8 +53,6 @@ CLOSE_REVOKE_TIMEOUT = 1.0
 BACKOFF_FIRST = 0.05  # seconds
 BACKOFF_CAP = 1.0  # seconds
 ATTEMPT_FIRST = 1.0  # seconds; see Attempts.next
-
-_JITTER = random.Random()
 
 
 class Client(contextlib.AbstractContextManager["Client"]):
@@ -84,8 +82,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._auth_flight: asyncio.Task[str | None] | None = None  # call_async's Authenticate
-        # By the event loop their grpc.aio channel serves (only the one it was dialled on), or
-        # None: the blocking ones.
+        # By the event loop their grpc.aio channels are bound to (None: the blocking ones).
         self._stubs: dict[asyncio.AbstractEventLoop | None, dict[Endpoint, Stubs]] = {None: {}}
         self._current = 0
         self._lock = threading.Lock()
@@ -96,9 +93,8 @@ class Client(contextlib.AbstractContextManager["Client"]):
 
     @contextlib.contextmanager
     def _dialling(self, dial_timeout: float) -> Iterator[Client]:
-        """The checks of ``connect`` and ``connect_async`` (UsageError), then the client to
-        ``_dial``, closed if that fails: an EtcdError but AuthenticationFailed becomes
-        Unavailable naming the endpoints."""
+        """``connect``'s checks (UsageError), then the client to dial, closed if that fails: an
+        EtcdError but AuthenticationFailed becomes Unavailable naming the endpoints."""
         check_timeout("dial_timeout", dial_timeout)
         check_timeout("request_timeout", self.request_timeout)
         check_fork_support()
@@ -166,7 +162,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if os.getpid() == self.pid:
             for loop, table in by_loop.items():
                 for s in table.values():
-                    _close(loop, s.channel)
+                    close_channel(loop, s.channel)
 
     @property
     def endpoint(self) -> Endpoint:
@@ -189,7 +185,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
             with self._lock:
                 stubs = None if self._closed else self._table(loop).setdefault(endpoint, dialled)
             if stubs is not dialled:
-                _close(loop, dialled.channel)
+                close_channel(loop, dialled.channel)
             if stubs is None:
                 raise _closed_error()
         return stubs
@@ -208,7 +204,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if table is None:
             for ended in [other for other in self._stubs if other and other.is_closed()]:
                 for s in self._stubs.pop(ended).values():
-                    close_loop_channel(ended, s.channel)
+                    close_channel(ended, s.channel)
             table = self._stubs[loop] = {}
         return table
 
@@ -242,23 +238,21 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if self._credentials is not None:
             self._dial(timeout)
 
-    def _dial_call(self, timeout: float | None) -> tuple[str, str, Any, float | None, bool]:
+    def _dial_call(self) -> tuple[str, str, Any]:  # called without a token: none is needed
         if self._credentials is None:
-            return "maintenance", "Status", rpc_pb2.StatusRequest(), timeout, False
+            return "maintenance", "Status", rpc_pb2.StatusRequest()
         user, password = self._credentials.user, self._credentials.password
-        request = rpc_pb2.AuthenticateRequest(name=user, password=password)
-        return "auth", "Authenticate", request, timeout, True
+        return "auth", "Authenticate", rpc_pb2.AuthenticateRequest(name=user, password=password)
 
     def _dial(self, timeout: float | None) -> str | None:
-        return self._keep(self.call(*self._dial_call(timeout)))
+        return self._keep(self.call(*self._dial_call(), timeout, True))
 
     async def _dial_async(self, timeout: float | None) -> str | None:
-        return self._keep(await self.call_async(*self._dial_call(timeout)))
+        return self._keep(await self.call_async(*self._dial_call(), timeout, True))
 
     def _keep(self, response: Any) -> str | None:
         token: str | None = getattr(response, "token", None)  # a StatusResponse has none
-        if token is not None:
-            self._token = token
+        self._token = token
         return token
 
     def invalidate_token(self, stale: str | None = None) -> None:
@@ -284,8 +278,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         if not self._auth_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise Unavailable("timed out waiting for another thread's Auth.Authenticate")
         try:
-            token = self._token
-            return self._dial(max(0.001, deadline - time.monotonic())) if token is None else token
+            return self._token or self._dial(max(0.001, deadline - time.monotonic()))
         finally:
             self._auth_lock.release()
 
@@ -349,6 +342,7 @@ class Client(contextlib.AbstractContextManager["Client"]):
         loop = asyncio.get_running_loop()
         native = loop_native()
         attempts = Attempts(self, timeout)
+        stop = asyncio.Event() if interrupt is None else interrupt  # never set without one
         turn = admission(loop).admit()
         if turn is not None:
             await turn
@@ -365,12 +359,9 @@ class Client(contextlib.AbstractContextManager["Client"]):
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)
-            if interrupt is None:
-                await asyncio.sleep(pause)
-                continue
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(interrupt.wait(), pause)
-            if interrupt.is_set():
+                await asyncio.wait_for(stop.wait(), pause)
+            if stop.is_set():
                 raise Interrupted("interrupted")
 
     async def token_async(self, timeout: float | None = None) -> str | None:
@@ -415,10 +406,6 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return () if token is None else (("token", token),)
 
 
-def _close(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
-    close_loop_channel(loop, channel) if loop else channel.close()
-
-
 def _closed_error() -> EtcdError:  # a call's or a stream's on a closed Client
     return EtcdError("client is closed", "CANCELLED")
 
@@ -449,10 +436,9 @@ def map_rpc_error(error: grpc.RpcError, endpoint: Endpoint | None = None) -> Etc
     # retryable as our timeout; gRPC's "Stream removed" (an RST_STREAM from a busy server: etcd
     # 3.4, a LeaseRevoke in a burst of auth changes) as a broken connection (every conch call
     # is safe to repeat).
+    retryable = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     timed_out = ("context deadline exceeded", "request timed out", "Stream removed")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or any(
-        words in details for words in timed_out
-    ):
+    if code in retryable or any(words in details for words in timed_out):
         return Unavailable(message, code.name)
     # Permissions changed since the token was issued (etcd's apply path's words, or 3.4's
     # gRPC error's): authenticate again.
@@ -485,15 +471,14 @@ class Backoff:
         cap: float = BACKOFF_CAP,
         rng: random.Random | None = None,
     ) -> None:
-        self._first = first
+        self._first = self._last = first
         self._cap = cap
-        self._last = first
-        # One generator for all: seeding one (os.urandom) costs tens of microseconds, and a
-        # Hold makes its Backoff on the handoff's path.
-        self._rng = rng or _JITTER
+        # Else the random module's one generator: seeding one (os.urandom) costs tens of
+        # microseconds, and a Hold makes its Backoff on the handoff's path.
+        self._uniform = (rng or random).uniform
 
     def next(self) -> float:
-        self._last = min(self._cap, self._rng.uniform(self._first, self._last * 3))
+        self._last = min(self._cap, self._uniform(self._first, self._last * 3))
         return self._last
 
     def reset(self) -> None:

@@ -206,23 +206,13 @@ def parse_endpoints(endpoints: str | Sequence[str]) -> list[Endpoint]:
 # poller thread stays in the parent; a child's calls hung past their deadlines): a child
 # forked then uses the blocking stack for its coroutines too (``loop_native``).
 loop_channels: weakref.WeakSet[Any] = weakref.WeakSet()
-_loop_native_lost_in: int | None = None
 # The child keeps those referenced for good: gRPC's destructor, run there, hung the child or
 # wrote into the connection it shares with the parent (which then lost its keepalives).
 _parents_channels: list[Any] = []
-
-
-def _after_fork_in_child() -> None:
-    global _loop_native_lost_in
-    if loop_channels:
-        _loop_native_lost_in = os.getpid()
-        _parents_channels.extend(loop_channels)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=lambda: _parents_channels.extend(loop_channels))
 
 
 def loop_native() -> bool:
     """Whether coroutines may use gRPC's asyncio stack here: not in a process forked (at any
     depth) while grpc.aio channels were open."""
-    return _loop_native_lost_in is None
+    return not _parents_channels

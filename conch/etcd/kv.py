@@ -17,13 +17,10 @@ DESCEND = rpc_pb2.RangeRequest.DESCEND
 
 def prefix_end(prefix: bytes) -> bytes:
     """The range_end that makes ``[prefix, end)`` cover exactly the keys under ``prefix``."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\0"  # every key
+    stem = prefix.rstrip(b"\xff")  # a 0xff byte cannot be raised: the one before it is
+    if not stem:
+        return b"\0"  # every key
+    return stem[:-1] + bytes([stem[-1] + 1])
 
 
 def range_(

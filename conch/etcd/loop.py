@@ -32,12 +32,10 @@ class _Admission:
         self._loop = loop
         self._started = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._next_pending = False
 
     def admit(self) -> asyncio.Future[None] | None:
         """None: start now; else a future to await, done when this call's turn comes."""
-        if not self._next_pending:
-            self._next_pending = True
+        if not (self._started or self._waiting):  # else _next_iteration is scheduled
             self._loop.call_soon(self._next_iteration)
         if self._started < STARTS_PER_ITERATION and not self._waiting:
             self._started += 1
@@ -53,18 +51,17 @@ class _Admission:
             if not turn.done():  # not cancelled meanwhile
                 turn.set_result(None)
                 self._started += 1
-        self._next_pending = bool(self._waiting or self._started)
-        if self._next_pending:
+        if self._waiting or self._started:
             self._loop.call_soon(self._next_iteration)
 
 
 admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(_Admission)
 
 
-def close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:
-    """Close a grpc.aio ``channel`` bound to ``loop``, from any thread. Its close cancels
-    its calls, which must happen on their loop: there, or (a loop that has ended) as far as
-    it can without it; gRPC destroys a channel left open when it is collected."""
+def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
+    """Close a blocking ``channel`` (``loop`` None), or a grpc.aio one bound to ``loop`` from
+    any thread: its close cancels its calls, which must happen on their loop (there, or as far
+    as it can without it once that loop has ended); gRPC destroys one left open when collected."""
 
     def close() -> None:
         loop_channels.discard(channel)
@@ -75,14 +72,15 @@ def close_loop_channel(loop: asyncio.AbstractEventLoop, channel: Any) -> None:
             return
         closing.close()
 
-    if running_loop() is loop or not loop.is_running():
+    if loop is None:
+        channel.close()
+    elif running_loop() is loop or not loop.is_running():
         close()
     else:
         call_soon(loop, close)  # a loop closed meanwhile has nothing to cancel
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
-    """The loop running in this thread, if any."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
@@ -97,8 +95,7 @@ def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], 
 
 
 def resolve(future: asyncio.Future[T], result: T) -> None:
-    """Set ``future``'s result unless it is done (cancelled meanwhile)."""
-    if not future.done():
+    if not future.done():  # cancelled meanwhile
         future.set_result(result)
 
 
@@ -108,7 +105,6 @@ async def settled(call: grpc.Future[Any]) -> Any:
     raises its grpc.RpcError; a cancel of the awaiting task cancels the call."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-
     # A loop closed meanwhile: nobody waits.
     call.add_done_callback(lambda _call: call_soon(loop, resolve, done, None))
     try:

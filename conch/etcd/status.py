@@ -5,6 +5,7 @@ crash on a read-only Txn whose deadline passes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -54,10 +55,9 @@ def server_version(client: Client, interrupt: Flag | None = None) -> str | None:
         known, version = versions.remembered(endpoint)
         if known:
             return version
-        try:
+        response = None
+        with contextlib.suppress(EtcdError):
             response = client.call("maintenance", "Status", _STATUS, interrupt=interrupt)
-        except EtcdError:
-            response = None
         return versions.learn(endpoint, response)
 
 
@@ -77,9 +77,7 @@ async def server_version_async(
         asking = loop.create_task(_ask(client, versions, endpoint))
         versions.asking[(endpoint, loop)] = asking
         asking.add_done_callback(lambda _task: versions.asking.pop((endpoint, loop), None))
-    if interrupt is None:
-        return await asyncio.shield(asking)
-    stop = loop.create_task(interrupt.wait())
+    stop = loop.create_future() if interrupt is None else loop.create_task(interrupt.wait())
     try:
         await asyncio.wait([asking, stop], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -90,8 +88,7 @@ async def server_version_async(
 
 
 async def _ask(client: Client, versions: _Versions, endpoint: Endpoint) -> str | None:
-    try:
+    response = None
+    with contextlib.suppress(EtcdError):
         response = await client.call_async("maintenance", "Status", _STATUS)
-    except EtcdError:
-        response = None
     return versions.learn(endpoint, response)

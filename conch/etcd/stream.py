@@ -51,9 +51,7 @@ class BidiStream:
         return iter(self._requests.get, None), None
 
     def _start(self, method: str) -> Any:
-        reader = threading.Thread(target=self._read, name=f"conch-{method}", daemon=True)
-        reader.start()
-        return reader
+        threading.Thread(target=self._read, name=f"conch-{method}", daemon=True).start()
 
     def send(self, request: Any) -> None:
         self._requests.put_nowait(request)
@@ -66,8 +64,6 @@ class BidiStream:
     def _read(self) -> Any:
         try:
             for response in self._call:
-                if self._closed:
-                    return
                 self._hand_over(StreamItem(self, response, None))
         except grpc.RpcError as rpc_error:
             self._ended(rpc_error)
@@ -75,6 +71,8 @@ class BidiStream:
             self._ended(None)
 
     def _hand_over(self, item: StreamItem) -> None:
+        if self._closed:  # nothing comes after close()
+            return
         try:
             self._deliver(item)
         except Exception as exc:  # a bug (or a listener's) must not stop the stream
@@ -87,8 +85,7 @@ class BidiStream:
         if isinstance(error, TokenInvalid):
             self._client.invalidate_token(self.token)
         self.error = error
-        if not self._closed:
-            self._hand_over(StreamItem(self, None, error))
+        self._hand_over(StreamItem(self, None, error))
 
 
 class LoopStream(BidiStream):
@@ -110,8 +107,6 @@ class LoopStream(BidiStream):
     async def _read(self) -> None:
         try:
             async for response in self._call:
-                if self._closed:
-                    return
                 self._hand_over(StreamItem(self, response, None))
         except asyncio.CancelledError:  # close(), or the loop's end
             return

@@ -244,7 +244,7 @@ class Driver(Generic[W]):
         self.parked: messages.ReadStanding | None = None  # behind a waiter of this process
         self.line: Line[Any] | None = None  # our process's, once we enqueue
         self.placed = 0  # our key's revision as the line has it
-        self.overdue = False  # past the deadline
+        self.overdue = False  # past the deadline: out of the line for good
 
     def steps(self) -> Steps[messages.Outcome]:
         """The machine driven to its outcome: each action's steps, and ``Next`` when there is
@@ -264,14 +264,14 @@ class Driver(Generic[W]):
 
     def _in_line(self, leave: bool = False) -> None:
         """Our process's line told where our key stands now, or (``leave``, or an outcome)
-        that we wait no more."""
+        that we wait no more: then we are out of it for good."""
         revision, line = self.machine.revision, self.line
         leave = leave or self.machine.outcome is not None
         if line is None or (not leave and revision == self.placed):
             return
         with _lines_lock:
             if leave:
-                woken = line.leave(self)
+                woken, self.line = line.leave(self), None
                 if not len(line):
                     _lines.get(self.sema.client, {}).pop(self.sema.prefix, None)
             else:
@@ -279,6 +279,17 @@ class Driver(Generic[W]):
         self.placed = revision
         for driver in woken:
             driver.box.put_nowait(driver.unparked)  # from this driver's thread or task
+
+    def _join(self) -> bool:
+        """Into our process's line as we enqueue, unless past the deadline; whether our Txn
+        reads our standing (fewer than the line's limit are in it)."""
+        if self.overdue:
+            return True
+        with _lines_lock:
+            lines = _lines.setdefault(self.sema.client, {})
+            limit = window_size(self.sema.max) - self.sema.max
+            self.line = lines.setdefault(self.sema.prefix, Line(limit))
+            return self.line.joined(self)
 
     def unparked(self) -> None:
         """On our ``box``: the parked standing read may go now."""
@@ -314,12 +325,9 @@ class Driver(Generic[W]):
     def _late(self) -> messages.DeadlineReached | None:
         if self.deadline is None or time.monotonic() < self.deadline:
             return None
-        self.deadline = None
-        with _lines_lock:
-            parked = self.line is not None and self.line.unpark(self)
-        if parked:  # the machine gives up once the read it waits for is answered
-            self.unparked()
-        self.overdue = True  # no read parks any more
+        self.deadline, self.overdue = None, True
+        self._in_line(leave=True)  # a read parked goes now: the machine gives up on its answer
+        self.unparked()
         return messages.DeadlineReached()
 
     def _wake(self) -> float | None:
@@ -349,18 +357,11 @@ class Driver(Generic[W]):
         try:
             if isinstance(action, messages.SendEnqueue):  # step 1
                 value = sema.identity.entering().to_json()
-                with _lines_lock:
-                    lines = _lines.setdefault(sema.client, {})
-                    self.line = lines.setdefault(
-                        sema.prefix, Line(window_size(sema.max) - sema.max)
-                    )
-                    alone = self.line.joined(self)
-                txn = codec.enqueue_call(action, sema.prefix, sema.max, value, read=alone)
+                txn = codec.enqueue_call(action, sema.prefix, sema.max, value, read=self._join())
                 return codec.enqueue_answer(action, (yield txn), value)
             if isinstance(action, messages.ReadStanding):
                 with _lines_lock:
-                    line = None if self.overdue else self.line
-                    parked = line is not None and line.park(self, action.revision)
+                    parked = self.line is not None and self.line.park(self, action.revision)
                 if not parked:
                     return codec.standing_answer(action, (yield from sema._standing(action)))
                 self.parked = action

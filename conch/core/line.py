@@ -15,10 +15,10 @@ M = TypeVar("M", bound=Hashable)  # a member: a face's driver
 
 
 class Line(Generic[M]):
-    """Members (a face's drivers) with their key's create_revision, 0 while unknown; the
-    first ``limit`` of them read freely. ``joined``, ``placed``, ``park``, ``unpark`` and
-    ``leave`` keep it; those that can change who may read return the parked members that
-    may read now."""
+    """Members (a face's drivers) with their key's create_revision, 0 while unknown (then
+    counted as ahead of everyone: its enqueue may land first); the first ``limit`` read
+    freely. ``joined``, ``placed``, ``park`` and ``leave`` keep it; those that can change who
+    may read return the parked members that may read now."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -48,38 +48,35 @@ class Line(Generic[M]):
         """Whether ``member``, whose key is at ``revision``, must wait to read its standing:
         ``limit`` earlier members still wait. If so it is parked until ``leave`` or
         ``placed`` say."""
-        if bisect.bisect_left(self._waiting, revision) < self.limit:
+        if self._ahead(revision) < self.limit:
             return False
         self._parked[revision] = member
         bisect.insort(self._parked_order, revision)
         return True
 
-    def unpark(self, member: M) -> bool:
-        """Whether ``member`` was parked (it reads now: its deadline came)."""
-        revision = self._members.get(member, 0)
-        if self._parked.get(revision) is not member:
-            return False
-        del self._parked[revision]
-        self._parked_order.remove(revision)
-        return True
-
     def leave(self, member: M) -> list[M]:
-        """``member`` holds a slot or has given up: it waits no more."""
+        """``member`` holds a slot or gives up (its deadline came): it waits no more."""
         self._forget(member)
         self._members.pop(member, None)
         return self._next()
 
     def _forget(self, member: M) -> None:
-        self.unpark(member)
         revision = self._members.get(member, 0)
+        if self._parked.get(revision) is member:
+            del self._parked[revision]
+            self._parked_order.remove(revision)
         if revision:
             del self._waiting[bisect.bisect_left(self._waiting, revision)]
+
+    def _ahead(self, revision: int) -> int:
+        unknown = len(self._members) - len(self._waiting)
+        return bisect.bisect_left(self._waiting, revision) + unknown
 
     def _next(self) -> list[M]:
         # The earliest parked members first: none behind one that must wait may read.
         woken = []
         while self._parked_order:
-            if bisect.bisect_left(self._waiting, self._parked_order[0]) >= self.limit:
+            if self._ahead(self._parked_order[0]) >= self.limit:
                 break
             woken.append(self._parked.pop(self._parked_order.pop(0)))
         return woken

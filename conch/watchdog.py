@@ -45,9 +45,8 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def _halted(pid: int) -> str | None:
-    """Why process ``pid`` cannot run by itself: "stopped" (state T in /proc/PID/stat: SIGSTOP),
-    "traced" (t: a debugger), "frozen" (D: a cgroup freezer, or waiting on a disk), "exited"
-    (Z, X, or no /proc/PID/stat); None if it can (R, S, ...)."""
+    """Why process ``pid`` cannot run by itself (its state in /proc/PID/stat, as _HALTED names
+    it; "exited" without one), None if it can (R, S, ...)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
@@ -126,18 +125,14 @@ class Watchdog:
         # comes, else why the watchdog is failed, decided every ANSWER_TIMEOUT meanwhile.
         sent = time.monotonic()
         while not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
-            if self.ended:  # handshake() says so
-                return "the watchdog exited"
-            error = self._silent(time.monotonic() - sent)
+            error = "the watchdog exited" if self.ended else self._silent(time.monotonic() - sent)
             if error is not None:
                 return error
         return None
 
     def _silent(self, waited: float) -> str | None:
-        """Why a probe unanswered for ``waited`` seconds fails the watchdog, None if it does
-        not yet: at once if the watchdog cannot run (``_halted``: nothing would keep the
-        deadline should conch freeze next); at SLOW_ANSWER_TIMEOUT if it can (runnable or
-        asleep, only starved of CPU: its own timers still fire)."""
+        """Why a probe unanswered for ``waited`` seconds fails the watchdog (past ANSWER_TIMEOUT
+        if ``_halted``, SLOW_ANSWER_TIMEOUT if not), None if it does not yet."""
         halted = _halted(self.pid)
         if halted is None and waited < SLOW_ANSWER_TIMEOUT:
             return None

@@ -48,9 +48,8 @@ def connect(
     cancel ends it at once."""
 
     async def dial() -> Client:
-        parsed = etcd_client.parse_endpoints(endpoints)
         sync = await etcd_client.Client.connect_async(
-            parsed, dial_timeout, request_timeout, tls, credentials
+            etcd_client.parse_endpoints(endpoints), dial_timeout, request_timeout, tls, credentials
         )
         return Client(sync)
 

@@ -374,7 +374,11 @@ def run() -> NoReturn:
     """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
     teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
     stream thread is frozen mid-shutdown; everything conch owns is released by then."""
-    procs.prepare_command_process()
+    # Its own process set up before anything else (never the library's), SIGCHLD at its
+    # default: inherited ignored, the kernel would reap the child, its status lost.
+    procs.reopen_closed_std_fds()
+    procs.undo_locale_coercion()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # gRPC's stream iterators wake every 0.1 s, in conch's threads for nothing (docs/design.md).
     import grpc._common
 

@@ -248,8 +248,7 @@ class _Job:
         self._sent: int | None = None
 
     def alive(self) -> bool:  # a member of the group or an escaped process is left
-        escaped = bool(self._escaped())
-        return self.group_alive() or escaped
+        return bool(self._escaped()) or self.group_alive()
 
     def group_alive(self) -> bool:
         try:
@@ -326,15 +325,6 @@ class _Job:
             if hurry is not None and hurry(item):
                 return None, time.monotonic()
         return code, deadline
-
-
-def prepare_command_process() -> None:
-    """What the ``conch`` command (never the library) sets up in its own process before
-    anything else: ``reopen_closed_std_fds()``, ``undo_locale_coercion()``, and SIGCHLD at its
-    default (inherited ignored, the kernel would reap the child, its status lost)."""
-    reopen_closed_std_fds()
-    undo_locale_coercion()
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 _COERCED_LC_CTYPE = ("C.UTF-8", "C.utf8", "UTF-8")  # what PEP 538 sets LC_CTYPE to

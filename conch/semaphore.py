@@ -292,10 +292,9 @@ class Driver(Generic[W]):
             return self.line.joined(self)
 
     def unparked(self) -> None:
-        """On our ``box``: the parked standing read may go now."""
-        if self.parked is not None:
-            self.todo.append(self.parked)
-            self.parked = None
+        """On our ``box``: the parked standing read, if one still is, may go now."""
+        self.todo.extend([self.parked] if self.parked is not None else [])
+        self.parked = None
 
     def arrived(self) -> messages.Input | None:
         while not self.box.empty():

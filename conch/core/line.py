@@ -31,8 +31,7 @@ class Line(Generic[M]):
         return len(self._members)
 
     def joined(self, member: M) -> bool:
-        """``member`` is enqueueing; whether fewer than ``limit`` others are in line (its
-        Txn may read)."""
+        """``member`` enqueues: whether fewer than ``limit`` others are in line (its Txn reads)."""
         self._members.setdefault(member, 0)
         return len(self._members) <= self.limit
 
@@ -57,11 +56,10 @@ class Line(Generic[M]):
     def leave(self, member: M) -> list[M]:
         """``member`` holds a slot or gives up (its deadline came): it waits no more."""
         self._forget(member)
-        self._members.pop(member, None)
         return self._next()
 
     def _forget(self, member: M) -> None:
-        revision = self._members.get(member, 0)
+        revision = self._members.pop(member, 0)
         if self._parked.get(revision) is member:
             del self._parked[revision]
             self._parked_order.remove(revision)

@@ -108,10 +108,15 @@ def one_run(base: Path, args: argparse.Namespace, run: int) -> dict[str, object]
         left = killed + args.ttl + 2 - time.monotonic()
         if left > 0:
             time.sleep(left)  # past every expiry from before the kill
-        requeued = sum(
-            "event=requeue" in (base / f"waiter-{run}-{w}.log").read_text(errors="replace")
+        logs = [
+            (base / f"waiter-{run}-{w}.log").read_text(errors="replace")
             for w in range(args.waiters)
-        )
+        ]
+        requeued = sum("event=requeue" in text for text in logs)
+        for line in (
+            line for text in logs for line in text.splitlines() if "event=requeue" in line
+        ):
+            print(f"  {line}", flush=True)  # why: the lease gone, or the hold not confirmed
         holders = []
         for h in range(args.max):
             text = (base / f"holder-{run}-{h}.log").read_text(errors="replace")

@@ -186,6 +186,7 @@ def run_child(
             return _report(Outcome.WATCHDOG_FAILED, error=error)
         # After the watchdog's start (seconds, under load): the hold must be ours with time to
         # spare (not a process stalled since its last keepalive, nor a keepalive overdue).
+        run.confirm_lease()
         if stop.is_set():
             raise Interrupted(stop.reason)
         if hold.lost.is_set() or time.monotonic() >= run.term_at():
@@ -241,6 +242,27 @@ class _Run:
         self.kill_after = min(kill_after, max_kill_after(ttl))
         self.box: Mailbox = queue.SimpleQueue()
         self._undo: list[Callable[[], None]] = []
+
+    def confirm_lease(self) -> None:
+        """Past the deadline before the child starts (an outage outlived E while we waited):
+        wait up to the request timeout for the next confirmed keepalive, so that a lease etcd
+        kept through the outage keeps its slot. A lease etcd no longer has sets ``hold.lost``."""
+        hold, box = self.hold, queue.SimpleQueue[object]()
+        give_up = time.monotonic() + hold.session.client.request_timeout
+        undo = [hold.session.on_keepalive(lambda: box.put(None))]
+        for flag in (hold.lost, self.stop):
+            flag.subscribe(box)
+            undo.append(partial(flag.unsubscribe, box))
+        try:
+            while not (hold.lost.is_set() or self.stop.is_set()):
+                now = time.monotonic()
+                if now < self.term_at() or now >= give_up:
+                    return
+                with contextlib.suppress(queue.Empty):
+                    box.get(timeout=give_up - now)
+        finally:
+            for forget in undo:
+                forget()
 
     def expiry(self) -> float:  # the lease's earliest expiry on the server
         return self.hold.session.alive_until

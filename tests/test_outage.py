@@ -17,6 +17,7 @@ import asyncio
 import functools
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,13 @@ import pytest
 
 from conch.core.loss import Loss, LossReason
 from conch.etcd import Client, kv
+from conch.etcd.endpoints import Endpoint
 from conch.etcd.status import server_version
+from conch.flag import Flag
+from conch.semaphore import Semaphore
+from conch.supervisor import supervise
 from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
+from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
 from tests.test_parity import Asyncio, Face, Threaded, _poll
 
@@ -210,3 +216,45 @@ def test_the_library_s_waiters_keep_their_places_and_the_hold_lasts_to_e(
     events = [r.getMessage() for r in caplog.records if r.name == "conch"]
     assert not [e for e in events if "event=requeue" in e], events
     assert len([e for e in events if "event=lost" in e]) <= 1, events
+
+
+def test_a_slot_won_after_the_waiter_s_expiry_waits_for_a_keepalive_not_the_back_of_the_line(
+    etcd: EtcdCluster, client: Client, name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A waiter's keepalive answers held back past its TTL (etcd got every keepalive and kept
+    the lease; the waiter could not know it), then its slot comes free: the slot is won with
+    E passed. It ran its child on that key once the next keepalive was confirmed; it used to
+    give the slot back and queue again at the back ("hold lost before the child started:
+    lease not confirmed alive"), though etcd never lost its lease."""
+    caplog.set_level(logging.INFO, logger="conch")
+    proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay=0.0)
+    marker = tmp_path / "ran"
+    argv = ["sh", "-c", f'echo "$CONCH_LEASE $CONCH_REV" > {marker}']
+    blocker = Semaphore(client, name, max=1, ttl=10).acquire(timeout=DEADLINE)
+    result: list[int | BaseException] = []
+    with Client.connect([Endpoint.parse(f"127.0.0.1:{proxy.port}")]) as through_proxy:
+        sema = Semaphore(through_proxy, name, max=1, ttl=3)
+
+        def wait_and_run() -> None:
+            try:
+                result.append(supervise(sema, argv, DEADLINE, 0.5, Flag("stop")))
+            except BaseException as exc:
+                result.append(exc)
+
+        waiter = threading.Thread(target=wait_and_run)
+        waiter.start()
+        try:
+            queued_key = poll(lambda: sema_keys(client, name)[1:], what="the waiter queued")[0]
+            # Answers held back longer than a keepalive's deadline (TTL/3 + 0.5 s), shorter than
+            # gRPC's ping timeout (5 s): no keepalive is confirmed, and the link stays up.
+            proxy.delay = 4.0
+            time.sleep(3.2)  # the fault's length: past the TTL from the last confirmed keepalive
+            blocker.release()  # its deletion reaches the waiter 4 s later, before any answer
+            proxy.delay = 0.0  # to keepalives sent from now on, once what is held is out
+            waiter.join(DEADLINE)
+        finally:
+            proxy.close()
+    assert result == [0], result
+    assert "event=requeue" not in caplog.text, caplog.text
+    assert marker.read_text().split() == [f"{queued_key.lease:x}", str(queued_key.create_revision)]
+    assert sema_keys(client, name) == []

@@ -13,13 +13,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.core import codec
 from conch.core import messages as m
-from conch.etcd import Client, Endpoint, kv
+from conch.errors import EtcdError
+from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
@@ -37,6 +39,8 @@ from tests.conftest import (
     who_json,
 )
 from tests.etcd_server import EtcdCluster, etcdctl_binary
+
+T = TypeVar("T")
 
 
 def wait_gone(pid: int, timeout: float) -> None:
@@ -256,19 +260,24 @@ def test_orphans_that_die_while_the_child_runs_are_reaped_at_once(
     assert proc.wait() == 0
 
 
-# A child that leaves a member of its group whose parent is outside the group and exits a
-# second later without reaping it: that member reaches conch late, already a zombie.
+# A child that leaves a member of its group whose parent is outside the group (and deaf to
+# SIGTERM) and exits once that parent is out of the group; the parent exits a while after
+# conch's SIGTERM killed the member, without reaping it: it reaches conch late, a zombie.
 LATE_ORPHAN = """
-import os, signal, sys, time
+import os, signal, time
+ready_r, ready_w = os.pipe()
 if os.fork() == 0:
-    if os.fork() == 0:
-        time.sleep(600)
+    member = os.fork()
+    if member == 0:
+        signal.pause()  # until conch's SIGTERM to the child's group
         os._exit(0)
     os.setpgid(0, 0)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(1.0)
+    os.write(ready_w, b"x")
+    os.waitid(os.P_PID, member, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
+    time.sleep(0.3)  # the scenario: the zombie reaches conch this much later
     os._exit(0)
-time.sleep(0.2)
+os.read(ready_r, 1)  # the member's parent is out of the group and deaf to SIGTERM
 """
 
 
@@ -443,6 +452,22 @@ def cluster_runner(cluster: EtcdCluster, tmp_path: Path) -> Runner:
     return Runner(cluster, tmp_path)
 
 
+def answered(call: Callable[..., T], *args: object) -> T | None:
+    """``call(*args)``, or None while etcd cannot answer (no leader yet)."""
+    with contextlib.suppress(EtcdError):
+        return call(*args)
+    return None
+
+
+def expiry_floor(client: Client, lease_id: int) -> float:
+    """A lower bound of the lease's expiry on the server (monotonic; etcd answers whole
+    seconds left, rounded down, so the expiry is under this + 1): a bound that rose by more
+    than 1 means a keepalive moved the expiry on. Fails once the lease is gone."""
+    left = poll(lambda: answered(lease.time_to_live, client, lease_id), what="the lease's TTL")
+    assert left is not None and left > 0, f"lease {lease_id:x} expired"
+    return time.monotonic() + left
+
+
 def test_holder_and_waiter_survive_the_loss_of_their_member(
     cluster: EtcdCluster, tmp_path: Path, gate: Gate, name: str
 ) -> None:
@@ -454,9 +479,16 @@ def test_holder_and_waiter_survive_the_loss_of_their_member(
         with cluster.client() as client:
             poll(lambda: len(sema_keys(client, name)) == 2, what="waiter queued")
         cluster.members[0].stop()  # everyone talks to the first endpoint
-        # Three TTLs later the hold must still be there: keepalives moved to another member.
+        # Both leases are kept alive through another member: each one's expiry moves on.
         with Client.connect([e for e in cluster.client().endpoints[1:]], dial_timeout=5) as client:
-            time.sleep(9)  # observation window of three lease TTLs
+            held = poll(lambda: answered(sema_keys, client, name), what="keys read")
+            leases = [k.lease for k in held or []]
+            # After any election: a new leader gives every lease a fresh TTL once, itself.
+            floors = {lease_id: expiry_floor(client, lease_id) for lease_id in leases}
+            poll(
+                lambda: all(expiry_floor(client, i) > floors[i] + 1 for i in leases),
+                what="keepalives of the holder and the waiter through another member",
+            )
             assert gate.now_running() == {"h"}
             assert len(sema_keys(client, name)) == 2
             gate.release("h")
@@ -535,8 +567,10 @@ def test_quorum_loss_kills_holders_and_waiters_get_slots_when_it_returns(
         assert detected < 10, detected
         with capsys.disabled():
             print(f"\n[measure] quorum loss -> child SIGTERMed: {detected:.2f}s (TTL 3s)")
-        time.sleep(2)  # observation window: nothing runs without quorum
+        # Observation window of one keepalive interval (TTL/3): nothing runs without quorum.
+        time.sleep(1)
         assert gate.now_running() == set()
+        assert "event=acquired" not in waiter.log()
         for member in cluster.members[1:]:
             member.start(cluster.initial_cluster)
         poll(lambda: gate.now_running() == {"w"}, timeout=60, what="waiter promoted")
@@ -608,12 +642,12 @@ def test_whole_etcd_outage_fails_closed_within_the_ttl(
 
 
 def _sigterm_to_a_waiter_of_a_dead_etcd(
-    tmp_path: Path, name: str, ttl: str, broken: Callable[[str], bool], settle: float
+    tmp_path: Path, name: str, ttl: str, broken: Callable[[str], bool], past: float
 ) -> float:
     """Queue a waiter (lease TTL ``ttl``) behind a holder, stop etcd (refused connections:
-    each attempt of a retrying call fails at once), wait until ``broken(waiter's log)``,
-    then ``settle`` seconds, then SIGTERM it: it must exit 128 + 15. Returns how long it
-    took to, in seconds."""
+    each attempt of a retrying call fails at once), wait until ``broken(waiter's log)``
+    and until ``past`` seconds after the stop, then SIGTERM it: it must exit 128 + 15.
+    Returns how long it took to, in seconds."""
     solo = EtcdCluster(tmp_path / "solo", size=1)
     solo.start()
     runner = Runner(solo, tmp_path)
@@ -624,8 +658,10 @@ def _sigterm_to_a_waiter_of_a_dead_etcd(
         waiter = runner.start("sema", name, "--max", "1", "--ttl", ttl, "--", "true")
         poll(lambda: "event=queued" in waiter.log(), what="waiter queued")
         solo.members[0].stop()
+        stopped = time.monotonic()
         poll(lambda: broken(waiter.log()), timeout=30, what="the waiter retrying")
-        time.sleep(settle)  # a moment inside the retries, not a wait for an event
+        # Observation window: the waiter retries on, this long after the stop.
+        time.sleep(max(0.0, stopped + past - time.monotonic()))
         sent = time.monotonic()
         waiter.signal(signal.SIGTERM)
         assert waiter.wait() == 128 + signal.SIGTERM, waiter.log()
@@ -644,8 +680,8 @@ def test_a_waiter_of_a_dead_etcd_past_its_ttl_keeps_its_place_and_stops_at_once_
     still does not re-enter (only etcd saying the lease is gone would make it), so no
     LeaseGrant is tried against a dead etcd; SIGTERM in the middle of those retries ends it
     at once (it used to wait them out)."""
-    took = _sigterm_to_a_waiter_of_a_dead_etcd(
-        tmp_path, name, "3s", lambda log: "event=etcd-away" in log, 3.5
+    took = _sigterm_to_a_waiter_of_a_dead_etcd(  # past every expiry its lease had: 3 s
+        tmp_path, name, "3s", lambda log: "event=etcd-away" in log, 3.2
     )
     assert took < 2.0
 
@@ -666,8 +702,6 @@ def test_a_waiter_rereading_the_queue_against_a_dead_etcd_stops_at_once_on_sigte
 def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: Path) -> None:
     """gRPC's reconnect backoff would have grown to ~10 s over a 20 s outage (the client came
     back 4-7 s after etcd did; 10-15 s after a 30 s outage)."""
-    from conch.errors import EtcdError
-
     solo = EtcdCluster(tmp_path / "solo", size=1)
     solo.start()
     member = solo.members[0]
@@ -679,7 +713,7 @@ def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: P
             while time.monotonic() < outage_ends:  # a client in use keeps reconnecting
                 with contextlib.suppress(EtcdError):
                     kv.get(client, b"/outage", timeout=0.5)
-                time.sleep(0.5)
+                time.sleep(0.5)  # the pace of the client's use, part of the scenario
             member.start(solo.initial_cluster, "existing")
             # etcd's own client says when it is back (ours share gRPC's subchannels, and so
             # their backoff, whatever their channel).

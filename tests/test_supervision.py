@@ -264,10 +264,10 @@ def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
     sleep is re-parented to conch while the child still runs. When the child exits, the
     sleep is terminated and the slot released only after it is gone."""
     pidfile = tmp_path / "escaped"
-    script = f"(setsid sh -c '{write_pid(pidfile)}; exec sleep 600' &); sleep 0.3; exit 5"
     proc = conch.start(
-        "sema", name, "--max", "1", "--ttl", "20s", "--kill-after", "10s", "--", "sh", "-c", script
-    )
+        "sema", name, "--max", "1", "--ttl", "20s", "--kill-after", "10s",
+        "--", "sh", "-c", double_fork(pidfile),
+    )  # fmt: skip
     with reaped_at_the_end(pidfile):
         escaped = read_pid(pidfile)
         poll(lambda: not sema_keys(client, name), what="the slot released")
@@ -275,42 +275,55 @@ def test_a_double_forked_process_keeps_the_slot_until_it_is_terminated(
         assert proc.wait() == 5, proc.log()
         events = proc.events()
         assert events.index("escaped") < events.index("term-sent") < events.index("released")
+        assert escaped_line(proc.log(), escaped), proc.log()
 
 
-# A process that becomes a subreaper, gets an orphan (a double fork into a session of its
-# own) and a child of its own, and prints what each way of listing its children finds.
-LIST_CHILDREN = """
-import os, signal, subprocess, time
-from conch import procs as supervisor
-assert supervisor.adopt_orphans()
-subprocess.Popen(["sleep", "30"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-os.system("(setsid sleep 30 >/dev/null 2>&1 &)")
-deadline = time.monotonic() + 20
-def settled(children):  # both there, the orphan past its setsid()
-    return len(children) == 2 and any(pid == s.pgid for pid, s in children.items())
-while time.monotonic() < deadline and not settled(supervisor._children()):
-    time.sleep(0.02)
-ways = {}
-with supervisor._reap_lock:  # nothing reaped in between
-    for files in (True, False):
-        supervisor._children_files = files
-        ways[files] = supervisor._children()
-print(sorted(ways[True].items()) == sorted(ways[False].items()), len(ways[False]), flush=True)
-for pid in ways[False]:
-    os.kill(pid, signal.SIGKILL)
-"""
+def double_fork(pidfile: Path) -> str:
+    """A child whose subshell starts ``setsid sleep`` and exits at once; the child exits 5
+    once the sleep has been re-parented to conch (the child's parent)."""
+    parent_of_escaped = f"$(cut -d' ' -f4 /proc/$(cat {pidfile})/stat)"
+    return (
+        f"(setsid sh -c '{write_pid(pidfile)}; exec sleep 600' &); "
+        f'while [ ! -s {pidfile} ] || [ "{parent_of_escaped}" != "$PPID" ]; do sleep 0.01; done; '
+        "exit 5"
+    )
 
 
-def test_both_ways_of_listing_our_children_agree() -> None:
-    """The children files of our threads (where the kernel has them) and a scan of every
-    /proc/PID/stat (where it does not) find the same children: the one we started and the
-    orphan re-parented to us."""
+# Runs conch (its command line as the arguments) in a mount namespace of its own where its
+# /proc/PID/task is an empty tmpfs: the children files of its threads are not there, as on
+# a kernel without CONFIG_PROC_CHILDREN, so it lists its children by a scan of /proc.
+WITHOUT_CHILDREN_FILES = (
+    "unshare", "-m", "sh", "-c", 'mount -t tmpfs none "/proc/$$/task" && exec "$@"', "sh",
+)  # fmt: skip
+
+
+def test_both_ways_of_listing_our_children_find_the_double_forked_process(
+    conch: Runner, client: Client, name: str, tmp_path: Path
+) -> None:
+    """The children files of conch's threads (where the kernel has them) and a scan of every
+    /proc/PID/stat (where it does not) both find the orphan of a double fork re-parented to
+    conch: it is named in an ``escaped`` warning, terminated, and the slot is released only
+    after it is gone."""
     if not Path(f"/proc/self/task/{os.getpid()}/children").exists():
         pytest.skip("no /proc/PID/task/TID/children here (CONFIG_PROC_CHILDREN)")
-    out = subprocess.run(
-        [sys.executable, "-c", LIST_CHILDREN], capture_output=True, text=True, timeout=DEADLINE
-    )
-    assert out.stdout.split() == ["True", "2"], out.stderr
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("hiding the children files takes a mount namespace (root, unshare)")
+    for way, launcher in (("children files", ()), ("/proc scan", WITHOUT_CHILDREN_FILES)):
+        pidfile = tmp_path / f"escaped-{len(launcher)}"
+        proc = conch.start(
+            "sema", name, "--max", "1", "--ttl", "20s", "--kill-after", "10s",
+            "--", "sh", "-c", double_fork(pidfile), launcher=launcher,
+        )  # fmt: skip
+        with reaped_at_the_end(pidfile):
+            escaped = read_pid(pidfile)
+            hidden = Path(f"/proc/{proc.pid}/mountinfo").read_text()
+            assert (f"/proc/{proc.pid}/task " in hidden) == bool(launcher), way
+            poll(lambda: not sema_keys(client, name), what=f"the slot released ({way})")
+            assert not alive(escaped), (
+                f"the slot was released while the escaped process ran ({way})"
+            )
+            assert proc.wait() == 5, proc.log()
+            assert escaped_line(proc.log(), escaped), (way, proc.log())
 
 
 # A subreaper whose reaper has found no child yet starts one that exits at once, and prints
@@ -355,18 +368,19 @@ REAPER_SURVIVES = """
 import os, sys, threading
 from conch import procs as supervisor
 assert supervisor.adopt_orphans()
-done = threading.Event()
+raised, done = threading.Event(), threading.Event()
 
 def raising(status):
+    raised.set()
     raise RuntimeError("an exit callback's bug")
 
 for callback in (raising, lambda status: done.set()):
     with supervisor._reap_lock:
         pid = supervisor.spawn(["true"], dict(os.environ))
         supervisor._on_exit(pid, callback)
-    if callback is raising:
-        while pid in supervisor._claimed:  # reaped, its callback run (and raised)
-            threading.Event().wait(0.01)
+    if callback is raising and not raised.wait(20):  # reaped, its callback run (and raising)
+        print("the first child was never reaped", flush=True)
+        sys.exit(1)
 print("reaped" if done.wait(20) else "the reaper died", flush=True)
 """
 
@@ -381,20 +395,26 @@ def test_the_reaper_survives_an_exit_callback_that_raises() -> None:
     assert "event=callback-failed" in result.stderr
 
 
-# Runs conch with one of its internals replaced by one that raises: a fault of conch's own,
-# where a test cannot reach into the process otherwise. Used as Runner.start's launcher, it
-# gets the command line that would run conch ("python -m conch ARGS") as its arguments.
+# Runs conch with a fault of its own right after the child's start, where a test cannot
+# reach into the process otherwise: through conch's public log function (conch.log.info),
+# which raises at the "child-start" event once the child has said it runs. Used as
+# Runner.start's launcher, it gets the command line that would run conch ("python -m conch
+# ARGS") as its arguments.
 FAULTY = """
 import os, sys, time
-from conch import cli, supervisor
+from conch import cli, log
 
-def injected(self):
-    deadline = time.monotonic() + 30  # once the child has said it runs
+said = log.info
+
+def injected(event, **fields):
+    if event != "child-start":
+        return said(event, **fields)
+    deadline = time.monotonic() + 30  # once the child has said it runs (a poll)
     while not os.path.exists(os.environ["FAULT_AFTER"]) and time.monotonic() < deadline:
         time.sleep(0.01)
     raise RuntimeError("injected fault")
 
-supervisor._Run._first_notice = injected  # right after the child's start
+log.info = injected
 sys.argv = ["conch", *sys.argv[4:]]
 cli.run()
 """

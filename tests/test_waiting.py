@@ -182,7 +182,9 @@ def test_a_holder_promoted_by_a_read_at_max_2_touches_before_its_guard_starts(
             ],
             what="C's touch, its guard not started",
         )
-        assert touched and not hold._guard.started
+        # guard=False: nothing starts C's guard but hold.start_guard(), called only now.
+        assert touched
+        hold.start_guard()
     finally:
         hold.release()
         b.release()

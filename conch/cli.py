@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import re
 import signal
@@ -403,7 +404,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
         if args.command != "sema":
             raise UsageError(f"missing command: try '{_RUN}'")
         log.set_quiet(args.quiet)
-        log.set_debug(args.debug)
+        log.LOGGER.setLevel(logging.DEBUG if args.debug else logging.INFO)  # --debug
         max_holders = None if args.max is None else _parse_max(args.max)
         check_name(args.name)
         settings = _run_settings(args, os.environ)

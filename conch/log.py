@@ -27,11 +27,6 @@ def set_quiet(quiet: bool) -> None:
     _quiet = quiet
 
 
-def set_debug(debug: bool) -> None:
-    """The command's ``--debug``: logger ``conch`` at DEBUG (else INFO)."""
-    LOGGER.setLevel(logging.DEBUG if debug else logging.INFO)
-
-
 class _Stderr(logging.Handler):
     """Each line to whatever ``sys.stderr`` is at the time, flushed; errors swallowed."""
 

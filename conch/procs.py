@@ -97,14 +97,6 @@ def spawn(argv: Sequence[str], env: dict[str, str]) -> int:
     raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), name)
 
 
-def beside_jobs(pid: int) -> None:
-    """Our child ``pid`` (a watchdog), just started with ``_reap_lock`` held, is no part of
-    any job: the adopting reaper reaps it without taking it for a process that escaped one."""
-    if _adopting and (stat := _stat(pid)) is not None:
-        _beside_jobs[pid] = stat.started
-    _spawned.set()
-
-
 def adopt_orphans() -> bool:
     """Make this process a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``) and start one
     thread that reaps every child it has: what a supervised child leaves behind is re-parented

@@ -27,7 +27,7 @@ from conch.flag import Flag, Mailbox, remaining
 from conch.hold import Hold
 from conch.procs import ChildExit, _Job, _on_exit, adopt_orphans, spawn
 from conch.semaphore import REENTRY_BACKOFF_CAP, Semaphore
-from conch.watchdog import Watchdog, failure, without_credentials
+from conch.watchdog import Watchdog, WatchdogNotice, without_credentials
 
 __all__ = ["adopt_orphans", "run_child", "spawn", "stop_on_signals", "supervise"]
 
@@ -151,7 +151,9 @@ def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) 
     reaper as no part of any job (its process is our child too)."""
     with procs._reap_lock:  # not reaped before it is known: its pid may come back as a job's
         watchdog = Watchdog(kill_after, environ)
-        procs.beside_jobs(watchdog.pid)
+        if procs._adopting and (stat := procs._stat(watchdog.pid)) is not None:
+            procs._beside_jobs[watchdog.pid] = stat.started  # no job's: reaped, not "escaped"
+        procs._spawned.set()  # the idle reaper looks again at once
     return watchdog
 
 
@@ -313,7 +315,7 @@ class _Run:
             log.info("signal", signum=self.stop.reason, pid=pid)
             returncode = self.terminate(job, child_running=True, kill_at=self.grace_until())
             return exit_code(Outcome.SIGNAL, _log_child_exit(pid, returncode, started))
-        error = failure(notice)
+        error = notice.error if isinstance(notice, WatchdogNotice) else None  # gone or silent
         if error is not None and not watchdog.fired:
             # No grace: with the watchdog gone or silent nothing else holds the deadline
             # should conch freeze during a grace (docs/design.md). SIGKILL at once.
@@ -369,7 +371,7 @@ class _Run:
     def _hurry(self, notice: object) -> bool:
         # SIGKILL now, without (or cutting short) a grace: the watchdog gone or silent, or our
         # key gone in etcd (the loss seen there: key deleted, lease unknown, by its kind).
-        error = failure(notice)
+        error = notice.error if isinstance(notice, WatchdogNotice) else None  # gone or silent
         if error is not None and not self.watchdog.fired:
             log.error(Outcome.WATCHDOG_FAILED.value, error=error)
             self.watchdog.kill()

@@ -63,11 +63,6 @@ class WatchdogNotice(NamedTuple):
     error: str | None
 
 
-def failure(notice: object) -> str | None:
-    """What ``notice`` says if the watchdog died or stopped answering its probes, else None."""
-    return notice.error if isinstance(notice, WatchdogNotice) else None
-
-
 class Watchdog:
     """A watchdog process, started at once and idle until ``expect()`` says a child is about
     to start, ``arm()`` names its process group; ``heartbeat()`` after each confirmed
@@ -107,9 +102,12 @@ class Watchdog:
         see its pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
         ready = self._read_for(READY, time.monotonic() + timeout, stop) and not self.ended
         silent = None
-        if ready:
-            self._send(PROBE)
-            silent = self._unanswered()
+        if ready:  # its answer to a probe (no reader thread yet), else why it is failed,
+            self._send(PROBE)  # decided every ANSWER_TIMEOUT meanwhile
+            sent = time.monotonic()
+            while silent is None and not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
+                waited = time.monotonic() - sent
+                silent = "the watchdog exited" if self.ended else self._silent(waited)
             if silent is None:
                 return None
         ended = self.ended  # killed while conch queued, or could not start
@@ -119,16 +117,6 @@ class Watchdog:
         if ended:
             return "the watchdog exited before the child"
         return silent if ready else f"not running after {timeout:g}s"
-
-    def _unanswered(self) -> str | None:
-        # Wait for the answer to the probe just sent (no reader thread yet): None once it
-        # comes, else why the watchdog is failed, decided every ANSWER_TIMEOUT meanwhile.
-        sent = time.monotonic()
-        while not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
-            error = "the watchdog exited" if self.ended else self._silent(time.monotonic() - sent)
-            if error is not None:
-                return error
-        return None
 
     def _silent(self, waited: float) -> str | None:
         """Why a probe unanswered for ``waited`` seconds fails the watchdog (past ANSWER_TIMEOUT

@@ -170,7 +170,6 @@ class GuardedHold(Generic[SessionT]):
         return None
 
     def _releasing(self) -> float | None:
-        # The release begins: the guard stops, the finalizer goes; WITHDRAW_TIMEOUT after a loss.
         self._guard.release()
         self._finalizer.detach()
         return WITHDRAW_TIMEOUT if self._guard.lost is not None else None

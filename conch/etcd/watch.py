@@ -128,11 +128,10 @@ class _Hub:
         self._heard = time.monotonic()  # when the current stream last answered
         self._failures = 0
         self._backoff = Backoff()
-        self._resuming = False
         self._left: Endpoint | None = None  # the endpoint of the stream that broke
         self._probing = False
         self._idle_check = False
-        self._opening = False  # a thread is opening the stream, outside the lock
+        self._opening = False  # a stream on its way: opened outside the lock, or a resume due
         client.on_failover(self._endpoint_failed)
 
     def add(self, watch: Watch) -> None:
@@ -144,7 +143,7 @@ class _Hub:
                 self._send_create(self._stream, watch)
                 self._schedule_probe()
                 return
-            if self._resuming or self._opening:
+            if self._opening:
                 return  # created when that stream is up
             self._opening = True
         self._connect(watch)
@@ -194,8 +193,7 @@ class _Hub:
                     self._failed(exc, None)
             raise
         with self._lock:
-            self._opening = False
-            self._detach()
+            self._opening = False  # no stream was in place: none is while one is on its way
             self._stream = stream
             self._heard = time.monotonic()
             if stream.error is not None:
@@ -284,12 +282,11 @@ class _Hub:
         self._failures += 1
         if isinstance(error, (Unavailable, TokenInvalid)) and self._failures <= Watch.MAX_RESUMES:
             self._left = left
-            self._resuming = True
+            self._opening = True
             self._timer.call_later(self._backoff.next(), self._resume)
             return
-        notices: list[WatchNotice] = []
-        for watch in list(self._watches):
-            self._end(watch, error, notices)
+        notices = [WatchNotice(watch, (), 0, error) for watch in self._watches]
+        self._watches.clear()
         self._failures = 0
         self._backoff.reset()
         # Not under the lock, nor from inside a caller that holds it.
@@ -300,10 +297,9 @@ class _Hub:
         if client is not None and left is not None:
             client.failover(left)  # not under our lock: it calls failover listeners
         with self._lock:
-            self._resuming = False
-            if self._stream is not None or self._opening or not self._watches:
+            if self._stream is not None or not self._watches:
+                self._opening = False
                 return
-            self._opening = True
         with contextlib.suppress(EtcdError):  # retried, or every watch ended
             self._connect(None)
 

@@ -42,7 +42,8 @@ its /metrics between the delete and the last release.
 **S semaphores held through one session** (conch.aio, one process, one ``conch.aio.Session``):
 S different semaphores acquired at once on it, held over the window, released at once: the
 time to acquire and to release all S, the leases, requests and bytes per hold and per
-release, idle CPU and PSS per hold, etcd's CPU and RSS per 1,000 holds. The peers have no
+release (the session's close, its revoke, counted with the releases), idle CPU and PSS per
+hold, etcd's CPU and RSS per 1,000 holds. The peers have no
 session to share between locks; they are not run here.
 
 Every run checks that no key and no lease is left in etcd. Tables are printed (markdown)

@@ -162,7 +162,7 @@ class FaultProxy:
         self.endpoint = f"127.0.0.1:{self.port}"
         self.seen: list[Seen] = []
         self._hooks: dict[tuple[str, str], list[list[Any]]] = {}  # (when, method): [hook, left]
-        self._streams: dict[Any, bool] = {}  # upstream call: broken by us
+        self._streams: dict[Any, tuple[str, bool]] = {}  # upstream call: method, broken by us
         self._lock = threading.Lock()
         self._server.start()
 
@@ -205,11 +205,16 @@ class FaultProxy:
             s.message for s in self.seen[since:] if s.sent and (not methods or s.method in methods)
         ]
 
+    def streams(self, method: str) -> int:
+        """How many ``method`` streams (``Watch``, ``LeaseKeepAlive``) are open through it now."""
+        with self._lock:
+            return sum(m == method for m, _ in self._streams.values())
+
     def break_streams(self) -> None:
         with self._lock:
             calls = list(self._streams)
             for call in calls:
-                self._streams[call] = True
+                self._streams[call] = (self._streams[call][0], True)
         for call in calls:
             call.cancel()
 
@@ -258,7 +263,7 @@ class FaultProxy:
             upward(), metadata=_forwarded(context)
         )
         with self._lock:
-            self._streams[call] = False
+            self._streams[call] = (method, False)
         context.add_callback(call.cancel)
         try:
             for response in call:
@@ -266,7 +271,7 @@ class FaultProxy:
                 yield response
         except grpc.RpcError as exc:
             with self._lock:
-                broken = self._streams.get(call, False)
+                broken = self._streams.get(call, (method, False))[1]
             if refused:
                 context.abort(refused[0].code, refused[0].details)
             if broken:

@@ -30,7 +30,15 @@ from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from tests.conftest import DEADLINE, alive, etcd_watchers, other_keys, poll, sema_keys
+from tests.conftest import (
+    DEADLINE,
+    alive,
+    etcd_watchers,
+    other_keys,
+    poll,
+    sema_keys,
+    stat_fields,
+)
 from tests.delayproxy import FaultProxy, Seen, deletes, watch_created
 from tests.etcd_server import EtcdCluster
 
@@ -888,12 +896,16 @@ def test_no_reaping_thread_for_the_child_kills_it_before_the_slot_goes(
 
 
 def _sleeping_children() -> list[int]:
-    """This process's children running ``sleep``."""
+    """This process's children running ``sleep``, by their parent in /proc/PID/stat (the
+    per-thread ``children`` lists of /proc/self/task may miss a child while threads run)."""
     pids = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as children:
-            pids += [int(pid) for pid in children.read().split()]
-    return [pid for pid in pids if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep")]
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[1]) == os.getpid():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"sleep"):
+                    pids.append(int(entry))
+    return pids
 
 
 def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, name: str) -> None:

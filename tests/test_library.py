@@ -446,19 +446,37 @@ def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
     """--spread: a waiter whose host holds the key already waits for that key to change;
     the watch that woke it is closed before it tries again (it stayed open, one more per
     wake, for as long as the client lived: a long-running service leaked streams). The
-    watches counted are etcd's own (its watcher metric), on an etcd of this test's own."""
+    holder's key is re-put three times (three wakes, each found busy again): etcd still
+    counts two watches (the holder's and the waiter's one), not one more per wake. The
+    watches counted are etcd's own (its watcher metric), on an etcd of this test's own; the
+    waiter's client goes through a proxy, which shows each of its new watches confirmed."""
     identity = conch.Identity.current(["job"], host="h1")
-    with own_etcd.client() as client:
+    proxy = FaultProxy(own_etcd.members[0].endpoint)
+    with own_etcd.client() as client, proxy.client() as own:
         holder = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
-        waiter = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
+        waiter = conch.Semaphore(own, name, 1, ttl=5, spread=True, identity=identity)
         hold = holder.acquire(timeout=10)
+        held = kv.get(client, hold.key)
+        assert held is not None
         thread, result = _acquire_in_thread(waiter, 30)
         poll(
-            lambda: etcd_watchers(own_etcd) == 2,
+            lambda: etcd_watchers(own_etcd) == 2 and _watches_confirmed(proxy) == 1,
             what="the holder's and the busy waiter's watches",
         )
+        for wake in range(1, 4):  # a change of the busy key: the waiter wakes, reads, waits
+            kv.put(client, hold.key, held.value, lease=hold.lease_id)
+            poll(
+                lambda w=wake: _watches_confirmed(proxy) == w + 1,  # type: ignore[misc]
+                what=f"the waiter's watch after {wake} wakes",
+            )
+            assert etcd_watchers(own_etcd) == 2, f"after {wake} wakes"
         _handed_over(hold, thread, result).release()
         poll(lambda: etcd_watchers(own_etcd) == 0, timeout=5, what="every watch closed")
+    proxy.close()
+
+
+def _watches_confirmed(proxy: FaultProxy) -> int:
+    return sum(not s.sent and s.method == "Watch" and s.message.created for s in proxy.seen)
 
 
 def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(

@@ -246,7 +246,7 @@ async def _contend(aclient: conch.aio.Client, name: str, tasks: int, max_holders
         ) as hold:
             inside += 1
             most = max(most, inside)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the job's length inside the slot (the scenario)
             await hold.check()
             inside -= 1
 
@@ -295,7 +295,7 @@ def test_the_loop_keeps_ticking_while_twenty_tasks_contend(
         async def ticker() -> None:
             while not done.is_set():
                 before = time.monotonic()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the tick whose lateness is measured
                 lags.append(time.monotonic() - before - 0.01)
 
         ticking = asyncio.create_task(ticker())
@@ -479,19 +479,24 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
         deadline = time.monotonic() + DEADLINE * 2
         while not await all_there():
             assert time.monotonic() < deadline, f"{count} waiters not queued in time"
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the poll's interval, within its deadline
 
-    async def tick_for(seconds: float) -> None:
-        end = time.monotonic() + seconds
+    async def tick_for(window: float) -> None:
+        """An observation window: a 10 ms ticker, its lateness measured, for ``window`` s."""
+        end = time.monotonic() + window
         while time.monotonic() < end:
             before = time.monotonic()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the tick whose lateness is measured
             lags.append(time.monotonic() - before - 0.01)
 
     async def body(aclient: conch.aio.Client) -> None:
         # TTL 6 s: at 3 s a loaded machine once let the holder's lease expire among 200,
         # and waiters entered while the test still held the slot.
-        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=6)
+        ttl = 6
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=ttl)
+        # Each window is one keepalive period (TTL/3) and a margin: every lease is kept
+        # alive once within it, whenever it was granted.
+        window = ttl / 3 + 0.5
         entered: list[conch.aio.Hold] = []
 
         async def waiting() -> None:
@@ -501,12 +506,12 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
         async with sema.acquire(timeout=10):
             tasks = [asyncio.create_task(waiting()) for _ in range(10)]
             await queued(aclient, 10)
-            await tick_for(2.5)  # past a keepalive of each (every TTL/3 = 2 s)
+            await tick_for(window)  # past a keepalive of each
             at_ten = threading.active_count()
             tasks += [asyncio.create_task(waiting()) for _ in range(190)]
             await queued(aclient, 200)
             lags.clear()
-            await tick_for(3.0)  # the waiting, measured: keepalives of 200 leases, 200 watches
+            await tick_for(window)  # the waiting, measured: keepalives of 200 leases, 200 watches
             at_two_hundred = threading.active_count()
             for task in tasks:
                 task.cancel()
@@ -535,7 +540,9 @@ def test_cancelling_an_acquire_while_etcd_is_unreachable_ends_it_within_a_second
             try:
                 sema = conch.aio.Semaphore(aclient, "unreachable", max=1)
                 task = asyncio.ensure_future(sema.acquire())
-                await asyncio.sleep(0.5)  # into the retries (no synchronisation)
+                # Where the cancel lands (the scenario, not a synchronisation): 0.5 s into
+                # LeaseGrant's retries, which would run 30 s; no state marks a point in them.
+                await asyncio.sleep(0.5)
                 started = time.monotonic()
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):

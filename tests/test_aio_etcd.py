@@ -10,7 +10,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,10 @@ from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd import aio as etcd_aio
 from conch.etcd.client import Credentials
 from conch.etcd.watch import WatchNotice
-from tests.conftest import DEADLINE
+from tests.conftest import DEADLINE, poll
+from tests.delayproxy import FaultProxy
 from tests.etcd_server import EtcdCluster
+from tests.test_aio import apoll
 from tests.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
 from tests.test_security import PASSWORD
 
@@ -75,6 +77,8 @@ def test_cancelling_call_async_cancels_the_attempt_at_once(nowhere: Endpoint) ->
     async def main() -> float:
         with Client([nowhere], request_timeout=30) as client:
             task = asyncio.ensure_future(etcd_aio.range_(client, rpc_pb2.RangeRequest(key=b"/x")))
+            # Where the cancel lands (the scenario, not a synchronisation): 0.2 s into the
+            # attempt, which would run 30 s; no state marks a point in it.
             await asyncio.sleep(0.2)
             started = time.monotonic()
             task.cancel()
@@ -91,7 +95,7 @@ def test_a_hundred_concurrent_calls_start_no_thread_each(etcd: EtcdCluster, clie
         before = threading.active_count()
         calls = [etcd_aio.range_(client, rpc_pb2.RangeRequest(key=b"/x")) for _ in range(100)]
         gathered = asyncio.gather(*calls)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: each call has started, none answered
         during = threading.active_count()
         await gathered
         return before, during
@@ -101,33 +105,54 @@ def test_a_hundred_concurrent_calls_start_no_thread_each(etcd: EtcdCluster, clie
 
 
 def test_a_loop_watch_delivers_on_the_loop_and_nothing_after_cancel(
-    client: Client, name: str
+    client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
-    key = f"/t/{name}".encode()
+    """The watching client goes through a proxy, which shows when etcd's notice of a put
+    has been passed on: the loop, blocked until then, reads it only after the cancel, and
+    must drop it. A second watch on the same stream, of a key put after, tells when the
+    first notice would have been delivered (one stream delivers in revision order)."""
+    key, later = f"/t/{name}".encode(), f"/t/{name}/later".encode()
+    proxy = proxies()
 
-    async def main() -> None:
+    def passed_on(value: bytes) -> bool:
+        return any(
+            not s.sent
+            and s.method == "Watch"
+            and any(e.kv.value == value for e in s.message.events)
+            for s in proxy.seen
+        )
+
+    async def main(own: Client) -> None:
         notices: asyncio.Queue[WatchNotice] = asyncio.Queue()
+        afterwards: asyncio.Queue[WatchNotice] = asyncio.Queue()
         on_loop: list[bool] = []
 
         def on_notice(notice: WatchNotice) -> None:
             on_loop.append(threading.current_thread() is threading.main_thread())
             notices.put_nowait(notice)
 
-        watch = await etcd_aio.LoopWatch.open(client, on_notice, key, confirm=True)
+        watch = await etcd_aio.LoopWatch.open(own, on_notice, key, confirm=True)
         created = await asyncio.wait_for(notices.get(), DEADLINE)
         assert created.created
+        second = await etcd_aio.LoopWatch.open(own, afterwards.put_nowait, later, confirm=True)
+        assert (await asyncio.wait_for(afterwards.get(), DEADLINE)).created
         kv.put(client, key, b"1")
         notice = await asyncio.wait_for(notices.get(), DEADLINE)
         assert [e.kv.value for e in notice.events] == [b"1"]
-        # Handed to the loop by the reader thread, not yet run: cancel must still drop it.
         kv.put(client, key, b"2")
-        time.sleep(0.5)  # the loop is blocked on purpose: the notice waits in its queue
+        kv.put(client, later, b"3")
+        # The loop is blocked on purpose (a poll that does not yield) until etcd's notices
+        # of both puts are on their way to the client, which reads them after the cancel.
+        poll(lambda: passed_on(b"2") and passed_on(b"3"), what="etcd's notices passed on")
         watch.cancel()
-        await asyncio.sleep(0.1)
+        notice = await asyncio.wait_for(afterwards.get(), DEADLINE)
+        assert [e.kv.value for e in notice.events] == [b"3"]
+        second.cancel()
         assert notices.empty()
         assert on_loop == [True, True]
 
-    asyncio.run(main())
+    with proxy.client() as own:
+        asyncio.run(main(own))
 
 
 def test_keepalives_of_many_leases_share_one_stream(client: Client) -> None:
@@ -160,7 +185,7 @@ async def _poll_stopped(pid: int) -> None:
         if states and all(state == "T" for state in states):
             return
         assert time.monotonic() < deadline, f"etcd ({pid}) not stopped: {states}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # the poll's interval, within its deadline
 
 
 def test_a_keepalive_unanswered_by_its_deadline_raises_unavailable(etcd: EtcdCluster) -> None:
@@ -203,11 +228,13 @@ def test_call_async_renews_a_stale_token_under_auth_churn(jwt_etcd: EtcdCluster)
         with Client.connect(endpoints, request_timeout=20, credentials=alice) as client:
             done = 0
             for _ in range(10):
+                at = bumps[0]
                 answers = await asyncio.gather(
                     *(etcd_aio.range_(client, request) for _ in range(5))
                 )
                 done += len(answers)
-                await asyncio.sleep(0.05)
+                # The next round once auth changed again: it meets a stale token.
+                await apoll(lambda at=at: bumps[0] > at, "an auth change")  # type: ignore[misc]
             return done
 
     with auth_churn(jwt_etcd) as bumps:

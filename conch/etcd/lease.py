@@ -356,7 +356,7 @@ class LoopKeepAlives(KeepAlives):
 
     def forget(self, lease_id: int) -> None:
         """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
-        coroutine awaits no timer of its own)."""
+        session waits for no timer of its own)."""
         self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
 
     def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over

@@ -28,6 +28,13 @@ from tests.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
 from tests.test_security import PASSWORD
 
 
+async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
+    """``etcd_aio.keepalive`` awaited: the TTL, or the EtcdError it ended with raised."""
+    answer: asyncio.Future[lease.Outcome] = asyncio.get_running_loop().create_future()
+    etcd_aio.keepalive(client, lease_id, deadline, answer.set_result)
+    return lease.ttl_of(await answer)
+
+
 @pytest.fixture
 def nowhere() -> Iterator[Endpoint]:
     """An endpoint nothing listens on (its port held, so nobody else takes it)."""
@@ -158,14 +165,14 @@ def test_keepalives_of_many_leases_share_one_stream(client: Client) -> None:
     async def main() -> list[int]:
         grants = [await etcd_aio.grant(client, 5) for _ in range(20)]
         deadline = time.monotonic() + DEADLINE
-        await etcd_aio.keepalive(client, grants[0].id, deadline)  # the stream, its threads
+        await keepalive(client, grants[0].id, deadline)  # the stream, its threads
         before = threading.active_count()
-        ttls = await asyncio.gather(*(etcd_aio.keepalive(client, g.id, deadline) for g in grants))
+        ttls = await asyncio.gather(*(keepalive(client, g.id, deadline) for g in grants))
         assert threading.active_count() <= before  # one stream, for all (others may end)
         for g in grants:
             await etcd_aio.revoke(client, g.id)
         with pytest.raises(LeaseNotFound):
-            await etcd_aio.keepalive(client, grants[0].id, time.monotonic() + DEADLINE)
+            await keepalive(client, grants[0].id, time.monotonic() + DEADLINE)
         for g in grants:
             etcd_aio.forget_lease(client, g.id)
         return list(ttls)
@@ -197,7 +204,7 @@ def test_a_keepalive_unanswered_by_its_deadline_raises_unavailable(etcd: EtcdClu
     async def main() -> float:
         with etcd.client() as client:
             granted = await etcd_aio.grant(client, 10)
-            await etcd_aio.keepalive(client, granted.id, time.monotonic() + DEADLINE)
+            await keepalive(client, granted.id, time.monotonic() + DEADLINE)
             member.pause()
             # SIGSTOP reaches each of etcd's threads on its own: one still running answered
             # a keepalive sent at once (1 run in 8).
@@ -205,7 +212,7 @@ def test_a_keepalive_unanswered_by_its_deadline_raises_unavailable(etcd: EtcdClu
             try:
                 started = time.monotonic()
                 with pytest.raises(Unavailable):
-                    await etcd_aio.keepalive(client, granted.id, started + 1.0)
+                    await keepalive(client, granted.id, started + 1.0)
                 return time.monotonic() - started
             finally:
                 member.resume()

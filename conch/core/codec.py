@@ -130,7 +130,7 @@ def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
 def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
     """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
     kvs = [key_rev(r.kvs[0]) if r.kvs else None for r in read.responses]
-    return messages.KeysAnswer(action.id, kvs)
+    return messages.KeysAnswer(action.id, kvs, read.revision)
 
 
 class ReadPlan(enum.Enum):

@@ -282,7 +282,10 @@ class Waiter:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
-            self._gap_asked = self._watched_keys()
+            ahead = [*self._ahead, KeyRev(self.key, self.revision, 0)]  # the window's, and ours
+            self._gap_asked = (
+                ahead if self.state == State.IN_WINDOW else [*filter(None, [self._watched])]
+            )
             return self._send(m.ReadKeys(next(self._ids), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
             if self._request is not None and self._asked is m.ReadKeys:
@@ -300,12 +303,6 @@ class Waiter:
             return [*self._enqueue(), m.CancelWatch(event.id)]
         self._woke.append(event.id)
         return self._read_standing()
-
-    def _watched_keys(self) -> list[KeyRev]:
-        if self.state == State.IN_WINDOW:
-            return [*self._ahead, KeyRev(self.key, self.revision, 0)]
-        assert self._watched is not None
-        return [self._watched]
 
     def _window_events(self, event: m.Watched) -> list[m.Action]:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us

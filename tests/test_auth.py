@@ -20,7 +20,7 @@ from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv
 from conch.etcd.client import Credentials
 from conch.etcd.watch import Watch, WatchNotice
-from tests.conftest import DEADLINE, Gate, Runner, etcd_metrics, poll, sema_keys
+from tests.conftest import DEADLINE, Gate, Runner, etcd_metrics, etcd_watchers, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 from tests.test_security import PASSWORD, etcdctl, openssl
 
@@ -126,6 +126,13 @@ def test_runs_and_releases_keep_up_with_auth_changes(
         runner.cleanup()
 
 
+def answered_watchers(cluster: EtcdCluster) -> int | None:
+    """``etcd_watchers(cluster)``, or None while its first member does not answer."""
+    with contextlib.suppress(OSError):
+        return etcd_watchers(cluster)
+    return None
+
+
 def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) -> None:
     """Simple tokens live in each member's memory: a member that restarts from a snapshot
     refuses connections while down, then has forgotten every token it issued (invalid auth
@@ -148,7 +155,11 @@ def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) ->
     try:
         cluster.start()
         enable_auth(cluster)
-        holder = runner.start("sema", name, "--max", "1", "--", *gate.cmd("h"), **env)
+        # the holder on the other members: the restarted one's watchers are the waiters'
+        others = ",".join(m.endpoint for m in cluster.members[1:])
+        holder = runner.start(
+            "sema", name, "--max", "1", "--", *gate.cmd("h"), CONCH_ENDPOINTS=others, **env
+        )
         poll(lambda: gate.now_running() == {"h"}, what="holder")
         one = {"CONCH_ENDPOINTS": restarted.endpoint, **env}
         waiters = [
@@ -165,7 +176,13 @@ def test_waiters_on_one_member_outlive_its_restart(tmp_path: Path, name: str) ->
         restarted.kill()
         time.sleep(3)  # the outage the waiters must ride out
         restarted.start(cluster.initial_cluster)
-        time.sleep(4)  # observation window: the waiters meet the forgotten tokens
+        # Each waiter watches again through the restarted member: it met its forgotten
+        # token (its watch and reads refused) and authenticated again.
+        poll(
+            lambda: answered_watchers(cluster) == 10,
+            timeout=3 * DEADLINE,
+            what="the ten waiters watching through the restarted member",
+        )
         # The member must be back: a restart that failed would leave the waiters nothing to
         # reach (seen once on a loaded machine: refused connections to the end).
         assert restarted.process is not None and restarted.process.poll() is None, (

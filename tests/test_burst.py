@@ -58,7 +58,7 @@ def test_a_burst_of_asyncio_acquires_leaves_etcd_up_and_every_acquire_run(
                         refused += 1
                         if attempt == RETRIES - 1:
                             raise
-                        await asyncio.sleep(0.1 * (attempt + 1))
+                        await asyncio.sleep(0.1 * (attempt + 1))  # the retry's backoff
 
             every = asyncio.gather(*(one() for _ in range(BURST)))
             while not every.done():

@@ -336,12 +336,20 @@ def test_a_watchdog_runnable_but_starved_of_cpu_does_not_fail_the_hold(
         watchdog = watchdog_of(holder)
         os.sched_setaffinity(watchdog, {starved})
         states: list[str] = []
+
+        def state() -> str:
+            return (stat_fields(watchdog) or ["gone"])[0]
+
         for _ in range(2):
             spinning = hog(starved, STARVED_FOR)
-            time.sleep(0.3)  # a probe (every 0.1 s) has woken it since
-            states.append((stat_fields(watchdog) or ["gone"])[0])
+
+            def woken() -> str:  # its state once a probe (every 0.1 s) woke it, or at the end
+                now = state()
+                return now if now == "R" or spinning.poll() is not None else ""  # noqa: B023
+
+            states.append(poll(woken, what="a probe to wake the starved watchdog"))
             spinning.wait()
-            time.sleep(0.3)
+            poll(lambda: state() != "R", what="the watchdog scheduled again, its probes answered")
         gate.touch()
         assert holder.wait() == 0, holder.log()
     finally:

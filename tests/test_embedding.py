@@ -90,7 +90,7 @@ _FROZEN = textwrap.dedent(
                         print(f"raised {time.monotonic() - passed:.3f}", flush=True)
                         break
                     passed = time.monotonic()
-                    time.sleep(0.005)
+                    time.sleep(0.005)  # the checks' pace, part of the scenario
         except conch.HoldLost:
             print("exit raised", flush=True)
     """

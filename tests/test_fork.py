@@ -226,7 +226,10 @@ _IN_LOOP = f"HANG_AFTER = {HANG_AFTER}\n" + textwrap.dedent(
             async with sema.acquire(timeout=10) as hold:
                 if waits == "waits":
                     waiting = asyncio.ensure_future(sema.acquire(timeout=60))
+                    queued_by = time.monotonic() + HANG_AFTER
                     while len(await conch.aio.who(client, name)) < 2:
+                        if time.monotonic() > queued_by:
+                            sys.exit("the waiter never queued")
                         await asyncio.sleep(0.05)
                 pid = os.fork()
                 if pid == 0:
@@ -238,7 +241,7 @@ _IN_LOOP = f"HANG_AFTER = {HANG_AFTER}\n" + textwrap.dedent(
                 deadline = time.monotonic() + 2 * HANG_AFTER
                 while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
                     if time.monotonic() > deadline:
-                        os.kill(pid, 9)
+                        os.kill(pid, 9)  # reaped by the next waitpid
                     await asyncio.sleep(0.1)
                 await hold.check()  # raises HoldLost unless the slot is certainly ours
                 print(f"parent kept rev={hold.revision} child={done[1]}", flush=True)

@@ -34,11 +34,13 @@ from conch.supervisor import supervise
 from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
 from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
+from tests.test_failures import expiry_floor
 from tests.test_parity import Asyncio, Face, Threaded, _poll
 
 OUTAGE = 3.0  # seconds etcd stays down
 TTL = 10  # seconds
-# Past any expiry the leases had when etcd went down (E <= the kill + TTL), with room.
+# Past any expiry the leases had when etcd went down (E <= the kill + TTL), with room: the
+# command's observation window.
 WATCH_FOR = TTL + 2.0  # seconds after the kill
 
 
@@ -178,9 +180,19 @@ def test_the_library_s_waiters_keep_their_places_and_the_hold_lasts_to_e(
         noting = asyncio.ensure_future(note_loss())
         expiry = face.expires_at(first)
         killed = await asyncio.to_thread(restart, own_etcd, outage)
-        left = killed + WATCH_FOR - time.monotonic()
-        await asyncio.wait([noting], timeout=max(0.0, left))  # the observation window
         with own_etcd.client() as client:
+            # Nothing from before the kill can end anything now once the hold is lost or
+            # its E moved past any E it had then (a keepalive sent since, confirmed), and
+            # each waiter's lease was kept alive since etcd came back (its expiry there moved
+            # on past the new leader's renewal of every lease).
+            waiters = [lease_id for _, lease_id in before[1:]]
+            floors = {i: expiry_floor(client, i) for i in waiters}
+
+            def settled() -> bool:
+                kept = all(expiry_floor(client, i) > floors[i] + 1 for i in waiters)
+                return kept and (noting.done() or face.expires_at(first) > killed + TTL)
+
+            await asyncio.to_thread(poll, settled, what="the hold and the waiters settled")
             after = places(client, name)
         assert after[-3:] == before[1:], (before, after)
         with capsys.disabled():

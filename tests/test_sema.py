@@ -47,14 +47,14 @@ def test_n_plus_one_contenders_leave_exactly_n_children_running(
 ) -> None:
     procs = [conch.start("sema", name, "--max", "2", "--", *gate.cmd(f"c{i}")) for i in range(3)]
     poll(lambda: len(gate.now_running()) == 2, what="two children running")
-    poll(lambda: len(sema_keys(client, name, 2)) == 3, what="the third to be queued")
-    time.sleep(0.5)  # an observation window: nothing may start while both slots are held
+    waiter = ({"c0", "c1", "c2"} - gate.now_running()).pop()
+    poll(lambda: "queued" in procs[int(waiter[1:])].events(), what="the third to decide to wait")
+    time.sleep(0.25)  # observation window: nothing starts while both slots are held
     assert len(gate.now_running()) == 2
     states = [r["state"] for r in who_json(conch, name)]
     assert states == ["HELD", "HELD", "WAIT"]
     for ident in list(gate.now_running()):
         gate.release(ident)
-    waiter = ({"c0", "c1", "c2"} - set(gate.start_order())).pop()
     poll(lambda: waiter in gate.now_running(), what="the waiter to be promoted")
     gate.release(waiter)
     assert [p.wait() for p in procs] == [0, 0, 0]
@@ -66,9 +66,10 @@ def test_a_release_promotes_exactly_the_next_waiter_by_revision(
 ) -> None:
     procs = start_queue(conch, gate, name, 1, ["h", "w1", "w2"], client)
     poll(lambda: gate.now_running() == {"h"}, what="the holder to run")
+    poll(lambda: "queued" in procs[2].events(), what="w2 to decide to wait")
     gate.release("h")
     poll(lambda: gate.now_running() == {"w1"}, what="w1 to be promoted")
-    time.sleep(0.5)  # observation window: w2 must not start too
+    time.sleep(0.25)  # observation window: w2 does not start too
     assert gate.now_running() == {"w1"}
     assert gate.rev("w1") > 0
     gate.release("w1")
@@ -216,7 +217,7 @@ def test_stop_signals_after_the_child_exited_do_not_replace_its_status(
         while proc.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.signal(signal.SIGTERM)
-            time.sleep(0.0002)
+            time.sleep(0.0002)  # the signals' pace: the scenario, not a wait
         assert proc.wait() == 3, proc.log()
 
 

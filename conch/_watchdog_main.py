@@ -1,5 +1,5 @@
 """The watchdog process itself (``conch.watchdog``; its protocol is the table in
-docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py KILL_AFTER``, standard
+docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py``, standard
 library only, nothing imported from conch, not even contextlib (10 ms of imports for every
 conch start). Every instant is ``time.monotonic()``, one clock for the whole host on Linux.
 """
@@ -7,7 +7,6 @@ conch start). Every instant is ``time.monotonic()``, one clock for the whole hos
 import os
 import select
 import signal
-import sys
 import time
 
 # Seconds a frozen wrapper's SIGTERM comes after the one a live wrapper would send at the
@@ -95,7 +94,6 @@ def terminate(pgids: "set[int]", kill_at: float, term: bool = True) -> None:
 
 
 def main() -> None:
-    kill_after = float(sys.argv[1])
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # SIGCONT from the kernel when conch dies: a watchdog stopped by someone's SIGSTOP, its
@@ -114,7 +112,8 @@ def main() -> None:
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None
-    margin, expiry, marks = float(words[1]), float(words[2]), set(words[3:])
+    margin, expiry, kill_after = (float(word) for word in words[1:4])
+    marks = set(words[4:])
     pgid = None
     standby = None  # conch terminates the group itself; SIGKILL is ours at this instant
     while True:

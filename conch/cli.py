@@ -38,6 +38,7 @@ from conch.settings import (
     setting,
     truthy,
 )
+from conch.watchdog import Watchdog
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
@@ -340,16 +341,17 @@ def _run(
     settings: _RunSettings,
     connection: Connection,
     exiting: bool,
+    watchdog: Watchdog | None,
 ) -> int:
     ttl, kill_after, wait, record_args = settings
     identity = Identity.current(cmd, record_args=record_args)
     check_host(identity.host)
     if exiting:
         supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
-    # Started while we connect (~20 ms sooner); if it cannot be, supervise() retries and reports.
-    watchdog = None
+    # Started while we connect, if not before the imports; if it cannot be, supervise() retries
+    # and reports.
     with contextlib.suppress(OSError):
-        watchdog = supervisor.start_watchdog(kill_after)
+        watchdog = supervisor.start_watchdog(watchdog)
     # Caught from the first write on (dialling writes nothing: a signal may simply end us);
     # with ``exiting`` they stay caught, as a late one must not replace the child's status.
     try:
@@ -371,10 +373,11 @@ def _run(
             watchdog.dismiss()
 
 
-def run() -> NoReturn:
-    """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
-    teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
-    stream thread is frozen mid-shutdown; everything conch owns is released by then."""
+def run(watchdog: Watchdog | None = None) -> NoReturn:
+    """The ``conch`` command: ``main()`` (``watchdog``: started before the imports, closed
+    if left unused), then exit at once. Skipping the interpreter's teardown saves tens of
+    milliseconds and cannot hang on a gRPC object finalized while a stream thread is frozen
+    mid-shutdown; everything conch owns is released by then."""
     # Its own process set up before anything else (never the library's), SIGCHLD at its
     # default: inherited ignored, the kernel would reap the child, its status lost.
     procs.reopen_closed_std_fds()
@@ -385,16 +388,21 @@ def run() -> NoReturn:
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
         grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-    code = main(exiting=True)
+    code = main(exiting=True, watchdog=watchdog)
+    if watchdog is not None:  # gone before conch: an outer conch would take it for escaped
+        watchdog.close(supervisor.WATCHDOG_EXIT_TIMEOUT, reap=not procs._adopting)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
 
 
-def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
+def main(
+    argv: Sequence[str] | None = None, exiting: bool = False, watchdog: Watchdog | None = None
+) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
-    the process exits right after, so stop signals stay caught to the end."""
+    the process exits right after, so stop signals stay caught to the end; ``watchdog``:
+    one started in advance, for a run."""
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
     split = words.index("--") if "--" in words else len(words)
@@ -423,7 +431,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
             raise UsageError("missing --max N")
         if not cmd:
             raise UsageError(f"missing command: {_RUN}")
-        return _run(args, max_holders, cmd, settings, connection, exiting)
+        return _run(args, max_holders, cmd, settings, connection, exiting, watchdog)
     except Exception as exc:
         return _ending(exc, debug="--debug" in words)
     except KeyboardInterrupt:  # ^C while dialling, before signals are caught

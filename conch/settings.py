@@ -105,13 +105,6 @@ class Connection(NamedTuple):
         return connect(**self._asdict())
 
 
-# Every variable a credential may come from (a path to a secret is the secret), to withhold.
-CREDENTIAL_VARIABLES = (
-    *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
-    *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
-)
-
-
 def resolve(flags: ConnectionFlags, environ: Mapping[str, str]) -> Connection:
     """The connection settings from ``flags`` and ``environ`` (see the module). Reads the TLS
     and password files; logs each setting's source at debug level. Raises UsageError for a

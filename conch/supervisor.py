@@ -114,7 +114,7 @@ def supervise(
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:  # a round: a watchdog, a hold, the child
         try:  # the watchdog before queueing: its start-up is over by the slot
-            watchdog = watchdog or start_watchdog(kill_after, environ)
+            watchdog = watchdog or start_watchdog(environ=environ)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
         try:
@@ -136,7 +136,7 @@ def supervise(
 
 def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``environ`` (default ``os.environ``) less conch's credentials
-    (``conch.settings.CREDENTIAL_VARIABLES``) and our GRPC_ENABLE_FORK_SUPPORT, plus
+    (``conch.watchdog.CREDENTIAL_VARIABLES``) and our GRPC_ENABLE_FORK_SUPPORT, plus
     CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
     env = without_credentials(os.environ if environ is None else environ)
     if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
@@ -146,11 +146,14 @@ def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
-def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) -> Watchdog:
-    """A Watchdog (``environ``: as Watchdog's; OSError as it raises), known to the adopting
-    reaper as no part of any job (its process is our child too)."""
+def start_watchdog(
+    watchdog: Watchdog | None = None, environ: Mapping[str, str] | None = None
+) -> Watchdog:
+    """``watchdog`` (started before ``adopt_orphans()``), else a new Watchdog (``environ``: as
+    Watchdog's; OSError as it raises), known to the adopting reaper as no part of any job
+    (its process is our child too)."""
     with procs._reap_lock:  # not reaped before it is known: its pid may come back as a job's
-        watchdog = Watchdog(kill_after, environ)
+        watchdog = watchdog or Watchdog(environ)
         if procs._adopting and (stat := procs._stat(watchdog.pid)) is not None:
             procs._beside_jobs[watchdog.pid] = stat.started  # no job's: reaped, not "escaped"
         procs._spawned.set()  # the idle reaper looks again at once
@@ -197,7 +200,8 @@ def run_child(
         env = child_env(hold, environ)
         try:
             # Before the child exists: a conch killed before the arm line leaves it found.
-            watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
+            marks = {mark: env[mark] for mark in _MARKS}
+            watchdog.expect(marks, run.margin, run.expiry(), run.kill_after)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
         with procs._reap_lock:  # the adopting reaper takes no status until the child is claimed

@@ -17,15 +17,20 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NamedTuple
 
+from conch import procs
 from conch.errors import Interrupted
 from conch.flag import Flag, Mailbox
-from conch.settings import CREDENTIAL_VARIABLES
 
 # A script run with -I -S (no site, no user paths), so ``ps`` shows its path, not its source.
-_MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
+_MAIN = os.path.join(os.path.dirname(__file__), "_watchdog_main.py")
+# Every variable a credential may come from (a path to a secret is the secret), to withhold
+# (here, not in conch.settings: the command starts its watchdog before it imports grpc).
+CREDENTIAL_VARIABLES = (
+    *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
+    *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
+)
 READY, FIRED, ANSWER = b"R", b"F", b"A"  # it says: it runs; it fires (SIGTERM); it answers
 PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
@@ -47,12 +52,8 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
 def _halted(pid: int) -> str | None:
     """Why process ``pid`` cannot run by itself (its state in /proc/PID/stat, as _HALTED names
     it; "exited" without one), None if it can (R, S, ...)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return "exited"
-    state = stat.rsplit(b")", 1)[-1].split()[:1]
-    return _HALTED.get(state[0].decode()) if state else "exited"
+    stat = procs._stat(pid)
+    return "exited" if stat is None else _HALTED.get(stat.state)
 
 
 class WatchdogNotice(NamedTuple):
@@ -64,17 +65,17 @@ class WatchdogNotice(NamedTuple):
 
 
 class Watchdog:
-    """A watchdog process, started at once and idle until ``expect()`` says a child is about
-    to start, ``arm()`` names its process group; ``heartbeat()`` after each confirmed
-    keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
-    conch is done with the child (or never had one), ``close()`` to see it gone. Every
-    instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
-    ``os.environ``) less conch's credentials (``without_credentials``). Raises OSError when
-    the process cannot be started."""
+    """A watchdog process, started at once (the command's before its imports) and idle until
+    ``expect()`` says a child is about to start, ``arm()`` names its process group;
+    ``heartbeat()`` after each confirmed keepalive, ``stand_by()`` while conch terminates the
+    group itself, ``dismiss()`` once conch is done with the child (or never had one),
+    ``close()`` to see it gone. Every instant is ``time.monotonic()``. ``environ``: the
+    environment it starts with (default ``os.environ``) less conch's credentials
+    (``without_credentials``). Raises OSError when the process cannot be started."""
 
-    def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-I", "-S", _MAIN, f"{kill_after:.3f}"],
+            [sys.executable, "-I", "-S", _MAIN],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -203,13 +204,14 @@ class Watchdog:
         if not self._dismissed:
             box.put(WatchdogNotice(error))
 
-    def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
+    def expect(self, marks: Mapping[str, str], margin: float, expiry: float, grace: float) -> None:
         """A child is about to start with the environment entries ``marks`` (no blanks,
         unique to it: the watchdog finds its processes by them until ``arm()``); the lease
-        can expire at ``expiry``, the child must be dead ``margin`` seconds before. Raises
-        OSError when the watchdog is gone (the pipe broken): start no child then."""
+        can expire at ``expiry``, the child must be dead ``margin`` seconds before; its SIGKILL
+        comes ``grace`` seconds after its SIGTERM. Raises OSError when the watchdog is gone
+        (the pipe broken): start no child then."""
         entries = " ".join(f"{name}={value}" for name, value in marks.items())
-        self._write(f"e {margin:.6f} {expiry:.6f} {entries}\n".encode())
+        self._write(f"e {margin:.6f} {expiry:.6f} {grace:.3f} {entries}\n".encode())
 
     def arm(self, pgid: int) -> None:
         """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError

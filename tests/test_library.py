@@ -787,7 +787,7 @@ def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
 
     caplog.set_level(logging.INFO, logger="conch")
     marker = tmp_path / "ran"
-    watchdog = SlowStart(1.0)
+    watchdog = SlowStart()
     with pytest.raises(HoldLost):
         run_child(hold, ["touch", str(marker)], 1.0, Flag("stop"), watchdog)
     assert "event=child-start" not in caplog.text and not marker.exists()
@@ -798,7 +798,7 @@ def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
     from conch.flag import Flag
     from conch.watchdog import Watchdog
 
-    watchdog = Watchdog(1.0)
+    watchdog = Watchdog()
     assert watchdog._readable(DEADLINE)  # it has said it runs
     watchdog._process.kill()
     watchdog._process.wait(DEADLINE)

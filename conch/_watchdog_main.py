@@ -106,9 +106,7 @@ def main() -> None:
     except (ImportError, OSError, AttributeError):
         pass
     os.write(1, b"R")  # running: conch starts no child before it reads this
-    pipe = Pipe()
-    while (words := pipe.line(None)) and words[0] == b"p":  # probed before the child's start
-        say(b"A")
+    words = (pipe := Pipe()).line(None)
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None
@@ -129,7 +127,7 @@ def main() -> None:
         elif words[0] == b"h":
             expiry = max(expiry, float(words[1]))
         elif words[0] == b"a":
-            pgid = int(words[1])
+            pgid, expiry = int(words[1]), max(expiry, float(words[2]))
         elif words[0] == b"s":  # SIGKILL ours a second after conch's own, unless goodbye
             standby = float(words[1]) + 1.0
     # Between the child's start and the arm line (conch killed right there) only the marks

@@ -204,6 +204,9 @@ def run_child(
             watchdog.expect(marks, run.margin, run.expiry(), run.kill_after)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+        # From the expect line on (an h line before it would dismiss the watchdog); the arm
+        # line brings one confirmed before this up to date.
+        run._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(run.expiry())))
         with procs._reap_lock:  # the adopting reaper takes no status until the child is claimed
             try:
                 pid = spawn(argv, env)
@@ -213,7 +216,7 @@ def run_child(
                 return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))
             try:
                 try:
-                    watchdog.arm(pid)
+                    watchdog.arm(pid, run.expiry())
                     unarmed = None
                 except OSError as exc:
                     unarmed = exc
@@ -289,10 +292,6 @@ class _Run:
         log.info("child-start", pid=pid, rev=hold.revision)
         # After the spawn, off the handoff's path: a watchdog dead before shows all the same.
         watchdog.watch(self.box)
-        self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
-        # A keepalive confirmed since the expect line, before the listener above, would be
-        # missing from the watchdog's expiry: it could fire an interval early.
-        watchdog.heartbeat(self.expiry())
         for flag in (hold.lost, self.stop):
             flag.subscribe(self.box)
             self._undo.append(partial(flag.unsubscribe, self.box))

@@ -97,27 +97,22 @@ class Watchdog:
 
     def handshake(self, timeout: float, stop: Flag) -> str | None:
         """None if the watchdog runs (it says so within ``timeout`` seconds, or before
-        ``stop`` is set, and has not exited since: killed while conch queued) and, not watched
-        yet, answers a probe in time (``_silent``: one stopped while conch queued fails, as a
-        dead one does); else what is wrong, the watchdog SIGKILLed (stopped, it would never
-        see its pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
+        ``stop`` is set, and has not exited since: killed while conch queued) and can run
+        (``_halted``, read in /proc rather than asked: no round trip on the handoff's path;
+        one stopped while conch queued fails, as a dead one does); else what is wrong, the
+        watchdog SIGKILLed (stopped, it would never see its pipe's end). Raises Interrupted
+        if ``stop`` is set before it is ready."""
         ready = self._read_for(READY, time.monotonic() + timeout, stop) and not self.ended
-        silent = None
-        if ready:  # its answer to a probe (no reader thread yet), else why it is failed,
-            self._send(PROBE)  # decided every ANSWER_TIMEOUT meanwhile
-            sent = time.monotonic()
-            while silent is None and not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
-                waited = time.monotonic() - sent
-                silent = "the watchdog exited" if self.ended else self._silent(waited)
-            if silent is None:
-                return None
-        ended = self.ended  # killed while conch queued, or could not start
+        halted = _halted(self.pid) if ready else None
+        if ready and halted is None:
+            return None
+        ended = self.ended or halted == "exited"  # killed while conch queued, or could not start
         self.kill()
         if not ready and stop.is_set():
             raise Interrupted(stop.reason)
         if ended:
             return "the watchdog exited before the child"
-        return silent if ready else f"not running after {timeout:g}s"
+        return f"the watchdog cannot run ({halted})" if ready else f"not running after {timeout:g}s"
 
     def _silent(self, waited: float) -> str | None:
         """Why a probe unanswered for ``waited`` seconds fails the watchdog (past ANSWER_TIMEOUT
@@ -177,7 +172,9 @@ class Watchdog:
 
     def _probe_and_read(self, box: Mailbox) -> None:
         sent: float | None = None  # when the probe not answered yet went out
-        due = time.monotonic()  # the next probe; while one is unanswered, the next look at it
+        # The next probe (the first a PROBE_INTERVAL in: the handshake has just looked at
+        # it); while one is unanswered, the next look at it.
+        due = time.monotonic() + PROBE_INTERVAL
         silent = False
         while True:
             wait = None
@@ -213,10 +210,11 @@ class Watchdog:
         entries = " ".join(f"{name}={value}" for name, value in marks.items())
         self._write(f"e {margin:.6f} {expiry:.6f} {grace:.3f} {entries}\n".encode())
 
-    def arm(self, pgid: int) -> None:
-        """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError
-        when the watchdog is gone (the pipe broken)."""
-        self._write(f"a {pgid}\n".encode())
+    def arm(self, pgid: int, expiry: float) -> None:
+        """Guard process group ``pgid`` (the expected child's) from now on; the lease can
+        expire at ``expiry`` at the earliest (as ``heartbeat()``). Raises OSError when the
+        watchdog is gone (the pipe broken)."""
+        self._write(f"a {pgid} {expiry:.6f}\n".encode())
 
     def heartbeat(self, expiry: float) -> None:
         """A keepalive was confirmed: the lease can expire at ``expiry`` at the earliest.

@@ -805,6 +805,20 @@ def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
     assert watchdog.handshake(0, Flag("stop")) == "the watchdog exited before the child"
 
 
+def test_the_handshake_sends_the_watchdog_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the child, whether the watchdog can run is read in /proc, not asked: a probe's
+    answer was a round trip to another process on the handoff's path (1-7 ms, loaded)."""
+    from conch.flag import Flag
+    from conch.watchdog import Watchdog
+
+    watchdog = Watchdog()
+    sent: list[bytes] = []
+    monkeypatch.setattr(watchdog, "_send", sent.append)
+    assert watchdog.handshake(DEADLINE, Flag("stop")) is None
+    assert sent == []
+    assert watchdog.close(DEADLINE)
+
+
 def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(
     client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,6 +18,7 @@ def main() -> None:
         from conch.watchdog import Watchdog  # light: no grpc
 
         procs.reopen_closed_std_fds()  # before the watchdog's pipes could take fd 0, 1 or 2
+        procs.undo_locale_coercion()
         if "--" in sys.argv:
             with contextlib.suppress(OSError):  # else supervise() tries again, and reports it
                 watchdog = Watchdog()

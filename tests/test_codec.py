@@ -261,3 +261,28 @@ def test_watch_notices_become_the_machine_s_inputs() -> None:
 def test_one_table_names_every_failure(error: EtcdError, failure: m.Failure) -> None:
     assert codec.failure(error) == failure
     assert codec.failed(5, error) == m.Failed(5, failure, str(error), error)
+
+
+def test_a_head_read_kept_answers_only_a_standing_in_the_window_not_holding() -> None:
+    """At max 1 the window is 3 keys: ours second or third is in it and waits; ours first
+    would hold, fourth would wait behind it: those read afresh (None). A fresh read (its
+    second Range given) answers them all."""
+    keys = [m.KeyRev(PREFIX + bytes([97 + i]), 5 + i, 5 + i) for i in range(5)]
+    head = (30, keys)
+
+    def standing(
+        i: int, more: list[rpc_pb2.RangeResponse] | None = None
+    ) -> m.StandingAnswer | None:
+        return codec.head_answer(m.ReadStanding(1, keys[i].key, 5 + i), head, 1, more)
+
+    answer = standing(2)
+    assert answer == m.StandingAnswer(1, 30, keys[:3], [keys[2], keys[1]])
+    assert standing(1) == m.StandingAnswer(1, 30, keys[:2], [keys[1], keys[0]])
+    assert standing(0) is None and standing(3) is None
+    assert standing(0, []) == m.StandingAnswer(1, 30, keys[:1], [keys[0]])
+    assert standing(3, []) == m.StandingAnswer(1, 30, keys[:3], [keys[3], keys[2]])
+    gone = m.ReadStanding(1, PREFIX + b"z", 40)  # ours not among the first keys read
+    pair = rpc_pb2.RangeResponse(kvs=[kv_pb2.KeyValue(key=PREFIX + b"y", create_revision=39)])
+    answer = codec.head_answer(gone, head, 1, [pair])
+    assert answer is not None and answer.window == keys[:3]
+    assert [k.key for k in answer.mine_and_prev] == [PREFIX + b"y"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
 from conch.session import Session
 from conch.timer import Timer
 from tests.conftest import DEADLINE, poll
-from tests.delayproxy import DelayProxy
+from tests.delayproxy import DelayProxy, FaultProxy, Gate
 from tests.etcd_server import EtcdCluster, free_port
 
 
@@ -248,25 +247,17 @@ def test_a_watch_gets_no_notice_once_cancel_returned(client: Client, name: str) 
         later.cancel()
 
 
-def _waits_in(thread: threading.Thread, function: str) -> bool:
-    """Whether ``thread`` is inside a call of ``function`` now."""
-    frame = sys._current_frames().get(thread.ident or 0)
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
-
-
 def test_a_failover_does_not_wait_for_the_watch_stream_being_opened(
-    etcd: EtcdCluster, name: str
+    proxies: Callable[[], FaultProxy], etcd: EtcdCluster, name: str
 ) -> None:
-    """A thread opens the client's Watch stream and waits for an auth token (another
-    thread's Auth.Authenticate, held here): a failover meanwhile, as the keepalive makes
+    """A thread opens the client's Watch stream and waits for an auth token (its
+    Auth.Authenticate, held at the proxy): a failover meanwhile, as the keepalive makes
     one, returns at once (before: it waited on the watch hub's lock until the open gave up,
     up to the request timeout, and the keepalive's loss detection with it)."""
-    member = etcd.members[0]
-    endpoints = [Endpoint.parse(member.endpoint), Endpoint("localhost", member.client_port, False)]
+    proxy = proxies()
+    authenticating = Gate()
+    proxy.before("Authenticate", authenticating)
+    endpoints = [Endpoint.parse(proxy.endpoint), Endpoint.parse(etcd.members[0].endpoint)]
     client = Client(endpoints, request_timeout=5.0, credentials=Credentials("nobody", "x"))
     opened: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
 
@@ -277,16 +268,14 @@ def test_a_failover_does_not_wait_for_the_watch_stream_being_opened(
         except BaseException as exc:  # the open fails here: the cluster has no auth
             opened.put(exc)
 
-    assert client._auth_lock.acquire(timeout=DEADLINE)
     try:
-        opener = threading.Thread(target=open_watch, daemon=True)
-        opener.start()
-        poll(lambda: _waits_in(opener, "token"), what="the watch stream's open at the token")
+        threading.Thread(target=open_watch, daemon=True).start()
+        assert authenticating.reached.wait(DEADLINE), "the watch stream's open at the token"
         began = time.monotonic()
         client.failover(endpoints[0])
         took = time.monotonic() - began
     finally:
-        client._auth_lock.release()
+        authenticating.open()
     assert took < 1.0, f"the failover waited {took:.2f}s for the watch stream's open"
     assert isinstance(opened.get(timeout=DEADLINE), AuthenticationFailed)
     client.close()
@@ -326,7 +315,7 @@ def test_a_late_keepalive_answer_does_not_confirm_a_later_keepalive_of_its_lease
 
 
 def test_keepalives_unanswered_on_a_slow_link_are_answered_by_the_next_member(
-    etcd: EtcdCluster, client: Client, name: str
+    proxies: Callable[[], FaultProxy], client: Client, name: str
 ) -> None:
     """Two endpoints to one etcd: the first through a link that holds answers back 1.5 s,
     the second direct. 20 leases on the client's one keepalive stream, on the slow link at
@@ -334,9 +323,11 @@ def test_keepalives_unanswered_on_a_slow_link_are_answered_by_the_next_member(
     confirmed there well before the slow answer could come; calls, later keepalives and the
     client's watch stream move to the direct endpoint, and no lease is lost."""
     delay = 1.5
-    proxy = DelayProxy(("127.0.0.1", etcd.members[0].client_port), delay)
+    # Each path through a FaultProxy of its own, which counts the streams open on it.
+    slow_end, direct_end = proxies(), proxies()
+    proxy = DelayProxy(("127.0.0.1", slow_end.port), delay)
     slow_endpoint = Endpoint("127.0.0.1", proxy.port, False)
-    direct = Endpoint.parse(etcd.members[0].endpoint)
+    direct = Endpoint.parse(direct_end.endpoint)
     # Not dialled (a call through the slow link would fail over at once): its streams
     # open on the slow endpoint; its calls are made on the test's other client.
     two = Client([slow_endpoint, direct], request_timeout=10.0)
@@ -357,7 +348,10 @@ def test_keepalives_unanswered_on_a_slow_link_are_answered_by_the_next_member(
         slowest = max(at for _, _, at in got) - sent
         assert slowest < delay, f"answered after {slowest:.2f}s: the slow link's answer"
         assert two.endpoint == direct
-        poll(lambda: _watch_endpoint(two) == direct, what="the watch stream on the direct one")
+        poll(
+            lambda: (slow_end.streams("Watch"), direct_end.streams("Watch")) == (0, 1),
+            what="the watch stream on the direct one",
+        )
         # The next keepalives go straight to the direct endpoint's stream.
         again = time.monotonic()
         for lease_id in leases:
@@ -365,7 +359,8 @@ def test_keepalives_unanswered_on_a_slow_link_are_answered_by_the_next_member(
         got = [answers.get(timeout=DEADLINE) for _ in leases]
         assert all(outcome == 30 for _, outcome, _ in got), got
         assert max(at for _, _, at in got) - again < delay
-        assert [s.endpoint for s in keepalives._streams] == [direct], "the slow stream left open"
+        poll(lambda: slow_end.streams("LeaseKeepAlive") == 0, what="the slow stream closed")
+        assert direct_end.streams("LeaseKeepAlive") == 1
         watch.cancel()
         for lease_id in leases:
             keepalives.forget(lease_id)
@@ -382,11 +377,6 @@ def _answer_to(
         answers.put((lease_id, outcome, time.monotonic()))
 
     return answered
-
-
-def _watch_endpoint(client: Client) -> Endpoint | None:
-    stream = _hub_for(client)._stream
-    return None if stream is None else stream.endpoint
 
 
 def test_a_watch_across_an_etcd_restart_is_heard_from_at_once(tmp_path: Path) -> None:

@@ -746,8 +746,8 @@ class CompactingSemaphore(Semaphore):
 
     compactions = 0
 
-    def _standing(self, action: m.ReadStanding) -> Steps[codec.Together]:
-        standing = yield from super()._standing(action)
+    def _standing(self, action: m.ReadStanding, head: int = 0) -> Steps[codec.Together]:
+        standing = yield from super()._standing(action, head)
         if self.compactions == 0:  # its first read: it waits behind the holder
             self.compactions += 1
             for i in range(3):

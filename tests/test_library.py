@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import linecache
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,12 +26,20 @@ import pytest
 from conchpb.etcdserverpb import rpc_pb2
 
 import conch
-from conch import hold as hold_module
 from conch import semaphore
 from conch.etcd import Client, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
-from tests.conftest import DEADLINE, alive, other_keys, poll, sema_keys
+from tests.conftest import (
+    DEADLINE,
+    alive,
+    etcd_watchers,
+    other_keys,
+    poll,
+    sema_keys,
+    stat_fields,
+)
+from tests.delayproxy import FaultProxy, Seen, deletes, watch_created
 from tests.etcd_server import EtcdCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,13 +150,13 @@ def test_coexists_with_another_etcd_clients_stubs(etcd: EtcdCluster, order: str)
 
 
 def _acquire_in_thread(
-    sema: conch.Semaphore, timeout: float, thread_name: str | None = None
+    sema: conch.Semaphore, timeout: float, guard: bool = True, thread_name: str | None = None
 ) -> tuple[threading.Thread, dict[str, object]]:
     result: dict[str, object] = {}
 
     def run() -> None:
         try:
-            result["hold"] = sema.acquire(timeout=timeout)
+            result["hold"] = sema.acquire(timeout=timeout, guard=guard)
         except conch.ConchError as exc:
             result["error"] = exc
 
@@ -174,9 +188,9 @@ def _two_waiters(
 ) -> tuple[threading.Thread, dict[str, object], threading.Thread, dict[str, object]]:
     """A first and then a second waiter queued behind the holder of ``sema``, each seen in
     etcd before the next starts: (first thread, its result, second thread, its result)."""
-    first, first_result = _acquire_in_thread(sema, 30, "first")
+    first, first_result = _acquire_in_thread(sema, 30, thread_name="first")
     poll(lambda: len(sema_keys(client, name)) == 2, what="the first waiter queued")
-    second, second_result = _acquire_in_thread(sema, 30, "second")
+    second, second_result = _acquire_in_thread(sema, 30, thread_name="second")
     poll(lambda: len(sema_keys(client, name)) == 3, what="the second waiter queued")
     return first, first_result, second, second_result
 
@@ -190,6 +204,54 @@ def _handed_over(
     hold = result.get("hold")
     assert isinstance(hold, conch.Hold), result
     return hold
+
+
+def _asked_after_deletion(proxy: FaultProxy, key: bytes, watched: list[bytes]) -> list[Seen]:
+    """The reads, writes and new watches the client on ``proxy`` sent once the proxy had
+    passed on the deletion of ``key`` to it. A gap check of the ``watched`` keys (the answer
+    to its window watch's confirmation, on its way when the deletion came) is not among
+    them: the waiter holds on the deletion once that check says nothing changed before."""
+    seen = list(proxy.seen)
+    at = next(i for i, s in enumerate(seen) if deletes(s, key))
+    return [
+        s
+        for s in seen[at + 1 :]
+        if s.sent
+        and s.method in ("Range", "Txn", "Watch")
+        and not (s.method == "Watch" and not s.message.HasField("create_request"))
+        and not _gap_check(s, watched)
+    ]
+
+
+def _gap_check(seen: Seen, watched: list[bytes]) -> bool:
+    """``seen`` reads some of ``watched`` one key each (a Range, or a read-only Txn)."""
+    ranges = [seen.message] if seen.method == "Range" else []
+    if seen.method == "Txn" and not seen.message.compare:
+        ranges = [op.request_range for op in seen.message.success]
+        if not all(op.HasField("request_range") for op in seen.message.success):
+            return False
+    return bool(ranges) and all(not r.range_end and r.key in watched for r in ranges)
+
+
+def _queued_behind(client: Client, name: str, count: int) -> list[bytes]:
+    """The keys of the semaphore once ``count`` are in it, oldest first."""
+    poll(lambda: len(sema_keys(client, name)) == count, what=f"{count} keys queued")
+    return [k.key for k in sema_keys(client, name)]
+
+
+def _touched_and_watching(
+    client: Client, name: str, max_holders: int, *proxies: FaultProxy
+) -> None:
+    """Every waiter's key was touched (re-put) while waiting, and etcd confirmed the watch on
+    the deletions under the prefix of each waiter whose client goes through ``proxies``."""
+    poll(
+        lambda: all(
+            k.mod_revision > k.create_revision for k in sema_keys(client, name)[max_holders:]
+        ),
+        what="every waiter's touch",
+    )
+    for proxy in proxies:
+        poll(lambda p=proxy: watch_created(p.seen), what="a waiter in the window")  # type: ignore[misc]
 
 
 def test_first_waiter_whose_key_was_deleted_does_not_take_the_freed_slot_with_it(
@@ -290,110 +352,69 @@ def test_at_max_1_the_waiter_behind_a_new_holder_moves_up_and_takes_the_slot_wit
     assert sema_keys(client, name) == []
 
 
-class _Looks:
-    """Per thread name: the queue reads (``_standing``) and watches opened by waiters, and
-    the KV.Txn calls made (a touch from a hold's guard is one)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.reads: Counter[str] = Counter()
-        self.txns: Counter[str] = Counter()
-        self.watching: dict[str, threading.Event] = {}
-        self.boxes: dict[str, list[Any]] = {}
-        self.unconfirmed: Counter[str] = Counter()  # watches opened, not yet confirmed
-        real_standing, real_txn, real_watch = semaphore.Semaphore._standing, kv.txn, Watch
-
-        def standing(sema: semaphore.Semaphore, *args: Any, **kwargs: Any) -> Any:
-            self.reads[threading.current_thread().name] += 1
-            return real_standing(sema, *args, **kwargs)
-
-        def txn(*args: Any, **kwargs: Any) -> Any:
-            self.txns[threading.current_thread().name] += 1
-            return real_txn(*args, **kwargs)
-
-        def watch(client: Client, key: bytes, start: int, deliver: Any, **kwargs: Any) -> Watch:
-            me = threading.current_thread().name
-            self.reads[me] += 1  # a new watch on the way is a request too
-            created = self.watching.setdefault(me, threading.Event())
-            self.boxes.setdefault(me, []).append(deliver.func.__self__.box)
-            self.unconfirmed[me] += 1
-
-            def tell(notice: WatchNotice) -> None:
-                if notice.created:
-                    self.unconfirmed[me] -= 1
-                deliver(notice)
-                if notice.created:
-                    created.set()
-
-            return real_watch(client, key, start, tell, **kwargs)
-
-        monkeypatch.setattr(semaphore.Semaphore, "_standing", standing)
-        monkeypatch.setattr(kv, "txn", txn)
-        monkeypatch.setattr(semaphore, "Watch", watch)
-
-    def settled(self, client: Client, name: str, max_holders: int, *threads: str) -> int:
-        """Wait until every key under the semaphore was touched (re-put) while waiting and
-        each thread's watch is confirmed; return the reads made so far by ``threads``."""
-        poll(
-            lambda: all(
-                k.mod_revision > k.create_revision for k in sema_keys(client, name)[max_holders:]
-            ),
-            what="every waiter's touch",
-        )
-        for thread in threads:
-            poll(lambda t=thread: t in self.watching, what=f"{thread} watching")  # type: ignore[misc]
-            assert self.watching[thread].wait(DEADLINE)
-            poll(
-                lambda t=thread: self.unconfirmed[t] == 0 and _idle(t, self.boxes[t]),  # type: ignore[misc]
-                what=f"{thread} done with what its watch's confirmation called for",
-            )
-        return sum(self.reads[t] for t in threads)
-
-
 def test_a_short_job_hands_over_from_the_release_event_to_the_waiter_behind_it(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
     """At max 1, H holds and W1, W2 wait. W1 gets the slot and releases it as soon as W2 has
     moved up (W2's own touch: far shorter than the new holder's old touch delay): W2 holds
     straight from W1's deletion event, with no read or new watch on the way. Before, W2
     watched W1 alone and moved up only on W1's touch, half a second into W1's hold: after a
     shorter job it woke on the deletion and read the queue first."""
-    looks = _Looks(monkeypatch)
+    proxy = proxies()
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     holder = sema.acquire(timeout=10)
-    first, first_result, second, second_result = _two_waiters(client, name, sema)
-    new_holder = _handed_over(holder, first, first_result)
-    try:
-        before = looks.settled(client, name, 1, "second")
-        hold = _handed_over(new_holder, second, second_result)
-        assert looks.reads["second"] == before, "the waiter read etcd between release and hold"
-        hold.release()
-    finally:
-        new_holder.release()
+    with proxy.client() as own:
+        first, first_result = _acquire_in_thread(sema, 30)
+        _queued_behind(client, name, 2)
+        second, second_result = _acquire_in_thread(
+            conch.Semaphore(own, name, max=1, ttl=5), 30, guard=False
+        )
+        queue = _queued_behind(client, name, 3)
+        new_holder = _handed_over(holder, first, first_result)
+        try:
+            _touched_and_watching(client, name, 1, proxy)
+            hold = _handed_over(new_holder, second, second_result)
+            asked = _asked_after_deletion(proxy, new_holder.key, queue[1:])
+            assert asked == [], f"the waiter asked etcd between release and hold: {asked}"
+            hold.release()
+        finally:
+            new_holder.release()
     assert sema_keys(client, name) == []
 
 
 def test_at_max_2_out_of_order_releases_hand_over_with_no_read_and_no_write_by_the_new_holder(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
     """At max 2, A and B hold, C and D wait; B leaves, then A. C and D each hold straight
     from a deletion event, with no read or new watch on the way, and no new holder writes
     anything (its guard makes no touch: the waiters touched while they waited). Before, a
     new holder at max > 1 touched its key at once, competing with the next handoff, and D
-    woke on C's touch to read the queue."""
-    looks = _Looks(monkeypatch)
+    woke on C's touch to read the queue. C's and D's clients go through proxies of their
+    own, which count what each asked of etcd."""
     sema = conch.Semaphore(client, name, max=2, ttl=5)
     a, b = sema.acquire(timeout=10), sema.acquire(timeout=10)
-    c, c_result = _acquire_in_thread(sema, 30, "c")
-    poll(lambda: len(sema_keys(client, name)) == 3, what="C queued")
-    d, d_result = _acquire_in_thread(sema, 30, "d")
-    poll(lambda: len(sema_keys(client, name)) == 4, what="D queued")
-    before = looks.settled(client, name, 2, "c", "d")
-    c_hold = _handed_over(b, c, c_result)
-    d_hold = _handed_over(a, d, d_result)
-    assert looks.reads["c"] + looks.reads["d"] == before, "a waiter read etcd on the way"
-    for hold in (c_hold, d_hold):
-        hold.release()
-    assert looks.txns["conch-hold"] + looks.txns["conch-touch"] == 0, "a new holder wrote"
+    c_proxy, d_proxy = proxies(), proxies()
+    with c_proxy.client() as c_client, d_proxy.client() as d_client:
+        c, c_result = _acquire_in_thread(conch.Semaphore(c_client, name, 2, ttl=5), 30, False)
+        _queued_behind(client, name, 3)
+        d, d_result = _acquire_in_thread(conch.Semaphore(d_client, name, 2, ttl=5), 30, False)
+        queue = _queued_behind(client, name, 4)
+        _touched_and_watching(client, name, 2, c_proxy, d_proxy)
+        holds = [_handed_over(b, c, c_result), _handed_over(a, d, d_result)]
+        asked = [
+            *_asked_after_deletion(c_proxy, b.key, queue[:3]),
+            *_asked_after_deletion(d_proxy, a.key, queue),
+        ]
+        assert asked == [], f"a waiter asked etcd on the way: {asked}"
+        guarded = [len(p.seen) for p in (c_proxy, d_proxy)]
+        for hold in holds:
+            hold.start_guard()
+        for hold in holds:
+            hold.release()
+        writes = [
+            p.requests("Txn", since=at) for p, at in zip((c_proxy, d_proxy), guarded, strict=True)
+        ]
+        assert writes == [[], []], f"a new holder wrote: {writes}"
     assert sema_keys(client, name) == []
 
 
@@ -420,67 +441,75 @@ def test_a_key_deleted_early_in_a_hold_that_waited_is_noticed_within_a_fraction_
 
 
 def test_a_spread_waiter_of_a_busy_host_leaves_no_watch_open_behind_it(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    own_etcd: EtcdCluster, name: str
 ) -> None:
     """--spread: a waiter whose host holds the key already waits for that key to change;
     the watch that woke it is closed before it tries again (it stayed open, one more per
-    wake, for as long as the client lived: a long-running service leaked streams)."""
-    opened: list[Watch] = []
-    closed: list[Watch] = []
-
-    class Closing(Watch):
-        def cancel(self) -> None:
-            closed.append(self)
-            super().cancel()
-
-    def watch(*args: Any, **kwargs: Any) -> Watch:
-        opened.append(Closing(*args, **kwargs))
-        return opened[-1]
-
-    monkeypatch.setattr(semaphore, "Watch", watch)
-    monkeypatch.setattr(hold_module, "Watch", watch)
+    wake, for as long as the client lived: a long-running service leaked streams). The
+    holder's key is re-put three times (three wakes, each found busy again): etcd still
+    counts two watches (the holder's and the waiter's one), not one more per wake. The
+    watches counted are etcd's own (its watcher metric), on an etcd of this test's own; the
+    waiter's client goes through a proxy, which shows each of its new watches confirmed."""
     identity = conch.Identity.current(["job"], host="h1")
-    holder = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
-    waiter = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
-    hold = holder.acquire(timeout=10)
-    thread, result = _acquire_in_thread(waiter, 30, "waiter")
-    poll(lambda: len(opened) == 2, what="the holder's and the busy waiter's watches")
-    _handed_over(hold, thread, result).release()
-    poll(lambda: all(w in closed for w in opened), timeout=5, what="every watch closed")
+    proxy = FaultProxy(own_etcd.members[0].endpoint)
+    with own_etcd.client() as client, proxy.client() as own:
+        holder = conch.Semaphore(client, name, 1, ttl=5, spread=True, identity=identity)
+        waiter = conch.Semaphore(own, name, 1, ttl=5, spread=True, identity=identity)
+        hold = holder.acquire(timeout=10)
+        held = kv.get(client, hold.key)
+        assert held is not None
+        thread, result = _acquire_in_thread(waiter, 30)
+        poll(
+            lambda: etcd_watchers(own_etcd) == 2 and _watches_confirmed(proxy) == 1,
+            what="the holder's and the busy waiter's watches",
+        )
+        for wake in range(1, 4):  # a change of the busy key: the waiter wakes, reads, waits
+            kv.put(client, hold.key, held.value, lease=hold.lease_id)
+            poll(
+                lambda w=wake: _watches_confirmed(proxy) == w + 1,  # type: ignore[misc]
+                what=f"the waiter's watch after {wake} wakes",
+            )
+            assert etcd_watchers(own_etcd) == 2, f"after {wake} wakes"
+        _handed_over(hold, thread, result).release()
+        poll(lambda: etcd_watchers(own_etcd) == 0, timeout=5, what="every watch closed")
+    proxy.close()
+
+
+def _watches_confirmed(proxy: FaultProxy) -> int:
+    return sum(not s.sent and s.method == "Watch" and s.message.created for s in proxy.seen)
 
 
 def test_a_hold_after_a_long_wait_watches_its_key_from_where_it_took_the_slot(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
     """The hold's own watch starts at the revision where the key was seen holding, not at
     the key's create_revision: after a long wait on a busy cluster etcd would replay all the
-    history in between to that watch, or refuse it as compacted (here: compacted past it)."""
-    guard_starts: list[tuple[bytes, int]] = []  # the holder's guard may open one too (slow box)
-
-    def watch(client: Client, key: bytes, start: int, *args: Any, **kwargs: Any) -> Watch:
-        if threading.current_thread().name == "conch-timer":
-            guard_starts.append((key, start))
-        return Watch(client, key, start, *args, **kwargs)
-
-    monkeypatch.setattr(hold_module, "Watch", watch)
+    history in between to that watch, or refuse it as compacted (here: compacted past it).
+    The waiter's client goes through a proxy, which shows the watches it asks for."""
+    proxy = proxies()
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     holder = sema.acquire(timeout=10)
-    thread, result = _acquire_in_thread(sema, 30)
-    queued = poll(lambda: sema_keys(client, name)[1:], what="the waiter queued")[0]
-    for i in range(3):
-        kv.put(client, f"/churn/{name}/{i}".encode(), b"x")
-    compacted = kv.put(client, f"/churn/{name}/last".encode(), b"x").header.revision
-    client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=compacted))
-    hold = _handed_over(holder, thread, result)
-    try:
-        starts = poll(
-            lambda: [start for key, start in guard_starts if key == hold.key],
-            what="the hold's own watch",
-        )
-        assert starts[0] > compacted > queued.create_revision
-        assert not hold.lost.is_set()
-    finally:
-        hold.release()
+    with proxy.client() as own:
+        thread, result = _acquire_in_thread(conch.Semaphore(own, name, max=1, ttl=5), 30)
+        queued = poll(lambda: sema_keys(client, name)[1:], what="the waiter queued")[0]
+        for i in range(3):
+            kv.put(client, f"/churn/{name}/{i}".encode(), b"x")
+        compacted = kv.put(client, f"/churn/{name}/last".encode(), b"x").header.revision
+        client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=compacted))
+        hold = _handed_over(holder, thread, result)
+        try:
+            starts = poll(
+                lambda: [
+                    r.create_request.start_revision
+                    for r in proxy.requests("Watch")
+                    if r.create_request.key == hold.key and not r.create_request.range_end
+                ],
+                what="the hold's own watch",
+            )
+            assert starts[0] > compacted > queued.create_revision
+            assert not hold.lost.is_set()
+        finally:
+            hold.release()
 
 
 ADOPTING_EMBEDDER = """
@@ -693,13 +722,13 @@ def test_the_library_logs_through_the_standard_logging_module(etcd: EtcdCluster,
 def test_no_child_starts_when_the_watchdog_cannot(
     client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The watchdog's script gone (an upgrade in progress, a broken package): its interpreter
-    exits at once. The child must not start without it; the slot is given back."""
-    from conch import watchdog
+    """The watchdog's interpreter exits at once (an upgrade in progress, a broken package):
+    the child must not start without it; the slot is given back."""
     from conch.flag import Flag
     from conch.supervisor import supervise
 
-    monkeypatch.setattr(watchdog, "_MAIN", str(tmp_path / "gone.py"))
+    # The interpreter the watchdog is started with: one that exits at once.
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))
     marker = tmp_path / "ran"
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     code = supervise(sema, ["touch", str(marker)], None, 1.0, Flag("stop"))
@@ -799,10 +828,24 @@ def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
     from conch.watchdog import Watchdog
 
     watchdog = Watchdog()
-    assert watchdog._readable(DEADLINE)  # it has said it runs
-    watchdog._process.kill()
-    watchdog._process.wait(DEADLINE)
+    poll(lambda: _unread(watchdog.pid), what="the watchdog said it runs")
+    os.kill(watchdog.pid, signal.SIGKILL)
+    poll(lambda: watchdog.ended, what="the watchdog gone")
     assert watchdog.handshake(0, Flag("stop")) == "the watchdog exited before the child"
+
+
+def _unread(pid: int) -> int:
+    """The bytes child ``pid`` wrote to its stdout that this process has not read yet (its
+    stdout a pipe to us): FIONREAD on our end of that pipe."""
+    pipe = os.readlink(f"/proc/{pid}/fd/1")
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == pipe:
+                count = array.array("i", [0])
+                fcntl.ioctl(int(fd), termios.FIONREAD, count)
+                if count[0]:
+                    return count[0]
+    return 0
 
 
 def test_the_handshake_sends_the_watchdog_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -857,27 +900,44 @@ def test_an_embedders_own_lc_ctype_reaches_the_child(monkeypatch: pytest.MonkeyP
 
 
 def test_no_reaping_thread_for_the_child_kills_it_before_the_slot_goes(
-    client: Client, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Thread.start fails (a pids limit the child itself just reached): the child must not
-    run on, unreaped and unwatched, while the slot is released."""
-    from conch import supervisor
+    """Thread.start fails for the child's reaper (a pids limit the child itself just
+    reached): the child must not run on, unreaped and unwatched, while the slot is released."""
     from conch.flag import Flag
+    from conch.supervisor import supervise
 
     children: list[int] = []
+    real_start, earlier = threading.Thread.start, set(_sleeping_children())
 
-    def no_thread(pid: int, callback: object) -> None:
-        children.append(pid)
-        raise RuntimeError("can't start new thread")
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "conch-reap":  # the thread that waits for the child spawned now
+            children.extend(set(_sleeping_children()) - earlier)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
 
-    monkeypatch.setattr(supervisor, "_on_exit", no_thread)
+    monkeypatch.setattr(threading.Thread, "start", start)
     sema = conch.Semaphore(client, name, max=1, ttl=5)
     with pytest.raises(RuntimeError):
-        supervisor.supervise(sema, ["sleep", "60"], None, 1.0, Flag("stop"))
+        supervise(sema, ["sleep", "60"], None, 1.0, Flag("stop"))
+    assert len(children) == 1, children
     poll(lambda: not alive(children[0]), what="the child killed")  # a zombie at most
     assert sema_keys(client, name) == []
     with contextlib.suppress(ChildProcessError):
         os.waitpid(children[0], 0)
+
+
+def _sleeping_children() -> list[int]:
+    """This process's children running ``sleep``, by their parent in /proc/PID/stat (the
+    per-thread ``children`` lists of /proc/self/task may miss a child while threads run)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None and int(fields[1]) == os.getpid():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"sleep"):
+                    pids.append(int(entry))
+    return pids
 
 
 def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, name: str) -> None:
@@ -902,21 +962,19 @@ def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, na
 
 
 def test_a_lease_gone_before_the_first_write_re_enters(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    client: Client, name: str, proxies: Callable[[], FaultProxy]
 ) -> None:
     """A process stopped between its LeaseGrant and its first write finds its lease expired:
-    etcd refuses the put (lease not found). That is a lost session: re-enter, not give up."""
+    etcd refuses the put (lease not found). That is a lost session: re-enter, not give up.
+    The proxy the waiter's client goes through revokes the lease its first Txn puts on."""
+    proxy = proxies()
 
-    class ExpiredFirst(conch.Session):
-        tries = 0
+    def expired_first(request: rpc_pb2.TxnRequest, context: object) -> None:
+        leases = [op.request_put.lease for op in request.success if op.HasField("request_put")]
+        lease.revoke(client, leases[0])
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            ExpiredFirst.tries += 1
-            if ExpiredFirst.tries == 1:
-                lease.revoke(client, self.lease_id)
-
-    monkeypatch.setattr(semaphore, "Session", ExpiredFirst)
-    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=20)
-    assert ExpiredFirst.tries == 2
-    hold.release()
+    proxy.before("Txn", expired_first, times=1)
+    with proxy.client() as own:
+        hold = conch.Semaphore(own, name, max=1, ttl=5).acquire(timeout=20)
+        assert len(proxy.requests("LeaseGrant")) == 2
+        hold.release()

@@ -4,6 +4,7 @@ ones may (pure: no etcd)."""
 from __future__ import annotations
 
 from conch.core.line import Line
+from conch.core.messages import KeyRev
 
 
 def test_a_waiter_whose_key_is_not_known_yet_counts_as_ahead() -> None:
@@ -51,3 +52,14 @@ def test_a_key_placed_again_moves_its_waiter_and_one_that_leaves_parked_is_gone(
     assert line.park("a", 8)
     assert line.leave("a") == []  # its deadline came: parked or not, it is out
     assert line.leave("b") == [] and len(line) == 0
+
+
+def test_the_head_read_loses_only_keys_deleted_after_it() -> None:
+    """A deletion at or before the read's revision may be of an earlier key of that name
+    (one of our session's names, reused): the key the read found stays."""
+    line: Line[str] = Line(limit=2)
+    line.head = 20, [KeyRev(b"a", 5, 5), KeyRev(b"b", 6, 6), KeyRev(b"c", 7, 7)]
+    line.seen([KeyRev(b"a", 0, 21, deleted=True), KeyRev(b"b", 0, 19, deleted=True)])
+    assert line.head == (20, [KeyRev(b"b", 6, 6), KeyRev(b"c", 7, 7)])
+    line.seen([KeyRev(b"c", 0, 22)])  # a put (a touch) leaves it
+    assert [k.key for k in line.head[1]] == [b"b", b"c"]

@@ -186,14 +186,33 @@ def test_a_waiter_promoted_by_a_read_owes_the_touch(max_holders: int, owed: m.To
     assert (held.touch, held.retire, held.held_at) == (owed, (watch.id,), 40)
 
 
-def test_a_watch_created_after_a_change_is_caught_by_the_gap_check() -> None:
+def test_a_release_in_the_gap_before_the_watch_is_counted_by_the_gap_check() -> None:
+    """The holder left between our read and the watch's start: the gap check, which finds
+    it gone and ours there, hands the slot over at its own revision, with no second read of
+    the queue (each costs etcd every key under the prefix)."""
     waiter, enqueue = private(1)
     holder = kr("h", 3)
     watch = only(queued(waiter, enqueue, [holder]), m.OpenWatch)
     (check,) = waiter.feed(m.Watched(watch.id, revision=15, created=True))
     assert isinstance(check, m.ReadKeys) and list(check.keys) == [holder.key, ME]
-    actions = waiter.feed(m.KeysAnswer(check.id, [None, mine(10)]))  # the holder left
-    assert kinds(actions) == [m.ReadStanding, m.CancelWatch]
+    assert waiter.feed(m.KeysAnswer(check.id, [None, mine(10)], 17)) == []  # the holder left
+    held = waiter.outcome
+    assert isinstance(held, m.Held)
+    assert (held.held_at, held.retire) == (17, (watch.id,))
+
+
+def test_a_gap_check_that_finds_a_key_ahead_gone_keeps_counting_the_others() -> None:
+    waiter, enqueue = private(2)
+    a, b, c = kr("a", 3), kr("b", 4), kr("c", 5)
+    watch = only(queued(waiter, enqueue, [a, b, c]), m.OpenWatch)
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
+    assert waiter.feed(m.KeysAnswer(check.id, [None, b, c, mine(10)], 16)) == []
+    assert waiter.state == r.State.IN_WINDOW and waiter.outcome is None
+    assert waiter.feed(m.Watched(watch.id, [deleted(a, 17)], 17)) == []  # counted once
+    assert waiter.outcome is None
+    assert waiter.feed(m.Watched(watch.id, [deleted(c, 18)], 18)) == []
+    held = waiter.outcome
+    assert isinstance(held, m.Held) and held.held_at == 18
 
 
 def test_a_gap_check_that_finds_nothing_changed_keeps_waiting() -> None:

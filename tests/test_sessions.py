@@ -8,14 +8,15 @@ import queue
 import threading
 import time
 import warnings
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
 import conch
 from conch.etcd import Client, Endpoint, kv, lease
-from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
-from tests.conftest import DEADLINE, poll, sema_keys
+from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
+from tests.conftest import DEADLINE, etcd_watchers, poll, sema_keys
+from tests.delayproxy import FaultProxy, lose_answer, watch_created
 from tests.etcd_server import EtcdCluster
 
 
@@ -175,22 +176,18 @@ def test_a_waiter_on_a_shared_session_that_gives_up_deletes_its_key_and_keeps_th
 
 
 def test_a_shared_waiter_whose_enqueue_went_through_unanswered_leaves_no_key(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    proxies: Callable[[], FaultProxy], name: str
 ) -> None:
-    """etcd applied our enqueue but the answer was lost (Unavailable), and time is up: the
-    key must not stay on the shared lease, where it would queue as a ghost while the
-    session lives."""
-    real_txn = kv.txn
-
-    def txn_answer_lost(*args: Any, **kwargs: Any) -> Any:
-        real_txn(*args, **kwargs)
-        monkeypatch.setattr(kv, "txn", real_txn)
-        raise conch.Unavailable("answer lost")
-
-    with conch.Session(client, ttl=5) as session:
-        monkeypatch.setattr(kv, "txn", txn_answer_lost)
+    """etcd applied our enqueue but the answer was lost (the call ran out of time), and time
+    is up: the key must not stay on the shared lease, where it would queue as a ghost while
+    the session lives."""
+    proxy = proxies()
+    with proxy.client(request_timeout=1.0) as client, conch.Session(client, ttl=5) as session:
+        proxy.after("Txn", lose_answer, times=1)
         with pytest.raises(conch.NoSlot):
             conch.Semaphore(client, name, max=1).acquire(timeout=0, session=session)
+        enqueued = [r for r in proxy.requests("Txn") if r.success]
+        assert enqueued, "no enqueue went to etcd"
         assert sema_keys(client, name) == []
 
 
@@ -243,63 +240,80 @@ def test_the_shared_stream_follows_a_failover_of_calls_and_resumes_every_watch(
 ) -> None:
     """When calls move off an endpoint (Client.on_failover), the shared stream moves too,
     and every watch on it resumes after the last revision it delivered."""
-    endpoints = [Endpoint.parse(m.endpoint) for m in cluster.members]
-    with Client.connect(endpoints) as client:
-        boxes: list[queue.SimpleQueue[WatchNotice]] = [queue.SimpleQueue() for _ in range(2)]
-        start = kv.put(client, b"/fo/a", b"0").header.revision
-        watches = [
-            Watch(client, k, start, b.put) for k, b in zip([b"/fo/a", b"/fo/b"], boxes, strict=True)
-        ]
-        try:
-            assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"0"]
-            hub = _hub_for(client)
-            old = hub._stream
-            assert old is not None and old.endpoint == endpoints[0]
-            client.failover(endpoints[0])
-            poll(lambda: hub._stream is not None and hub._stream is not old, what="moved")
-            assert hub._stream is not None and hub._stream.endpoint == endpoints[1]
-            kv.put(client, b"/fo/a", b"1")
-            kv.put(client, b"/fo/b", b"1")
-            assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"1"]
-            assert [e.kv.value for e in boxes[1].get(timeout=DEADLINE).events] == [b"1"]
-            with pytest.raises(queue.Empty):
-                boxes[0].get(timeout=0.5)  # nothing repeated
-        finally:
-            for w in watches:
-                w.cancel()
+    proxies = [FaultProxy(m.endpoint) for m in cluster.members[:2]]
+    endpoints = [Endpoint.parse(p.endpoint) for p in proxies]
+    try:
+        with Client.connect(endpoints) as client:
+            boxes: list[queue.SimpleQueue[WatchNotice]] = [queue.SimpleQueue() for _ in range(2)]
+            keys = [b"/fo/a", b"/fo/b"]
+            start = kv.put(client, b"/fo/a", b"0").header.revision
+            watches = [Watch(client, k, start, b.put) for k, b in zip(keys, boxes, strict=True)]
+            try:
+                assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"0"]
+                assert _watches_created(proxies[0]) == {k: start for k in keys}
+                client.failover(endpoints[0])
+                poll(lambda: len(_watches_created(proxies[1])) == 2, what="moved")
+                # Each resumes after the last revision it delivered (/fo/b: none yet).
+                assert _watches_created(proxies[1]) == {b"/fo/a": start + 1, b"/fo/b": start}
+                kv.put(client, b"/fo/a", b"1")
+                kv.put(client, b"/fo/b", b"1")
+                assert [e.kv.value for e in boxes[0].get(timeout=DEADLINE).events] == [b"1"]
+                assert [e.kv.value for e in boxes[1].get(timeout=DEADLINE).events] == [b"1"]
+                with pytest.raises(queue.Empty):
+                    boxes[0].get(timeout=0.5)  # nothing repeated
+            finally:
+                for w in watches:
+                    w.cancel()
+    finally:
+        for p in proxies:
+            p.close()
+
+
+def _watches_created(proxy: FaultProxy) -> dict[bytes, int]:
+    """The watches the client asked ``proxy``'s etcd for: key -> start revision."""
+    return {
+        r.create_request.key: r.create_request.start_revision
+        for r in proxy.requests("Watch")
+        if r.HasField("create_request")
+    }
 
 
 def test_a_single_endpoint_clients_failover_leaves_its_watch_stream_alone(
-    client: Client, name: str
+    proxies: Callable[[], FaultProxy], name: str
 ) -> None:
     """With one endpoint a failover moves nowhere (a unary call that timed out under load):
     the shared stream, and every watch on it, stays as it is."""
+    proxy = proxies()
     box: queue.SimpleQueue[WatchNotice] = queue.SimpleQueue()
-    watch = Watch(client, f"/test/{name}".encode(), 0, box.put, confirm=True)
-    try:
-        assert box.get(timeout=DEADLINE).created
-        hub = _hub_for(client)
-        stream = hub._stream
-        client.failover(client.endpoint)
-        assert hub._stream is stream
-        with pytest.raises(queue.Empty):
-            box.get(timeout=0.5)  # no second "created": the watch was not made again
-    finally:
-        watch.cancel()
+    with proxy.client() as client:
+        watch = Watch(client, f"/test/{name}".encode(), 0, box.put, confirm=True)
+        try:
+            assert box.get(timeout=DEADLINE).created
+            client.failover(client.endpoint)
+            kv.put(client, f"/test/{name}".encode(), b"x")
+            assert box.get(timeout=DEADLINE).events  # the stream still delivers
+            assert len(proxy.requests("Watch")) == 1, "the watch was made again"
+        finally:
+            watch.cancel()
 
 
 def test_a_lost_hold_kept_by_its_owner_leaves_no_watch_on_the_stream(
-    client: Client, name: str
+    own_etcd: EtcdCluster, name: str
 ) -> None:
-    hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
-    hub = _hub_for(client)
-    try:
-        poll(lambda: hub._watches, what="the guard's watch")
-        kv.delete(client, hold.key)
-        assert hold.lost.wait(DEADLINE)
-        poll(lambda: not hub._watches, timeout=5.0, what="the guard's watch cancelled")
-    finally:
-        hold.release()
+    with own_etcd.client() as client:
+        before = etcd_watchers(own_etcd)
+        hold = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
+        try:
+            poll(lambda: etcd_watchers(own_etcd) > before, what="the guard's watch")
+            kv.delete(client, hold.key)
+            assert hold.lost.wait(DEADLINE)
+            poll(
+                lambda: etcd_watchers(own_etcd) == before,
+                timeout=5.0,
+                what="the guard's watch cancelled",
+            )
+        finally:
+            hold.release()
 
 
 # -- threads per client, not per hold --------------------------------------------------
@@ -347,17 +361,18 @@ def _acquire_quietly(sema: conch.Semaphore, session: conch.Session) -> None:
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_hold_dropped_in_a_live_process_is_released_with_a_warning(
-    etcd: EtcdCluster, client: Client, name: str, shared: bool
+    proxies: Callable[[], FaultProxy], client: Client, name: str, shared: bool
 ) -> None:
     """``del client, sema, hold; gc.collect()``: the key (and a private lease) must not
     outlive the hold by more than the TTL; a ResourceWarning says it was dropped."""
     ttl = 3
-    own = etcd.client()
+    proxy = proxies()
+    own = proxy.client()
     session = conch.Session(own, ttl=ttl) if shared else None
     sema = conch.Semaphore(own, name, max=1, ttl=ttl)
     hold = sema.acquire(timeout=10, session=session)
     lease_id = hold.lease_id
-    time.sleep(0.2)  # into the hold: its guard is watching (not a synchronisation)
+    poll(lambda: watch_created(proxy.seen, prefix_only=False), what="the guard watching")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dropped = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Generator
 from typing import Any
@@ -13,7 +14,6 @@ from conch.aio.tasks import outlast_cancel, spawn
 from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-from conch.etcd import lease
 from conch.session import Keeper, SessionBase
 from conch.timer import listen
 
@@ -35,20 +35,12 @@ class _Keeper(Keeper):
         try:
             await self.loop.create_future()
         finally:
-            self.next_wake.cancel()
-            etcd_aio.forget_lease(self.client.sync, self.lease_id)
+            etcd_aio.forget_lease(self.client.sync, self.lease_id)  # the keepalive settles
+            self.next_wake.cancel()  # and what it scheduled goes
 
     def send(self, deadline: float) -> None:
-        spawn(self.loop, self._keepalive(deadline))
-
-    async def _keepalive(self, deadline: float) -> None:
-        sent = time.monotonic()
-        outcome: lease.Outcome
-        try:
-            outcome = await etcd_aio.keepalive(self.client.sync, self.lease_id, deadline)
-        except EtcdError as exc:
-            outcome = exc
-        self.settle(sent, outcome)
+        settle = functools.partial(self.settle, time.monotonic())
+        etcd_aio.keepalive(self.client.sync, self.lease_id, deadline, settle)
 
     def declare_lost(self, reason: Loss) -> None:
         self.reason = reason

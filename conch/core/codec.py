@@ -12,7 +12,7 @@ import enum
 import re
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb import kv_pb2
@@ -41,17 +41,22 @@ def _txn(
     return Call("Txn", rpc_pb2.TxnRequest(compare=compare, success=success, failure=failure))
 
 
+Head = tuple[int, list[messages.KeyRev]]  # a read of the queue's first keys: revision, keys
+
+
 def key_rev(item: kv_pb2.KeyValue, deleted: bool = False) -> messages.KeyRev:
     return messages.KeyRev(item.key, int(item.create_revision), int(item.mod_revision), deleted)
 
 
-def _standing_ranges(prefix: bytes, max: int, upto: int = 0) -> list[rpc_pb2.RangeRequest]:
-    """The window and the last two keys, none created after revision ``upto`` (0: any)."""
-    keys = {"keys_only": True, "sort_target": kv.CREATE, "max_create_revision": upto}
-    return [
-        kv.prefix_request(prefix, limit=limit, sort_order=order, **keys)
-        for limit, order in ((window_size(max), kv.ASCEND), (2, kv.DESCEND))
-    ]
+def _standing_ranges(prefix: bytes, max: int, upto: int = 0, head: int = 0) -> Reads:
+    """The window (``head``: that many first keys of the whole queue) and the last two keys,
+    none created after revision ``upto`` (0: any)."""
+    keys = {"keys_only": True, "sort_target": kv.CREATE}
+    first = (head or window_size(max), kv.ASCEND, 0 if head else upto)
+    return Reads(
+        kv.prefix_request(prefix, limit=n, sort_order=order, max_create_revision=top, **keys)
+        for n, order, top in (first, (2, kv.DESCEND, upto))
+    )
 
 
 def enqueue_call(
@@ -101,12 +106,12 @@ class Reads(list[rpc_pb2.RangeRequest]):
     enough: Callable[[Sequence[rpc_pb2.RangeResponse]], bool] | None = None
 
 
-def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int) -> Reads:
-    """The two Ranges of the standing read, keys only, none created after our key: the
-    window (``window_size(max)`` keys ascending by create_revision) and our key with the
-    one just ahead (2 keys descending). Read them with ``ReadTogether``: a window that
-    holds our key is enough (ours is its last key)."""
-    reads = Reads(_standing_ranges(prefix, max, action.revision))
+def standing_reads(action: messages.ReadStanding, prefix: bytes, max: int, head: int = 0) -> Reads:
+    """The two Ranges of the standing read, keys only: the window (``window_size(max)`` keys
+    ascending by create_revision, none created after ours; ``head``: the queue's first
+    ``head`` keys) and our key with the one just ahead (2 keys descending). Read them with
+    ``ReadTogether``: a first Range that holds our key is enough (ours is its last key)."""
+    reads = _standing_ranges(prefix, max, action.revision, head)
     reads.enough = lambda answers: any(k.key == action.key for k in answers[0].kvs)
     return reads
 
@@ -122,6 +127,21 @@ def standing_answer(action: messages.Tagged, read: Together) -> messages.Standin
     )
 
 
+def head_answer(
+    action: messages.ReadStanding, head: Head, max: int, more: Sequence[Any] | None = None
+) -> messages.StandingAnswer | None:
+    """``action``'s standing from ``head`` (a revision and the first keys of the queue then:
+    ``standing_reads(head=...)``'s first Range) and ``more`` (its second, if read: ours and
+    the one ahead). Without ``more`` (an earlier read, less keys deleted since), None unless
+    ours is in the window and not holding: its gap check then counts what left since."""
+    upto = [k for k in head[1] if k.create_revision <= action.revision]
+    ours = [k for k in upto[-1:] if (k.key, k.create_revision) == (action.key, action.revision)]
+    if more is None and not (ours and max < len(upto) <= window_size(max)):
+        return None
+    pair = upto[-2:][::-1] if ours else [key_rev(k) for r in more or () for k in r.kvs]
+    return messages.StandingAnswer(action.id, head[0], upto[: window_size(max)], pair)
+
+
 def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
     """One Range per key of ``action``, in its order, to read with ``ReadTogether``."""
     return [rpc_pb2.RangeRequest(key=key) for key in action.keys]
@@ -130,7 +150,7 @@ def keys_reads(action: messages.ReadKeys) -> list[rpc_pb2.RangeRequest]:
 def keys_answer(action: messages.ReadKeys, read: Together) -> messages.KeysAnswer:
     """What ``keys_reads`` read together, as KeysAnswer (None for a key absent)."""
     kvs = [key_rev(r.kvs[0]) if r.kvs else None for r in read.responses]
-    return messages.KeysAnswer(action.id, kvs)
+    return messages.KeysAnswer(action.id, kvs, read.revision)
 
 
 class ReadPlan(enum.Enum):

@@ -8,8 +8,10 @@ waiters in one process". Parking only delays a read: every decision stays the Wa
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Generic, TypeVar
+
+from conch.core.messages import KeyRev
 
 M = TypeVar("M", bound=Hashable)  # a member: a face's driver
 
@@ -26,6 +28,13 @@ class Line(Generic[M]):
         self._waiting: list[int] = []  # the members' known revisions, ascending
         self._parked: dict[int, M] = {}  # a parked member by its revision
         self._parked_order: list[int] = []  # their revisions, ascending
+        self.head: tuple[int, list[KeyRev]] = (0, [])  # the first keys read last, and when
+
+    def seen(self, events: Sequence[KeyRev]) -> None:
+        """A key deleted after ``head`` was read leaves it (what it held of that name is gone)."""
+        revision, keys = self.head
+        gone = {e.key for e in events if e.deleted and e.mod_revision > revision}
+        self.head = revision, [k for k in keys if k.key not in gone]
 
     def __len__(self) -> int:
         return len(self._members)

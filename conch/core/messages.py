@@ -72,6 +72,7 @@ class StandingAnswer(Tagged):
 @dataclass(frozen=True)
 class KeysAnswer(Tagged):
     kvs: Sequence[KeyRev | None]  # each key in the order asked, None when absent
+    revision: int = 0  # the read's
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,10 @@ class Waiter:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:
                 return []  # nothing happened since our read
-            self._gap_asked = self._watched_keys()
+            ahead = [*self._ahead, KeyRev(self.key, self.revision, 0)]  # the window's, and ours
+            self._gap_asked = (
+                ahead if self.state == State.IN_WINDOW else [*filter(None, [self._watched])]
+            )
             return self._send(m.ReadKeys(next(self._ids), [k.key for k in self._gap_asked]))
         if self.state == State.IN_WINDOW:
             if self._request is not None and self._asked is m.ReadKeys:
@@ -301,12 +304,6 @@ class Waiter:
         self._woke.append(event.id)
         return self._read_standing()
 
-    def _watched_keys(self) -> list[KeyRev]:
-        if self.state == State.IN_WINDOW:
-            return [*self._ahead, KeyRev(self.key, self.revision, 0)]
-        assert self._watched is not None
-        return [self._watched]
-
     def _window_events(self, event: m.Watched) -> list[m.Action]:
         """Deletions under the prefix, in revision order: each one of a key ahead moves us
         up; the one that leaves fewer than N ahead means we hold at its revision. A deletion
@@ -323,37 +320,36 @@ class Waiter:
         return self._maybe_touch()
 
     def _gap_checked(self, answer: m.KeysAnswer) -> list[m.Action]:
-        """Whether a watched key changed between our read and the watch's start: in the
-        window a deletion (create_revision differs or absent); behind, any change. In the
-        window, the events held back while it was unanswered are counted once it says
-        nothing changed (one of them may be the release we hold on)."""
+        """Whether a watched key changed between our read and the watch's start. In the
+        window a key ahead gone (absent, or created again) counts as a deletion, after the
+        events held back while it was unanswered (one may be the release we hold on): keys
+        ahead only ever leave, so the queue is not read again. Our own key gone, or behind
+        any change of the key ahead, means reading again."""
         held_back, self._held_back = self._held_back, []
         if self.state not in _WAITING:
             return []
-        any_put = self.state != State.IN_WINDOW
-        # Only the keys still watched. A key ahead whose deletion is among the events held
-        # back is gone whenever it went (the check reads at or after the watch's start):
-        # that event counts it below. Our own key absent is always a change.
-        still = {k.key for k in self._watched_keys()} - {
-            e.key for held in held_back for e in held.events if e.deleted and e.key != self.key
-        }
-        if not any(
-            then.key in still
-            and (
-                now is None
-                or now.create_revision != then.create_revision
-                or (any_put and now.mod_revision != then.mod_revision)
-            )
+        window = self.state == State.IN_WINDOW
+        gone = [
+            then
             for then, now in zip(self._gap_asked, answer.kvs, strict=True)
-        ):
-            actions: list[m.Action] = []
-            for event in held_back:
-                if event.id != self._watch or self.state != State.IN_WINDOW:
-                    break
-                actions += self._window_events(event)
-            return actions
-        stale, self._watch = self._watch, None
-        return [*self._reread()(), *([m.CancelWatch(stale)] if stale is not None else [])]
+            if now is None
+            or now.create_revision != then.create_revision
+            or (not window and now.mod_revision != then.mod_revision)
+        ]
+        if gone and (not window or any(k.key == self.key for k in gone)):
+            stale, self._watch = self._watch, None
+            return [*self._reread()(), *([m.CancelWatch(stale)] if stale is not None else [])]
+        actions: list[m.Action] = []
+        for event in held_back:
+            if event.id != self._watch or self.state != State.IN_WINDOW:
+                break
+            actions += self._window_events(event)
+        if self.state != State.IN_WINDOW:
+            return actions  # behind, nothing changed; or held on an event held back
+        # Ours was there at the check, and at each event counted (they come in order).
+        seen = max([answer.revision, *(e.mod_revision for h in held_back for e in h.events)])
+        deletions = [KeyRev(k.key, k.create_revision, seen, True) for k in gone]
+        return actions + self._window_events(m.Watched(self._watch or 0, deletions, seen))
 
     # -- the touch -----------------------------------------------------------------------
 

@@ -15,11 +15,11 @@ from typing import Concatenate, ParamSpec, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
-from conch.errors import LeaseNotFound
+from conch.errors import LeaseNotFound, Unavailable
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
-from conch.etcd.lease import Grant, LoopKeepAlives
+from conch.etcd.lease import NO_ANSWER, Grant, LoopKeepAlives
 from conch.etcd.loop import call_soon as call_soon
 from conch.etcd.loop import resolve
 from conch.etcd.watch import LoopHub, Watch, WatchNotice, _hub_for
@@ -140,25 +140,25 @@ class LoopWatch(Watch):
             self._on_notice(notice)
 
 
-async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
+def keepalive(
+    client: Client, lease_id: int, deadline: float, done: Callable[[lease.Outcome], None]
+) -> None:
     """One LeaseKeepAlive of ``lease_id`` on the client's keepalive stream of the running
-    loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``),
-    awaited: as ``lease.KeepAlives.refresh`` ends (the TTL in seconds; LeaseNotFound,
-    Unavailable by ``deadline``). A cancel of the awaiting task leaves the keepalive to run
-    out on its own (its answer is dropped)."""
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future[lease.Outcome] = loop.create_future()
+    loop (shared with every coroutine session of the client: ``lease.LoopKeepAlives``):
+    ``done(outcome)`` once, on the loop, as ``lease.KeepAlives.refresh`` ends (the TTL in
+    seconds; LeaseNotFound, Unavailable by ``deadline``), called by the stream's reader or
+    the deadline's timer: no task, no future per keepalive."""
     keepalives = _keepalives(client)
     if isinstance(keepalives, LoopKeepAlives):
         # Its deadline is a timer of this loop: no thread that could be late to watch for.
-        keepalives.refresh(lease_id, deadline, functools.partial(resolve, answer))
-        return lease.ttl_of(await answer)
-
+        keepalives.refresh(lease_id, deadline, done)
+        return
     # Resolved from the keepalives' timer thread, whose lateness the wait bounds.
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[lease.Outcome] = loop.create_future()
+    answer.add_done_callback(lambda _: done(answer.result()))
+    loop.call_later(lease.wait_for(deadline), resolve, answer, Unavailable(NO_ANSWER))
     keepalives.refresh(lease_id, deadline, functools.partial(call_soon, loop, resolve, answer))
-    with contextlib.suppress(TimeoutError):
-        return lease.ttl_of(await asyncio.wait_for(answer, lease.wait_for(deadline)))
-    return lease.ttl_of(None)
 
 
 def forget_lease(client: Client, lease_id: int) -> None:

@@ -297,6 +297,9 @@ class KeepAlives:
                 log.error("keepalive-answer-failed", error=repr(exc))
 
 
+_UNANSWERED, _NONE_YET = Unavailable(NO_ANSWER), Handle(0.0, 0, None)  # shared by every _Ask
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class _Ask:
     """One keepalive under way: the streams it went out on (in order, each with the index
@@ -307,10 +310,10 @@ class _Ask:
     done: Callable[[Outcome], None]
     asked: dict[Stream, int] = dataclasses.field(default_factory=dict)
     backoff: Backoff = dataclasses.field(default_factory=Backoff)
-    last_error: EtcdError = dataclasses.field(default_factory=lambda: Unavailable(NO_ANSWER))
+    last_error: EtcdError = _UNANSWERED
     # The next stream asked, or the retry; when it gives up (none yet: a cancel does nothing).
-    next: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
-    expiry: Cancellable = dataclasses.field(default_factory=lambda: Handle(0.0, 0, None))
+    next: Cancellable = dataclasses.field(default_factory=lambda: _NONE_YET)
+    expiry: Cancellable = dataclasses.field(default_factory=lambda: _NONE_YET)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -342,7 +345,7 @@ class LoopKeepAlives(KeepAlives):
             try:
                 client = live(self._client_ref)
                 token = await client.token_async(timeout)
-                opened = LoopStream(client, *_LEASE, self._deliver, token, endpoint)
+                opened = LoopStream(client, *_LEASE, self._on_item, token, endpoint)
             except Exception as exc:
                 opened = exc
             self._opened(endpoint, opened)
@@ -356,11 +359,8 @@ class LoopKeepAlives(KeepAlives):
 
     def forget(self, lease_id: int) -> None:
         """As ``KeepAlives.forget``, but a keepalive under way ends with Unavailable (its
-        coroutine awaits no timer of its own)."""
+        session waits for no timer of its own)."""
         self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
-
-    def _deliver(self, item: StreamItem) -> None:  # on the loop: no hand-over
-        self._on_item(item)
 
 
 # ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.

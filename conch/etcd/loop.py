@@ -28,19 +28,18 @@ class _Admission:
     """The calls one loop started in its current iteration, and the futures of those
     waiting for a later one, in order."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self) -> None:  # no reference to its loop: the loop is its key (weakly)
         self._started = 0
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def admit(self) -> asyncio.Future[None] | None:
         """None: start now; else a future to await, done when this call's turn comes."""
         if not (self._started or self._waiting):  # else _next_iteration is scheduled
-            self._loop.call_soon(self._next_iteration)
+            asyncio.get_running_loop().call_soon(self._next_iteration)
         if self._started < STARTS_PER_ITERATION and not self._waiting:
             self._started += 1
             return None
-        turn: asyncio.Future[None] = self._loop.create_future()
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
         return turn
 
@@ -52,10 +51,10 @@ class _Admission:
                 turn.set_result(None)
                 self._started += 1
         if self._waiting or self._started:
-            self._loop.call_soon(self._next_iteration)
+            asyncio.get_running_loop().call_soon(self._next_iteration)
 
 
-admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(_Admission)
+admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(lambda _loop: _Admission())
 
 
 def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:

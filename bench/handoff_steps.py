@@ -8,7 +8,8 @@ end (bash's $EPOCHREALTIME, as bench/run.py's). conch runs through this file, wh
 few of conch's internal functions to stamp each step on the same clock (so it follows their
 names: a rename there needs one here):
 
-    child end -> exit seen     the reaper thread sees the child gone (waitid)
+    child end -> exit seen     the reaper thread sees the child gone (waitid), and tells the
+                               supervisor's thread
     -> revoke sent             the reaper looked for escaped processes, and revokes
     -> event at the waiter     the deletion's watch event reaches the next holder's reader
     -> acquired (main thread)  the event is the main thread's: it holds
@@ -74,10 +75,10 @@ def traced_conch() -> None:
             stamp("event")
         on_item(hub, item)
 
-    supervisor._log_child_exit = before("exit-seen", supervisor._log_child_exit)
+    supervisor._Run._first_notice = after("exit-seen", supervisor._Run._first_notice)  # type: ignore[method-assign]
     lease.revoke = before("revoke", lease.revoke)
     watch._Hub._on_item = on_item_stamped  # type: ignore[assignment]
-    semaphore.Semaphore._acquire = after("acquired", semaphore.Semaphore._acquire)  # type: ignore[method-assign]
+    semaphore._Wait.run = after("acquired", semaphore._Wait.run)  # type: ignore[method-assign]
     os.posix_spawnp = before("spawn", os.posix_spawnp)
     sys.argv = ["conch", *sys.argv[2:]]
     cli.run()

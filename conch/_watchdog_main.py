@@ -1,13 +1,11 @@
 """The watchdog process itself (``conch.watchdog``; its protocol is the table in
-docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py KILL_AFTER``, standard
-library only, nothing imported from conch, not even contextlib (10 ms of imports for every
-conch start). Every instant is ``time.monotonic()``, one clock for the whole host on Linux.
-"""
+docs/design.md, "The watchdog"): ``python -I -S _watchdog_main.py``, standard library only,
+nothing imported from conch, not even contextlib (10 ms of imports for every conch start).
+Every instant is ``time.monotonic()``, one clock for the whole host on Linux."""
 
 import os
 import select
 import signal
-import sys
 import time
 
 # Seconds a frozen wrapper's SIGTERM comes after the one a live wrapper would send at the
@@ -95,7 +93,6 @@ def terminate(pgids: "set[int]", kill_at: float, term: bool = True) -> None:
 
 
 def main() -> None:
-    kill_after = float(sys.argv[1])
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
     # SIGCONT from the kernel when conch dies: a watchdog stopped by someone's SIGSTOP, its
@@ -108,13 +105,12 @@ def main() -> None:
     except (ImportError, OSError, AttributeError):
         pass
     os.write(1, b"R")  # running: conch starts no child before it reads this
-    pipe = Pipe()
-    while (words := pipe.line(None)) and words[0] == b"p":  # probed before the child's start
-        say(b"A")
+    words = (pipe := Pipe()).line(None)
     if not words or words[0] != b"e":
         leave(pipe)
     assert words is not None
-    margin, expiry, marks = float(words[1]), float(words[2]), set(words[3:])
+    margin, expiry, kill_after = (float(word) for word in words[1:4])
+    marks = set(words[4:])
     pgid = None
     standby = None  # conch terminates the group itself; SIGKILL is ours at this instant
     while True:
@@ -130,7 +126,7 @@ def main() -> None:
         elif words[0] == b"h":
             expiry = max(expiry, float(words[1]))
         elif words[0] == b"a":
-            pgid = int(words[1])
+            pgid, expiry = int(words[1]), max(expiry, float(words[2]))
         elif words[0] == b"s":  # SIGKILL ours a second after conch's own, unless goodbye
             standby = float(words[1]) + 1.0
     # Between the child's start and the arm line (conch killed right there) only the marks

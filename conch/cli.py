@@ -38,6 +38,7 @@ from conch.settings import (
     setting,
     truthy,
 )
+from conch.watchdog import Watchdog
 
 __all__ = ["build_parser", "main", "parse_duration", "parse_ttl", "run"]
 
@@ -340,61 +341,60 @@ def _run(
     settings: _RunSettings,
     connection: Connection,
     exiting: bool,
+    watchdog: Watchdog | None,
 ) -> int:
     ttl, kill_after, wait, record_args = settings
     identity = Identity.current(cmd, record_args=record_args)
     check_host(identity.host)
     if exiting:
         supervisor.adopt_orphans()  # the process is ours: reap whatever the child leaves behind
-    # Started while we connect (~20 ms sooner); if it cannot be, supervise() retries and reports.
-    watchdog = None
-    with contextlib.suppress(OSError):
-        watchdog = supervisor.start_watchdog(kill_after)
+    if watchdog is not None:  # started before the imports, closed by run(); else supervise()
+        supervisor.start_watchdog(watchdog, None)  # starts one. Known to the adopting reaper.
     # Caught from the first write on (dialling writes nothing: a signal may simply end us);
     # with ``exiting`` they stay caught, as a late one must not replace the child's status.
-    try:
-        with (
-            connection.dial() as client,
-            supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
-        ):
-            sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
-            try:
-                return supervisor.supervise(sema, cmd, wait, kill_after, stop, watchdog)
-            except NoSlot as exc:
-                log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
-                return exc.exit_code
-            except Interrupted as exc:
-                log.info("interrupted", name=args.name, signum=exc.signum)
-                return exc.exit_code
-    finally:
-        if watchdog is not None:  # unused: the connection failed
-            watchdog.dismiss()
+    with (
+        connection.dial() as client,
+        supervisor.stop_on_signals(Flag("stop"), restore=not exiting) as stop,
+    ):
+        sema = Semaphore(client, args.name, max_holders, ttl, args.spread, identity)
+        try:
+            return supervisor.supervise(sema, cmd, wait, kill_after, stop, watchdog)
+        except NoSlot as exc:
+            log.info("timeout", name=args.name, max=max_holders, reason=str(exc))
+            return exc.exit_code
+        except Interrupted as exc:
+            log.info("interrupted", name=args.name, signum=exc.signum)
+            return exc.exit_code
 
 
-def run() -> NoReturn:
-    """The ``conch`` command: ``main()``, then exit at once. Skipping the interpreter's
-    teardown saves tens of milliseconds and cannot hang on a gRPC object finalized while a
-    stream thread is frozen mid-shutdown; everything conch owns is released by then."""
-    # Its own process set up before anything else (never the library's), SIGCHLD at its
-    # default: inherited ignored, the kernel would reap the child, its status lost.
-    procs.reopen_closed_std_fds()
-    procs.undo_locale_coercion()
+def run(watchdog: Watchdog | None = None) -> NoReturn:
+    """The ``conch`` command: ``main()`` (``watchdog``: started before the imports, closed
+    if left unused), then exit at once. Skipping the interpreter's teardown saves tens of
+    milliseconds and cannot hang on a gRPC object finalized while a stream thread is frozen
+    mid-shutdown; everything conch owns is released by then."""
+    # Its own process (std fds, locale: set up by __main__), SIGCHLD at its default: inherited
+    # ignored, the kernel would reap the child, its status lost. Never the library's.
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     # gRPC's stream iterators wake every 0.1 s, in conch's threads for nothing (docs/design.md).
     import grpc._common
 
     if isinstance(getattr(grpc._common, "MAXIMUM_WAIT_TIMEOUT", None), float):
         grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
-    code = main(exiting=True)
+    code = main(exiting=True, watchdog=watchdog)
+    if watchdog is not None:  # gone before conch: an outer conch would take it for escaped
+        watchdog.close(supervisor.WATCHDOG_EXIT_TIMEOUT, reap=not procs._adopting)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     os._exit(code)
 
 
-def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
+def main(
+    argv: Sequence[str] | None = None, exiting: bool = False, watchdog: Watchdog | None = None
+) -> int:
     """Entry point of ``conch``; returns the exit code (contract section 8). ``exiting``:
-    the process exits right after, so stop signals stay caught to the end."""
+    the process exits right after, so stop signals stay caught to the end; ``watchdog``:
+    one started in advance, for a run."""
     log.to_stderr()
     words = list(sys.argv[1:] if argv is None else argv)
     split = words.index("--") if "--" in words else len(words)
@@ -423,7 +423,7 @@ def main(argv: Sequence[str] | None = None, exiting: bool = False) -> int:
             raise UsageError("missing --max N")
         if not cmd:
             raise UsageError(f"missing command: {_RUN}")
-        return _run(args, max_holders, cmd, settings, connection, exiting)
+        return _run(args, max_holders, cmd, settings, connection, exiting, watchdog)
     except Exception as exc:
         return _ending(exc, debug="--debug" in words)
     except KeyboardInterrupt:  # ^C while dialling, before signals are caught

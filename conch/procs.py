@@ -206,14 +206,14 @@ def _read(path: str) -> bytes:  # os calls: a third of the cost of open() here
 class _Stat(NamedTuple):  # /proc/PID/stat
     ppid: int
     pgid: int
-    zombie: bool
+    state: str  # R, S, D, Z (a zombie), T (stopped), ...
     started: int  # clock ticks after boot
 
 
 def _stat(pid: int) -> _Stat | None:  # None once the process is gone
     try:
         fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-        return _Stat(int(fields[1]), int(fields[2]), fields[0] == b"Z", int(fields[19]))
+        return _Stat(int(fields[1]), int(fields[2]), fields[0].decode(), int(fields[19]))
     except (OSError, IndexError, ValueError):
         return None
 
@@ -260,7 +260,7 @@ class _Job:
         orphans = _orphans()
         for pid, stat in orphans.items():
             # In the group: signalled with it. A zombie: gone, but for its reaping.
-            if new := not (stat.pgid == self.pgid or stat.zombie or pid in self._known):
+            if new := not (stat.pgid == self.pgid or stat.state == "Z" or pid in self._known):
                 self._known.add(pid)
                 log.warning("escaped", pgid=self.pgid, pid=pid, cmd=_command_line(pid))
             if self._sent is not None and (new or resend):

@@ -41,7 +41,6 @@ STOP_SIGNALS: tuple[int, ...] = (
 # Signals that stay ignored if they are when we start (nohup's SIGHUP; a background job's
 # SIGINT and SIGQUIT). Not SIGTERM: it is how conch, and its watchdog, stop the child.
 KEEP_IGNORED = (*(sig for sig in STOP_SIGNALS if sig != signal.SIGTERM), signal.SIGTSTP)
-_MARKS = ("CONCH_LEASE", "CONCH_REV")  # this child's alone: the watchdog finds it by them
 WATCHDOG_START_TIMEOUT = 10.0  # seconds for the watchdog to say it runs, before the child
 WATCHDOG_EXIT_TIMEOUT = 1.0  # seconds to wait for a dismissed watchdog to be gone
 RELEASE_AFTER_LOSS = 0.25  # seconds the release after a loss is given at most, never past E
@@ -114,7 +113,7 @@ def supervise(
     backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
     while True:  # a round: a watchdog, a hold, the child
         try:  # the watchdog before queueing: its start-up is over by the slot
-            watchdog = watchdog or start_watchdog(kill_after, environ)
+            watchdog = watchdog or start_watchdog(None, environ)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
         try:
@@ -136,7 +135,7 @@ def supervise(
 
 def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """``environ`` (default ``os.environ``) less conch's credentials
-    (``conch.settings.CREDENTIAL_VARIABLES``) and our GRPC_ENABLE_FORK_SUPPORT, plus
+    (``conch.watchdog.CREDENTIAL_VARIABLES``) and our GRPC_ENABLE_FORK_SUPPORT, plus
     CONCH_NAME, CONCH_REV (fencing token), CONCH_LEASE, CONCH_MAX."""
     env = without_credentials(os.environ if environ is None else environ)
     if etcd.FORK_SUPPORT_OFF:  # the command's setting, read when it runs
@@ -146,11 +145,12 @@ def child_env(hold: Hold, environ: Mapping[str, str] | None = None) -> dict[str,
     return env
 
 
-def start_watchdog(kill_after: float, environ: Mapping[str, str] | None = None) -> Watchdog:
-    """A Watchdog (``environ``: as Watchdog's; OSError as it raises), known to the adopting
-    reaper as no part of any job (its process is our child too)."""
+def start_watchdog(watchdog: Watchdog | None, environ: Mapping[str, str] | None) -> Watchdog:
+    """``watchdog`` (started before ``adopt_orphans()``), else a new Watchdog (``environ``: as
+    Watchdog's; OSError as it raises), known to the adopting reaper as no part of any job
+    (its process is our child too)."""
     with procs._reap_lock:  # not reaped before it is known: its pid may come back as a job's
-        watchdog = Watchdog(kill_after, environ)
+        watchdog = watchdog or Watchdog(environ)
         if procs._adopting and (stat := procs._stat(watchdog.pid)) is not None:
             procs._beside_jobs[watchdog.pid] = stat.started  # no job's: reaped, not "escaped"
         procs._spawned.set()  # the idle reaper looks again at once
@@ -175,7 +175,7 @@ def run_child(
     deadline, its watchdog's death or silence (terminate it so that it is dead before the
     lease can expire, return 70), ``stop`` (terminate it, return its status). Returns 127 or
     126 when ``argv`` cannot be found or executed, 70 when the watchdog does not run or
-    answer (nothing started). Raises HoldLost if the hold is lost (or its lease not
+    cannot (nothing started). Raises HoldLost if the hold is lost (or its lease not
     certainly alive long enough), Interrupted if ``stop`` is set, before the child starts.
     ``hold`` is released once nothing of the child is left in its group or, after
     ``adopt_orphans()``, outside it: what it left behind (a ``stragglers`` or ``escaped``
@@ -197,9 +197,11 @@ def run_child(
         env = child_env(hold, environ)
         try:
             # Before the child exists: a conch killed before the arm line leaves it found.
-            watchdog.expect({mark: env[mark] for mark in _MARKS}, run.margin, run.expiry())
+            watchdog.expect(env, run.margin, run.expiry(), run.kill_after)
         except OSError as exc:
             return _report(Outcome.WATCHDOG_FAILED, error=str(exc))
+        # After the expect line (an h before it dismisses it); the arm line covers one before.
+        run._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(run.expiry())))
         with procs._reap_lock:  # the adopting reaper takes no status until the child is claimed
             try:
                 pid = spawn(argv, env)
@@ -209,7 +211,7 @@ def run_child(
                 return _report(Outcome.CANNOT_EXECUTE, cmd=argv[0], error=exc.strerror or str(exc))
             try:
                 try:
-                    watchdog.arm(pid)
+                    watchdog.arm(pid, run.expiry())
                     unarmed = None
                 except OSError as exc:
                     unarmed = exc
@@ -285,10 +287,6 @@ class _Run:
         log.info("child-start", pid=pid, rev=hold.revision)
         # After the spawn, off the handoff's path: a watchdog dead before shows all the same.
         watchdog.watch(self.box)
-        self._undo.append(hold.session.on_keepalive(lambda: watchdog.heartbeat(self.expiry())))
-        # A keepalive confirmed since the expect line, before the listener above, would be
-        # missing from the watchdog's expiry: it could fire an interval early.
-        watchdog.heartbeat(self.expiry())
         for flag in (hold.lost, self.stop):
             flag.subscribe(self.box)
             self._undo.append(partial(flag.unsubscribe, self.box))

@@ -17,17 +17,23 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import NamedTuple
 
+from conch import procs
 from conch.errors import Interrupted
 from conch.flag import Flag, Mailbox
-from conch.settings import CREDENTIAL_VARIABLES
 
 # A script run with -I -S (no site, no user paths), so ``ps`` shows its path, not its source.
-_MAIN = str(Path(__file__).with_name("_watchdog_main.py"))
+_MAIN = os.path.join(os.path.dirname(__file__), "_watchdog_main.py")
+# Every variable a credential may come from (a path to a secret is the secret), to withhold
+# (here, not in conch.settings: the command starts its watchdog before it imports grpc).
+CREDENTIAL_VARIABLES = (
+    *(f"CONCH_{name}" for name in ("USER", "PASSWORD", "PASSWORD_FILE", "CERT", "KEY")),
+    *(f"ETCDCTL_{name}" for name in ("USER", "PASSWORD", "CERT", "KEY")),
+)
 READY, FIRED, ANSWER = b"R", b"F", b"A"  # it says: it runs; it fires (SIGTERM); it answers
 PROBE, GOODBYE = b"p\n", b"x\n"  # conch says: a probe; goodbye
+MARKS = ("CONCH_LEASE", "CONCH_REV")  # the child's alone (and its own children's)
 FIRED_READ_TIMEOUT = 0.5  # seconds to let the reader thread take what the watchdog wrote
 PROBE_INTERVAL = 0.1  # seconds from one answered probe to the next while the child runs
 # Seconds a probe may go unanswered by a watchdog that cannot run (``_halted``; well under the
@@ -47,12 +53,8 @@ def without_credentials(environ: Mapping[str, str]) -> dict[str, str]:
 def _halted(pid: int) -> str | None:
     """Why process ``pid`` cannot run by itself (its state in /proc/PID/stat, as _HALTED names
     it; "exited" without one), None if it can (R, S, ...)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return "exited"
-    state = stat.rsplit(b")", 1)[-1].split()[:1]
-    return _HALTED.get(state[0].decode()) if state else "exited"
+    stat = procs._stat(pid)
+    return "exited" if stat is None else _HALTED.get(stat.state)
 
 
 class WatchdogNotice(NamedTuple):
@@ -64,17 +66,17 @@ class WatchdogNotice(NamedTuple):
 
 
 class Watchdog:
-    """A watchdog process, started at once and idle until ``expect()`` says a child is about
-    to start, ``arm()`` names its process group; ``heartbeat()`` after each confirmed
-    keepalive, ``stand_by()`` while conch terminates the group itself, ``dismiss()`` once
-    conch is done with the child (or never had one), ``close()`` to see it gone. Every
-    instant is ``time.monotonic()``. ``environ``: the environment it starts with (default
-    ``os.environ``) less conch's credentials (``without_credentials``). Raises OSError when
-    the process cannot be started."""
+    """A watchdog process, started at once (the command's before its imports) and idle until
+    ``expect()`` says a child is about to start, ``arm()`` names its process group;
+    ``heartbeat()`` after each confirmed keepalive, ``stand_by()`` while conch terminates the
+    group itself, ``dismiss()`` once conch is done with the child (or never had one),
+    ``close()`` to see it gone. Every instant is ``time.monotonic()``. ``environ``: the
+    environment it starts with (default ``os.environ``) less conch's credentials
+    (``without_credentials``). Raises OSError when the process cannot be started."""
 
-    def __init__(self, kill_after: float, environ: Mapping[str, str] | None = None) -> None:
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-I", "-S", _MAIN, f"{kill_after:.3f}"],
+            [sys.executable, "-I", "-S", _MAIN],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -96,27 +98,22 @@ class Watchdog:
 
     def handshake(self, timeout: float, stop: Flag) -> str | None:
         """None if the watchdog runs (it says so within ``timeout`` seconds, or before
-        ``stop`` is set, and has not exited since: killed while conch queued) and, not watched
-        yet, answers a probe in time (``_silent``: one stopped while conch queued fails, as a
-        dead one does); else what is wrong, the watchdog SIGKILLed (stopped, it would never
-        see its pipe's end). Raises Interrupted if ``stop`` is set before it is ready."""
+        ``stop`` is set, and has not exited since: killed while conch queued) and can run
+        (``_halted``, read in /proc rather than asked: no round trip on the handoff's path;
+        one stopped while conch queued fails, as a dead one does); else what is wrong, the
+        watchdog SIGKILLed (stopped, it would never see its pipe's end). Raises Interrupted
+        if ``stop`` is set before it is ready."""
         ready = self._read_for(READY, time.monotonic() + timeout, stop) and not self.ended
-        silent = None
-        if ready:  # its answer to a probe (no reader thread yet), else why it is failed,
-            self._send(PROBE)  # decided every ANSWER_TIMEOUT meanwhile
-            sent = time.monotonic()
-            while silent is None and not self._read_for(ANSWER, time.monotonic() + ANSWER_TIMEOUT):
-                waited = time.monotonic() - sent
-                silent = "the watchdog exited" if self.ended else self._silent(waited)
-            if silent is None:
-                return None
-        ended = self.ended  # killed while conch queued, or could not start
+        halted = _halted(self.pid) if ready else None
+        if ready and halted is None:
+            return None
+        ended = self.ended or halted == "exited"  # killed while conch queued, or could not start
         self.kill()
         if not ready and stop.is_set():
             raise Interrupted(stop.reason)
         if ended:
             return "the watchdog exited before the child"
-        return silent if ready else f"not running after {timeout:g}s"
+        return f"the watchdog cannot run ({halted})" if ready else f"not running after {timeout:g}s"
 
     def _silent(self, waited: float) -> str | None:
         """Why a probe unanswered for ``waited`` seconds fails the watchdog (past ANSWER_TIMEOUT
@@ -176,7 +173,9 @@ class Watchdog:
 
     def _probe_and_read(self, box: Mailbox) -> None:
         sent: float | None = None  # when the probe not answered yet went out
-        due = time.monotonic()  # the next probe; while one is unanswered, the next look at it
+        # The next probe (the first a PROBE_INTERVAL in: the handshake has just looked at
+        # it); while one is unanswered, the next look at it.
+        due = time.monotonic() + PROBE_INTERVAL
         silent = False
         while True:
             wait = None
@@ -203,18 +202,20 @@ class Watchdog:
         if not self._dismissed:
             box.put(WatchdogNotice(error))
 
-    def expect(self, marks: Mapping[str, str], margin: float, expiry: float) -> None:
-        """A child is about to start with the environment entries ``marks`` (no blanks,
-        unique to it: the watchdog finds its processes by them until ``arm()``); the lease
-        can expire at ``expiry``, the child must be dead ``margin`` seconds before. Raises
-        OSError when the watchdog is gone (the pipe broken): start no child then."""
-        entries = " ".join(f"{name}={value}" for name, value in marks.items())
-        self._write(f"e {margin:.6f} {expiry:.6f} {entries}\n".encode())
+    def expect(self, env: Mapping[str, str], margin: float, expiry: float, grace: float) -> None:
+        """A child is about to start with the environment ``env``: the watchdog finds its
+        processes by the entries named in MARKS (no blanks) until ``arm()``; the lease
+        can expire at ``expiry``, the child must be dead ``margin`` seconds before; its SIGKILL
+        comes ``grace`` seconds after its SIGTERM. Raises OSError when the watchdog is gone
+        (the pipe broken): start no child then."""
+        entries = " ".join(f"{name}={env[name]}" for name in MARKS)
+        self._write(f"e {margin:.6f} {expiry:.6f} {grace:.3f} {entries}\n".encode())
 
-    def arm(self, pgid: int) -> None:
-        """Guard process group ``pgid`` (the expected child's) from now on. Raises OSError
-        when the watchdog is gone (the pipe broken)."""
-        self._write(f"a {pgid}\n".encode())
+    def arm(self, pgid: int, expiry: float) -> None:
+        """Guard process group ``pgid`` (the expected child's) from now on; the lease can
+        expire at ``expiry`` at the earliest (as ``heartbeat()``). Raises OSError when the
+        watchdog is gone (the pipe broken)."""
+        self._write(f"a {pgid} {expiry:.6f}\n".encode())
 
     def heartbeat(self, expiry: float) -> None:
         """A keepalive was confirmed: the lease can expire at ``expiry`` at the earliest.

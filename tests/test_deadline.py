@@ -264,9 +264,9 @@ def test_a_watchdog_stopped_or_killed_while_conch_queues_fails_before_the_child_
     assert waiter.wait() == 70, waiter.log()
     assert not waiter_started.exists(), "the child started with a failed watchdog"
     failed = [line for line in waiter.log().splitlines() if "event=watchdog-failed" in line]
-    # Stopped: probed unanswered, or (a loaded host: stopped before it could say it runs)
+    # Stopped: found so in /proc, or (a loaded host: stopped before it could say it runs)
     # never ready; either way no child.
-    said = ("did not answer", "not running after") if fault == signal.SIGSTOP else ("exited",)
+    said = ("cannot run (stopped)", "not running after") if fault == signal.SIGSTOP else ("exited",)
     assert len(failed) == 1 and any(s in failed[0] for s in said), waiter.log()
     assert "child-start" not in waiter.events()
     assert sema_keys(client, name) == []

@@ -816,7 +816,7 @@ def test_no_child_starts_on_a_hold_lost_while_the_watchdog_was_starting(
 
     caplog.set_level(logging.INFO, logger="conch")
     marker = tmp_path / "ran"
-    watchdog = SlowStart(1.0)
+    watchdog = SlowStart()
     with pytest.raises(HoldLost):
         run_child(hold, ["touch", str(marker)], 1.0, Flag("stop"), watchdog)
     assert "event=child-start" not in caplog.text and not marker.exists()
@@ -827,7 +827,7 @@ def test_a_watchdog_that_died_while_conch_queued_is_not_ready() -> None:
     from conch.flag import Flag
     from conch.watchdog import Watchdog
 
-    watchdog = Watchdog(1.0)
+    watchdog = Watchdog()
     poll(lambda: _unread(watchdog.pid), what="the watchdog said it runs")
     os.kill(watchdog.pid, signal.SIGKILL)
     poll(lambda: watchdog.ended, what="the watchdog gone")
@@ -846,6 +846,20 @@ def _unread(pid: int) -> int:
                 if count[0]:
                     return count[0]
     return 0
+
+
+def test_the_handshake_sends_the_watchdog_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the child, whether the watchdog can run is read in /proc, not asked: a probe's
+    answer was a round trip to another process on the handoff's path (1-7 ms, loaded)."""
+    from conch.flag import Flag
+    from conch.watchdog import Watchdog
+
+    watchdog = Watchdog()
+    sent: list[bytes] = []
+    monkeypatch.setattr(watchdog, "_send", sent.append)
+    assert watchdog.handshake(DEADLINE, Flag("stop")) is None
+    assert sent == []
+    assert watchdog.close(DEADLINE)
 
 
 def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(

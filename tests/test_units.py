@@ -200,9 +200,10 @@ def test_a_stream_removed_by_the_server_is_retried_like_an_unavailable_member() 
 
 
 def test_every_variable_a_password_is_read_from_is_listed_as_a_credential() -> None:
-    """settings.CREDENTIAL_VARIABLES, for whoever scrubs them from a child's environment:
+    """watchdog.CREDENTIAL_VARIABLES, for whoever scrubs them from a child's environment:
     a password found through any variable not in it fails this test."""
-    from conch.settings import CREDENTIAL_VARIABLES, ConnectionFlags, resolve
+    from conch.settings import ConnectionFlags, resolve
+    from conch.watchdog import CREDENTIAL_VARIABLES
 
     secret = "pw-Xq7"
     cases = [
@@ -222,8 +223,7 @@ def test_every_variable_a_password_is_read_from_is_listed_as_a_credential() -> N
 def test_the_child_and_the_watchdog_lose_every_credential_variable_the_settings_read() -> None:
     """The password file and the client certificate and key paths are removed with the
     secrets (conch.watchdog.without_credentials, for both), the CA bundle is not."""
-    from conch.settings import CREDENTIAL_VARIABLES
-    from conch.watchdog import without_credentials
+    from conch.watchdog import CREDENTIAL_VARIABLES, without_credentials
 
     cacerts = {"CONCH_CACERT": "ca.pem", "ETCDCTL_CACERT": "ca.pem"}
     assert without_credentials({**dict.fromkeys(CREDENTIAL_VARIABLES, "x"), **cacerts}) == cacerts

@@ -1,1 +1,1 @@
-"""Examples of conch in services; each is run by a test (tests/test_recipes.py and others)."""
+"""Examples of conch in services; each is run by a test (tests/library/test_recipes.py, others)."""

@@ -2,7 +2,7 @@
 
 Pure Python, no I/O, no threads, no wall clock: requests and responses are the etcd API's own
 protobuf messages (``conchpb``), so one operation sequence runs against this model and a
-real etcd unchanged (``tests/test_model.py`` does, so the model cannot drift from
+real etcd unchanged (``tests/core/test_model.py`` does, so the model cannot drift from
 etcd unnoticed). The simulator's scheduler (``tests/sim/schedule.py``) decides when a
 request is applied, when its response arrives or is lost, when a watch notice is
 delivered, and when the model's clock moves.
@@ -82,7 +82,7 @@ What is modelled, and the etcd document each rule comes from (etcd v3.5 docs unl
 Not modelled: several members (one linearizable store stands for the cluster), auth,
 request size limits, watch fragmenting and progress notices.
 
-``tests/test_model.py`` runs each rule above, as the operation sequences of
+``tests/core/test_model.py`` runs each rule above, as the operation sequences of
 ``tests/sim/scenarios.py``, against this model and a real etcd (3.5.1, and 3.4 with
 ``CONCH_TEST_ETCD=/usr/bin/etcd``) and requires the same answers.
 """

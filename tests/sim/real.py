@@ -1,7 +1,7 @@
 """The model's interface on a real etcd: the same calls, the same protobuf messages, the
 same ModelError on an error etcd answers, and the same faults made for real (the backend
 filled to its quota, the member killed and started again, an answer held back by a
-proxy). ``tests/test_model.py`` runs one operation sequence through this and through
+proxy). ``tests/core/test_model.py`` runs one operation sequence through this and through
 ``SimEtcd`` and requires the same answers."""
 
 from __future__ import annotations

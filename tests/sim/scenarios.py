@@ -1,5 +1,5 @@
 """Operation sequences run against the model and a real etcd alike; each returns what it
-observed, normalised (revisions, ranks, outcomes), so ``tests/test_model.py`` can require
+observed, normalised (revisions, ranks, outcomes), so ``tests/core/test_model.py`` can require
 the two to agree. Every sequence starts on an empty etcd at revision 1."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from tests.conftest import (
 from tests.delayproxy import FaultProxy, Seen, deletes, watch_created
 from tests.etcd_server import EtcdCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_example_service_instances_never_overlap_and_tokens_rise(

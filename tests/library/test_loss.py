@@ -14,7 +14,7 @@ import conch
 from conch.core.loss import Loss, LossReason
 from conch.etcd import Client, kv, lease
 from tests.conftest import sema_keys
-from tests.test_parity import Face, _poll, face, run
+from tests.library.test_parity import Face, _poll, face, run
 
 __all__ = ["face"]  # the fixture, imported for pytest
 

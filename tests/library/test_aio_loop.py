@@ -23,11 +23,11 @@ from conch.etcd import kv
 from conch.etcd.watch import WatchNotice
 from tests.conftest import DEADLINE
 from tests.etcd_server import EtcdCluster
-from tests.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
-from tests.test_fork import FORK_SETTINGS
-from tests.test_security import PASSWORD
+from tests.faults.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
+from tests.faults.test_security import PASSWORD
+from tests.library.test_fork import FORK_SETTINGS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def conch_threads() -> set[int | None]:

@@ -17,9 +17,9 @@ import pytest
 from conch.etcd import Client
 from tests.conftest import Conch, Gate, Runner, poll, sema_keys, who_json
 from tests.etcd_server import EtcdCluster, free_port
-from tests.test_security import make_pki, tls_cluster
+from tests.faults.test_security import make_pki, tls_cluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = ("ENDPOINTS", "DIAL_TIMEOUT", "CACERT", "CERT", "KEY", "USER", "PASSWORD")
 
 

@@ -1,6 +1,6 @@
 """The guard machine (``conch.core.guard.GuardMachine``) on its own inputs: its schedule,
 what a notice, a look and a touch's answer mean, and what it logs. Both faces' Holds
-execute it (tests/test_loss.py and test_parity.py run them against real etcd)."""
+execute it (tests/library/test_loss.py and test_parity.py run them against real etcd)."""
 
 from __future__ import annotations
 

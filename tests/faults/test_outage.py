@@ -34,8 +34,8 @@ from conch.supervisor import supervise
 from tests.conftest import DEADLINE, Gate, Runner, poll, sema_keys
 from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
-from tests.test_failures import expiry_floor
-from tests.test_parity import Asyncio, Face, Threaded, _poll
+from tests.faults.test_failures import expiry_floor
+from tests.library.test_parity import Asyncio, Face, Threaded, _poll
 
 OUTAGE = 3.0  # seconds etcd stays down
 TTL = 10  # seconds

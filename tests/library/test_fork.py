@@ -20,7 +20,7 @@ from conch.etcd import Client
 from tests.conftest import DEADLINE, sema_keys
 from tests.etcd_server import EtcdCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKERS = 4
 # What docs/embedding.md tells a pre-fork server to set (gRPC's doc/fork_support.md): gRPC
 # Python's own fork handlers, on the poll poller. Without them, 1 run in about 25 of the

@@ -22,7 +22,7 @@ from conch.etcd.client import Credentials
 from conch.etcd.watch import Watch, WatchNotice
 from tests.conftest import DEADLINE, Gate, Runner, etcd_metrics, etcd_watchers, poll, sema_keys
 from tests.etcd_server import EtcdCluster
-from tests.test_security import PASSWORD, etcdctl, openssl
+from tests.faults.test_security import PASSWORD, etcdctl, openssl
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(
     r"(?:<!-- doc-check prelude\n(?P<prelude>.*?)-->\n)?(?P<indent>[ \t]*)```python\n"

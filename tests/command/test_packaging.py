@@ -12,7 +12,7 @@ import pytest
 
 from tests.etcd_server import EtcdCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_man_page_renders_cleanly() -> None:

@@ -21,7 +21,7 @@ from conch.etcd import Client
 from tests.conftest import poll, sema_keys
 from tests.etcd_server import EtcdCluster, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Served:

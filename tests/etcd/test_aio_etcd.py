@@ -26,8 +26,8 @@ from conch.etcd.watch import WatchNotice
 from tests.conftest import DEADLINE, poll
 from tests.delayproxy import FaultProxy
 from tests.etcd_server import EtcdCluster
-from tests.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
-from tests.test_security import PASSWORD
+from tests.faults.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
+from tests.faults.test_security import PASSWORD
 
 
 async def keepalive(client: Client, lease_id: int, deadline: float) -> int:

@@ -2,7 +2,7 @@
 SEND_GRID, the earliest expiry E, and the loss rule (late keepalives lose nothing; E passing
 unconfirmed is Expired, for holds; only etcd saying the lease is gone is Expired(lost=True),
 for the session). The same machine runs in both faces, against real etcd, in
-tests/test_outage.py and test_loss.py."""
+tests/faults/test_outage.py and test_loss.py."""
 
 from __future__ import annotations
 

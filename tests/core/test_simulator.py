@@ -1,7 +1,7 @@
 """The recipe's simulator (tests/sim): the recipe's machines (conch.core.waiter.Waiter)
 driven through seeded schedules on the model of etcd with every property checked at each
 step, and the checks themselves shown to catch known mistakes. The model itself is checked
-against a real etcd by tests/test_model.py.
+against a real etcd by tests/core/test_model.py.
 
 A failing seed replays exactly: ``scripts/simulate.py --replay SEED`` prints its trace.
 """

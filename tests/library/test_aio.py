@@ -24,7 +24,7 @@ from tests.conftest import DEADLINE, poll, sema_keys
 from tests.delayproxy import FaultProxy, Gate
 from tests.etcd_server import EtcdCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def apoll(check: Callable[[], object], what: str, timeout: float = DEADLINE) -> None:

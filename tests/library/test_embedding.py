@@ -22,7 +22,7 @@ from conch.etcd import Client, kv, lease
 from tests.conftest import DEADLINE, poll, sema_keys
 from tests.etcd_server import EtcdCluster
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_check_and_leaving_the_block_raise_after_an_outside_revoke(

@@ -19,9 +19,9 @@ from conch.hold import Hold
 from conch.semaphore import Semaphore
 from conch.session import Session
 from conch.supervisor import supervise
+from tests.command.test_sema import DEFAULT_SIGNALS, _ignored
 from tests.conftest import DEADLINE, Gate, Runner, alive, poll, sema_keys
-from tests.test_failures import read_pid, reaped_at_the_end
-from tests.test_sema import DEFAULT_SIGNALS, _ignored
+from tests.faults.test_failures import read_pid, reaped_at_the_end
 
 # The signals whose default action ends a process that conch handled as anything but that
 # (INT, TERM and HUP are covered in test_sema): the named ones and both ends of the real-time

@@ -26,7 +26,7 @@ from tests.etcd_server import EtcdCluster, free_port
 
 pytest.importorskip("uvicorn")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REQUESTS, ABANDONED = 20, 10
 
 

@@ -34,8 +34,8 @@ from conch.etcd import Client, kv, lease
 from tests.conftest import DEADLINE, etcd_watchers, sema_keys
 from tests.delayproxy import DelayProxy
 from tests.etcd_server import EtcdCluster
-from tests.test_auth import alice, authenticate_calls, enable_auth
-from tests.test_security import PASSWORD
+from tests.faults.test_auth import alice, authenticate_calls, enable_auth
+from tests.faults.test_security import PASSWORD
 
 
 class Face(Protocol):

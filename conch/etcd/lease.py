@@ -68,16 +68,6 @@ _LEASE = ("lease", "LeaseKeepAlive")  # the stream: service, method
 Outcome = int | EtcdError
 
 
-def ttl_of(outcome: Outcome | None) -> int:
-    """The TTL a keepalive came to; raises the EtcdError it ended with, Unavailable for None
-    (no answer while its waiter waited: ``wait_for``)."""
-    if isinstance(outcome, EtcdError):
-        raise outcome
-    if outcome is None:
-        raise Unavailable(NO_ANSWER)
-    return outcome
-
-
 def wait_for(deadline: float) -> float:
     """Seconds to wait for the outcome of a keepalive due by ``deadline`` (monotonic)."""
     return max(0.0, deadline - time.monotonic()) + KEEPALIVE_SLACK

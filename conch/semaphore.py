@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -87,17 +87,15 @@ class Recipe:
     spread: bool = False
     identity: Identity = field(default_factory=Identity.current)
     prefix: bytes = field(init=False, repr=False)
+    _face: ClassVar[tuple[type, str]] = (Client, "conch")  # its Client, for check_client
 
     def __post_init__(self) -> None:
-        self._check_client()
+        check_client(self.client, *self._face)
         keys.check_name(self.name)
         keys.check_host(self.identity.host)
         keys.check_max(self.max)
         check_ttl(self.ttl)
         object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
-
-    def _check_client(self) -> None:
-        check_client(self.client)
 
     def _standing(self, action: messages.ReadStanding, head: int = 0) -> Steps[codec.Together]:
         """Steps 2-3: the window (or ``head`` first keys), our key and the one ahead, at once."""

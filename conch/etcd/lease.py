@@ -17,6 +17,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.loop import spawn
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
 from conch.timer import Cancellable, Handle, PerOwner, Scheduler, Timer
@@ -327,7 +328,6 @@ class LoopKeepAlives(KeepAlives):
     def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(client, loop)
         self._loop = loop
-        self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
 
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
         async def dial() -> None:
@@ -340,9 +340,7 @@ class LoopKeepAlives(KeepAlives):
                 opened = exc
             self._opened(endpoint, opened)
 
-        task = self._loop.create_task(dial())
-        self._dialling.add(task)
-        task.add_done_callback(self._dialling.discard)
+        spawn(self._loop, dial())
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         self._start(_Ask(lease_id, deadline, done))  # on the loop already

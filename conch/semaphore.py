@@ -14,7 +14,6 @@ import contextlib
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
@@ -212,9 +211,9 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
 
 
 W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
-# Each client's Lines (conch.core.line) by semaphore prefix, while any waiter is in one; the
+# The Lines (conch.core.line) by client and semaphore prefix, while any waiter is in one; the
 # lock: a threaded face's drivers share a line across threads.
-_lines: weakref.WeakKeyDictionary[Any, dict[bytes, Line[Any]]] = weakref.WeakKeyDictionary()
+_lines: dict[tuple[Any, bytes], Line[Any]] = {}
 _lines_lock = threading.Lock()
 
 
@@ -255,7 +254,12 @@ class Driver(Generic[W]):
             if answer is None and todo:
                 answer = yield from self.exchange(todo.popleft())
             elif answer is None and machine.outcome is None:
-                answer = self._pause_over() or (yield Next(self._wake()))
+                first = min(self.pauses, key=self.pauses.__getitem__, default=None)
+                if first is not None and self.pauses[first] <= time.monotonic():
+                    del self.pauses[first]
+                    answer = messages.Over(first)
+                else:
+                    answer = yield Next(self._wake())
             if answer is not None:
                 if isinstance(answer, messages.Watched) and self.line is not None:
                     with _lines_lock:
@@ -275,7 +279,7 @@ class Driver(Generic[W]):
             if leave:
                 woken, self.line = line.leave(self), None
                 if not len(line):
-                    _lines.get(self.sema.client, {}).pop(self.sema.prefix, None)
+                    _lines.pop((self.sema.client, self.sema.prefix), None)
             else:
                 woken = line.placed(self, revision)
         self.placed = revision
@@ -288,9 +292,8 @@ class Driver(Generic[W]):
         if self.overdue:
             return True
         with _lines_lock:
-            lines = _lines.setdefault(self.sema.client, {})
             limit = window_size(self.sema.max) - self.sema.max
-            self.line = lines.setdefault(self.sema.prefix, Line(limit))
+            self.line = _lines.setdefault((self.sema.client, self.sema.prefix), Line(limit))
             return self.line.joined(self)
 
     def unparked(self) -> None:
@@ -334,14 +337,6 @@ class Driver(Generic[W]):
     def _wake(self) -> float | None:
         wake = [*self.pauses.values(), *([] if self.deadline is None else [self.deadline])]
         return max(0.0, min(wake) - time.monotonic()) if wake else None
-
-    def _pause_over(self) -> messages.Over | None:
-        now = time.monotonic()
-        due = min(((end, p) for p, end in self.pauses.items() if end <= now), default=None)
-        if due is None:
-            return None
-        del self.pauses[due[1]]
-        return messages.Over(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
         """``action`` as steps (a Call, PLAN, or an action of the face's own) and

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -34,9 +34,7 @@ from conch.flag import Flag, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold
 from conch.identity import Identity
 from conch.session import Session, check_client, check_ttl
-
-if TYPE_CHECKING:
-    from conch.etcd.aio import LoopWatch
+from conch.timer import Cancellable
 
 __all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_size"]
 
@@ -210,7 +208,7 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
         log.warning("withdraw-failed", name=sema.name, error=str(exc))
 
 
-W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
+W = TypeVar("W", bound=Cancellable)  # a face's watch
 # The Lines (conch.core.line) by client and semaphore prefix, while any waiter is in one; the
 # lock: a threaded face's drivers share a line across threads.
 _lines: dict[tuple[Any, bytes], Line[Any]] = {}

@@ -325,10 +325,6 @@ class LoopKeepAlives(KeepAlives):
     on the loop's thread only; a stream is opened by a task that awaits the auth token
     (``Client.token_async``), then waits for nothing."""
 
-    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(client, loop)
-        self._loop = loop
-
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
         async def dial() -> None:
             opened: Stream | Exception
@@ -340,7 +336,7 @@ class LoopKeepAlives(KeepAlives):
                 opened = exc
             self._opened(endpoint, opened)
 
-        spawn(self._loop, dial())
+        spawn(asyncio.get_running_loop(), dial())
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         self._start(_Ask(lease_id, deadline, done))  # on the loop already
@@ -351,5 +347,4 @@ class LoopKeepAlives(KeepAlives):
         self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
 
 
-# ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.
 keepalives_for: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -308,8 +308,7 @@ class Driver(Generic[W]):
 
     def input(self, item: Any) -> messages.Input | None:
         """A ``box`` item as an input (a function's, called now)."""
-        answer: messages.Input | None = item() if callable(item) else item
-        return answer
+        return cast(messages.Input | None, item() if callable(item) else item)
 
     def tell(self, watch_id: int, notice: WatchNotice) -> None:
         """Watch ``watch_id``'s ``notice`` queued on ``box`` as an input (each face's watch's)."""

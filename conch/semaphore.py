@@ -488,10 +488,9 @@ class _Wait(Driver[Watch]):
         sema, interrupt = self.sema, self.interrupt
         if isinstance(action, Next):
             wait = 3600.0 if action.timeout is None else min(action.timeout, 3600.0)
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.input(self.box.get(timeout=wait))
-            except queue.Empty:
-                return None
+            return None
         if isinstance(action, messages.OpenSession):
             session = self.session = Session(self.client, sema.ttl, interrupt)
             self._subscribe(session)

@@ -91,10 +91,9 @@ def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
+    with contextlib.suppress(RuntimeError):
         return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+    return None
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:

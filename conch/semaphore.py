@@ -14,12 +14,11 @@ import contextlib
 import queue
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, cast
 
 from conchpb.etcdserverpb import rpc_pb2
 
@@ -35,9 +34,7 @@ from conch.flag import Flag, remaining
 from conch.hold import WITHDRAW_TIMEOUT, Hold
 from conch.identity import Identity
 from conch.session import Session, check_client, check_ttl
-
-if TYPE_CHECKING:
-    from conch.etcd.aio import LoopWatch
+from conch.timer import Cancellable
 
 __all__ = ["REENTRY_BACKOFF_CAP", "WINDOW_WAITERS_CAP", "Semaphore", "window_size"]
 
@@ -87,17 +84,15 @@ class Recipe:
     spread: bool = False
     identity: Identity = field(default_factory=Identity.current)
     prefix: bytes = field(init=False, repr=False)
+    _face: ClassVar[tuple[type, str]] = (Client, "conch")  # its Client, for check_client
 
     def __post_init__(self) -> None:
-        self._check_client()
+        check_client(self.client, *self._face)
         keys.check_name(self.name)
         keys.check_host(self.identity.host)
         keys.check_max(self.max)
         check_ttl(self.ttl)
         object.__setattr__(self, "prefix", keys.sema_prefix(self.name, self.max))
-
-    def _check_client(self) -> None:
-        check_client(self.client)
 
     def _standing(self, action: messages.ReadStanding, head: int = 0) -> Steps[codec.Together]:
         """Steps 2-3: the window (or ``head`` first keys), our key and the one ahead, at once."""
@@ -213,10 +208,10 @@ def withdrawing(sema: Recipe, action: messages.Withdraw) -> Steps[None]:
         log.warning("withdraw-failed", name=sema.name, error=str(exc))
 
 
-W = TypeVar("W", bound="Watch | LoopWatch")  # a face's watch
-# Each client's Lines (conch.core.line) by semaphore prefix, while any waiter is in one; the
+W = TypeVar("W", bound=Cancellable)  # a face's watch
+# The Lines (conch.core.line) by client and semaphore prefix, while any waiter is in one; the
 # lock: a threaded face's drivers share a line across threads.
-_lines: weakref.WeakKeyDictionary[Any, dict[bytes, Line[Any]]] = weakref.WeakKeyDictionary()
+_lines: dict[tuple[Any, bytes], Line[Any]] = {}
 _lines_lock = threading.Lock()
 
 
@@ -257,7 +252,12 @@ class Driver(Generic[W]):
             if answer is None and todo:
                 answer = yield from self.exchange(todo.popleft())
             elif answer is None and machine.outcome is None:
-                answer = self._pause_over() or (yield Next(self._wake()))
+                first = min(self.pauses, key=self.pauses.__getitem__, default=None)
+                if first is not None and self.pauses[first] <= time.monotonic():
+                    del self.pauses[first]
+                    answer = messages.Over(first)
+                else:
+                    answer = yield Next(self._wake())
             if answer is not None:
                 if isinstance(answer, messages.Watched) and self.line is not None:
                     with _lines_lock:
@@ -277,7 +277,7 @@ class Driver(Generic[W]):
             if leave:
                 woken, self.line = line.leave(self), None
                 if not len(line):
-                    _lines.get(self.sema.client, {}).pop(self.sema.prefix, None)
+                    _lines.pop((self.sema.client, self.sema.prefix), None)
             else:
                 woken = line.placed(self, revision)
         self.placed = revision
@@ -290,9 +290,8 @@ class Driver(Generic[W]):
         if self.overdue:
             return True
         with _lines_lock:
-            lines = _lines.setdefault(self.sema.client, {})
             limit = window_size(self.sema.max) - self.sema.max
-            self.line = lines.setdefault(self.sema.prefix, Line(limit))
+            self.line = _lines.setdefault((self.sema.client, self.sema.prefix), Line(limit))
             return self.line.joined(self)
 
     def unparked(self) -> None:
@@ -309,8 +308,7 @@ class Driver(Generic[W]):
 
     def input(self, item: Any) -> messages.Input | None:
         """A ``box`` item as an input (a function's, called now)."""
-        answer: messages.Input | None = item() if callable(item) else item
-        return answer
+        return cast(messages.Input | None, item() if callable(item) else item)
 
     def tell(self, watch_id: int, notice: WatchNotice) -> None:
         """Watch ``watch_id``'s ``notice`` queued on ``box`` as an input (each face's watch's)."""
@@ -336,14 +334,6 @@ class Driver(Generic[W]):
     def _wake(self) -> float | None:
         wake = [*self.pauses.values(), *([] if self.deadline is None else [self.deadline])]
         return max(0.0, min(wake) - time.monotonic()) if wake else None
-
-    def _pause_over(self) -> messages.Over | None:
-        now = time.monotonic()
-        due = min(((end, p) for p, end in self.pauses.items() if end <= now), default=None)
-        if due is None:
-            return None
-        del self.pauses[due[1]]
-        return messages.Over(due[1])
 
     def exchange(self, action: messages.Action) -> Steps[messages.Input | None]:
         """``action`` as steps (a Call, PLAN, or an action of the face's own) and
@@ -498,10 +488,9 @@ class _Wait(Driver[Watch]):
         sema, interrupt = self.sema, self.interrupt
         if isinstance(action, Next):
             wait = 3600.0 if action.timeout is None else min(action.timeout, 3600.0)
-            try:
+            with contextlib.suppress(queue.Empty):
                 return self.input(self.box.get(timeout=wait))
-            except queue.Empty:
-                return None
+            return None
         if isinstance(action, messages.OpenSession):
             session = self.session = Session(self.client, sema.ttl, interrupt)
             self._subscribe(session)

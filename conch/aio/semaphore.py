@@ -20,7 +20,6 @@ from conch.etcd import status
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing
-from conch.session import check_client
 
 
 class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
@@ -132,6 +131,7 @@ class Semaphore(recipe.Recipe):
     UsageError as ``conch.Semaphore`` (checked here, no etcd call)."""
 
     client: Client
+    _face = (Client, "conch.aio")
 
     def __init__(
         self,
@@ -143,9 +143,6 @@ class Semaphore(recipe.Recipe):
         identity: Identity | None = None,
     ) -> None:
         super().__init__(client, name, max, ttl, spread, identity or Identity.current())
-
-    def _check_client(self) -> None:
-        check_client(self.client, Client, "conch.aio")
 
     def acquire(
         self, timeout: float | None = None, session: Session | None = None

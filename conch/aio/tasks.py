@@ -1,27 +1,14 @@
-"""Tasks of the asyncio face that nobody awaits, awaits that outlast a cancel, and what is
-either awaited or entered."""
+"""The asyncio face's awaits that outlast a cancel, and what is either awaited or entered."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 E = TypeVar("E", bound=contextlib.AbstractAsyncContextManager[Any])
-
-
-# Tasks started with nobody to await them (a guard step, a dropped object's release): the
-# loop keeps only weak references to tasks, so they are kept here until done.
-_background: set[asyncio.Task[Any]] = set()
-
-
-def spawn(loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
-    """Run ``coroutine`` as a task of its own on ``loop`` (the loop's thread only)."""
-    task = loop.create_task(coroutine)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
 
 
 async def outlast_cancel(awaitable: asyncio.Future[T]) -> T:

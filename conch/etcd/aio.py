@@ -19,7 +19,6 @@ from conch.errors import LeaseNotFound, Unavailable
 from conch.etcd import lease
 from conch.etcd.client import Client
 from conch.etcd.endpoints import loop_native
-from conch.etcd.lease import NO_ANSWER, Grant, LoopKeepAlives
 from conch.etcd.loop import call_soon as call_soon
 from conch.etcd.loop import resolve
 from conch.etcd.watch import LoopHub, Watch, WatchNotice, _hub_for
@@ -46,7 +45,7 @@ async def txn(
     return cast(rpc_pb2.TxnResponse, await client.call_async("kv", "Txn", request, timeout))
 
 
-async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> Grant:
+async def grant(client: Client, ttl: int, interrupt: asyncio.Event | None = None) -> lease.Grant:
     """Lease.LeaseGrant (``lease.grant``), awaited; ``interrupt`` as in ``call_async``."""
     request = rpc_pb2.LeaseGrantRequest(TTL=ttl)
     response = await client.call_async("lease", "LeaseGrant", request, interrupt=interrupt)
@@ -96,7 +95,7 @@ def _per_loop(
 
 
 _hub = _per_loop(LoopHub, _hub_for)
-_keepalives = _per_loop(LoopKeepAlives, lease.keepalives_for)
+_keepalives = _per_loop(lease.LoopKeepAlives, lease.keepalives_for)
 
 
 class LoopWatch(Watch):
@@ -149,7 +148,7 @@ def keepalive(
     seconds; LeaseNotFound, Unavailable by ``deadline``), called by the stream's reader or
     the deadline's timer: no task, no future per keepalive."""
     keepalives = _keepalives(client)
-    if isinstance(keepalives, LoopKeepAlives):
+    if isinstance(keepalives, lease.LoopKeepAlives):
         # Its deadline is a timer of this loop: no thread that could be late to watch for.
         keepalives.refresh(lease_id, deadline, done)
         return
@@ -157,7 +156,7 @@ def keepalive(
     loop = asyncio.get_running_loop()
     answer: asyncio.Future[lease.Outcome] = loop.create_future()
     answer.add_done_callback(lambda _: done(answer.result()))
-    loop.call_later(lease.wait_for(deadline), resolve, answer, Unavailable(NO_ANSWER))
+    loop.call_later(lease.wait_for(deadline), resolve, answer, Unavailable(lease.NO_ANSWER))
     keepalives.refresh(lease_id, deadline, functools.partial(call_soon, loop, resolve, answer))
 
 

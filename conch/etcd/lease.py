@@ -17,6 +17,7 @@ from conchpb.etcdserverpb import rpc_pb2
 from conch import log
 from conch.errors import EtcdError, LeaseNotFound, Unavailable
 from conch.etcd.client import Backoff, Client, Endpoint
+from conch.etcd.loop import spawn
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.flag import Flag
 from conch.timer import Cancellable, Handle, PerOwner, Scheduler, Timer
@@ -66,16 +67,6 @@ _LEASE = ("lease", "LeaseKeepAlive")  # the stream: service, method
 
 # What a keepalive comes to: the TTL in seconds, LeaseNotFound (TTL <= 0) or Unavailable.
 Outcome = int | EtcdError
-
-
-def ttl_of(outcome: Outcome | None) -> int:
-    """The TTL a keepalive came to; raises the EtcdError it ended with, Unavailable for None
-    (no answer while its waiter waited: ``wait_for``)."""
-    if isinstance(outcome, EtcdError):
-        raise outcome
-    if outcome is None:
-        raise Unavailable(NO_ANSWER)
-    return outcome
 
 
 def wait_for(deadline: float) -> float:
@@ -334,11 +325,6 @@ class LoopKeepAlives(KeepAlives):
     on the loop's thread only; a stream is opened by a task that awaits the auth token
     (``Client.token_async``), then waits for nothing."""
 
-    def __init__(self, client: Client, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(client, loop)
-        self._loop = loop
-        self._dialling: set[asyncio.Task[None]] = set()  # the loop keeps weak references
-
     def _start_dial(self, endpoint: Endpoint, timeout: float) -> None:
         async def dial() -> None:
             opened: Stream | Exception
@@ -350,9 +336,7 @@ class LoopKeepAlives(KeepAlives):
                 opened = exc
             self._opened(endpoint, opened)
 
-        task = self._loop.create_task(dial())
-        self._dialling.add(task)
-        task.add_done_callback(self._dialling.discard)
+        spawn(asyncio.get_running_loop(), dial())
 
     def refresh(self, lease_id: int, deadline: float, done: Callable[[Outcome], None]) -> None:
         self._start(_Ask(lease_id, deadline, done))  # on the loop already
@@ -363,5 +347,4 @@ class LoopKeepAlives(KeepAlives):
         self._forget(lease_id, Unavailable("keepalive: the lease is no longer kept alive here"))
 
 
-# ``keepalives_for(client)``: the one KeepAlives of ``client``, made on first use, gone with it.
 keepalives_for: PerOwner[Client, KeepAlives] = PerOwner(KeepAlives)

@@ -1,14 +1,14 @@
 """What coroutines' calls need of their event loop: calls started in a burst spread over
-the loop's iterations, grpc.aio channels closed on their loop, callbacks handed to it from
-other threads, and a blocking call's future awaited (where gRPC's asyncio stack is lost
-to a fork)."""
+the loop's iterations, tasks nobody awaits kept until done, grpc.aio channels closed on their
+loop, callbacks handed to it from other threads, and a blocking call's future awaited (where
+gRPC's asyncio stack is lost to a fork)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -56,6 +56,17 @@ class _Admission:
 
 admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(lambda _loop: _Admission())
 
+# Tasks started with nobody to await them (a stream's dial, a guard step, a dropped object's
+# release): the loop keeps only weak references to tasks, so they are kept here until done.
+_background: set[asyncio.Task[Any]] = set()
+
+
+def spawn(loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coroutine`` as a task of its own on ``loop`` (the loop's thread only)."""
+    task = loop.create_task(coroutine)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
 
 def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
     """Close a blocking ``channel`` (``loop`` None), or a grpc.aio one bound to ``loop`` from
@@ -80,10 +91,9 @@ def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
+    with contextlib.suppress(RuntimeError):
         return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+    return None
 
 
 def call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: Any) -> None:

@@ -22,8 +22,6 @@ from conch.etcd.loop import call_soon, running_loop
 from conch.etcd.stream import BidiStream, LoopStream, Stream, StreamItem
 from conch.timer import PerOwner, Scheduler, timer_for
 
-PUT = kv_pb2.Event.PUT
-DELETE = kv_pb2.Event.DELETE
 # A hung member leaves a watch silent, and gRPC's pings are slow to give up: silent PROBE_AFTER
 # seconds, a stream asks for a progress report (etcd 3.4+); none in PROBE_TIMEOUT, it moves.
 PROBE_AFTER = 10.0

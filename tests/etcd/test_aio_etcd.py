@@ -25,6 +25,7 @@ from conch.etcd.client import Credentials
 from conch.etcd.watch import WatchNotice
 from tests.conftest import DEADLINE, poll
 from tests.delayproxy import FaultProxy
+from tests.etcd.test_etcd_layer import ttl_of
 from tests.etcd_server import EtcdCluster
 from tests.faults.test_auth import auth_churn, jwt_etcd  # noqa: F401 (a fixture)
 from tests.faults.test_security import PASSWORD
@@ -34,7 +35,7 @@ async def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     """``etcd_aio.keepalive`` awaited: the TTL, or the EtcdError it ended with raised."""
     answer: asyncio.Future[lease.Outcome] = asyncio.get_running_loop().create_future()
     etcd_aio.keepalive(client, lease_id, deadline, answer.set_result)
-    return lease.ttl_of(await answer)
+    return ttl_of(await answer)
 
 
 @pytest.fixture

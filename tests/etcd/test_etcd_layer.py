@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb.kv_pb2 import Event
 
-from conch.errors import AuthenticationFailed, Compacted, LeaseNotFound, Unavailable
+from conch.errors import AuthenticationFailed, Compacted, EtcdError, LeaseNotFound, Unavailable
 from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.client import Credentials
-from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice, _hub_for
+from conch.etcd.watch import Watch, WatchNotice, _hub_for
 from conch.session import Session
 from conch.timer import Timer
 from tests.conftest import DEADLINE, poll
@@ -45,6 +46,16 @@ def test_keys_bound_to_a_revoked_lease_vanish(client: Client, name: str) -> None
     lease.revoke(client, granted.id)  # revoking twice is not an error
 
 
+def ttl_of(outcome: lease.Outcome | None) -> int:
+    """The TTL a keepalive came to; raises the EtcdError it ended with, Unavailable for None
+    (no answer while its waiter waited: ``lease.wait_for``)."""
+    if isinstance(outcome, EtcdError):
+        raise outcome
+    if outcome is None:
+        raise Unavailable(lease.NO_ANSWER)
+    return outcome
+
+
 def keepalive(client: Client, lease_id: int, deadline: float) -> int:
     """One keepalive of ``lease_id`` on the client's keepalive stream, waited for here: the
     TTL; raises its LeaseNotFound or Unavailable (no answer by ``deadline``)."""
@@ -54,7 +65,7 @@ def keepalive(client: Client, lease_id: int, deadline: float) -> int:
         outcome = answers.get(timeout=lease.wait_for(deadline))
     except queue.Empty:
         outcome = None
-    return lease.ttl_of(outcome)
+    return ttl_of(outcome)
 
 
 def test_keepalive_refreshes_and_reports_a_revoked_lease(client: Client) -> None:
@@ -99,7 +110,7 @@ def test_watch_from_a_past_revision_replays_events(client: Client, name: str) ->
             notice = box.get(timeout=DEADLINE)
             assert notice.error is None
             seen.extend(e.type for e in notice.events)
-        assert seen == [PUT, DELETE]
+        assert seen == [Event.PUT, Event.DELETE]
     finally:
         watch.cancel()
 
@@ -113,7 +124,7 @@ def test_watch_only_deletes_filters_puts(client: Client, name: str) -> None:
     watch = Watch(client, key, start, box.put, only_deletes=True)
     try:
         notice = box.get(timeout=DEADLINE)
-        assert [e.type for e in notice.events] == [DELETE]
+        assert [e.type for e in notice.events] == [Event.DELETE]
     finally:
         watch.cancel()
 

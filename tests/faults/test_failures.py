@@ -17,12 +17,13 @@ from typing import TypeVar
 
 import pytest
 from conchpb.etcdserverpb import rpc_pb2
+from conchpb.mvccpb.kv_pb2 import Event
 
 from conch.core import codec
 from conch.core import messages as m
 from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv, lease
-from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
+from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
 from conch.semaphore import Semaphore, Steps
@@ -604,7 +605,7 @@ def test_watch_resumes_on_another_member_without_losing_or_repeating_events(
                 notice = box.get(timeout=30)
                 assert notice.error is None, notice.error
                 seen.extend((e.type, e.kv.value) for e in notice.events)
-            assert seen == [(PUT, b"1"), (PUT, b"2"), (DELETE, b"")]
+            assert seen == [(Event.PUT, b"1"), (Event.PUT, b"2"), (Event.DELETE, b"")]
             with pytest.raises(queue.Empty):
                 box.get(timeout=1.0)  # nothing repeated
         finally:

@@ -11,10 +11,11 @@ import warnings
 from collections.abc import Callable
 
 import pytest
+from conchpb.mvccpb.kv_pb2 import Event
 
 import conch
 from conch.etcd import Client, Endpoint, kv, lease
-from conch.etcd.watch import DELETE, PUT, Watch, WatchNotice
+from conch.etcd.watch import Watch, WatchNotice
 from tests.conftest import DEADLINE, etcd_watchers, poll, sema_keys
 from tests.delayproxy import FaultProxy, lose_answer, watch_created
 from tests.etcd_server import EtcdCluster
@@ -216,7 +217,7 @@ def test_the_watches_of_one_client_share_one_stream_and_each_gets_its_own_events
         for i, box in enumerate(boxes):
             if i == 3:
                 continue
-            want = [(PUT, keys[i])] + ([(DELETE, keys[i])] if i == 5 else [])
+            want = [(Event.PUT, keys[i])] + ([(Event.DELETE, keys[i])] if i == 5 else [])
             assert _events(box, len(want)) == want
         with pytest.raises(queue.Empty):
             boxes[3].get(timeout=0.5)  # cancelled: nothing

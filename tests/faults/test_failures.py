@@ -19,14 +19,12 @@ import pytest
 from conchpb.etcdserverpb import rpc_pb2
 from conchpb.mvccpb.kv_pb2 import Event
 
-from conch.core import codec
-from conch.core import messages as m
 from conch.errors import EtcdError
 from conch.etcd import Client, Endpoint, kv, lease
 from conch.etcd.watch import Watch, WatchNotice
 from conch.flag import Flag
 from conch.identity import Identity
-from conch.semaphore import Semaphore, Steps
+from conch.semaphore import Semaphore
 from tests.conftest import (
     DEADLINE,
     Conch,
@@ -39,6 +37,7 @@ from tests.conftest import (
     stat_fields,
     who_json,
 )
+from tests.delayproxy import FaultProxy
 from tests.etcd_server import EtcdCluster, etcdctl_binary
 
 T = TypeVar("T")
@@ -741,38 +740,45 @@ def test_a_client_is_back_within_seconds_of_the_end_of_a_long_outage(tmp_path: P
 # -- compaction ----------------------------------------------------------------------------
 
 
-class CompactingSemaphore(Semaphore):
-    """Compacts etcd past the revision a waiter just read, before its watch starts: the
-    race a busy cluster with auto-compaction produces now and then, made certain."""
-
-    compactions = 0
-
-    def _standing(self, action: m.ReadStanding, head: int = 0) -> Steps[codec.Together]:
-        standing = yield from super()._standing(action, head)
-        if self.compactions == 0:  # its first read: it waits behind the holder
-            self.compactions += 1
-            for i in range(3):
-                kv.put(self.client, b"/churn/" + str(i).encode(), b"x")
-            now = kv.put(self.client, b"/churn/last", b"x").header.revision
-            self.client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=now))
-        return standing
-
-
 def test_waiter_whose_watch_start_was_compacted_still_gets_the_slot(
-    client: Client, name: str
+    client: Client, proxies: Callable[[], FaultProxy], name: str
 ) -> None:
+    """etcd compacted past the revision a waiter just read, before its watch started: the
+    race a busy cluster with auto-compaction produces now and then, made certain by churning
+    and compacting before etcd's answer to the waiter's first standing read goes on."""
     holder_sema = Semaphore(client, name, 1, ttl=5, identity=Identity.current(["h"]))
     hold = holder_sema.acquire(timeout=10)
-    waiter = CompactingSemaphore(client, name, 1, ttl=5, identity=Identity.current(["w"]))
+    proxy = proxies()
+    compacted = threading.Event()
+
+    def compact_first(answer: rpc_pb2.RangeResponse | rpc_pb2.TxnResponse, context: object) -> None:
+        # The standing read: a Range, or a read-only Txn of Ranges (the enqueue and the
+        # touch put).
+        reads = isinstance(answer, rpc_pb2.RangeResponse) or all(
+            r.HasField("response_range") for r in answer.responses
+        )
+        if compacted.is_set() or not reads:
+            return
+        for i in range(3):
+            kv.put(client, b"/churn/" + str(i).encode(), b"x")
+        now = kv.put(client, b"/churn/last", b"x").header.revision
+        client.call("kv", "Compact", rpc_pb2.CompactionRequest(revision=now))
+        compacted.set()
+
     got: list[int] = []
-    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30).revision))
-    # Behind two other keys, the waiter reads its standing (not in its enqueue) once they go.
-    with other_keys(client, name, 1, 2):
-        thread.start()
-        poll(lambda: len(sema_keys(client, name)) == 4, what="the waiter queued")
-    poll(lambda: waiter.compactions == 1, what="the compaction to be injected")
-    hold.release()
-    thread.join(timeout=30)
+    with proxy.client() as waiter_client:
+        waiter = Semaphore(waiter_client, name, 1, ttl=5, identity=Identity.current(["w"]))
+        thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=30).revision))
+        # Behind two other keys: its enqueue reads where it stands (a Txn that also puts);
+        # once they go, it reads its standing again, and that read is compacted past.
+        with other_keys(client, name, 1, 2):
+            thread.start()
+            poll(lambda: len(sema_keys(client, name)) == 4, what="the waiter queued")
+            proxy.after("Range", compact_first)
+            proxy.after("Txn", compact_first)
+        poll(compacted.is_set, what="the compaction to be injected")
+        hold.release()
+        thread.join(timeout=30)
     assert got and got[0] > hold.revision
 
 

@@ -168,37 +168,48 @@ def test_cancelling_a_waiting_acquire_withdraws_its_key_before_the_cancel_propag
 
 
 def test_a_slot_granted_just_as_the_cancel_arrives_is_released(
-    etcd: EtcdCluster, client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    etcd: EtcdCluster, client: Client, name: str
 ) -> None:
     """The recipe grants the slot, then (before the hold reaches the awaiting coroutine) the
-    task is cancelled: the hold must be released before the CancelledError leaves it."""
+    task is cancelled: the hold must be released before the CancelledError leaves it.
+
+    The window, made certain through the loop's own seam (its task factory): ``acquire``
+    drives the recipe in a task of its own and awaits it; the test's done callback on that
+    task, registered first, cancels the waiting task the moment the recipe's outcome is in,
+    before ``acquire`` sees it."""
     holder = conch.Semaphore(client, name, max=1, ttl=5).acquire(timeout=10)
-    run_driver = conch.aio.semaphore._Driver.run
-    granted, go = asyncio.Event(), asyncio.Event()
-
-    async def held_back(driver: conch.aio.semaphore._Driver) -> conch.core.messages.Outcome:
-        outcome = await run_driver(driver)
-        granted.set()
-        await go.wait()
-        return outcome
-
-    monkeypatch.setattr(conch.aio.semaphore._Driver, "run", held_back)
     entered: list[conch.aio.Hold] = []
+    granted: list[object] = []
 
     async def body(aclient: conch.aio.Client) -> None:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Task[None] | None = None
+
+        def cancel_once_done(driving: asyncio.Future[Any]) -> None:
+            if driving.cancelled() or driving.exception() is not None or granted:
+                return
+            granted.append(driving.result())
+            assert waiter is not None
+            waiter.cancel()
+
+        def task_factory(loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
+            task = asyncio.Task(coro, loop=loop)
+            if waiter is not None and asyncio.current_task() is waiter:
+                task.add_done_callback(cancel_once_done)  # a task acquire made: the recipe
+            return task
+
         async def waiting() -> None:
             async with conch.aio.Semaphore(aclient, name, max=1, ttl=5).acquire() as hold:
                 entered.append(hold)
 
-        task = asyncio.create_task(waiting())
+        loop.set_task_factory(task_factory)
+        waiter = asyncio.create_task(waiting())
         await apoll(lambda: len(sema_keys(client, name)) == 2, "the waiter queued")
         holder.release()
-        await asyncio.wait_for(granted.wait(), DEADLINE)
-        assert len(sema_keys(client, name)) == 1  # the waiter's key, holding
-        task.cancel()
-        go.set()
         with pytest.raises(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(waiter, DEADLINE)
+        loop.set_task_factory(None)
+        assert [type(g) for g in granted] == [conch.core.messages.Held]
         assert sema_keys(client, name) == []
         assert entered == []
 

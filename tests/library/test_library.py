@@ -855,11 +855,27 @@ def test_the_handshake_sends_the_watchdog_nothing(monkeypatch: pytest.MonkeyPatc
     from conch.watchdog import Watchdog
 
     watchdog = Watchdog()
+    # What this process writes into the watchdog's stdin (the pipe /proc shows as its fd 0).
+    pipe = os.readlink(f"/proc/{watchdog.pid}/fd/0")
+    ours = {int(fd) for fd in os.listdir("/proc/self/fd") if _links_to(int(fd), pipe)}
     sent: list[bytes] = []
-    monkeypatch.setattr(watchdog, "_send", sent.append)
+    real_write = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if fd in ours:
+            sent.append(bytes(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
     assert watchdog.handshake(DEADLINE, Flag("stop")) is None
     assert sent == []
     assert watchdog.close(DEADLINE)
+
+
+def _links_to(fd: int, target: str) -> bool:
+    with contextlib.suppress(OSError):
+        return os.readlink(f"/proc/self/fd/{fd}") == target
+    return False
 
 
 def test_a_stop_while_the_watchdog_starts_withdraws_and_no_child_starts(

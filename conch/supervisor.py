@@ -400,7 +400,8 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
     SIGUSR2, SIGALRM, ..., the real-time signals) sets ``stop`` (reason: the signal number)
     instead of killing us, and SIGTSTP (^Z) is refused (a warning the first time): a stopped
     conch sends no keepalives while its child runs on. Any of them but SIGTERM ignored on
-    entry stays ignored, here and in the child (``nohup``, a background job). Process-wide:
+    entry stays ignored, here and in the child (``nohup``, a background job); one blocked is
+    unblocked for the calling (main) thread. Process-wide:
     for the command, or a caller that owns the process's signals. The previous handlers come
     back on leaving, unless ``restore`` is False (a process about to exit with its child's
     status: a late signal must not turn that into death by the signal)."""
@@ -412,10 +413,13 @@ def stop_on_signals(stop: Flag, restore: bool = True) -> Iterator[Flag]:
             signal.signal(sig, _refuse_suspend)
         else:
             signal.signal(sig, lambda signum, frame: stop.set(signum))
+    # Blocked by whoever started us (exec keeps the mask), a signal would never reach them.
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)
     try:
         yield stop
     finally:
         if restore:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

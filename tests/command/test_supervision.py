@@ -101,6 +101,27 @@ def test_fatal_signals_ignored_by_whoever_started_conch_stay_ignored(
     assert f"event=signal signum={int(signal.SIGTERM)} " in proc.log()
 
 
+def test_signals_blocked_by_whoever_started_conch_still_stop_it(
+    conch: Runner, name: str, tmp_path: Path
+) -> None:
+    """A parent that blocks signals (the mask survives exec) and starts conch: SIGTERM and
+    SIGQUIT used to stay pending for good, conch and its child running on, deaf to them."""
+    up = tmp_path / "up"
+    script = f"touch {up}; while :; do sleep 0.05; done"
+    blocking = [
+        sys.executable,
+        "-c",
+        "import os, signal, sys\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGQUIT})\n"
+        "os.execvp(sys.argv[1], sys.argv[1:])",
+    ]
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=blocking)
+    poll(up.exists, what="child up")
+    proc.signal(signal.SIGQUIT)
+    assert proc.wait() == 128 + signal.SIGTERM, proc.log()
+    assert f"event=signal signum={int(signal.SIGQUIT)} " in proc.log()
+
+
 # -- a hold lost before the child starts -------------------------------------------------------
 
 

@@ -73,7 +73,11 @@ def test_a_fatal_signal_to_a_running_conch_terminates_the_child_and_releases(
     status (contract section 7)."""
     up, marker = tmp_path / "up", tmp_path / "trapped"
     script = f"trap 'echo term > {marker}; exit 42' TERM; touch {up}; while :; do sleep 0.05; done"
-    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script)
+    # Started with every signal at its default: a test worker may have SIGQUIT ignored by
+    # then, and conch keeps a signal ignored by whoever started it (nohup, a background job).
+    proc = conch.start(
+        "sema", name, "--max", "1", "--", "sh", "-c", script, launcher=DEFAULT_SIGNALS
+    )
     poll(up.exists, what="child up")
     proc.signal(sig)
     assert proc.wait() == 42, proc.log()
@@ -115,7 +119,8 @@ def test_signals_blocked_by_whoever_started_conch_still_stop_it(
         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGQUIT})\n"
         "os.execvp(sys.argv[1], sys.argv[1:])",
     ]
-    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=blocking)
+    launcher = [*DEFAULT_SIGNALS, *blocking]  # at their default but blocked, as said above
+    proc = conch.start("sema", name, "--max", "1", "--", "sh", "-c", script, launcher=launcher)
     poll(up.exists, what="child up")
     proc.signal(signal.SIGQUIT)
     assert proc.wait() == 128 + signal.SIGTERM, proc.log()

@@ -382,7 +382,7 @@ class Driver(Generic[W]):
         (``HEAD``) while the line has parked members, the window alone if not."""
         sema, line = self.sema, self.line
         with _lines_lock:
-            answer = line and codec.head_answer(action, line.head, sema.max)
+            answer = None if line is None else codec.head_answer(action, line.head, sema.max)
             head = HEAD if line is not None and len(line) > line.limit else 0
         if answer or line is None or not head:
             return answer or codec.standing_answer(action, (yield from sema._standing(action)))

@@ -96,6 +96,7 @@ WATCHDOG_TO_FREEZE = 0.5
 START_TIMEOUT = 60.0  # seconds for conch processes to start, queue, hold (a loaded host)
 # The reasons of conch's "lost" lines that mean etcd itself showed the lease or key gone.
 GONE_IN_ETCD = ("key was deleted", "expired or was revoked")
+STALL = 1.0  # seconds with no answer from the healthy members that count as etcd stalled
 AFTER_HEAL = 2.0  # seconds the waiters' children run on once the fault is healed
 EXIT_TIMEOUT = 60.0  # seconds for every conch to exit once the children are let go
 
@@ -545,6 +546,8 @@ class _Run:
         self.target = 0
         self.healthy: list[int] = []
         self.term_at_heal = 0
+        self.healed_at = 0.0  # monotonic
+        self.watched_until = 0.0  # monotonic: the lease watch's end
 
     def go(self) -> None:
         case, lab, result = self.case, self.lab, self.result
@@ -576,6 +579,7 @@ class _Run:
                 self.monitor.wait(lambda cs: _alive(cs, "w") < n, AFTER_HEAL)
             finally:
                 watch.stop()
+                self.watched_until = time.monotonic()
             self._finish(watch)
 
     def _conch(self, node: Node, label: str, members: list[int]) -> Wrapper:
@@ -609,7 +613,8 @@ class _Run:
             # The term before the heal: an election the heal sets off comes after it.
             self.term_at_heal = self._term()
             heal()
-            result.timeline.append((time.monotonic(), "healed"))
+            self.healed_at = time.monotonic()
+            result.timeline.append((self.healed_at, "healed"))
 
     def _apply(self) -> Callable[[], None]:
         """Apply the case's fault; return what heals it."""
@@ -673,12 +678,21 @@ class _Run:
         ):
             elected = True
             result.etcd_notes.append("a lessor demoted after the fault (a lease read 'forever')")
+        # A cluster that commits nothing for a while (a slow fsync, a starved member on a
+        # loaded host) leaves keepalives unanswered as an election does: the lease watch,
+        # through the same healthy members, sees it as a silence.
+        silence = _silence(watch.samples, self.healed_at, self.watched_until)
+        if not elected and silence >= STALL:
+            elected = True
+            result.etcd_notes.append(
+                f"the healthy members answered no LeaseTimeToLive for {silence:.2f}s after the heal"
+            )
         for wrapper, code in codes.items():
             expected = 70 if wrapper in self.holders else 0
             if code == expected:
                 continue
             if elected and code == 70:
-                result.etcd_notes.append(f"conch {wrapper.label} lost its hold in that election")
+                result.etcd_notes.append(f"conch {wrapper.label} lost its hold meanwhile")
             else:
                 result.problems.append(f"conch {wrapper.label} exited {code}, not {expected}")
         children = monitor.children
@@ -739,6 +753,13 @@ class _Run:
                         return []
                 time.sleep(0.2)
         return left
+
+
+def _silence(samples: dict[int, list[Sample]], start: float, end: float) -> float:
+    """The longest time in [start, end] with no LeaseTimeToLive answered, in seconds."""
+    answered = sorted(s.answered for ss in samples.values() for s in ss if start < s.answered < end)
+    marks = [start, *answered, end]
+    return max(b - a for a, b in itertools.pairwise(marks))
 
 
 def _started(children: list[Child], side: str) -> int:

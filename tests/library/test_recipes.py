@@ -289,7 +289,10 @@ def test_celery_prefork_workers_hold_at_most_max_slots(
         assert starts == sorted(starts)  # one slot: each holder's token above the last
         assert sema_keys(client, name, 1) == []
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
+        # The worker's main process alone: its warm shutdown stops the pool processes, each
+        # closing its client (worker_process_shutdown). A SIGTERM to the whole group killed
+        # the pool processes under the main one, which then sat out the 60 s below at times.
+        worker.send_signal(signal.SIGTERM)
         try:
             worker.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -321,8 +321,9 @@ def failure(error: EtcdError) -> messages.Failure:
     """The recipe's name for how a request failed with ``error``: the one table from what
     etcd said (the etcd layer's exception, which names the gRPC status:
     conch.etcd.client.map_rpc_error) to what the recipe does about it."""
-    # Compacted: a read pinned to a revision that compaction just passed: read again.
-    if isinstance(error, Unavailable | Compacted):
+    if isinstance(error, Compacted):  # a read pinned to a revision compaction just passed
+        return messages.Failure.COMPACTED
+    if isinstance(error, Unavailable):
         return messages.Failure.UNREACHABLE
     if isinstance(error, LeaseNotFound):
         return messages.Failure.LEASE_NOT_FOUND

@@ -31,6 +31,7 @@ class Failure(enum.Enum):
 
     UNREACHABLE = "unreachable"  # no answer in time, connection refused, no leader
     NO_SPACE = "no-space"  # etcd's space alarm: writes refused, reads and deletes served
+    COMPACTED = "compacted"  # a read pinned to a revision compaction just passed
     LEASE_NOT_FOUND = "lease-not-found"  # our lease expired or was revoked
     OTHER = "other"  # anything else (permission denied, ...): given up, not retried
 

@@ -156,7 +156,7 @@ class Waiter:
         self._request = None
         if isinstance(event, m.Failed):
             return self._failed(event)
-        self._said.discard("etcd-away")  # etcd answered
+        self._said.difference_update(("etcd-away", "compacted"))  # etcd answered
         if isinstance(event, m.SessionOpened):
             self.key, self.lease_id = event.key, event.lease_id
             self._session_open = True
@@ -370,7 +370,7 @@ class Waiter:
             self._said.discard("touch-failed")
             self._touched = answer.succeeded
             return [] if answer.succeeded else self._place_lost(_GONE)
-        if answer.failure in (Failure.UNREACHABLE, Failure.NO_SPACE):
+        if answer.failure in (Failure.UNREACHABLE, Failure.NO_SPACE, Failure.COMPACTED):
             # Keep our place; the waiter behind still wakes when our key goes. The alarm
             # may last hours: said once per run of failures.
             self._touch = next(self._ids)  # the retry's pause: its Over touches again
@@ -401,6 +401,11 @@ class Waiter:
         if asked is m.CheckLease:
             # The keepalive decides whether the session lives: re-enter on it meanwhile.
             return self._pause_then(self._enqueue, failure.detail, requeue=True)
+        if failure.failure == Failure.COMPACTED and "compacted" not in self._said:
+            # A read pinned to a revision compaction just passed: etcd is there. Read again
+            # at once, from the present (etcd-away's pause only if it happens twice running).
+            self._said.add("compacted")
+            return [*self._cancel_watches(), *self._reread()()]
         return self._retry(failure.detail)  # a standing read or a gap check
 
     def _retry(self, cause: str) -> list[m.Action]:

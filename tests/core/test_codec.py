@@ -252,7 +252,7 @@ def test_watch_notices_become_the_machine_s_inputs() -> None:
     ("error", "failure"),
     [
         (Unavailable("no answer"), m.Failure.UNREACHABLE),
-        (Compacted("compacted", 3), m.Failure.UNREACHABLE),
+        (Compacted("compacted", 3), m.Failure.COMPACTED),
         (LeaseNotFound("lease not found", "NOT_FOUND"), m.Failure.LEASE_NOT_FOUND),
         (NO_SPACE, m.Failure.NO_SPACE),
         (PermissionDenied("permission denied", "PERMISSION_DENIED"), m.Failure.OTHER),

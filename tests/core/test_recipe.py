@@ -522,6 +522,21 @@ def test_a_release_held_back_by_the_gap_check_hands_the_slot_over_once_it_answer
     assert (held.held_at, held.retire) == (16, (watch.id,))
 
 
+def test_a_read_refused_as_compacted_is_read_again_at_once_without_a_warning() -> None:
+    """A gap check pinned to a revision compaction just passed: etcd answered, so no
+    etcd-away warning and no pause; the waiter reads again from the present. A second
+    refusal running pauses, warned, as any failure does."""
+    waiter, enqueue = private(2)
+    watch = only(queued(waiter, enqueue, [kr("a", 3), kr("b", 4)]), m.OpenWatch)
+    check = only(waiter.feed(m.Watched(watch.id, revision=15, created=True)), m.ReadKeys)
+    actions = waiter.feed(m.Failed(check.id, m.Failure.COMPACTED, "compacted"))
+    assert kinds(actions) == [m.CancelWatch, m.ReadStanding]
+    read = only(actions, m.ReadStanding)
+    actions = waiter.feed(m.Failed(read.id, m.Failure.COMPACTED, "compacted"))
+    assert [a.event for a in actions if isinstance(a, m.Note)] == ["etcd-away"]
+    only(actions, m.Pause)
+
+
 def test_a_run_of_failures_is_logged_once_until_etcd_answers() -> None:
     """The space alarm may last hours: one warning per run of refusals, not one a pause."""
     waiter, enqueue = private(1)

@@ -22,9 +22,8 @@ T = TypeVar("T")
 # in order. 200 acquires created at once started 200 calls in one iteration of 51-54 ms,
 # with every other task of the loop waiting behind it.
 STARTS_PER_ITERATION = 16
-# A loop's calls in flight at once, at most. 1,000 acquires at once had 1,000 in flight, whose
-# gRPC and protobuf buffers, freed after, left the process 15-20 MiB larger for good (PSS);
-# 64 at a time queued the 1,000 as fast (docs/performance.md, "PSS a waiter").
+# A loop's calls in flight, at most: 1,000 acquires at once had 1,000, whose gRPC buffers, freed,
+# left the process 15-20 MiB larger for good (PSS); 64 at a time queued them as fast.
 IN_FLIGHT = 64
 
 
@@ -34,44 +33,32 @@ class _Admission:
 
     def __init__(self) -> None:  # no reference to its loop: the loop is its key (weakly)
         self._started = self._flight = 0
-        self._scheduled = False  # _next_iteration is
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def __aenter__(self) -> None:
-        """Our turn: now, or in a later iteration (once fewer are in flight)."""
-        if self._waiting or not self._take():
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.append(turn)
-            try:
-                await turn
-            except asyncio.CancelledError:
-                if not turn.cancelled():  # our turn came just before the cancel
-                    await self.__aexit__()
-                raise
+    async def __aenter__(self) -> None:  # our turn: now, in a later iteration, or once one ends
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        self._grant()
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if not turn.cancelled():  # our turn came just before the cancel
+                await self.__aexit__()
+            raise
 
     async def __aexit__(self, *_: object) -> None:
         self._flight -= 1
-        if self._waiting:
-            self._schedule()
+        self._grant()
 
-    def _take(self) -> bool:
-        if self._started >= STARTS_PER_ITERATION or self._flight >= IN_FLIGHT:
-            return False
-        self._started, self._flight = self._started + 1, self._flight + 1
-        self._schedule()  # where the count of this iteration starts again
-        return True
-
-    def _schedule(self) -> None:
-        if not self._scheduled:
-            self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._next_iteration)
-
-    def _next_iteration(self) -> None:
-        self._scheduled, self._started = False, 0
-        while self._waiting and (self._waiting[0].done() or self._take()):
+    def _grant(self, next_iteration: bool = False) -> None:
+        self._started = 0 if next_iteration else self._started
+        while self._waiting and self._started < STARTS_PER_ITERATION and self._flight < IN_FLIGHT:
             turn = self._waiting.popleft()
             if not turn.done():  # not cancelled meanwhile
+                if not self._started:  # the count of this iteration starts again in the next
+                    asyncio.get_running_loop().call_soon(self._grant, True)
                 turn.set_result(None)
+                self._started, self._flight = self._started + 1, self._flight + 1
 
 
 admission: PerOwner[asyncio.AbstractEventLoop, _Admission] = PerOwner(lambda _loop: _Admission())

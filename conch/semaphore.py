@@ -14,7 +14,6 @@ import contextlib
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -236,7 +235,7 @@ class Driver(Generic[W]):
         self.current_lease = lease_id or 0
         backoff = Backoff(first=0.1, cap=REENTRY_BACKOFF_CAP)
         self.machine = waiter.Waiter(sema.prefix, sema.max, backoff, key, lease_id)
-        self.todo: deque[messages.Action] = deque()  # the machine's actions not yet executed
+        self.todo: list[messages.Action] = []  # the machine's actions not yet executed
         self.parked: messages.ReadStanding | None = None  # behind a waiter of this process
         self.line: Line[Any] | None = None  # our process's, once we enqueue
         self.placed = 0  # our key's revision as the line has it
@@ -250,7 +249,7 @@ class Driver(Generic[W]):
         while machine.outcome is None or todo:
             answer = self.arrived() or self._late()
             if answer is None and todo:
-                answer = yield from self.exchange(todo.popleft())
+                answer = yield from self.exchange(todo.pop(0))
             elif answer is None and machine.outcome is None:
                 first = min(self.pauses, key=self.pauses.__getitem__, default=None)
                 if first is not None and self.pauses[first] <= time.monotonic():

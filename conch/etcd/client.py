@@ -343,9 +343,6 @@ class Client(contextlib.AbstractContextManager["Client"]):
         native = loop_native()
         attempts = Attempts(self, timeout)
         stop = asyncio.Event() if interrupt is None else interrupt  # never set without one
-        turn = admission(loop).admit()
-        if turn is not None:
-            await turn
         while True:
             endpoint, attempt = attempts.next()
             token = None
@@ -354,8 +351,10 @@ class Client(contextlib.AbstractContextManager["Client"]):
                 if not _authenticating:
                     token = await self.token_async(max(0.001, attempts.left()))
                 rpc = getattr(stub, method) if native else getattr(stub, method).future
-                answer = rpc(request, timeout=attempt, metadata=_metadata(token))
-                return await (answer if native else settled(answer))
+                async with admission(loop):  # the time it waits is the attempt's
+                    attempt = min(attempt, max(attempts.left(), 0.001))
+                    answer = rpc(request, timeout=attempt, metadata=_metadata(token))
+                    return await (answer if native else settled(answer))
             except (grpc.RpcError, Unavailable, ValueError, grpc.aio.UsageError) as exc:
                 error = self._attempt_error(exc, endpoint)
             pause = attempts.failed(error, endpoint, token)

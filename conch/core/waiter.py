@@ -72,6 +72,13 @@ class Waiter:
     a key) is withdrawn again, so that nothing is left behind.
     """
 
+    # Slots, no __dict__: one process may keep thousands waiting (docs/performance.md).
+    __slots__ = (  # noqa: SIM905 (a list literal: 30 lines)
+        "prefix max shared state outcome key lease_id revision value _backoff _ids _request"
+        " _asked _watch _woke _pause _touch _touched _standing_at _ahead _watched _gap_asked"
+        " _held_back _said _late _session_open _orphan _after_pause _gave_up _reentry"
+    ).split()
+
     def __init__(
         self,
         prefix: bytes,

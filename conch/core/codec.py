@@ -73,7 +73,7 @@ def enqueue_call(
     return _txn(
         [kv.create_revision_is(action.key, 0)],
         [kv.op_put(action.key, value, action.lease_id), *map(kv.op_range, ranges)],
-        [kv.op_get(action.key)],
+        [kv.op_range(rpc_pb2.RangeRequest(key=action.key))],
     )
 
 

@@ -96,10 +96,6 @@ def op_put(key: bytes, value: bytes, lease: int = 0) -> rpc_pb2.RequestOp:
     return rpc_pb2.RequestOp(request_put=rpc_pb2.PutRequest(key=key, value=value, lease=lease))
 
 
-def op_get(key: bytes) -> rpc_pb2.RequestOp:
-    return op_range(rpc_pb2.RangeRequest(key=key))
-
-
 def op_range(request: rpc_pb2.RangeRequest) -> rpc_pb2.RequestOp:
     return rpc_pb2.RequestOp(request_range=request)
 

@@ -26,7 +26,11 @@ from tests.etcd_server import EtcdCluster, free_port
 
 def test_txn_create_if_absent_succeeds_once(client: Client, name: str) -> None:
     key = f"/test/{name}".encode()
-    ops = ([kv.create_revision_is(key, 0)], [kv.op_put(key, b"one")], [kv.op_get(key)])
+    ops = (
+        [kv.create_revision_is(key, 0)],
+        [kv.op_put(key, b"one")],
+        [kv.op_range(rpc_pb2.RangeRequest(key=key))],
+    )
     first = kv.txn(client, *ops)
     second = kv.txn(client, *ops)
     assert first.succeeded and not second.succeeded

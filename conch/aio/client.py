@@ -1,16 +1,18 @@
-"""The asyncio face's client: a conch.etcd Client for coroutines."""
+"""The asyncio face's client (a conch.etcd Client for coroutines), and ``Entering``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from conch.etcd import client as etcd_client
 
 if TYPE_CHECKING:
     from conch.aio.session import _Keeper
-from conch.aio.tasks import Entering
-from conch.etcd import client as etcd_client
+
+E = TypeVar("E", bound=contextlib.AbstractAsyncContextManager[Any])
 
 
 class Client(contextlib.AbstractAsyncContextManager["Client"]):
@@ -32,6 +34,24 @@ class Client(contextlib.AbstractAsyncContextManager["Client"]):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+class Entering(Generic[E]):
+    """What ``enter()`` makes: ``await`` it for an E of your own to close, or ``async with``
+    it for an E exited (``E.__aexit__``) when the block ends."""
+
+    def __init__(self, enter: Callable[[], Awaitable[E]]) -> None:
+        self._enter = enter
+
+    def __await__(self) -> Generator[Any, Any, E]:
+        return self._enter().__await__()
+
+    async def __aenter__(self) -> E:
+        self._made = await self._enter()
+        return self._made
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._made.__aexit__(*exc)
 
 
 def connect(

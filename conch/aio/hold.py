@@ -12,7 +12,6 @@ from conchpb.etcdserverpb import rpc_pb2
 
 from conch import log
 from conch.aio.session import Session
-from conch.aio.tasks import outlast_cancel
 from conch.core.guard import GuardCall, GuardStep
 from conch.core.loss import CLOSED, Loss
 from conch.core.messages import Held
@@ -20,7 +19,7 @@ from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
 from conch.etcd import kv
 from conch.etcd.aio import LoopWatch
-from conch.etcd.loop import spawn
+from conch.etcd.loop import outlast_cancel, spawn
 from conch.hold import GuardedHold, Slot, giving_back, to_bytes
 from conch.timer import weakly
 

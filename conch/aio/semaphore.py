@@ -11,15 +11,14 @@ from typing import Any
 
 from conch import errors
 from conch import semaphore as recipe
-from conch.aio.client import Client
+from conch.aio.client import Client, Entering
 from conch.aio.hold import Hold
 from conch.aio.session import Session
-from conch.aio.tasks import Entering, outlast_cancel
 from conch.core import codec, messages
 from conch.etcd import aio as etcd_aio
 from conch.etcd import client as etcd_client
 from conch.etcd import status
-from conch.etcd.loop import resolve
+from conch.etcd.loop import outlast_cancel, resolve
 from conch.hold import WITHDRAW_TIMEOUT
 from conch.identity import Identity
 from conch.listing import Record, listing

@@ -10,11 +10,10 @@ from typing import Any
 
 from conch import log
 from conch.aio.client import Client
-from conch.aio.tasks import outlast_cancel
 from conch.core.loss import CLOSED, Loss
 from conch.errors import EtcdError
 from conch.etcd import aio as etcd_aio
-from conch.etcd.loop import spawn
+from conch.etcd.loop import outlast_cancel, spawn
 from conch.session import Keeper, SessionBase
 from conch.timer import listen
 

@@ -1,7 +1,7 @@
 """What coroutines' calls need of their event loop: a burst of calls spread over its
-iterations and bounded in flight, tasks nobody awaits kept until done, grpc.aio channels
-closed on their loop, callbacks handed to it from other threads, and a blocking call's
-future awaited (where gRPC's asyncio stack is lost to a fork)."""
+iterations and bounded in flight, tasks nobody awaits kept until done, awaits that outlast
+a cancel, grpc.aio channels closed on their loop, callbacks handed to it from other threads,
+and a blocking call's future awaited (where gRPC's asyncio stack is lost to a fork)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,22 @@ def spawn(loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, Any]) 
     task = loop.create_task(coroutine)
     _background.add(task)
     task.add_done_callback(_background.discard)
+
+
+async def outlast_cancel(awaitable: asyncio.Future[T]) -> T:
+    """Await ``awaitable`` (a task or future) to its end even if this task is cancelled
+    meanwhile (what it does must not be cut short: a withdrawal, a release), then raise
+    the CancelledError."""
+    cancelled: asyncio.CancelledError | None = None
+    while not awaitable.done():
+        try:
+            await asyncio.shield(awaitable)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+    result = awaitable.result()  # its own error, or CancelledError if it was cancelled
+    if cancelled is not None:
+        raise cancelled
+    return result
 
 
 def close_channel(loop: asyncio.AbstractEventLoop | None, channel: Any) -> None:

@@ -73,9 +73,7 @@ class Record:
 
 
 def _quoted(text: str) -> str:
-    if text.isprintable() and " " not in text:
-        return text
-    return json.dumps(text, ensure_ascii=False)
+    return text if text.isprintable() and " " not in text else json.dumps(text, ensure_ascii=False)
 
 
 def _duration(seconds: int) -> str:
@@ -94,9 +92,8 @@ def _age(started: str, now: float) -> int | None:
         written = datetime.fromisoformat(started.replace("Z", "+00:00").replace("z", "+00:00"))
     except ValueError:
         return None
-    if written.tzinfo is None:
-        return None  # no zone: not the contract's UTC time, so no age
-    return max(0, int(now - written.timestamp()))
+    # No zone: not the contract's UTC time, so no age.
+    return None if written.tzinfo is None else max(0, int(now - written.timestamp()))
 
 
 def _identity_fields(value: bytes) -> tuple[str, int | None, str, str, list[str]]:
@@ -139,8 +136,7 @@ def listing(
     if max_holders is not None:
         keys.check_max(max_holders, "max_holders")
     now = time.time()
-    prefix = keys.name_prefix(name)
-    request = kv.prefix_request(prefix, sort_target=kv.CREATE, sort_order=kv.ASCEND)
+    request = kv.prefix_request(keys.name_prefix(name), sort_target=kv.CREATE, sort_order=kv.ASCEND)
     response = yield codec.Call("Range", request)
     groups: dict[int | None, list[Any]] = {}
     for item in response.kvs:

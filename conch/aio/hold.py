@@ -96,8 +96,7 @@ class Hold(GuardedHold[Session], contextlib.AbstractAsyncContextManager["Hold"])
         """``conch.Hold.release``, awaited (Lease.LeaseRevoke, or a KV.Txn from a shared
         session). A second call waits for the first; a cancel waits for it, then propagates."""
         if self._released is None:
-            timeout = self._releasing()
-            self._released = self._loop.create_task(self._give_back(timeout))
+            self._released = self._loop.create_task(self._give_back(self._releasing()))
         await outlast_cancel(self._released)
 
     async def _give_back(self, timeout: float | None) -> None:

@@ -82,8 +82,6 @@ class Line(Generic[M]):
     def _next(self) -> list[M]:
         # The earliest parked members first: none behind one that must wait may read.
         woken = []
-        while self._parked_order:
-            if self._ahead(self._parked_order[0]) >= self.limit:
-                break
+        while self._parked_order and self._ahead(self._parked_order[0]) < self.limit:
             woken.append(self._parked.pop(self._parked_order.pop(0)))
         return woken

@@ -283,8 +283,7 @@ class Waiter:
             return []
         if event.ended:
             self._watch = None
-            note = m.Note("rewatch", {"reason": event.detail or "watch ended"})
-            return [note, *self._reread()()]
+            return [m.Note("rewatch", {"reason": event.detail or "watch ended"}), *self._reread()()]
         if event.created:
             self._backoff.reset()  # etcd answers again: the next pause starts short
             if event.revision <= self._standing_at:

@@ -492,8 +492,7 @@ class Attempts:
         if timeout is not None:
             check_timeout("timeout", timeout)  # nan or inf would make gRPC wait forever
         self._client = client
-        total = client.request_timeout if timeout is None else timeout
-        self.deadline = time.monotonic() + total
+        self.deadline = time.monotonic() + (client.request_timeout if timeout is None else timeout)
         self._backoff = Backoff()
         self._tried_in_round = self._stale_tokens = self._rounds = 0
 

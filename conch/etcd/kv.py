@@ -18,9 +18,7 @@ DESCEND = rpc_pb2.RangeRequest.DESCEND
 def prefix_end(prefix: bytes) -> bytes:
     """The range_end that makes ``[prefix, end)`` cover exactly the keys under ``prefix``."""
     stem = prefix.rstrip(b"\xff")  # a 0xff byte cannot be raised: the one before it is
-    if not stem:
-        return b"\0"  # every key
-    return stem[:-1] + bytes([stem[-1] + 1])
+    return stem[:-1] + bytes([stem[-1] + 1]) if stem else b"\0"  # no stem: every key
 
 
 def range_(

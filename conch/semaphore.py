@@ -220,12 +220,10 @@ class Driver(Generic[W]):
     and pauses, the queue ``box`` of what arrives from elsewhere (drained before each step: no
     event waits behind a slow call), the ``steps`` that drive it and what its outcome means."""
 
-    def __init__(
-        self, sema: Recipe, shared: Any, key: bytes | None, timeout: float | None, box: Any
-    ) -> None:
+    def __init__(self, sema: Recipe, shared: Any, key: bytes | None, timeout: float | None) -> None:
         self.sema = sema
         self.shared = shared
-        self.box = box
+        self.box: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout  # None once fed
         self.watches: dict[int, W] = {}
@@ -281,7 +279,7 @@ class Driver(Generic[W]):
                 woken = line.placed(self, revision)
         self.placed = revision
         for driver in woken:
-            driver.box.put_nowait(driver.unparked)  # from this driver's thread or task
+            driver.put(driver.unparked)  # from this driver's thread or task
 
     def _join(self) -> bool:
         """Into our process's line as we enqueue, unless past the deadline; whether our Txn
@@ -309,15 +307,19 @@ class Driver(Generic[W]):
         """A ``box`` item as an input (a function's, called now)."""
         return cast(messages.Input | None, item() if callable(item) else item)
 
+    def put(self, item: Any) -> None:
+        """``item`` queued on ``box``, from any thread or task (a face may wake its steps too)."""
+        self.box.put_nowait(item)
+
     def tell(self, watch_id: int, notice: WatchNotice) -> None:
         """Watch ``watch_id``'s ``notice`` queued on ``box`` as an input (each face's watch's)."""
-        self.box.put_nowait(codec.watch_input(watch_id, notice))
+        self.put(codec.watch_input(watch_id, notice))
 
     def on_session(self, lease_id: int) -> Callable[[object], None]:
         """Now on the session of ``lease_id``: the listener that queues its loss (dropped if
         by then we are on another session)."""
         self.current_lease = lease_id
-        return lambda reason: self.box.put_nowait(partial(self._lost, lease_id, str(reason)))
+        return lambda reason: self.put(partial(self._lost, lease_id, str(reason)))
 
     def _lost(self, lease_id: int, reason: str) -> messages.SessionLost | None:
         return messages.SessionLost(reason) if lease_id == self.current_lease else None
@@ -451,7 +453,6 @@ class _Wait(Driver[Watch]):
     retries), one mailbox for watch notices, the sessions' losses and the interrupt."""
 
     sema: Semaphore
-    box: queue.SimpleQueue[Any]
 
     def __init__(
         self,
@@ -461,7 +462,7 @@ class _Wait(Driver[Watch]):
         shared: Session | None,
         key: bytes | None,
     ) -> None:
-        super().__init__(sema, shared, key, timeout, queue.SimpleQueue())
+        super().__init__(sema, shared, key, timeout)
         self.client = sema.client
         self.interrupt = interrupt
         self.session = shared  # the session our key is on (a private one once opened)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -24,33 +23,20 @@ from conch.identity import Identity
 from conch.listing import Record, listing
 
 
-class _Box(queue.SimpleQueue[Any]):
-    """What arrives for one driver on the loop, in order, and ``wake``: the future its
-    ``Next`` sleeps on (an asyncio.Queue, its Event and four deques, took 3 KiB a waiter)."""
-
-    __slots__ = ("wake",)
-
-    def __init__(self) -> None:
-        self.wake: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: Any) -> None:
-        super().put_nowait(item)
-        if self.wake is not None:
-            resolve(self.wake, None)
-
-
 class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
     """Runs one ``waiter.Waiter`` from a coroutine: its steps awaited one after another,
     and what arrives on the loop (notices, a session's loss, an interrupt) on ``box``."""
 
     sema: Semaphore
-    box: _Box
     shared: Session | None
 
     def __init__(
         self, sema: Semaphore, timeout: float | None, session: Session | None, key: bytes | None
     ) -> None:
-        super().__init__(sema, session, key, timeout, _Box())
+        super().__init__(sema, session, key, timeout)
+        # What ``Next`` sleeps on, resolved by ``put``: with the SimpleQueue ``box``, all a
+        # waiter needs (an asyncio.Queue, its Event and four deques, took 3 KiB a waiter).
+        self.wake: asyncio.Future[None] | None = None
         self.client = sema.client.sync
         self.interrupted = asyncio.Event()
         self.sessions: dict[int, Session] = {}  # private sessions opened, by lease
@@ -73,6 +59,11 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
         session = self.shared or self.sessions.pop(held.lease_id)
         return Hold(self.sema, session, held, retire, self.shared is not None)
 
+    def put(self, item: Any) -> None:
+        super().put(item)
+        if self.wake is not None:
+            resolve(self.wake, None)
+
     def _subscribe(self, session: Session) -> None:
         self.forget.append(session._kept.add_listener(self.on_session(session.lease_id)))
 
@@ -80,9 +71,9 @@ class _Driver(recipe.Driver[etcd_aio.LoopWatch]):
         """The steps of this face's own: their answer (None: none, or later on the queue)."""
         sema, interrupted = self.sema, self.interrupted
         if isinstance(action, recipe.Next):  # what comes is on the box, for ``arrived``
-            self.box.wake = asyncio.get_running_loop().create_future()
+            self.wake = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.box.wake, action.timeout)
+                await asyncio.wait_for(self.wake, action.timeout)
             return None
         if isinstance(action, messages.OpenSession):
             session = await Session(sema.client, sema.ttl)._open(interrupted)
@@ -185,7 +176,7 @@ class Semaphore(recipe.Recipe):
             # a call under way); a slot granted just now is released, run as a task of its
             # own: a second cancel does not cut that short.
             driver.interrupted.set()
-            driver.box.put_nowait(messages.Interrupt("cancelled"))
+            driver.put(messages.Interrupt("cancelled"))
             await outlast_cancel(loop.create_task(_release_if_granted(driver, driving, unclaim)))
             raise
         except BaseException:

@@ -26,7 +26,7 @@ class Flag:
         self._boxes: list[Mailbox] = []
         # Callbacks not yet run: whichever thread pops one runs it, so each runs once even when
         # add_callback() races set() (dict.pop is atomic; no lock: set() runs in signal handlers).
-        self._callbacks: dict[object, Callable[[Flag], None]] = {}
+        self._callbacks: dict[object, Callable[[Flag], object]] = {}
         self._first = threading.Lock()  # taken, never released, by the one set() that wins
 
     def is_set(self) -> bool:
@@ -54,7 +54,7 @@ class Flag:
         with contextlib.suppress(ValueError):
             self._boxes.remove(box)
 
-    def add_callback(self, callback: Callable[[Flag], None]) -> Callable[[], None]:
+    def add_callback(self, callback: Callable[[Flag], object]) -> Callable[[], None]:
         """Call ``callback(flag)`` once when set, from the setting thread (at once if already
         set). A callback that raises is logged; the others still run. Returns a function
         that removes it (a long-lived flag must not collect callbacks of done things)."""

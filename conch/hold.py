@@ -289,11 +289,8 @@ class Hold(GuardedHold[Session], contextlib.AbstractContextManager["Hold"]):
         once the hold is lost (at once if it is), from the conch thread that saw it (keepalive
         or watch reader): it must not block; its result is ignored, so ``lambda reason:
         loop.call_soon_threadsafe(...)`` fits."""
-
-        def call(flag: Flag) -> None:
-            callback(cast(Loss, flag.reason))  # the Loss itself: only _set_lost sets lost
-
-        self.lost.add_callback(call)
+        # The Loss itself: only _set_lost sets lost.
+        self.lost.add_callback(lambda flag: callback(cast(Loss, flag.reason)))
 
     def put(self, key: bytes | str, value: bytes | str, timeout: float | None = None) -> int:
         """Write ``key`` = ``value`` only while this hold is ours: one KV.Txn that puts if our

@@ -37,7 +37,6 @@ from tests.conftest import (
     other_keys,
     poll,
     sema_keys,
-    stat_fields,
 )
 from tests.delayproxy import FaultProxy, Seen, deletes, watch_created
 from tests.etcd_server import EtcdCluster
@@ -915,48 +914,66 @@ def test_an_embedders_own_lc_ctype_reaches_the_child(monkeypatch: pytest.MonkeyP
     assert child_env(hold)["LC_CTYPE"] == "C.UTF-8"  # type: ignore[arg-type]
 
 
+NO_REAPING_THREAD = """
+import os, sys, threading, time
+import conch
+from conch.flag import Flag
+from conch.supervisor import supervise
+
+children = []
+real_start = threading.Thread.start
+
+
+def start(thread):
+    # The thread that waits for the child: the only process of ours running sleep.
+    if thread.name == "conch-reap":
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                    if ppid == os.getpid() and cmdline.read().startswith(b"sleep"):
+                        children.append(int(entry))
+            except OSError:
+                pass
+        if children:
+            raise RuntimeError("can't start new thread")
+    real_start(thread)
+
+
+threading.Thread.start = start
+with conch.connect(sys.argv[1]) as client:
+    sema = conch.Semaphore(client, sys.argv[2], max=1, ttl=5)
+    try:
+        supervise(sema, ["sleep", "60"], None, 1.0, Flag("stop"))
+    except RuntimeError:
+        # Our child killed: a zombie of ours (we do not reap it) within a deadline.
+        deadline = time.monotonic() + 10
+        state = ""
+        while state != "Z" and time.monotonic() < deadline:
+            with open(f"/proc/{children[0]}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+            time.sleep(0.02)  # a poll's interval
+        print(len(children), state, flush=True)
+"""
+
+
 def test_no_reaping_thread_for_the_child_kills_it_before_the_slot_goes(
-    client: Client, name: str, monkeypatch: pytest.MonkeyPatch
+    etcd: EtcdCluster, client: Client, name: str
 ) -> None:
     """Thread.start fails for the child's reaper (a pids limit the child itself just
-    reached): the child must not run on, unreaped and unwatched, while the slot is released."""
-    from conch.flag import Flag
-    from conch.supervisor import supervise
-
-    children: list[int] = []
-    real_start, earlier = threading.Thread.start, set(_sleeping_children())
-
-    def start(thread: threading.Thread) -> None:
-        # The thread that waits for the child spawned now (not another test's leftover
-        # reaper in this worker process, started while no child of ours exists).
-        spawned = set(_sleeping_children()) - earlier if thread.name == "conch-reap" else set()
-        if spawned:
-            children.extend(spawned)
-            raise RuntimeError("can't start new thread")
-        real_start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
-    sema = conch.Semaphore(client, name, max=1, ttl=5)
-    with pytest.raises(RuntimeError):
-        supervise(sema, ["sleep", "60"], None, 1.0, Flag("stop"))
-    assert len(children) == 1, children
-    poll(lambda: not alive(children[0]), what="the child killed")  # a zombie at most
+    reached): the child must not run on, unreaped and unwatched, while the slot is released.
+    In a process of its own: one that adopts orphans (a test before in this worker may have
+    made it so) reaps with a thread started once, before any child."""
+    out = subprocess.run(
+        [sys.executable, "-c", NO_REAPING_THREAD, etcd.endpoints, name],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "Z"], (out.stdout, out.stderr)
     assert sema_keys(client, name) == []
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(children[0], 0)
-
-
-def _sleeping_children() -> list[int]:
-    """This process's children running ``sleep``, by their parent in /proc/PID/stat (the
-    per-thread ``children`` lists of /proc/self/task may miss a child while threads run)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        fields = stat_fields(int(entry)) if entry.isdigit() else None
-        if fields is not None and int(fields[1]) == os.getpid():
-            with contextlib.suppress(OSError):
-                if Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"sleep"):
-                    pids.append(int(entry))
-    return pids
 
 
 def test_supervise_works_with_more_than_1024_descriptors_open(client: Client, name: str) -> None:

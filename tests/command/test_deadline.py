@@ -53,10 +53,23 @@ def obeying_child(tmp_path: Path) -> tuple[list[str], Path]:
     return ["sh", "-c", script], pidfile
 
 
-def starts_at(tmp_path: Path, ident: str) -> tuple[list[str], Path]:
-    """A child that writes its start (wall clock, the host's) and exits; argv and file."""
+def starts_at(tmp_path: Path, ident: str, other: Path | None = None) -> tuple[list[str], Path]:
+    """A child that writes its start (wall clock, the host's) and exits; argv and file. With
+    ``other`` (a pidfile), it first looks at that process: ``started`` says how it found it."""
     stamp = tmp_path / f"{ident}.start"
-    return ["sh", "-c", f"date +%s.%N > {stamp}.new; mv {stamp}.new {stamp}"], stamp
+    look = "s=-"
+    if other is not None:  # the state letter of /proc/PID/stat, or "gone"
+        look = f's=gone; read -r _ _ s _ 2>/dev/null < "/proc/$(cat {other})/stat"'
+    line = f'{look}; echo "$(date +%s.%N) $s" > {stamp}.new; mv {stamp}.new {stamp}'
+    return ["sh", "-c", line], stamp
+
+
+def started(stamp: Path) -> tuple[float, str]:
+    """When ``starts_at``'s child started, and the state it found the other process in at
+    that moment ("gone", "Z" for a zombie, "R", "S", ...): an order no poll's lag can blur."""
+    poll(stamp.exists, what="the waiter's child")
+    at, state = stamp.read_text().split()
+    return float(at), state
 
 
 def read_pid(pidfile: Path) -> int:
@@ -130,20 +143,21 @@ def leader_index(cluster: EtcdCluster) -> int:
 
 def _handover(
     child: int, waiter_started: Path, capsys: pytest.CaptureFixture[str], frozen: str
-) -> tuple[float, float, float]:
+) -> tuple[float, float]:
     """The handover after a freeze (``frozen`` says which), timed from now: prints when
-    ``child`` was seen dead and when the waiter's child started; returns (now, both)."""
+    ``child`` was seen dead and when the waiter's child started, and asserts that it was
+    dead by then; returns (now, its death seen)."""
     frozen_at = time.time()
     died = death_seen(child)
-    poll(waiter_started.exists, what="the waiter's child")
-    started = float(waiter_started.read_text())
+    at, state = started(waiter_started)
     with capsys.disabled():
         print(
             f"\n[measure] {frozen}: child dead "
-            f"{died - frozen_at:.2f}s after the freeze, {started - died:.3f}s before "
+            f"{died - frozen_at:.2f}s after the freeze, {at - died:.3f}s before "
             "the next holder's child started"
         )
-    return frozen_at, died, started
+    assert state in ("gone", "Z"), f"the child was {state} as the next holder's child started"
+    return frozen_at, died
 
 
 @pytest.mark.alone
@@ -159,7 +173,7 @@ def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_f
     others = ",".join(m.endpoint for i, m in enumerate(cluster.members) if i != follower)
     runner = Runner(cluster, tmp_path)
     cmd, pidfile = deaf_child(tmp_path)
-    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter", pidfile)
     flags = ("--max", "1", "--ttl", "6s", "--kill-after", "2.5s")
     try:
         holder = runner.start(
@@ -169,10 +183,7 @@ def test_a_sigterm_deaf_child_is_dead_before_its_lease_expires_when_its_member_f
         waiter = runner.start("sema", name, *flags, "--", *waiter_cmd, CONCH_ENDPOINTS=others)
         poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
         cluster.members[follower].pause()
-        _, died, started = _handover(
-            child, waiter_started, capsys, "member frozen, TTL 6s, --kill-after 2.5s"
-        )
-        assert died < started, "the SIGTERM-deaf child overlapped the next holder's"
+        _handover(child, waiter_started, capsys, "member frozen, TTL 6s, --kill-after 2.5s")
         assert waiter.wait() == 0
         assert holder.wait() == 70  # every call to the frozen member has a deadline
         assert "event=kill-sent" in holder.log()
@@ -190,7 +201,7 @@ def test_the_watchdog_kills_a_frozen_wrappers_child_before_the_lease_expires(
     intervals and two margins after the last heartbeat, and SIGKILL --kill-after later:
     past the expiry."""
     cmd, pidfile = deaf_child(tmp_path)
-    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter", pidfile)
     flags = ("--max", "1", "--ttl", "3s", "--kill-after", "1s")
     holder = conch.start("sema", name, *flags, "--", *cmd)
     child = read_pid(pidfile)
@@ -198,10 +209,9 @@ def test_the_watchdog_kills_a_frozen_wrappers_child_before_the_lease_expires(
     poll(lambda: "event=queued" in waiter.log(), what="the waiter queued")
     holder.signal(signal.SIGSTOP)
     try:
-        frozen_at, died, started = _handover(
+        frozen_at, died = _handover(
             child, waiter_started, capsys, "wrapper frozen, TTL 3s, --kill-after 1s"
         )
-        assert died < started, "the frozen wrapper's child overlapped the next holder's"
         assert died - frozen_at < 3.0  # within the TTL of the last keepalive
     finally:
         holder.signal(signal.SIGCONT)
@@ -624,7 +634,7 @@ def test_a_watchdog_killed_or_stopped_then_conch_frozen_or_killed_leaves_no_over
     watchdog went unnoticed: conch frozen next let the child run 17 s past its lease, conch
     SIGKILLed next left it orphaned beside the next holder until the watchdog was resumed."""
     cmd, pidfile = deaf_child(tmp_path)
-    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter")
+    waiter_cmd, waiter_started = starts_at(tmp_path, "waiter", pidfile)
     flags = ("--max", "1", "--ttl", "3s", "--kill-after", "1s")
     holder = conch.start("sema", name, *flags, "--", *cmd)
     child = read_pid(pidfile)
@@ -648,14 +658,13 @@ def test_a_watchdog_killed_or_stopped_then_conch_frozen_or_killed_leaves_no_over
         watcher.join(DEADLINE + 5)
         assert seen, f"the child {child} outlived its conch and watchdog: an orphan"
         died = seen[0]
-        poll(waiter_started.exists, what="the waiter's child")
-        started = float(waiter_started.read_text())
+        at, state = started(waiter_started)
         with capsys.disabled():
             print(
                 f"\n[measure] {what}: child dead {died - fault_at:.3f}s after the first fault, "
-                f"{started - died:.3f}s before the next holder's child started"
+                f"{at - died:.3f}s before the next holder's child started"
             )
-        assert died < started, "the child overlapped the next holder's"
+        assert state in ("gone", "Z"), f"the child was {state} as the next holder's started"
     finally:
         holder.signal(signal.SIGCONT)
         with contextlib.suppress(ProcessLookupError):

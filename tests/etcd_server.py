@@ -212,10 +212,11 @@ class EtcdCluster:
         logs = "\n".join(m.log_path.read_text(errors="replace")[-2000:] for m in self.members)
         raise RuntimeError(f"etcd did not become healthy: {last}\n{logs}")
 
-    def client(self, dial_timeout: float = 5.0) -> Client:
+    def client(self, dial_timeout: float = 5.0, request_timeout: float = 5.0) -> Client:
         return Client.connect(
             [Endpoint.parse(e) for e in self.endpoints.split(",")],
             dial_timeout=dial_timeout,
+            request_timeout=request_timeout,
             tls=self.tls,
         )
 

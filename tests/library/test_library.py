@@ -93,31 +93,33 @@ def test_library_nonblocking_acquire_raises_no_slot(client: Client, name: str) -
 
 
 def test_a_second_release_returns_only_once_the_first_revoke_is_over(
-    etcd: EtcdCluster, client: Client, name: str
+    etcd: EtcdCluster, name: str
 ) -> None:
     """The supervisor's reaper thread releases as the child exits, and its main thread
     calls release() too: the second call must not return (and let the process exit)
-    while the revoke is still on its way."""
-    hold = conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10)
-    second_done = threading.Event()
-    first = threading.Thread(target=hold.release, daemon=True)
+    while the revoke is still on its way. The revoke may wait 60 s for the paused etcd, so
+    that the 0.5 s looked at lies inside it however slowly this process is scheduled."""
+    with etcd.client(request_timeout=60.0) as client:
+        hold = conch.Semaphore(client, name, max=1, ttl=10).acquire(timeout=10)
+        second_done = threading.Event()
+        first = threading.Thread(target=hold.release, daemon=True)
 
-    def second_release() -> None:
-        hold.release()
-        second_done.set()
+        def second_release() -> None:
+            hold.release()
+            second_done.set()
 
-    second = threading.Thread(target=second_release, daemon=True)
-    etcd.members[0].pause()
-    try:
-        first.start()
-        poll(lambda: hold.expires_at() == 0.0, what="the first release under way")
-        second.start()
-        assert not second_done.wait(0.5), "release() returned while the revoke was pending"
-    finally:
-        etcd.members[0].resume()
-    assert second_done.wait(DEADLINE)
-    first.join(DEADLINE)
-    assert sema_keys(client, name) == []
+        second = threading.Thread(target=second_release, daemon=True)
+        etcd.members[0].pause()
+        try:
+            first.start()
+            poll(lambda: hold.expires_at() == 0.0, what="the first release under way")
+            second.start()
+            assert not second_done.wait(0.5), "release() returned while the revoke was pending"
+        finally:
+            etcd.members[0].resume()
+        assert second_done.wait(DEADLINE)
+        first.join(DEADLINE)
+        assert sema_keys(client, name) == []
 
 
 @pytest.mark.parametrize("order", ["theirs-first", "ours-first"])

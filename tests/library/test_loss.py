@@ -14,7 +14,7 @@ import conch
 from conch.core.loss import Loss, LossReason
 from conch.etcd import Client, kv, lease
 from tests.conftest import sema_keys
-from tests.library.test_parity import Face, _poll, face, run
+from tests.library.test_parity import Face, _poll, face, run, said_here
 
 __all__ = ["face"]  # the fixture, imported for pytest
 
@@ -31,15 +31,9 @@ def session_reason(session: Any) -> object:
     return session.reason
 
 
-def loss_events(caplog: pytest.LogCaptureFixture) -> list[str]:
-    """The conch log's events of trouble (warnings and errors), in order."""
-    return [
-        word.split("=", 1)[1]
-        for record in caplog.records
-        if record.name == "conch" and record.levelno >= logging.WARNING
-        for word in record.getMessage().split()
-        if word.startswith("event=")
-    ]
+def loss_events(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    """The conch log's events of trouble (warnings and errors) of this test's, in order."""
+    return [event for event, _ in said_here(caplog, name, logging.WARNING)]
 
 
 def test_a_lease_revoked_by_hand_loses_the_hold_as_lease_not_found(
@@ -64,7 +58,7 @@ def test_a_lease_revoked_by_hand_loses_the_hold_as_lease_not_found(
         await face.release(hold)
 
     run(face, scenario)
-    assert loss_events(caplog) == ["lost"]
+    assert loss_events(caplog, name) == ["lost"]
 
 
 def test_a_key_deleted_by_hand_loses_the_hold_as_key_deleted(
@@ -89,7 +83,7 @@ def test_a_key_deleted_by_hand_loses_the_hold_as_key_deleted(
         await face.release(hold)
 
     run(face, scenario)
-    assert loss_events(caplog) == ["lost"]
+    assert loss_events(caplog, name) == ["lost"]
 
 
 def test_a_guarded_write_after_the_key_is_deleted_loses_the_hold_as_key_deleted(

@@ -823,9 +823,10 @@ def test_a_holder_and_its_waiters_outlive_their_auth_token_expiring(
 
     run_at(here, scenario)
     assert len(renewed) == 3 and all(renewed), renewed  # each release authenticated again
-    events = collections.Counter(re.findall(r"event=([\w-]+)", caplog.text))
+    said = said_here(caplog, name)
+    events = collections.Counter(event for event, _ in said)
     assert events == {"session": 3, "queued": 2, "acquired": 3, "released": 3}, events
-    assert caplog.text.count("revoked=True") == 3, caplog.text
+    assert [f["revoked"] for e, f in said if e == "released"] == [True] * 3, said
 
 
 # -- watches resumed past a compaction ---------------------------------------------------
@@ -882,21 +883,7 @@ def test_watches_resumed_past_a_compaction_still_see_the_loss_and_hand_over_in_o
         run_at(here, scenario)
     finally:
         proxy.close()
-    said = [
-        (r.__dict__["conch_event"], r.__dict__["conch_fields"])
-        for r in caplog.records
-        if "conch_event" in r.__dict__
-    ]
-    # Only this test's: a hold another test left to the collector may log here (its
-    # hold-dropped and revoke-failed were once counted, in a loaded run).
-    leases = {fields["lease"] for event, fields in said if event == "session"}
-    said = [
-        (event, fields)
-        for event, fields in said
-        if fields.get("name") == name
-        or name in str(fields.get("key", ""))
-        or fields.get("lease") in leases
-    ]
+    said = said_here(caplog, name)
     rewatches = [fields["reason"] for event, fields in said if event == "rewatch"]
     assert all("compacted" in reason for reason in rewatches), rewatches
     # Found by the guard's look at its key, after its watch was refused as compacted.
@@ -973,7 +960,7 @@ def test_under_the_space_alarm_six_waiters_behind_a_holder_all_hold_in_order(
             await _poll(lambda: sema_keys(client, name) == [], "every key gone")
 
     run_at(here, scenario)
-    events = set(re.findall(r"event=([\w-]+)", caplog.text))
+    events = {event for event, _ in said_here(caplog, name)}
     assert events == {"acquired", "released", "touch-failed"}, events
 
 
@@ -1035,6 +1022,31 @@ def touched(client: Client, name: str) -> bool:
     """The semaphore's first key was put again since it was made (a holder's touch)."""
     first = sema_keys(client, name)[0]
     return bool(first.mod_revision > first.create_revision)
+
+
+def said_here(
+    caplog: pytest.LogCaptureFixture, name: str, level: int = logging.DEBUG
+) -> list[tuple[str, dict[str, Any]]]:
+    """The conch events captured at ``level`` or above, (event, fields), of this test's
+    semaphore ``name`` and of the sessions whose ``session`` line was captured: a hold or
+    session another test left to the collector may log here (its hold-dropped and
+    session-dropped were counted once, in a loaded run)."""
+    said = [
+        (r.__dict__["conch_event"], r.__dict__["conch_fields"], r.levelno)
+        for r in caplog.records
+        if "conch_event" in r.__dict__
+    ]
+    leases = {fields["lease"] for event, fields, _ in said if event == "session"}
+    return [
+        (event, fields)
+        for event, fields, levelno in said
+        if levelno >= level
+        and (
+            fields.get("name") == name
+            or name in str(fields.get("key", ""))
+            or fields.get("lease") in leases
+        )
+    ]
 
 
 def _count_is(client: Client, name: str, count: int) -> bool:

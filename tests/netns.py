@@ -301,9 +301,11 @@ class NetCluster(EtcdCluster):
         ]
         self.tunnels = [Tunnel(net.hub, (node.address, CLIENT_PORT)) for node in self.nodes]
 
-    def client(self, dial_timeout: float = 5.0) -> Client:
+    def client(self, dial_timeout: float = 5.0, request_timeout: float = 5.0) -> Client:
         return Client.connect(
-            [Endpoint("127.0.0.1", t.port, False) for t in self.tunnels], dial_timeout=dial_timeout
+            [Endpoint("127.0.0.1", t.port, False) for t in self.tunnels],
+            dial_timeout=dial_timeout,
+            request_timeout=request_timeout,
         )
 
     def stop(self) -> None:

@@ -533,15 +533,21 @@ def test_an_adopting_embedder_gets_every_childs_status_run_after_run(
 ) -> None:
     """After adopt_orphans(), one process-wide thread reaps every child: a later run's child
     is not reaped (and its status dropped) by what an earlier run left behind."""
+    assert run_script(ADOPTING_EMBEDDER, etcd, name) == ["0", "3", "5", "7", "9"]
+    assert sema_keys(client, name) == []
+
+
+def run_script(script: str, etcd: EtcdCluster, name: str) -> list[str]:
+    """The words ``script`` prints, run by a Python of its own with etcd's endpoints and
+    ``name`` as its arguments; it must exit 0."""
     out = subprocess.run(
-        [sys.executable, "-c", ADOPTING_EMBEDDER, etcd.endpoints, name],
+        [sys.executable, "-c", script, etcd.endpoints, name],
         capture_output=True,
         text=True,
         timeout=DEADLINE,
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0", "3", "5", "7", "9"]
-    assert sema_keys(client, name) == []
+    return out.stdout.split()
 
 
 IGNORING_SIGCHLD = """
@@ -967,14 +973,7 @@ def test_no_reaping_thread_for_the_child_kills_it_before_the_slot_goes(
     reached): the child must not run on, unreaped and unwatched, while the slot is released.
     In a process of its own: one that adopts orphans (a test before in this worker may have
     made it so) reaps with a thread started once, before any child."""
-    out = subprocess.run(
-        [sys.executable, "-c", NO_REAPING_THREAD, etcd.endpoints, name],
-        capture_output=True,
-        text=True,
-        timeout=DEADLINE,
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "Z"], (out.stdout, out.stderr)
+    assert run_script(NO_REAPING_THREAD, etcd, name) == ["1", "Z"]
     assert sema_keys(client, name) == []
 
 
